@@ -1,0 +1,68 @@
+"""The attention function registered in transformers under the name ``"dustin"``.
+
+transformers calls it from every attention layer with the layer's post-RoPE queries and what the
+cache's ``update`` returned (views of the full preallocated buffers). Everything else it needs,
+each row's length, the step's sparse read set, which queries to keep for scoring, comes from the
+:class:`~dustin_hf.plan.ForwardPlan` the decoding loop passes to the model as the keyword
+argument ``dustin_plan`` (transformers forwards unknown keyword arguments down to attention).
+
+No attention mask is registered for this name, so transformers builds none; causality (bottom-right:
+query i sees cached positions and new tokens up to itself) is the kernel's job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import verify_attention
+from .plan import ForwardPlan
+
+__all__ = ["ATTENTION_NAME", "dustin_attention"]
+
+# Never put "flash" in this name: transformers switches on it for flash-specific mask handling.
+ATTENTION_NAME = "dustin"
+
+
+def dustin_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dustin_plan: ForwardPlan | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``query (B, Hq, Q, D)``, ``key/value (B, Hkv, capacity, D)`` -> ``(B, Q, Hq, D)``, no weights."""
+    if dustin_plan is None:
+        raise RuntimeError(
+            "the 'dustin' attention runs only inside dustin_hf's decoding loop; call "
+            "model.generate(..., assistant_model=draft, cache_implementation='dustin'), or restore the model's "
+            "attention with the handle returned by dustin_hf.patch(model)"
+        )
+    if sliding_window is not None or softcap is not None:
+        raise NotImplementedError(
+            f"layer {module.layer_idx} uses {'sliding-window attention' if sliding_window else 'attention softcapping'}, "
+            "which Dustin does not support; use a model with full attention (Llama, Mistral without sliding window, "
+            "Qwen2/2.5/3)"
+        )
+    if module.training and dropout:
+        raise NotImplementedError("Dustin attention is for inference; call model.eval() first")
+    q = query.transpose(1, 2)  # (B, Q, Hq, D)
+    dustin_plan.keep_queries(module.layer_idx, q)
+    tensors = dustin_plan.on(q.device)
+    out = verify_attention(
+        q,
+        key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again
+        value.transpose(1, 2),
+        tensors.cache_seqlens,
+        softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+        indices=tensors.indices,
+        num_indices=tensors.num_indices,
+        max_seqlen_k=dustin_plan.max_seqlen_k,
+        backend=dustin_plan.backend,
+    )
+    return out, None

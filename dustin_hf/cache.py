@@ -1,0 +1,273 @@
+"""The KV cache Dustin verifies against: full, preallocated, one length per sequence.
+
+``DynamicCache`` concatenates the whole cache on every forward (an O(length) copy per layer per
+step) and keeps one length for the whole batch. ``DustinCache`` keeps every position (nothing is
+evicted; only the reads are sparse) in buffers that grow in chunks, and one length per row, so the
+rows of a batch accept different numbers of draft tokens without padding holes: a rejected token's
+slot is simply overwritten by the next step.
+
+Physical layout per layer: ``(batch, capacity, kv_heads, head_dim)`` (flash-attn's ``k_cache``
+layout); ``update`` returns ``(batch, kv_heads, capacity, head_dim)`` views, transformers' layout.
+Which slots a forward writes comes from the active :class:`~dustin_hf.plan.ForwardPlan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .plan import ForwardPlan
+
+__all__ = ["DustinCache", "DustinLayer", "DustinStats"]
+
+_GROW_CHUNK = 256
+
+
+@dataclass
+class DustinStats:
+    """Counters a user can read after ``generate`` to see what verification did."""
+
+    sparse_steps: int = 0
+    dense_steps: int = 0
+    attended_sum: float = 0.0  # sum over sparse steps of the mean cached positions read per row
+    verified_tokens: int = 0  # draft tokens proposed to the target
+    accepted_tokens: int = 0  # draft tokens the target kept
+    steps: int = 0  # verification forwards
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        sparse = self.sparse_steps
+        return {
+            "sparse_steps": sparse,
+            "dense_steps": self.dense_steps,
+            "mean_attended": self.attended_sum / sparse if sparse else 0.0,
+            "steps": self.steps,
+            "draft_tokens": self.verified_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0,
+            "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
+            **self.extra,
+        }
+
+
+class DustinLayer(CacheLayerMixin):
+    """One layer's keys and values, ``(batch, capacity, kv_heads, head_dim)``, written at per-row slots."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: "DustinCache"):
+        super().__init__()
+        self._owner = owner
+        self._k: torch.Tensor | None = None  # (B, T, H, D)
+        self._v: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        shape = (self._owner.batch_size, self._owner.capacity, heads, head_dim)
+        self._k = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self._v = torch.zeros(shape[:3] + (value_states.shape[-1],), dtype=value_states.dtype, device=value_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self._sync_views()
+
+    def _sync_views(self) -> None:
+        # transformers reads `keys`/`values` as (batch, heads, seq, head_dim): expose views of the buffers.
+        self.keys = self._k.transpose(1, 2)
+        self.values = self._v.transpose(1, 2)
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to ``capacity`` slots, keeping the contents (amortised by growing in chunks)."""
+        if self._k is None or capacity <= self.capacity:
+            return
+        new_k = self._k.new_zeros((self._k.shape[0], capacity) + self._k.shape[2:])
+        new_v = self._v.new_zeros((self._v.shape[0], capacity) + self._v.shape[2:])
+        new_k[:, : self.capacity] = self._k
+        new_v[:, : self.capacity] = self._v
+        self._k, self._v = new_k, new_v
+        self._sync_views()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens of the active plan; return ``(B', H, capacity, D)`` views of the covered rows."""
+        plan = self._owner.active_plan
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows = plan.rows
+        slots = plan.on(key_states.device).write_positions  # (B', Q)
+        row_ids = torch.arange(rows.start, rows.stop, device=key_states.device)[:, None]
+        self._k[row_ids, slots] = key_states.transpose(1, 2).to(self._k.dtype)  # (B', Q, H, D)
+        self._v[row_ids, slots] = value_states.transpose(1, 2).to(self._v.dtype)
+        return self.keys[rows], self.values[rows]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:  # lengths live in the owner; nothing per layer
+        pass
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self._k.zero_()
+            self._v.zero_()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[rows], self._v[rows]
+            self._sync_views()
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw ``(B, capacity, H, D)`` key and value buffers (for kernels and scoring)."""
+        if self._k is None:
+            raise RuntimeError("this cache layer has not been written yet")
+        return self._k, self._v
+
+
+class DustinCache(Cache):
+    """Full KV cache with per-row lengths and chunked growth, for the target or the draft.
+
+    Args:
+        num_layers: decoder layers of the model it serves.
+        batch_size: rows (sequences); fixed for the cache's life.
+        capacity: initial slots per row; grows in chunks of 256 when a forward needs more.
+
+    ``seq_lengths`` holds each row's cached positions. ``stats`` (target caches) says how many
+    verification steps were sparse and how many positions they read.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int = _GROW_CHUNK):
+        super().__init__(layers=[DustinLayer(self) for _ in range(num_layers)])
+        self._batch_size = batch_size
+        self.capacity = max(1, capacity)
+        self.seq_lengths: list[int] = [0] * batch_size
+        self.active_plan: ForwardPlan | None = None
+        self._stats = DustinStats()
+        # Target only: query of each row's last committed token on the scoring heads, for the next
+        # step's history score; `history_pos[b]` is its position (-1: none).
+        self.history_queries: torch.Tensor | None = None  # (B, heads, D)
+        self.history_pos: list[int] = [-1] * batch_size
+
+    # -- what transformers calls -------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.active_plan is None:
+            raise RuntimeError(
+                "DustinCache is written only inside dustin_hf's decoding loop (a ForwardPlan must be active); "
+                "use model.generate(..., assistant_model=draft, cache_implementation='dustin')"
+            )
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row's cached positions (rows differ; see ``seq_lengths``)."""
+        return max(self.seq_lengths) if self.seq_lengths else 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def crop(self, max_length: int) -> None:
+        """transformers' contract, applied to every row: negative removes that many positions from each
+        row's end; non-negative keeps at most ``max_length`` positions."""
+        self.rollback([max(0, n + max_length) if max_length < 0 else min(n, max_length) for n in self.seq_lengths])
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.seq_lengths = [0] * self.batch_size
+        self.history_pos = [-1] * self.batch_size
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        keep = indices.tolist()
+        for layer in self.layers:
+            layer.select_rows(indices)
+        self.seq_lengths = [self.seq_lengths[i] for i in keep]
+        self.history_pos = [self.history_pos[i] for i in keep]
+        if self.history_queries is not None:
+            self.history_queries = self.history_queries[indices.to(self.history_queries.device)]
+        self._batch_size = len(keep)
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    # -- what the decoding loop calls ----------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_plan(self, plan: ForwardPlan):
+        """Make ``plan`` the one ``update`` writes by, for the duration of one model forward."""
+        if plan.rows.stop > self.batch_size or plan.rows.start < 0:
+            raise ValueError(f"plan rows {plan.rows} outside the cache's {self.batch_size} rows")
+        for row, length in zip(range(plan.rows.start, plan.rows.stop), plan.cache_seqlens):
+            if length != self.seq_lengths[row]:
+                raise RuntimeError(f"plan says row {row} holds {length} positions, the cache says {self.seq_lengths[row]}")
+        self.ensure_capacity(plan.max_seqlen_k)
+        self.active_plan = plan
+        try:
+            yield plan
+        finally:
+            self.active_plan = None
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow every layer so that ``needed`` slots fit (in chunks, so growth is rare)."""
+        if needed <= self.capacity:
+            return
+        self.capacity = max(needed, self.capacity + max(_GROW_CHUNK, self.capacity // 4))
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    def advance(self, rows: slice, new_tokens: list[int]) -> None:
+        """Record that rows ``rows`` now also hold their first ``new_tokens[i]`` written tokens."""
+        for row, n in zip(range(rows.start, rows.stop), new_tokens):
+            self.seq_lengths[row] += n
+
+    def rollback(self, lengths: list[int]) -> None:
+        """Set every row's length (only ever shorter or equal); later slots are overwritten by later writes.
+
+        The per-position side state follows: a row's history query is dropped when its position is
+        rolled back.
+        """
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"rollback needs {self.batch_size} lengths, got {len(lengths)}")
+        for row, (old, new) in enumerate(zip(self.seq_lengths, lengths)):
+            if new > old or new < 0:
+                raise ValueError(f"row {row}: cannot roll back from {old} to {new} positions")
+            if self.history_pos[row] >= new:
+                self.history_pos[row] = -1
+        self.seq_lengths = list(lengths)
+
+    def set_history(self, queries: torch.Tensor, positions: list[int]) -> None:
+        """Keep ``queries`` ``(B, heads, D)``: each row's last committed token's scoring-head queries."""
+        self.history_queries = queries
+        self.history_pos = list(positions)
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer_idx].buffers()
+
+    @property
+    def stats(self) -> dict:
+        """``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read
+        per row and layer) and acceptance counters."""
+        return self._stats.as_dict()
+
+    @property
+    def counters(self) -> DustinStats:
+        return self._stats
+
+    def __repr__(self):
+        return (
+            f"DustinCache(layers={len(self.layers)}, batch_size={self.batch_size}, capacity={self.capacity}, "
+            f"seq_lengths={self.seq_lengths})"
+        )

@@ -1,0 +1,206 @@
+"""Dustin's settings: one frozen dataclass, validated at construction, loadable from a profile.
+
+``DustinConfig`` holds what the user chooses (budget, window sizes, scoring heads, backend). Values
+that depend on the model pair (the default scoring heads, ``draft_share`` when unset) are resolved
+separately by :func:`resolve`, never by mutating the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
+
+_BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
+
+
+def _as_int_tuple(value: Any, name: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name} must be a sequence of ints (e.g. (0, 1, 2, 3)), got {value!r}")
+    result = tuple(value)
+    if not result:
+        raise ValueError(f"{name} must not be empty; leave it None for the default choice")
+    if min(result) < 0 or len(set(result)) != len(result):
+        raise ValueError(f"{name} must hold distinct non-negative indices, got {result!r}")
+    return result
+
+
+@dataclass(frozen=True)
+class DustinConfig:
+    """What Dustin keeps in the verification read set, and how it scores positions.
+
+    Args:
+        budget: cached positions each sparse verification step attends to per sequence (the γ+1
+            new tokens come on top). Contexts that fit in the budget are verified densely.
+        sink_tokens: first positions always kept (attention sinks).
+        recent_tokens: most recent cached positions always kept.
+        draft_share: ``m``, positions chosen by the draft's lookahead attention; the rest of the
+            budget is filled by the target's attention history. ``None``: half of what remains
+            after sinks and the recent window.
+        target_layer: target layer whose attention (of the last committed token) scores positions.
+            ``None``: the middle layer.
+        target_heads: query heads of ``target_layer`` used for scoring. ``None``: the query heads of
+            the first KV group (they share one key head, so scoring reads one head's keys).
+        draft_layers: draft layers whose attention (of the γ draft queries) scores positions.
+            ``None``: layers at 1/4, 1/2 and 3/4 of the depth.
+        draft_heads: query heads used on each draft layer: one tuple shared by all layers, or one
+            tuple per entry of ``draft_layers``. ``None``: the first KV group's query heads.
+        min_context: a sequence with fewer cached positions is verified densely.
+        backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
+            ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
+        prefill_chunk: prompt tokens per forward during prefill (bounds activation memory).
+    """
+
+    budget: int = 512
+    sink_tokens: int = 4
+    recent_tokens: int = 16
+    draft_share: int | None = None
+    target_layer: int | None = None
+    target_heads: tuple[int, ...] | None = None
+    draft_layers: tuple[int, ...] | None = None
+    draft_heads: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
+    min_context: int = 2048
+    backend: str = "auto"
+    prefill_chunk: int = 4096
+
+    def __post_init__(self):
+        for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.budget < 1 or self.prefill_chunk < 1:
+            raise ValueError(f"budget and prefill_chunk must be >= 1, got {self.budget} and {self.prefill_chunk}")
+        fixed = self.sink_tokens + self.recent_tokens
+        if fixed > self.budget:
+            raise ValueError(
+                f"sink_tokens + recent_tokens ({fixed}) exceeds budget ({self.budget}); raise budget or shrink the windows"
+            )
+        if self.draft_share is not None and not (
+            isinstance(self.draft_share, int) and 0 <= self.draft_share <= self.budget - fixed
+        ):
+            raise ValueError(
+                f"draft_share must be an int in [0, budget - sink_tokens - recent_tokens] = [0, {self.budget - fixed}], "
+                f"got {self.draft_share!r}"
+            )
+        if self.target_layer is not None and (not isinstance(self.target_layer, int) or self.target_layer < 0):
+            raise ValueError(f"target_layer must be a non-negative int or None, got {self.target_layer!r}")
+        object.__setattr__(self, "target_heads", _as_int_tuple(self.target_heads, "target_heads"))
+        object.__setattr__(self, "draft_layers", _as_int_tuple(self.draft_layers, "draft_layers"))
+        object.__setattr__(self, "draft_heads", self._normalized_draft_heads())
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+
+    def _normalized_draft_heads(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
+        heads = self.draft_heads
+        if heads is None or all(isinstance(h, int) for h in heads):
+            return _as_int_tuple(heads, "draft_heads")
+        per_layer = tuple(_as_int_tuple(h, "draft_heads[i]") for h in heads)
+        if self.draft_layers is None or len(per_layer) != len(self.draft_layers):
+            raise ValueError(
+                "draft_heads given per layer needs draft_layers of the same length "
+                f"(got {len(per_layer)} head tuples for draft_layers={self.draft_layers})"
+            )
+        return per_layer
+
+    def replace(self, **changes: Any) -> "DustinConfig":
+        """A copy with ``changes`` applied (and validated); unknown names raise ``ValueError``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown DustinConfig field(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_profile(cls, path: str | Path, **overrides: Any) -> "DustinConfig":
+        """Load the ``"config"`` section of a calibration profile written by ``dustin-hf calibrate``."""
+        data = json.loads(Path(path).read_text())
+        fields = data.get("config", data)
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path}: expected a JSON object with a 'config' section")
+        return cls().replace(**{**_lists_to_tuples(fields), **overrides})
+
+
+def _lists_to_tuples(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists_to_tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_lists_to_tuples(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """``DustinConfig`` with every model-dependent choice made concrete for one target/draft pair."""
+
+    budget: int
+    sink_tokens: int
+    recent_tokens: int
+    draft_share: int
+    min_context: int
+    backend: str
+    prefill_chunk: int
+    target_layer: int
+    target_heads: tuple[int, ...]
+    draft_layers: tuple[int, ...]
+    draft_heads: tuple[tuple[int, ...], ...]
+
+
+def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    return tuple(range(num_heads // num_kv_heads))
+
+
+def _check_heads(heads: tuple[int, ...], num_heads: int, what: str) -> None:
+    if max(heads) >= num_heads:
+        raise ValueError(f"{what} {heads} out of range: the model has {num_heads} attention heads")
+
+
+def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> ResolvedConfig:
+    """Fill the model-dependent defaults of ``config`` for a target/draft pair and check ranges.
+
+    ``target_config``/``draft_config`` are transformers text configs (``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``).
+    """
+    t_layers, t_heads = target_config.num_hidden_layers, target_config.num_attention_heads
+    t_kv = getattr(target_config, "num_key_value_heads", None) or t_heads
+    d_layers, d_heads = draft_config.num_hidden_layers, draft_config.num_attention_heads
+    d_kv = getattr(draft_config, "num_key_value_heads", None) or d_heads
+
+    target_layer = t_layers // 2 if config.target_layer is None else config.target_layer
+    if target_layer >= t_layers:
+        raise ValueError(f"target_layer {target_layer} out of range: the target has {t_layers} layers")
+    target_heads = config.target_heads or _first_group_heads(t_heads, t_kv)
+    _check_heads(target_heads, t_heads, "target_heads")
+
+    draft_layers = config.draft_layers or tuple(sorted({d_layers // 4, d_layers // 2, (3 * d_layers) // 4}))
+    if max(draft_layers) >= d_layers:
+        raise ValueError(f"draft_layers {draft_layers} out of range: the draft has {d_layers} layers")
+    heads = config.draft_heads or _first_group_heads(d_heads, d_kv)
+    per_layer = heads if isinstance(heads[0], tuple) else tuple(heads for _ in draft_layers)
+    if len(per_layer) != len(draft_layers):
+        raise ValueError(f"draft_heads has {len(per_layer)} entries for {len(draft_layers)} draft_layers")
+    for layer_heads in per_layer:
+        _check_heads(layer_heads, d_heads, "draft_heads")
+
+    free = config.budget - config.sink_tokens - config.recent_tokens
+    draft_share = free // 2 if config.draft_share is None else config.draft_share
+    return ResolvedConfig(
+        budget=config.budget,
+        sink_tokens=config.sink_tokens,
+        recent_tokens=config.recent_tokens,
+        draft_share=draft_share,
+        min_context=config.min_context,
+        backend=config.backend,
+        prefill_chunk=config.prefill_chunk,
+        target_layer=target_layer,
+        target_heads=tuple(target_heads),
+        draft_layers=tuple(draft_layers),
+        draft_heads=tuple(tuple(h) for h in per_layer),
+    )

@@ -1,0 +1,418 @@
+"""Batched speculative decoding with dense or Dustin (sparse) verification.
+
+This is the loop behind the patched ``generate(..., assistant_model=draft)``: any batch size,
+prompts of different lengths (left or right padding, taken from the attention mask), ragged
+acceptance (each row keeps its own number of tokens per step), greedy or sampling.
+
+State at the start of every step, for row b with ``L = L_b`` target-cached positions:
+
+    tokens[b, :L+1]   committed tokens (prompt + generated); the last one, x = tokens[b, L],
+                      is not in any cache yet
+    target cache      positions [0, L)
+    draft cache       positions [0, L-1)
+
+One step:
+  1. draft: feed tokens[b, L-1:L+1] (2 tokens, so that every row feeds the same count), then γ-1
+     single tokens, drawing d_1..d_γ;
+  2. select (Dustin only): score positions from the kept queries, fill the budget per row;
+  3. verify: the target reads [x, d_1..d_γ] at positions L..L+γ against the selection (or everything);
+  4. accept per row: n drafts kept, plus the target's own next token; cut at EOS / max_new_tokens;
+  5. commit: rows advance by k = n+1 (or less when cut); both caches roll back the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+
+from .cache import DustinCache
+from .config import ResolvedConfig
+from .kernels import resolve_backend
+from .plan import ForwardPlan
+from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
+from .scoring import draft_lookahead_scores, target_history_scores
+from .selection import dense_rows, select_positions
+
+__all__ = ["DecodeResult", "SpeculativeDecoder", "prompts_from_mask"]
+
+
+def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real tokens: the positions where ``attention_mask`` is 1 (one contiguous run per row).
+
+    Left padding is what decoder-only generation expects; right padding is accepted too (the mask
+    says where the prompt is). A row with no tokens, or with holes in its mask, is an error.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return list(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
+        )
+    prompts = []
+    for b, (ids, mask) in enumerate(zip(input_ids, attention_mask.bool())):
+        where = mask.nonzero().flatten()
+        if where.numel() == 0:
+            raise ValueError(f"row {b} of the batch has an empty prompt (its attention_mask is all zeros)")
+        start, stop = int(where[0]), int(where[-1]) + 1
+        if stop - start != where.numel():
+            raise ValueError(f"row {b}: attention_mask has holes; only left (or right) padding is supported")
+        prompts.append(ids[start:stop])
+    return prompts
+
+
+@dataclass
+class DecodeResult:
+    sequences: torch.Tensor  # (B, prompt_len + max generated), the input layout + generated tokens
+    scores: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) processed target scores
+    logits: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) raw target logits
+    cache: DustinCache  # the target's cache (``.stats``)
+    draft_cache: DustinCache
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _model_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+class _Model:
+    """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens."""
+
+    def __init__(self, model, cache: DustinCache, backend: str):
+        self.model, self.cache, self.backend = model, cache, backend
+        self.device = _model_device(model)
+        self._logits_to_keep = _accepts_logits_to_keep(model)
+
+    def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """Run ``input_ids (B', Q)`` at the plan's positions; return the last ``keep`` logits ``(B', keep, V)``."""
+        positions = torch.tensor(plan.cache_seqlens, device=self.device)[:, None] + torch.arange(
+            plan.q_len, device=self.device
+        )
+        extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        with self.cache.forward_plan(plan):
+            out = self.model(
+                input_ids=input_ids.to(self.device), position_ids=positions, past_key_values=self.cache,
+                use_cache=True, dustin_plan=plan, **extra,
+            )
+        self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
+        return out.logits[:, -keep:].float()
+
+    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
+        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
+        last_logits, kept = [], []
+        for b, ids in enumerate(rows):
+            logits, captured = None, {}
+            for start in range(0, ids.numel(), chunk):
+                piece = ids[start : start + chunk]
+                plan = ForwardPlan(
+                    rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
+                    backend=self.backend, capture=capture, capture_last=True,
+                )
+                logits = self.forward(plan, piece[None], keep=1)[0, -1]
+                captured = plan.captured
+            last_logits.append(logits)
+            kept.append(captured)
+        return last_logits, kept
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a batch with a target and a draft model sharing a tokenizer.
+
+    Args:
+        target, draft: causal LMs whose attention is routed to ``"dustin"`` for the call's duration.
+        generation_config: the target's prepared config (``do_sample``, ``max_length``, EOS/pad ids).
+        logits_processor, stopping_criteria: as prepared by ``generate()``.
+        dustin: resolved Dustin settings, or ``None`` for dense verification.
+        num_draft_tokens: γ, draft tokens per step.
+        confidence_threshold: stop drafting early once every unfinished row's draft confidence
+            (its top probability) falls below it; ``None`` never stops early.
+    """
+
+    def __init__(
+        self,
+        target,
+        draft,
+        generation_config,
+        logits_processor=None,
+        stopping_criteria=None,
+        dustin: ResolvedConfig | None = None,
+        num_draft_tokens: int = 4,
+        confidence_threshold: float | None = None,
+        streamer=None,
+        backend: str = "auto",
+    ):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.target, self.draft = target, draft
+        self.config = generation_config
+        self.process = LogitsPipeline(logits_processor)
+        self.do_sample = bool(generation_config.do_sample)
+        self.dustin = dustin
+        self.gamma = num_draft_tokens
+        self.threshold = confidence_threshold
+        self.streamer = streamer
+        self.backend = resolve_backend(dustin.backend if dustin is not None else backend, _model_device(target))
+        self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
+        pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
+        self.pad = pad[0] if pad else (self.eos[0] if self.eos else 0)
+        self.max_time = None
+        self.row_criteria = []
+        for criterion in stopping_criteria or []:
+            if isinstance(criterion, MaxTimeCriteria):
+                self.max_time = criterion
+            elif not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
+                self.row_criteria.append(criterion)  # evaluated per row and token (handled natively: EOS, length)
+        self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
+        prompts = prompts_from_mask(input_ids, attention_mask)
+        batch, padded_len = input_ids.shape
+        max_new = self.config.max_length - padded_len
+        if max_new < 1:
+            raise ValueError(f"max_length {self.config.max_length} leaves no room after the {padded_len}-token input")
+        if self.streamer is not None and batch > 1:
+            raise ValueError("streaming is supported for batch size 1 only")
+        device = _model_device(self.target)
+        prompt_lens = [p.numel() for p in prompts]
+        capacity = max(prompt_lens) + max_new + self.gamma + 2
+        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+        target = _Model(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend)
+        draft = _Model(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend)
+        self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
+        self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
+        self._t_scale = _attention_scale(self.target, t_cfg)
+        self._d_scale = _attention_scale(self.draft, d_cfg)
+
+        tokens = torch.full((batch, capacity + 1), self.pad, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            tokens[b, : p.numel()] = p.to(device)
+        self._tokens, self._lens = tokens, list(prompt_lens)  # committed tokens per row
+        self._generated = [0] * batch
+        self._finished = [False] * batch
+        self._max_new = max_new
+        self._scores = [[] for _ in range(batch)] if self.output_scores else None
+        self._raw = [[] for _ in range(batch)] if self.output_logits else None
+        self._start = time.monotonic()
+
+        chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
+        # Prefill: the target reads each prompt (keeping the last query on the scoring heads as the first
+        # history) and names the first new token; the draft reads all but the last prompt token.
+        t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+        last_logits, kept = target.prefill(prompts, chunk, t_capture)
+        first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
+        first_scores = self.process(first_raw, lambda b, i: tokens[b : b + 1, : self._lens[b]])
+        first = pick_tokens(first_scores[:, 0], self.do_sample)
+        if self.dustin is not None:
+            layer = self.dustin.target_layer
+            target.cache.set_history(torch.cat([k[layer][:, 0] for k in kept]), [n - 1 for n in prompt_lens])
+        self._commit(first[:, None], first_raw, first_scores, [1] * batch)
+        draft.prefill([p[:-1] for p in prompts], chunk, {})
+
+        while not all(self._finished):
+            self._step(target, draft)
+            if self.max_time is not None and self.max_time(tokens, None).all():
+                break
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._result(input_ids, target.cache, draft.cache)
+
+    # ------------------------------------------------------------------------------------------
+    def _step(self, target: _Model, draft: _Model) -> None:
+        """One draft -> (select) -> verify -> accept -> commit round for every row."""
+        batch = len(self._lens)
+        rows = slice(0, batch)
+        seqlens = [n - 1 for n in self._lens]  # L_b: target-cached positions (the last token is not cached)
+        device = self._tokens.device
+        base = torch.tensor(seqlens, device=device)
+        sparse = self.dustin is not None and not all(dense_rows(seqlens, self.dustin))
+
+        # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two.
+        d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
+        feed = self._tokens.gather(1, base[:, None] - 1 + torch.arange(2, device=device))  # (B, 2)
+        drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
+        for i in range(self.gamma):
+            plan = ForwardPlan(
+                rows=rows, cache_seqlens=[n - 1 + i + (1 if i else 0) for n in seqlens], q_len=feed.shape[1],
+                backend=self.backend, capture=d_capture, capture_last=True,
+            )
+            raw = draft.forward(plan, feed, keep=1)  # (B, 1, Vd)
+            scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
+            token = pick_tokens(scores[:, 0], self.do_sample).to(device)
+            drafts.append(token)
+            if self.do_sample or self.threshold is not None:
+                draft_probs.append(scores[:, 0].softmax(dim=-1))
+            for layer, q in plan.captured.items():
+                kept_queries[layer].append(q[:, 0])  # (B, heads, D)
+            feed = token[:, None]
+            if self.threshold is not None and i + 1 < self.gamma:
+                confident = draft_probs[-1].max(dim=-1).values >= self.threshold
+                if not any(c for c, done in zip(confident.tolist(), self._finished) if not done):
+                    break
+        gamma = len(drafts)
+        draft_tokens = torch.stack(drafts, dim=1)  # (B, γ)
+
+        # 2. Select what verification reads (Dustin, once some row is long enough).
+        selection = None
+        if sparse:
+            selection = self._select(target, draft, seqlens, base, kept_queries)
+
+        # 3. Verify [x, d_1..d_γ] at positions L..L+γ.
+        t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+        plan = ForwardPlan(
+            rows=rows, cache_seqlens=seqlens, q_len=gamma + 1, backend=self.backend,
+            indices=None if selection is None else selection.indices,
+            num_indices=None if selection is None else selection.num_indices,
+            capture=t_capture,
+        )
+        verify_in = torch.cat([self._tokens.gather(1, base[:, None]), draft_tokens], dim=1)  # (B, γ+1)
+        raw = target.forward(plan, verify_in, keep=gamma + 1)  # (B, γ+1, V)
+        scores = self.process(raw, lambda b, i: self._history(b, drafts[:i]))
+
+        # 4. Accept: greedy keeps the agreeing prefix; sampling applies the speculative rejection rule.
+        if self.do_sample:
+            n_accepted, next_token = accept_sampled(draft_tokens, torch.stack(draft_probs, dim=1), scores)
+        else:
+            n_accepted, next_token = accept_greedy(draft_tokens, scores)
+
+        # 5. Commit: k_b tokens per row (the kept drafts + the target's token, cut at EOS / length).
+        new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+        new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, γ+1): d_1..d_n, next, garbage
+        active = [b for b in range(batch) if not self._finished[b]]
+        counts = self._commit(new_tokens, raw, scores, (n_accepted + 1).tolist())
+        target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
+        draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
+        if self.dustin is not None:
+            layer = self.dustin.target_layer
+            picked = torch.tensor([k - 1 for k in counts], device=device)
+            history = plan.captured[layer][torch.arange(batch, device=device), picked.to(plan.captured[layer].device)]
+            target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
+
+        stats = target.cache.counters
+        stats.steps += 1
+        stats.verified_tokens += gamma * len(active)
+        stats.accepted_tokens += sum(counts[b] - 1 for b in active)
+        if selection is not None:
+            stats.sparse_steps += 1
+            stats.attended_sum += sum(selection.counts[b] for b in active) / max(len(active), 1)
+        else:
+            stats.dense_steps += 1
+
+    def _select(self, target: _Model, draft: _Model, seqlens, base, kept_queries):
+        cfg = self.dustin
+        span = max(seqlens)
+        d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
+        d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
+        s_draft = draft_lookahead_scores(d_queries, d_keys, base.to(d_keys[0].device), cfg.draft_heads,
+                                         self._d_group, self._d_scale, span).to(base.device)
+        t_cache = target.cache
+        has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
+        s_target = None
+        if any(has_history):
+            t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
+            s_target = target_history_scores(t_cache.history_queries.to(t_keys.device), t_keys,
+                                             base.to(t_keys.device), cfg.target_heads, self._t_group, self._t_scale,
+                                             span).to(base.device)
+        return select_positions(seqlens, s_draft, s_target, has_history, cfg)
+
+    # ------------------------------------------------------------------------------------------
+    def _history(self, b: int, drafts: list[torch.Tensor]) -> torch.Tensor:
+        """Row b's committed tokens followed by its first drafts: what a processor sees, as ``(1, len)``."""
+        committed = self._tokens[b : b + 1, : self._lens[b]]
+        if not drafts:
+            return committed
+        return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
+
+    def _commit(self, new_tokens, raw, scores, proposed: list[int]) -> list[int]:
+        """Append up to ``proposed[b]`` of ``new_tokens[b]`` to each unfinished row, cut at EOS, length and
+        stopping criteria; return the counts appended (0 for rows already finished)."""
+        host = new_tokens.tolist()
+        streaming = self.streamer is not None and not self._finished[0]
+        counts = []
+        for b, k in enumerate(proposed):
+            if self._finished[b]:
+                counts.append(0)
+                continue
+            k = min(k, self._max_new - self._generated[b])
+            for j, token in enumerate(host[b][:k]):
+                if token in self.eos:
+                    k = j + 1
+                    self._finished[b] = True
+                    break
+            start = self._lens[b]
+            self._tokens[b, start : start + k] = new_tokens[b, :k]
+            if self.row_criteria:
+                k = self._apply_row_criteria(b, start, k)
+            self._lens[b] += k
+            self._generated[b] += k
+            if self._generated[b] >= self._max_new:
+                self._finished[b] = True
+            if self._scores is not None:
+                self._scores[b].extend(scores[b, :k])
+            if self._raw is not None:
+                self._raw[b].extend(raw[b, :k])
+            counts.append(k)
+        if streaming:
+            self.streamer.put(new_tokens[0, : counts[0]].cpu())
+        return counts
+
+    def _apply_row_criteria(self, b: int, start: int, k: int) -> int:
+        for j in range(1, k + 1):
+            ids = self._tokens[b : b + 1, : start + j]
+            if any(bool(criterion(ids, None)[0]) for criterion in self.row_criteria):
+                self._finished[b] = True
+                return j
+        return k
+
+    def _result(self, input_ids: torch.Tensor, cache: DustinCache, draft_cache: DustinCache) -> DecodeResult:
+        batch, padded_len = input_ids.shape
+        longest = max(self._generated)
+        out = torch.full((batch, padded_len + longest), self.pad, dtype=torch.long, device=input_ids.device)
+        out[:, :padded_len] = input_ids
+        for b in range(batch):
+            start = self._lens[b] - self._generated[b]
+            out[b, padded_len : padded_len + self._generated[b]] = self._tokens[b, start : self._lens[b]].to(out.device)
+        return DecodeResult(
+            sequences=out,
+            scores=_per_position(self._scores, longest),
+            logits=_per_position(self._raw, longest),
+            cache=cache,
+            draft_cache=draft_cache,
+        )
+
+
+def _per_position(per_row: list[list[torch.Tensor]] | None, longest: int) -> tuple[torch.Tensor, ...] | None:
+    """Row-wise score lists -> one ``(B, V)`` tensor per generated index (zeros past a row's end)."""
+    if per_row is None:
+        return None
+    template = next(s for row in per_row for s in row)
+    out = []
+    for t in range(longest):
+        out.append(torch.stack([row[t] if t < len(row) else torch.zeros_like(template) for row in per_row]))
+    return tuple(out)
+
+
+def _token_ids(tensor, fallback) -> list[int]:
+    if tensor is not None:
+        return [int(t) for t in torch.as_tensor(tensor).flatten().tolist()]
+    if fallback is None:
+        return []
+    return [int(fallback)] if isinstance(fallback, int) else [int(t) for t in fallback]
+
+
+def _attention_scale(model, text_config) -> float:
+    """The softmax scale of the model's attention layers (``module.scaling``)."""
+    for module in model.modules():
+        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
+            return float(module.scaling)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return head_dim**-0.5

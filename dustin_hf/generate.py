@@ -1,0 +1,93 @@
+"""From ``generate()``'s prepared arguments to a :class:`~dustin_hf.decoding.SpeculativeDecoder` run.
+
+Checks what the loop does not support (with errors that say so), resolves the Dustin settings for
+this call (the patch's config, overridden by ``generate(..., cache_config={...})``), routes both
+models' attention to ``"dustin"`` for the call only, and runs the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import GenerationConfig
+
+from .attention import ATTENTION_NAME
+from .compat import check_pair
+from .config import resolve
+from .decoding import DecodeResult, SpeculativeDecoder
+
+__all__ = ["attention_routed", "run_assisted"]
+
+# model kwargs generate() prepares itself; anything else would be silently ignored by the loop
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values"}
+
+
+@contextlib.contextmanager
+def attention_routed(*models):
+    """Route ``models``' attention to ``"dustin"`` inside the block; restore each model's own after."""
+    saved = [(m.config, m.config._attn_implementation) for m in models]
+    try:
+        for config, _ in saved:
+            config._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        for config, previous in saved:
+            config._attn_implementation = previous
+
+
+def _draft_setting(draft, name: str):
+    """γ and the confidence threshold come from the draft's generation config, as in transformers."""
+    value = getattr(draft.generation_config, name, None)
+    return GenerationConfig._get_default_generation_params()[name] if value is None else value
+
+
+def run_assisted(
+    target,
+    draft,
+    input_ids: torch.Tensor,
+    generation_config,
+    logits_processor,
+    stopping_criteria,
+    *,
+    use_dustin: bool,
+    synced_gpus: bool = False,
+    streamer=None,
+    tokenizer=None,
+    assistant_tokenizer=None,
+    model_kwargs: dict | None = None,
+) -> DecodeResult:
+    """Speculative decoding of ``input_ids`` (any batch size) with ``draft`` proposing tokens."""
+    model_kwargs = model_kwargs or {}
+    if draft is None:
+        raise ValueError(
+            "batched assisted generation and cache_implementation='dustin' need a draft model: pass "
+            "assistant_model=... (prompt lookup and early-exit assistants are not supported here)"
+        )
+    if synced_gpus:
+        raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by dustin_hf's decoding loop")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise NotImplementedError(
+            "output_attentions / output_hidden_states are not available: the sparse kernels never materialise "
+            "attention weights. output_scores and output_logits are supported"
+        )
+    unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
+    if unknown:
+        raise ValueError(f"dustin_hf's decoding loop does not pass these model inputs on: {sorted(unknown)}")
+    check_pair(target, draft, tokenizer, assistant_tokenizer)
+
+    dustin = None
+    if use_dustin:
+        config = target._dustin_patch.config
+        if generation_config.cache_config:
+            config = config.replace(**dict(generation_config.cache_config))
+        dustin = resolve(config, target.config.get_text_config(), draft.config.get_text_config())
+
+    gamma = _draft_setting(draft, "num_assistant_tokens")
+    threshold = _draft_setting(draft, "assistant_confidence_threshold")
+    decoder = SpeculativeDecoder(
+        target, draft, generation_config, logits_processor, stopping_criteria,
+        dustin=dustin, num_draft_tokens=gamma, confidence_threshold=threshold or None, streamer=streamer,
+    )
+    with attention_routed(target, draft):
+        return decoder.generate(input_ids, model_kwargs.get("attention_mask"))

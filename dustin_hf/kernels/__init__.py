@@ -1,0 +1,108 @@
+"""One dispatcher for attention over a per-row KV cache, dense or over selected positions.
+
+Backends compute the function defined in :mod:`dustin_hf.kernels.reference`:
+
+- ``"reference"``: plain PyTorch (``scaled_dot_product_attention`` with explicit masks). The test
+  oracle and the CPU path.
+- ``"triton"``: a fused kernel that reads cache rows by index (no gathered copy), packs the query
+  heads of a GQA group, splits long selections across programs and merges by log-sum-exp.
+- ``"flash_attn"``: gather the selection, then flash-attn's ``flash_attn_varlen_func`` (optional
+  dependency; needs a CUDA build of flash-attn).
+- ``"varlen"``: gather the selection, then PyTorch's bundled FA2 ``varlen_attn`` (CUDA only).
+
+``resolve_backend("auto", device)`` picks once; tests force a backend by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .reference import verify_attention_reference
+
+__all__ = ["BACKENDS", "available_backends", "resolve_backend", "verify_attention"]
+
+BACKENDS = ("reference", "triton", "flash_attn", "varlen")
+# Fastest first; "auto" takes the first one available on the device.
+_AUTO_ORDER_CUDA = ("triton", "flash_attn", "varlen", "reference")
+
+
+@functools.cache
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _backend_unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why ``name`` cannot run on ``device``, or ``None`` if it can."""
+    if name == "reference":
+        return None
+    if device.type != "cuda":
+        return f"backend {name!r} needs a CUDA device (got {device.type}); use backend='reference' on CPU"
+    if name == "triton" and not _has_module("triton"):
+        return "backend 'triton' needs the triton package; use backend='varlen' or 'reference'"
+    if name == "flash_attn" and not _has_module("flash_attn"):
+        return "backend 'flash_attn' needs flash-attn (pip install 'dustin-hf[flash]'); use backend='triton' or 'varlen'"
+    if name == "varlen":
+        from . import varlen
+
+        if not varlen.torch_varlen_available():
+            return (
+                "backend 'varlen' needs torch.nn.attention.varlen.varlen_attn (PyTorch >= 2.11 with CUDA); "
+                "use backend='triton' or 'reference'"
+            )
+    return None
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """The backends that can run on ``device``, fastest first."""
+    device = torch.device(device)
+    order = _AUTO_ORDER_CUDA if device.type == "cuda" else ("reference",)
+    return [name for name in order if _backend_unavailable_reason(name, device) is None]
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Turn ``"auto"`` into a concrete backend for ``device``; check that a named one can run there."""
+    device = torch.device(device)
+    if name == "auto":
+        return available_backends(device)[0]
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    reason = _backend_unavailable_reason(name, device)
+    if reason is not None:
+        raise ValueError(reason)
+    return name
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    indices: torch.Tensor | None = None,
+    num_indices: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """Dispatch to ``backend`` (a concrete name from :func:`resolve_backend`).
+
+    Shapes are those of :func:`dustin_hf.kernels.reference.verify_attention_reference`:
+    ``q (batch, Q, nheads, headdim)``, ``k_cache/v_cache (batch, capacity, nheads_k, headdim)``,
+    ``cache_seqlens (batch,)`` int32, ``indices (batch, W)`` int32, ``num_indices (batch,)`` int32;
+    returns ``(batch, Q, nheads, headdim)``.
+    """
+    kwargs = dict(softmax_scale=softmax_scale, indices=indices, num_indices=num_indices, max_seqlen_k=max_seqlen_k)
+    if backend == "reference":
+        return verify_attention_reference(q, k_cache, v_cache, cache_seqlens, **kwargs)
+    if backend == "triton":
+        from .triton_verify import verify_attention_triton
+
+        return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs)
+    if backend in ("flash_attn", "varlen"):
+        from .varlen import verify_attention_varlen
+
+        return verify_attention_varlen(q, k_cache, v_cache, cache_seqlens, use_flash_attn=backend == "flash_attn", **kwargs)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

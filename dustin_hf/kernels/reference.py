@@ -1,0 +1,80 @@
+"""Plain-PyTorch attention over a per-row KV cache: the oracle in tests and the CPU path.
+
+Every backend in this package computes the same function, defined here. Layouts follow
+flash-attn's ``flash_attn_with_kvcache``:
+
+    query i of row b (absolute position cache_seqlens[b] + i) attends to
+      * the cached positions of row b: all of [0, cache_seqlens[b]) (dense), or only
+        indices[b, :num_indices[b]] (sparse), and
+      * the step's new tokens at slots [cache_seqlens[b], cache_seqlens[b] + i] (bottom-right causal).
+
+The new tokens' keys and values are already written into the cache at those slots. Rows are
+independent: nothing of row b is ever read for row b' != b.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def verify_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    indices: torch.Tensor | None = None,
+    num_indices: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``Q`` new queries per row over a preallocated cache.
+
+    Args:
+        q: ``(batch, Q, nheads, headdim)``, the new tokens' queries (post-RoPE).
+        k_cache, v_cache: ``(batch, capacity, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA).
+        cache_seqlens: ``(batch,)``, int; cached positions before the new tokens.
+        softmax_scale: the factor applied to ``q @ k^T``.
+        indices: ``(batch, W)``, int; selected cached positions, each ``< cache_seqlens[b]``.
+            ``None`` attends to every cached position.
+        num_indices: ``(batch,)``, int; how many leading entries of each ``indices`` row are valid.
+        max_seqlen_k: ``max(cache_seqlens) + Q`` if the caller knows it (saves a device sync).
+
+    Returns:
+        ``(batch, Q, nheads, headdim)``, in ``q``'s dtype.
+    """
+    batch, n_q, n_heads, head_dim = q.shape
+    device = q.device
+    seqlens = cache_seqlens.to(device=device, dtype=torch.long)
+    query_pos = seqlens[:, None] + torch.arange(n_q, device=device)  # (B, Q) absolute positions
+    if indices is None:
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seqlens.max()) + n_q
+        keys, values = k_cache[:, :max_seqlen_k], v_cache[:, :max_seqlen_k]  # (B, Tk, Hkv, D)
+        key_pos = torch.arange(max_seqlen_k, device=device)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, Q, Tk)
+    else:
+        idx = indices.to(device=device, dtype=torch.long)
+        counts = num_indices.to(device=device, dtype=torch.long)
+        slots = torch.cat([idx, query_pos], dim=1)  # (B, W + Q): the selection, then the new tokens
+        keys, values = gather_positions(k_cache, slots), gather_positions(v_cache, slots)
+        n_sel = idx.shape[1]
+        selected_ok = torch.arange(n_sel, device=device)[None, :] < counts[:, None]  # (B, W)
+        new_ok = torch.ones(n_q, n_q, dtype=torch.bool, device=device).tril()  # (Q, Q): new j <= query i
+        mask = torch.cat([selected_ok[:, None, :].expand(batch, n_q, n_sel), new_ok.expand(batch, n_q, n_q)], dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # (B, Hq, Q, D)
+        keys.transpose(1, 2).to(q.dtype),  # (B, Hkv, Tk, D)
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None],
+        scale=softmax_scale,
+        enable_gqa=n_heads != keys.shape[2],
+    )  # (B, Hq, Q, D)
+    return out.transpose(1, 2)
+
+
+def gather_positions(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``cache[b, positions[b]]`` for every row: ``(B, T, H, D)`` x ``(B, N)`` -> ``(B, N, H, D)``."""
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    return cache[rows, positions]

@@ -1,0 +1,112 @@
+"""Per-forward metadata, built once by the decoding loop and shared by every layer.
+
+A :class:`ForwardPlan` says which cache rows a forward covers, how many positions each row had
+cached before it, how many new tokens each row brings, and (for sparse verification) which cached
+positions each row attends to. It also names the layers whose query vectors must be kept for
+scoring, and receives them. Layers only read it; device copies are made once per device (a model
+split across GPUs by accelerate reads the copy on its own device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ForwardPlan", "DeviceTensors"]
+
+
+@dataclass(frozen=True)
+class DeviceTensors:
+    """The plan's tensors on one device."""
+
+    cache_seqlens: torch.Tensor  # (B',) int32: cached positions before this forward
+    write_positions: torch.Tensor  # (B', Q) int64: cache slots of the new tokens
+    indices: torch.Tensor | None  # (B', W) int32: selected cached positions (sparse), else None
+    num_indices: torch.Tensor | None  # (B',) int32
+
+
+@dataclass
+class ForwardPlan:
+    """What one forward of a model over a :class:`~dustin_hf.cache.DustinCache` does.
+
+    Args:
+        rows: the cache rows this forward covers (its batch is ``rows.stop - rows.start``).
+        cache_seqlens: cached positions per covered row before the forward (host ints).
+        q_len: new tokens per row; they go to slots ``cache_seqlens[b] + arange(q_len)``.
+        backend: concrete attention backend name (see :func:`dustin_hf.kernels.resolve_backend`).
+        indices, num_indices: the sparse read set, ``(B', W)`` int32 and ``(B',)`` int32, on any
+            device; ``None`` for dense attention.
+        capture: ``{layer_idx: heads}``: keep these query heads of these layers for scoring.
+        capture_last: keep only the last query of each row (drafting and prefill) instead of all.
+    """
+
+    rows: slice
+    cache_seqlens: list[int]
+    q_len: int
+    backend: str = "reference"
+    indices: torch.Tensor | None = None
+    num_indices: torch.Tensor | None = None
+    capture: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    capture_last: bool = False
+    captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
+    _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
+    _home: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
+            raise ValueError(f"{len(self.cache_seqlens)} cache_seqlens for rows {self.rows}")
+        if (self.indices is None) != (self.num_indices is None):
+            raise ValueError("indices and num_indices go together")
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.indices is not None
+
+    @property
+    def max_seqlen_k(self) -> int:
+        """Longest key range of any row, new tokens included (host int: no device sync)."""
+        return max(self.cache_seqlens) + self.q_len
+
+    def on(self, device: torch.device) -> DeviceTensors:
+        """The plan's tensors on ``device``, built on first use and reused by every later layer."""
+        tensors = self._on_device.get(device)
+        if tensors is None:
+            tensors = self._build(device)
+            self._on_device[device] = tensors
+        return tensors
+
+    def _build(self, device: torch.device) -> DeviceTensors:
+        if self._on_device:  # copy from a device we already have, rather than from the host again
+            first = next(iter(self._on_device.values()))
+            return DeviceTensors(*(None if t is None else t.to(device, non_blocking=True) for t in (
+                first.cache_seqlens, first.write_positions, first.indices, first.num_indices)))
+        seqlens = torch.tensor(self.cache_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+        write_positions = seqlens.long()[:, None] + torch.arange(self.q_len, device=device)
+        indices = None if self.indices is None else self.indices.to(device, torch.int32, non_blocking=True)
+        num = None if self.num_indices is None else self.num_indices.to(device, torch.int32, non_blocking=True)
+        return DeviceTensors(seqlens, write_positions, indices, num)
+
+    def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Store the scoring heads' queries of ``layer_idx`` if it is a capture layer.
+
+        ``query``: ``(B', Q, nheads, headdim)``; stored as ``(B', Qc, len(heads), headdim)`` with
+        ``Qc`` = 1 (``capture_last``) or ``Q``.
+        """
+        heads = self.capture.get(layer_idx)
+        if heads is None:
+            return
+        kept = query[:, -1:] if self.capture_last else query
+        self.captured[layer_idx] = select_heads(kept, heads).clone()
+
+
+def select_heads(tensor: torch.Tensor, heads: tuple[int, ...], dim: int = 2) -> torch.Tensor:
+    """``tensor`` restricted to ``heads`` along ``dim``: a view when the heads are consecutive."""
+    first = heads[0]
+    if heads == tuple(range(first, first + len(heads))):
+        return tensor.narrow(dim, first, len(heads))
+    return tensor.index_select(dim, torch.tensor(heads, device=tensor.device))

@@ -1,0 +1,109 @@
+"""Importance of each cached position: attention probabilities on a few chosen heads.
+
+Flash-style kernels never materialise attention probabilities, so Dustin recomputes them, but only
+for the scoring heads (paper: 1 target layer x 4 heads, 3 draft layers x 4 heads). The query
+vectors are kept during the forwards (see ``ForwardPlan.capture``); here they meet the keys:
+
+- target history ``S_target[b, p]``: the last committed token's attention over the cached
+  positions ``[0, L_b)`` (it sits at ``L_b - 1``, so it sees all of them), summed over heads;
+- draft lookahead ``S_draft[b, p]``: the attention of the draft queries that produced the γ draft
+  tokens (query i at position ``L_b + i`` sees ``[0, L_b + i]`` of the draft's cache), summed over
+  queries, layers and heads, then restricted to ``[0, L_b)``.
+
+Each query's softmax is normalised over everything it attends to, so the scores are true
+probability masses. Heads that share a KV head are scored together: the key rows are read once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attention_mass", "target_history_scores", "draft_lookahead_scores"]
+
+
+def attention_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_pos: torch.Tensor,
+    heads: tuple[int, ...],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+    key_span: int,
+) -> torch.Tensor:
+    """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
+
+    Args:
+        queries: ``(B, n_q, len(heads), D)``, post-RoPE queries of query heads ``heads``.
+        keys: ``(B, capacity, kv_heads, D)``, a cache buffer (post-RoPE keys).
+        query_pos: ``(B, n_q)`` int; query j of row b sees key positions ``<= query_pos[b, j]``.
+        heads: query head ids; head h reads KV head ``h // group_size``.
+        softmax_scale: the model's attention scale.
+        num_positions: how many leading key positions to score (host int).
+        key_span: ``max(query_pos) + 1`` (host int): every key any query sees lies below it.
+
+    Returns:
+        ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
+        queries and heads (positions a query cannot see get nothing from it).
+    """
+    total = torch.zeros(queries.shape[0], num_positions, dtype=torch.float32, device=queries.device)
+    # each query's softmax runs over everything it sees, which can reach past `num_positions`
+    key_pos = torch.arange(max(key_span, num_positions), device=queries.device)
+    visible = key_pos[None, None, :] <= query_pos[:, :, None].long()  # (B, n_q, Tk)
+    for kv_head in sorted({h // group_size for h in heads}):
+        members = [i for i, h in enumerate(heads) if h // group_size == kv_head]
+        q = queries[:, :, members].float()  # (B, n_q, n_h, D)
+        k = keys[:, : key_pos.numel(), kv_head].float()  # (B, Tk, D)
+        logits = torch.einsum("bqhd,btd->bqht", q, k) * softmax_scale
+        logits = logits.masked_fill(~visible[:, :, None, :], float("-inf"))
+        probs = logits.softmax(dim=-1)  # (B, n_q, n_h, Tk)
+        total += probs[..., :num_positions].sum(dim=(1, 2))
+    return total
+
+
+def target_history_scores(
+    history_queries: torch.Tensor,
+    keys: torch.Tensor,
+    seqlens: torch.Tensor,
+    heads: tuple[int, ...],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+) -> torch.Tensor:
+    """``S_target``: ``history_queries (B, len(heads), D)`` of the token at ``seqlens - 1`` -> ``(B, num_positions)``.
+
+    ``num_positions`` is ``max(seqlens)`` (host int).
+    """
+    query_pos = (seqlens.long() - 1)[:, None]  # (B, 1)
+    return attention_mass(
+        history_queries[:, None], keys, query_pos, heads, group_size, softmax_scale, num_positions, num_positions
+    )
+
+
+def draft_lookahead_scores(
+    draft_queries: list[torch.Tensor],
+    draft_keys: list[torch.Tensor],
+    seqlens: torch.Tensor,
+    heads: tuple[tuple[int, ...], ...],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+) -> torch.Tensor:
+    """``S_draft`` summed over the draft scoring layers.
+
+    Args:
+        draft_queries: per scoring layer, ``(B, γ, len(heads[l]), D)``: query i sat at ``seqlens + i``.
+        draft_keys: per scoring layer, the draft cache's key buffer ``(B, capacity, kv_heads, D)``.
+        seqlens: ``(B,)`` the target's cached positions ``L_b`` (the draft's first query is at ``L_b``).
+        num_positions: ``max(seqlens)`` (host int).
+    """
+    gamma = draft_queries[0].shape[1]
+    query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
+    total = None
+    for queries, keys, layer_heads in zip(draft_queries, draft_keys, heads):
+        mass = attention_mass(
+            queries, keys, query_pos.to(queries.device), layer_heads, group_size, softmax_scale,
+            num_positions, num_positions + gamma,
+        )
+        total = mass if total is None else total + mass.to(total.device)
+    return total
