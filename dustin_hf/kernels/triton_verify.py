@@ -1,0 +1,397 @@
+"""Fused Triton kernel for verification attention over selected cache positions (split-K decoding).
+
+Computes exactly :func:`dustin_hf.kernels.reference.verify_attention_reference`: each of the ``Q``
+new queries of row ``b`` attends to the selected cached positions ``indices[b, :num_indices[b]]``
+(or to all of ``[0, cache_seqlens[b])`` in dense mode) plus the step's new tokens at slots
+``cache_seqlens[b] + j`` for ``j <= i`` (bottom-right causal).
+
+Why a custom kernel: the alternative (gather the selection into a packed copy, then run a varlen
+flash kernel) reads the selected K/V rows, writes them, and reads them again. Here every program
+reads the K/V rows straight out of the full cache by index, so the selected rows cross HBM once.
+
+Algorithm (flash-decoding):
+
+* **Keys of a row.** Row ``b`` has ``n_keys = n_cached + Q`` keys in a fixed order: key ordinal
+  ``n < n_cached`` is cached position ``indices[b, n]`` (sparse) or ``n`` (dense, where
+  ``n_cached = cache_seqlens[b]``); ordinal ``n >= n_cached`` is the new token slot
+  ``cache_seqlens[b] + (n - n_cached)``. Query ``i`` sees ordinal ``n`` iff ``n - n_cached <= i``,
+  which is always true for cached keys and is the causal mask ``j <= i`` for the new tokens. So the
+  new tokens are just the tail of the key sequence and are processed exactly once, by whichever
+  split owns that tail.
+* **GQA packing.** The ``G = Hq / Hkv`` query heads sharing one KV head and the ``Q`` queries are
+  packed into one ``M = G * Q`` row block (row ``r`` is query ``r // G``, head ``r % G`` of the
+  group), padded to ``BLOCK_M >= 16`` for ``tl.dot``. Each K/V tile is loaded once per group.
+* **Grid.** ``(num_splits * m_tiles, Hkv, B)``: one program per (split, row tile, kv head, batch
+  row). ``m_tiles = ceil(G * Q / BLOCK_M)`` is 1 unless ``G * Q > 128``. Split ``s`` owns key
+  ordinals ``[s * chunk, min((s + 1) * chunk, n_keys))`` and walks them in ``BLOCK_N`` tiles with an
+  online softmax in fp32 (exp2, scores pre-multiplied by ``softmax_scale * log2(e)``). A split
+  beyond a short row's keys runs zero iterations and writes ``lse = -inf``, ``out = 0``.
+* **Merge.** With one split the program normalises and writes the output directly. Otherwise it
+  writes a normalised partial output (fp32) and its log-sum-exp (base 2), and
+  :func:`_merge_splits_kernel` combines the splits of each (row, query, head) by log-sum-exp;
+  empty splits get weight ``exp2(-inf) = 0``.
+
+The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
+``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no
+host sync and can be captured in a CUDA graph. :func:`_config` is the heuristic; benchmarks sweep
+it by passing a :class:`_Config` to :func:`_verify_attention_triton`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["verify_attention_triton"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
+_MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
+_PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
+_MAX_BLOCK_M = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Launch parameters of one call; build with :func:`_config`.
+
+    Attributes:
+        block_m: packed (query, head) rows per program, a power of two >= 16.
+        block_n: keys per inner-loop tile, a power of two >= 16.
+        block_d: head dim padded to a power of two >= 16 (the padding is masked).
+        num_splits: programs per (batch row, kv head, row tile) along the keys.
+        chunk: key ordinals per split, a multiple of ``block_n``.
+        num_warps, num_stages: Triton launch options of the main kernel.
+    """
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_splits: int
+    chunk: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA, where the Triton interpreter runs)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(
+    batch: int,
+    n_kv_heads: int,
+    group: int,
+    n_queries: int,
+    head_dim: int,
+    n_keys: int,
+    sm_count: int,
+    *,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
+) -> _Config:
+    """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
+
+    ``n_keys`` bounds the key ordinals of every row: ``W + Q`` (sparse) or ``max_seqlen_k`` (dense).
+    Any keyword left ``None`` takes the heuristic value. Splits: enough programs to give every SM
+    about ``programs_per_sm`` of them (floor, so no partial extra wave), but never fewer than
+    ``min_blocks_per_split`` key tiles per split, and at most ``_MAX_SPLITS``.
+    """
+    rows = group * n_queries
+    block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    m_tiles = triton.cdiv(rows, block_m)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    n_blocks = max(1, triton.cdiv(n_keys, block_n))
+    if num_splits is None:
+        programs = batch * n_kv_heads * m_tiles
+        by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, programs))
+        by_work = max(1, n_blocks // min_blocks_per_split)
+        num_splits = min(by_occupancy, by_work, _MAX_SPLITS)
+    num_splits = max(1, min(num_splits, n_blocks, _MAX_SPLITS))
+    blocks_per_split = triton.cdiv(n_blocks, num_splits)
+    num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
+    if num_warps is None:
+        num_warps = 8 if block_m * block_d >= 128 * 256 else 4
+    if num_stages is None:
+        num_stages = 3 if block_n * block_d <= 64 * 128 else 2
+    return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages)
+
+
+@triton.jit
+def _verify_fwd_kernel(
+    Q, K, V, SEQLENS, INDICES, NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
+    OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT, else the two partial buffers
+    qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ib, stride_in,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_pb, stride_pt, stride_ph, stride_ps,  # OUT_PART (B, Q, Hq, S, D) with unit d stride
+    stride_lb, stride_lt, stride_lh,  # LSE_PART (B, Q, Hq, S) with unit split stride
+    chunk,  # key ordinals per split (multiple of BLOCK_N)
+    N_QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0) // M_TILES
+    m_tile = tl.program_id(0) % M_TILES
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
+
+    # Packed rows of this program: row r = (query r // GROUP, head kv_head * GROUP + r % GROUP).
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_ok = rows < GROUP * N_QUERIES
+    query = rows // GROUP  # (BLOCK_M,) query index i; >= N_QUERIES only on padding rows
+    head = kv_head * GROUP + rows % GROUP  # (BLOCK_M,) query head
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_ok = d < HEAD_DIM
+    q_ptrs = Q + b * stride_qb + query[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    # Key ordinals of row b: [0, n_cached) cached, then the N_QUERIES new slots.
+    cached_len = tl.load(SEQLENS + b).to(tl.int32)  # L_b, first new-token slot
+    if SPARSE:
+        n_cached = tl.load(NUM_INDICES + b).to(tl.int32)
+    else:
+        n_cached = cached_len
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_cached + N_QUERIES)  # hi <= lo: this split owns no key of row b
+
+    k_base = K + b * stride_kb + kv_head * stride_kh + d[None, :] * stride_kd  # (1, BLOCK_D)
+    v_base = V + b * stride_vb + kv_head * stride_vh + d[None, :] * stride_vd
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of p @ v
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
+        key_ok = n < hi
+        pos = _key_positions(INDICES + b * stride_ib, stride_in, n, n_cached, cached_len, SPARSE)  # (BLOCK_N,) int64
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_kt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        visible = key_ok[None, :] & ((n[None, :] - n_cached) <= query[:, None])  # causal on the new tail
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales the old state
+        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + pos[:, None] * stride_vt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
+    store_mask = row_ok[:, None] & d_ok[None, :]
+    if SINGLE_SPLIT:
+        o_ptrs = OUT + b * stride_ob + query[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=store_mask)
+    else:
+        row_part = b * stride_pb + query * stride_pt + head * stride_ph + split * stride_ps  # (BLOCK_M,)
+        tl.store(OUT_PART + row_part[:, None] + d[None, :], out, mask=store_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base-2 log-sum-exp
+        tl.store(LSE_PART + b * stride_lb + query * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _key_positions(idx_row, stride_in, n, n_cached, cached_len, SPARSE: tl.constexpr):
+    """Cache slot of each key ordinal ``n`` (BLOCK_N,) of one row, as int64.
+
+    Sparse: ``indices[b, n]`` for ``n < n_cached`` (entries past ``n_cached`` are never read), then
+    the new slots ``cached_len + n - n_cached``. Dense: the ordinal is the slot.
+    """
+    if SPARSE:
+        is_cached = n < n_cached
+        selected = tl.load(idx_row + n * stride_in, mask=is_cached, other=0).to(tl.int64)
+        pos = tl.where(is_cached, selected, (cached_len + n - n_cached).to(tl.int64))
+    else:
+        pos = n.to(tl.int64)
+    return pos
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (batch row, query, head): ``out = sum_s w_s out_s / sum_s w_s``.
+
+    ``w_s = 2^(lse_s - max_s lse_s)``; an empty split has ``lse_s = -inf``, so ``w_s = 0``.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    s_ok = s < num_splits
+    lse = tl.load(LSE_PART + row * num_splits + s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    lse_max = tl.max(lse, 0)  # finite: the split owning the query's own token is never empty
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # (BLOCK_S,), 0 for empty splits
+    part_ptrs = OUT_PART + (row * num_splits + s[:, None]) * HEAD_DIM + d[None, :]
+    part = tl.load(part_ptrs, mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_S, BLOCK_D)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)  # (BLOCK_D,)
+    tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def verify_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    indices: torch.Tensor | None = None,
+    num_indices: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``Q`` new queries per row over selected (or all) cached positions plus the new tokens.
+
+    Args:
+        q: ``(batch, Q, nheads, headdim)``, fp16/bf16/fp32; any strides.
+        k_cache, v_cache: ``(batch, capacity, nheads_k, headdim)``, same dtype as ``q``; any strides
+            (e.g. ``cache[:, :T]`` or ``cache[1:3]`` views of a bigger buffer). ``nheads % nheads_k == 0``.
+        cache_seqlens: ``(batch,)``, int32/int64; cached positions before the new tokens, whose
+            K/V already sit at slots ``cache_seqlens[b] .. cache_seqlens[b] + Q - 1``.
+        softmax_scale: the factor applied to ``q @ k^T``.
+        indices: ``(batch, W)``, int32/int64; selected cached positions, each ``< cache_seqlens[b]``,
+            no duplicates. ``None`` attends to every cached position (dense).
+        num_indices: ``(batch,)``, int32/int64; valid leading entries of each ``indices`` row (the
+            rest is never read). ``None`` means all ``W``.
+        max_seqlen_k: dense mode only: ``max(cache_seqlens) + Q`` as a host int. It sizes the grid;
+            if ``None`` it is computed with one device->host sync (so pass it under CUDA graphs).
+
+    Returns:
+        ``(batch, Q, nheads, headdim)`` in ``q``'s dtype (contiguous).
+    """
+    return _verify_attention_triton(
+        q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, indices=indices,
+        num_indices=num_indices, max_seqlen_k=max_seqlen_k,
+    )
+
+
+def _verify_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    indices: torch.Tensor | None = None,
+    num_indices: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    config: _Config | None = None,
+) -> torch.Tensor:
+    """:func:`verify_attention_triton` with an optional explicit launch :class:`_Config` (for sweeps)."""
+    batch, n_queries, n_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[2]
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, indices)
+    sparse = indices is not None
+    if sparse:
+        n_keys = indices.shape[1] + n_queries
+        if num_indices is None:
+            num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
+    else:
+        n_keys = max_seqlen_k if max_seqlen_k is not None else int(cache_seqlens.max()) + n_queries  # host sync
+        indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
+    group = n_heads // n_kv_heads
+    if config is None:
+        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device))
+    return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
+
+
+def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
+    """Shape/dtype checks on host metadata only (no device reads)."""
+    batch, _, n_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache/v_cache must be (batch, capacity, nheads_k, {head_dim}); got {tuple(k_cache.shape)}")
+    if n_heads % k_cache.shape[2] != 0:
+        raise ValueError(f"nheads ({n_heads}) must be a multiple of nheads_k ({k_cache.shape[2]})")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be fp16, bf16 or fp32; got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache must have q's dtype {q.dtype}; got {k_cache.dtype}/{v_cache.dtype}")
+    if head_dim > 256:
+        raise ValueError(f"head dims up to 256 are supported; got {head_dim}")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be ({batch},); got {tuple(cache_seqlens.shape)}")
+    if indices is not None and (indices.dim() != 2 or indices.shape[0] != batch):
+        raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
+
+
+@functools.cache
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Let the Triton interpreter run loops with runtime bounds under numpy >= 2.4.
+
+    triton <= 3.6's interpreter turns a scalar into a Python int with ``int(array_of_shape_1)``, which
+    numpy 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172). Only called when
+    ``TRITON_INTERPRET=1``; wraps the interpreter's tensor patching so ``__index__`` squeezes first.
+    Compiled (GPU) kernels are unaffected.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4) or not hasattr(interpreter, "_patch_lang_tensor"):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: _Config):
+    """Run the main kernel (and the merge kernel when ``cfg.num_splits > 1``); returns the output."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_interpreter_for_numpy_2_4()
+    batch, n_queries, n_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[2]
+    group = n_heads // n_kv_heads
+    m_tiles = triton.cdiv(group * n_queries, cfg.block_m)
+    out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    single = cfg.num_splits == 1
+    if single:
+        out_part = lse_part = out  # unused placeholders
+        part_strides, lse_strides = (0, 0, 0, 0), (0, 0, 0)
+    else:
+        part_shape = (batch, n_queries, n_heads, cfg.num_splits)
+        out_part = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)  # (B, Q, Hq, S, D)
+        lse_part = torch.empty(part_shape, dtype=torch.float32, device=q.device)  # (B, Q, Hq, S)
+        part_strides, lse_strides = out_part.stride()[:4], lse_part.stride()[:3]
+    grid = (cfg.num_splits * m_tiles, n_kv_heads, batch)
+    _verify_fwd_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part,
+        softmax_scale * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
+        *out.stride(), *part_strides, *lse_strides,
+        cfg.chunk,
+        N_QUERIES=n_queries, GROUP=group, HEAD_DIM=head_dim, M_TILES=m_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+        SPARSE=sparse, SINGLE_SPLIT=single,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not single:
+        _merge_splits_kernel[(batch * n_queries * n_heads,)](
+            out_part, lse_part, out, cfg.num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d,
+            num_warps=4 if cfg.block_d >= 128 else 2,
+        )
+    return out

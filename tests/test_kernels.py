@@ -1,0 +1,448 @@
+"""Every attention backend against an explicit float64 oracle written here.
+
+The oracle materialises, row by row and query by query, the list of keys the query sees, the scores,
+the softmax and the weighted sum; it shares no code with ``kernels/reference.py``. Tolerance follows
+flash-attn's tests: a backend's max abs error against the fp64 oracle may be at most twice the
+error of plain PyTorch math done in the same low precision (scores, softmax and ``p @ v`` all in
+the input dtype), plus ``1e-5``.
+
+Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CPU
+(``TRITON_INTERPRET=1``, set below before triton is imported) with small shapes; the interpreter
+does not support bf16 arithmetic (its ``tl.dot`` multiplies the raw bit patterns), so bf16 Triton
+cases run on CUDA only. The varlen/flash-attn packing is checked on CPU against fake
+varlen kernels with FlashAttention-2 semantics; the real kernels run under ``@pytest.mark.gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noqa: E402
+from dustin_hf.kernels import varlen  # noqa: E402
+from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+# ----------------------------------------------------------------------------- oracle and tolerance
+
+
+def _visible_slots(cache_seqlens, indices, num_indices, b: int, i: int) -> list[int]:
+    """Cache slots query ``i`` of row ``b`` attends to: its cached keys, then new slots ``L .. L + i``."""
+    length = int(cache_seqlens[b])
+    cached = list(range(length)) if indices is None else [int(x) for x in indices[b, : int(num_indices[b])]]
+    return cached + [length + j for j in range(i + 1)]
+
+
+def _attend(q, k_cache, v_cache, cache_seqlens, scale, indices, num_indices, dtype) -> torch.Tensor:
+    """Masked softmax attention, one (row, query) at a time, computed in ``dtype``; returns ``(B, Q, Hq, D)``."""
+    batch, n_queries, n_heads, _ = q.shape
+    group = n_heads // k_cache.shape[2]
+    cache_seqlens, indices, num_indices = (t if t is None else t.cpu() for t in (cache_seqlens, indices, num_indices))
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for b in range(batch):
+        for i in range(n_queries):
+            slots = _visible_slots(cache_seqlens, indices, num_indices, b, i)
+            keys = k_cache[b, slots].to(dtype).repeat_interleave(group, dim=1)  # (n, Hq, D)
+            values = v_cache[b, slots].to(dtype).repeat_interleave(group, dim=1)
+            query = q[b, i].to(dtype)  # (Hq, D)
+            scores = torch.einsum("hd,nhd->hn", query, keys) * scale  # (Hq, n)
+            probs = torch.softmax(scores, dim=-1)
+            out[b, i] = torch.einsum("hn,nhd->hd", probs, values)
+    return out
+
+
+def _oracle(case_inputs) -> torch.Tensor:
+    """The exact answer, in float64."""
+    return _attend(*case_inputs.oracle_args(), dtype=torch.float64)
+
+
+def _assert_matches_oracle(out: torch.Tensor, inputs, name: str) -> None:
+    """flash-attn's rule: ``err(out) <= 2 * err(PyTorch math in q's dtype) + 1e-5``, both vs the fp64 oracle."""
+    assert out.shape == inputs.q.shape and out.dtype == inputs.q.dtype, (out.shape, out.dtype)
+    assert not torch.isnan(out).any(), f"{name}: NaN in the output"
+    exact = _oracle(inputs)
+    low_precision = _attend(*inputs.oracle_args(), dtype=inputs.q.dtype)
+    baseline = (low_precision.double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2 * baseline + 1e-5, f"{name}: max abs error {err:.3g} > 2 x {baseline:.3g} + 1e-5"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One input configuration; ``width=None`` is dense mode."""
+
+    seqlens: tuple[int, ...]
+    n_queries: int = 5
+    n_kv_heads: int = 2
+    group: int = 2
+    head_dim: int = 64
+    width: int | None = None
+    short_rows: bool = False  # some rows have num_indices < min(W, L), garbage after
+    layout: str = "contiguous"  # "slice_t": buf[:, :T]; "slice_b": buf[1:1+B]; "strided_d": buf[..., ::2]
+    index_dtype: torch.dtype = torch.int32
+    num_splits: int | None = None  # Triton launch overrides (None: the heuristic)
+    block_n: int | None = None
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: torch.Tensor  # (B, Q, Hq, D)
+    k_cache: torch.Tensor  # (B, capacity, Hkv, D), possibly a strided view
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor  # (B,)
+    indices: torch.Tensor | None  # (B, W), out-of-range garbage after num_indices
+    num_indices: torch.Tensor | None  # (B,)
+    scale: float
+    max_seqlen_k: int
+
+    def kwargs(self) -> dict:
+        return dict(softmax_scale=self.scale, indices=self.indices, num_indices=self.num_indices,
+                    max_seqlen_k=self.max_seqlen_k)
+
+    def oracle_args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.scale, self.indices, self.num_indices)
+
+    def in_range_indices(self) -> torch.Tensor | None:
+        """``indices`` with the garbage clamped into the cache (the reference gathers every entry)."""
+        return None if self.indices is None else self.indices.clamp(0, self.k_cache.shape[1] - 1)
+
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: str = DEVICE) -> Inputs:
+    gen = torch.Generator().manual_seed(case.seed)
+    batch, n_q, n_kv, d = len(case.seqlens), case.n_queries, case.n_kv_heads, case.head_dim
+    capacity = max(case.seqlens) + n_q + 3
+    shape = (batch, capacity, n_kv, d)
+    if case.layout == "slice_t":
+        buffer_shape, view = (batch, capacity + 11, n_kv, d), lambda t: t[:, :capacity]
+    elif case.layout == "slice_b":
+        buffer_shape, view = (batch + 2, capacity, n_kv, d), lambda t: t[1 : 1 + batch]
+    elif case.layout == "strided_d":
+        buffer_shape, view = (batch, capacity, n_kv, 2 * d), lambda t: t[..., ::2]
+    else:
+        buffer_shape, view = shape, lambda t: t
+    k_cache = view(torch.randn(buffer_shape, generator=gen).to(device, dtype))
+    v_cache = view(torch.randn(buffer_shape, generator=gen).to(device, dtype))
+    assert k_cache.shape == shape
+    q = torch.randn(batch, n_q, n_kv * case.group, d, generator=gen).to(device, dtype)
+    cache_seqlens = torch.tensor(case.seqlens, dtype=case.index_dtype, device=device)
+    indices = num_indices = None
+    if case.width is not None:
+        indices, num_indices = _make_selection(case, capacity, gen)
+        indices, num_indices = indices.to(device), num_indices.to(device)
+    return Inputs(q, k_cache, v_cache, cache_seqlens, indices, num_indices, d**-0.5, max(case.seqlens) + n_q)
+
+
+def _make_selection(case: Case, capacity: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique positions per row; entries past ``num_indices`` are out-of-range garbage."""
+    width = case.width
+    garbage = torch.tensor([capacity + 1000, -7, 2**30], dtype=torch.long)
+    indices = garbage.repeat(width // 3 + 1)[:width].repeat(len(case.seqlens), 1)  # (B, W)
+    counts = []
+    for b, length in enumerate(case.seqlens):
+        count = min(width, length)
+        if case.short_rows and b % 2 == 0:
+            count = count // 2
+        indices[b, :count] = torch.randperm(length, generator=gen)[:count].sort().values
+        counts.append(count)
+    return indices.to(case.index_dtype), torch.tensor(counts, dtype=case.index_dtype)
+
+
+# ----------------------------------------------------------------------------- reference vs oracle
+
+
+REFERENCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 7, 8])
+@pytest.mark.parametrize("n_queries", [1, 2, 5])
+def test_reference_matches_oracle(n_queries, group, head_dim):
+    """Every (Q, group, head dim), dense and sparse; dtype and cache layout cycle across the grid."""
+    qi, gi, di = (1, 2, 5).index(n_queries), (1, 2, 7, 8).index(group), (16, 64, 128).index(head_dim)
+    dtype = REFERENCE_DTYPES[(qi + gi + di) % 3]
+    layout = ("contiguous", "slice_t", "slice_b")[(qi + 2 * gi + di) % 3]
+    for sparse in (False, True):
+        case = Case(seqlens=(37, 0, 90), n_queries=n_queries, n_kv_heads=1 if group >= 7 else 2, group=group,
+                    head_dim=head_dim, width=24 if sparse else None, short_rows=sparse, layout=layout,
+                    seed=n_queries * 1000 + group * 100 + head_dim + sparse)
+        inputs = _make_inputs(case, dtype, "cpu")
+        kwargs = inputs.kwargs() | {"indices": inputs.in_range_indices(), "max_seqlen_k": None}
+        out = verify_attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, **kwargs)
+        _assert_matches_oracle(out, inputs, f"reference[{'sparse' if sparse else 'dense'}, {dtype}]")
+
+
+def test_oracle_attends_to_the_right_keys():
+    """One query that sees exactly one key returns that key's value (checks the oracle's masking)."""
+    case = Case(seqlens=(4,), n_queries=2, n_kv_heads=1, group=1, head_dim=16, width=3)
+    inputs = _make_inputs(case, torch.float64, "cpu")
+    inputs.num_indices.zero_()  # query 0 then sees only new slot L
+    out = _oracle(inputs)
+    torch.testing.assert_close(out[0, 0, 0], inputs.v_cache[0, 4, 0])
+
+
+# ----------------------------------------------------------------------------- Triton
+
+# Small enough for the interpreter; splits and tiles forced small so multi-tile, multi-split, empty
+# splits and the merge all run.
+TRITON_CASES = {
+    "dense-q1-g1-d16": Case(seqlens=(37, 0, 64), n_queries=1, group=1, head_dim=16),
+    "dense-ragged-splits": Case(seqlens=(100, 0, 33), group=8, n_kv_heads=1, head_dim=128, num_splits=4, block_n=32),
+    "dense-slice_t-g7": Case(seqlens=(29, 61), group=7, n_kv_heads=1, layout="slice_t", num_splits=3, block_n=16),
+    "dense-slice_b-int64": Case(seqlens=(50, 9, 0), n_queries=2, layout="slice_b", index_dtype=torch.int64,
+                                num_splits=2, block_n=16),
+    "dense-strided_d": Case(seqlens=(26, 41), n_queries=2, layout="strided_d", num_splits=2, block_n=16),
+    "sparse-w-lt-block": Case(seqlens=(45, 0, 80), n_queries=2, width=24, short_rows=True),
+    "sparse-w-gt-block": Case(seqlens=(120, 70), group=7, n_kv_heads=1, width=70, short_rows=True),
+    "sparse-splits-g8": Case(seqlens=(90, 0, 57), group=8, n_kv_heads=1, head_dim=128, width=40, short_rows=True,
+                             num_splits=3, block_n=16),
+    "sparse-slice_b-int64": Case(seqlens=(33, 60), n_queries=1, group=8, n_kv_heads=1, width=30, layout="slice_b",
+                                 index_dtype=torch.int64, num_splits=2, block_n=16),
+    "sparse-slice_t-d80": Case(seqlens=(40, 25), head_dim=80, width=20, short_rows=True, layout="slice_t"),
+    "sparse-m-tiles": Case(seqlens=(30, 12), group=32, n_kv_heads=1, head_dim=16, width=16, short_rows=True),
+}
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+
+
+def _run_triton(inputs: Inputs, case: Case) -> torch.Tensor:
+    from dustin_hf.kernels import triton_verify
+
+    n_keys = inputs.indices.shape[1] + case.n_queries if inputs.indices is not None else inputs.max_seqlen_k
+    config = triton_verify._config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries, case.head_dim,
+                                   n_keys, triton_verify._sm_count(inputs.q.device),
+                                   num_splits=case.num_splits, block_n=case.block_n)
+    args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
+    return triton_verify._verify_attention_triton(*args, **inputs.kwargs(), config=config)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+def test_triton_matches_oracle(name, dtype):
+    seed = list(TRITON_CASES).index(name) * 10 + TRITON_DTYPES.index(dtype)
+    case = dataclasses.replace(TRITON_CASES[name], seed=seed)
+    inputs = _make_inputs(case, dtype)
+    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}]")
+
+
+@needs_triton
+def test_triton_public_entry_dense_without_max_seqlen_k():
+    """The public function with the default heuristic; dense mode computes max_seqlen_k itself."""
+    from dustin_hf.kernels.triton_verify import verify_attention_triton
+
+    inputs = _make_inputs(Case(seqlens=(21, 3), n_queries=2, head_dim=32, seed=7), torch.float16)
+    args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
+    out = verify_attention_triton(*args, **inputs.kwargs() | {"max_seqlen_k": None})
+    _assert_matches_oracle(out, inputs, "triton[public dense]")
+
+
+@needs_triton
+def test_triton_rejects_mismatched_dtypes():
+    from dustin_hf.kernels.triton_verify import verify_attention_triton
+
+    inputs = _make_inputs(Case(seqlens=(5,), head_dim=16), torch.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        verify_attention_triton(inputs.q.float(), inputs.k_cache, inputs.v_cache, inputs.cache_seqlens,
+                                softmax_scale=1.0)
+
+
+@needs_triton
+def test_triton_split_heuristic_uses_host_sizes_only():
+    from dustin_hf.kernels.triton_verify import _config
+
+    small = _config(1, 8, 8, 5, 128, 1029, sm_count=132)  # 72B layout, batch 1, budget 1024
+    assert small.num_splits > 1 and small.chunk % small.block_n == 0 and small.block_m == 64
+    assert small.num_splits * small.chunk >= 1029 > (small.num_splits - 1) * small.chunk  # no empty split
+    busy = _config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
+    assert busy.num_splits == 1
+    assert _config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_triton_large_on_gpu(sparse):
+    """Qwen2.5-72B head layout at a few thousand keys with the default heuristic (several splits)."""
+    case = Case(seqlens=(3000, 17, 4093), group=8, n_kv_heads=8, head_dim=128, width=1000 if sparse else None,
+                short_rows=sparse, seed=11)
+    inputs = _make_inputs(case, torch.bfloat16)
+    from dustin_hf.kernels.triton_verify import verify_attention_triton
+
+    out = verify_attention_triton(inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, **inputs.kwargs())
+    _assert_matches_oracle(out, inputs, "triton[large]")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_triton_is_cuda_graph_capturable(sparse):
+    """No host sync: capture one call, refill the inputs in place, replay, compare with an eager call."""
+    from dustin_hf.kernels.triton_verify import verify_attention_triton
+
+    case = Case(seqlens=(700, 0, 1500), group=7, n_kv_heads=4, head_dim=128, width=300 if sparse else None, seed=3)
+    inputs = _make_inputs(case, torch.bfloat16)
+    fresh = _make_inputs(dataclasses.replace(case, seed=4), torch.bfloat16)
+    args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
+
+    def call():
+        return verify_attention_triton(*args, **inputs.kwargs())
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for name in ("q", "k_cache", "v_cache", "indices", "num_indices"):
+        if getattr(inputs, name) is not None:
+            getattr(inputs, name).copy_(getattr(fresh, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, call(), rtol=0, atol=0)
+    _assert_matches_oracle(captured, inputs, "triton[graph]")
+
+
+# ----------------------------------------------------------------------------- varlen / flash-attn
+
+
+def _fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, seqused_k=None):
+    """FlashAttention-2 varlen semantics in fp64: per sequence, bottom-right causal, GQA, seqused_k."""
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(cu_seqlens_q) - 1):
+        q_lo, q_hi, k_lo = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(cu_seqlens_k[b])
+        n_k = int(seqused_k[b]) if seqused_k is not None else int(cu_seqlens_k[b + 1]) - k_lo
+        assert n_k <= max_seqlen_k
+        n_q = q_hi - q_lo
+        keys = k[k_lo : k_lo + n_k].double().repeat_interleave(group, dim=1)  # (n_k, Hq, D)
+        values = v[k_lo : k_lo + n_k].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].double(), keys) * scale
+        visible = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q  # bottom-right
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+def _fake_varlen_attn_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    assert window_size == (-1, 0) and isinstance(window_size, tuple)
+    assert enable_gqa or query.shape[1] == key.shape[1]
+    return _fake_fa2(query, key, value, cu_seq_q, cu_seq_k, max_k, scale, seqused_k)
+
+
+def _fake_varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10 style: no scale, no GQA, causal by flag."""
+    assert is_causal and query.shape[1] == key.shape[1]
+    return _fake_fa2(query, key, value, cu_seq_q, cu_seq_k, max_k, query.shape[-1] ** -0.5)
+
+
+def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                 softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):
+    assert causal
+    return _fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
+
+
+def _fake_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
+                                  causal=False):
+    assert causal and k is None and cache_seqlens.dtype == torch.int32
+    batch, n_q = q.shape[:2]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n_k = int(cache_seqlens[b])
+        cu = torch.tensor([0, n_q], dtype=torch.int32), torch.tensor([0, n_k], dtype=torch.int32)
+        out[b] = _fake_fa2(q[b], k_cache[b, :n_k], v_cache[b, :n_k], *cu, n_k, softmax_scale)
+    return out
+
+
+VARLEN_CASES = {name: TRITON_CASES[name] for name in
+                ("dense-ragged-splits", "dense-slice_t-g7", "dense-slice_b-int64", "dense-strided_d",
+                 "sparse-w-gt-block", "sparse-splits-g8", "sparse-slice_t-d80")}
+
+
+@pytest.mark.parametrize("flavour", ["torch-new", "torch-old", "flash-attn"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_varlen_packing_with_fake_kernels(name, flavour, monkeypatch):
+    """The gather/packing/argument logic on CPU, with fake kernels of FlashAttention-2 semantics."""
+    if flavour == "flash-attn":
+        fns = (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache)
+        monkeypatch.setattr(varlen, "_flash_attn_fns", lambda: fns)
+    else:
+        fake = _fake_varlen_attn_new if flavour == "torch-new" else _fake_varlen_attn_old
+        monkeypatch.setattr(varlen, "_torch_varlen_fn", lambda: fake)
+    inputs = _make_inputs(dataclasses.replace(VARLEN_CASES[name], seed=5), torch.float32, "cpu")
+    args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
+    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn")
+    _assert_matches_oracle(out, inputs, f"varlen[{flavour}]")
+
+
+GPU_BACKENDS = [
+    pytest.param("varlen", marks=pytest.mark.skipif(not varlen.torch_varlen_available(), reason="no varlen_attn")),
+    pytest.param("flash_attn", marks=pytest.mark.skipif(not (HAS_CUDA and HAS_FLASH_ATTN), reason="no flash-attn")),
+    pytest.param("triton", marks=needs_triton),
+]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_backends_match_oracle(backend, name, dtype):
+    case = TRITON_CASES[name]
+    if case.head_dim % 8 and backend != "triton":
+        pytest.skip("FlashAttention-2 needs head dims that are multiples of 8")
+    inputs = _make_inputs(dataclasses.replace(case, seed=9), dtype)
+    args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
+    out = verify_attention(*args, **inputs.kwargs(), backend=resolve_backend(backend, DEVICE))
+    _assert_matches_oracle(out, inputs, backend)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+
+def test_auto_on_cpu_is_reference():
+    assert resolve_backend("auto", "cpu") == "reference"
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError) as error:
+        resolve_backend("flashy", "cpu")
+    assert all(name in str(error.value) for name in BACKENDS)
+
+
+@pytest.mark.parametrize("backend", ["triton", "varlen", "flash_attn"])
+def test_gpu_backend_on_cpu_says_what_to_use(backend):
+    with pytest.raises(ValueError, match="reference"):
+        resolve_backend(backend, "cpu")
+
+
+def test_dispatcher_reference_matches_oracle():
+    inputs = _make_inputs(Case(seqlens=(13, 30), width=10, short_rows=True, seed=21), torch.float32, "cpu")
+    kwargs = inputs.kwargs() | {"indices": inputs.in_range_indices()}
+    out = verify_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, **kwargs)
+    _assert_matches_oracle(out, inputs, "dispatcher")
