@@ -21,6 +21,9 @@ __all__ = ["ATTENTION_NAME", "dustin_attention"]
 
 # Never put "flash" in this name: transformers switches on it for flash-specific mask handling.
 ATTENTION_NAME = "dustin"
+# Dense forwards with more new tokens than this (prefill chunks) go to PyTorch's SDPA (flash kernels on
+# CUDA); the decode-style backends pack G*Q query rows per program and are built for a few queries.
+_MAX_DECODE_QUERIES = 64
 
 
 def dustin_attention(
@@ -54,6 +57,9 @@ def dustin_attention(
     q = query.transpose(1, 2)  # (B, Q, Hq, D)
     dustin_plan.keep_queries(module.layer_idx, q)
     tensors = dustin_plan.on(q.device)
+    backend = dustin_plan.backend
+    if not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES:
+        backend = "reference"
     out = verify_attention(
         q,
         key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again
@@ -63,6 +69,6 @@ def dustin_attention(
         indices=tensors.indices,
         num_indices=tensors.num_indices,
         max_seqlen_k=dustin_plan.max_seqlen_k,
-        backend=dustin_plan.backend,
+        backend=backend,
     )
     return out, None

@@ -46,17 +46,19 @@ def attention_mass(
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
         queries and heads (positions a query cannot see get nothing from it).
     """
-    total = torch.zeros(queries.shape[0], num_positions, dtype=torch.float32, device=queries.device)
+    batch, n_q = queries.shape[:2]
+    span = max(key_span, num_positions)
+    total = torch.zeros(batch, num_positions, dtype=torch.float32, device=queries.device)
     # each query's softmax runs over everything it sees, which can reach past `num_positions`
-    key_pos = torch.arange(max(key_span, num_positions), device=queries.device)
-    visible = key_pos[None, None, :] <= query_pos[:, :, None].long()  # (B, n_q, Tk)
+    key_pos = torch.arange(span, device=queries.device)
+    hidden = (key_pos[None, None, :] > query_pos[:, :, None].long())[:, :, None, :]  # (B, n_q, 1, span)
     for kv_head in sorted({h // group_size for h in heads}):
         members = [i for i, h in enumerate(heads) if h // group_size == kv_head]
-        q = queries[:, :, members].float()  # (B, n_q, n_h, D)
-        k = keys[:, : key_pos.numel(), kv_head].float()  # (B, Tk, D)
-        logits = torch.einsum("bqhd,btd->bqht", q, k) * softmax_scale
-        logits = logits.masked_fill(~visible[:, :, None, :], float("-inf"))
-        probs = logits.softmax(dim=-1)  # (B, n_q, n_h, Tk)
+        q = queries[:, :, members].to(keys.dtype).reshape(batch, n_q * len(members), -1)  # (B, n_q*n_h, D)
+        k = keys[:, :span, kv_head]  # (B, span, D): a strided view, the key rows are read once by the matmul
+        logits = torch.matmul(q, k.transpose(1, 2)).float().mul_(softmax_scale)  # (B, n_q*n_h, span)
+        logits = logits.view(batch, n_q, len(members), span).masked_fill_(hidden, float("-inf"))
+        probs = logits.softmax(dim=-1)  # (B, n_q, n_h, span)
         total += probs[..., :num_positions].sum(dim=(1, 2))
     return total
 
@@ -106,4 +108,6 @@ def draft_lookahead_scores(
             num_positions, num_positions + gamma,
         )
         total = mass if total is None else total + mass.to(total.device)
-    return total
+    # the draft tokens' own positions ([L_b, L_b + γ) of row b) are new tokens, not cached ones
+    cached = torch.arange(num_positions, device=total.device)[None, :] < seqlens.to(total.device)[:, None]
+    return total * cached

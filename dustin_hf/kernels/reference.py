@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def verify_attention_reference(
@@ -52,8 +53,11 @@ def verify_attention_reference(
         if max_seqlen_k is None:
             max_seqlen_k = int(seqlens.max()) + n_q
         keys, values = k_cache[:, :max_seqlen_k], v_cache[:, :max_seqlen_k]  # (B, Tk, Hkv, D)
-        key_pos = torch.arange(max_seqlen_k, device=device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, Q, Tk)
+        if batch == 1:  # one row (prefill): a bottom-right causal bias, which flash kernels take without a mask
+            mask = causal_lower_right(n_q, max_seqlen_k)
+        else:
+            key_pos = torch.arange(max_seqlen_k, device=device)
+            mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # (B, 1, Q, Tk)
     else:
         idx = indices.to(device=device, dtype=torch.long)
         counts = num_indices.to(device=device, dtype=torch.long)
@@ -63,11 +67,12 @@ def verify_attention_reference(
         selected_ok = torch.arange(n_sel, device=device)[None, :] < counts[:, None]  # (B, W)
         new_ok = torch.ones(n_q, n_q, dtype=torch.bool, device=device).tril()  # (Q, Q): new j <= query i
         mask = torch.cat([selected_ok[:, None, :].expand(batch, n_q, n_sel), new_ok.expand(batch, n_q, n_q)], dim=2)
+        mask = mask[:, None]  # (B, 1, Q, W + Q)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (B, Hq, Q, D)
         keys.transpose(1, 2).to(q.dtype),  # (B, Hkv, Tk, D)
         values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None],
+        attn_mask=mask,
         scale=softmax_scale,
         enable_gqa=n_heads != keys.shape[2],
     )  # (B, Hq, Q, D)
