@@ -1,0 +1,110 @@
+"""Batches: ragged prompts and acceptance, EOS per row, sampling law, no cross-row leakage, bad input."""
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import DustinConfig
+
+from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+
+LENGTHS = [5, 23, 40, 12, 31]
+
+
+def _rows(seed=0, lengths=LENGTHS):
+    return [random_prompt(n, seed=seed * 100 + i)[0] for i, n in enumerate(lengths)]
+
+
+def _alone(target, row, **kwargs):
+    return target.generate(row[None], do_sample=False, **kwargs)[0, row.numel():]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dustin", [False, True])
+def test_each_row_equals_its_prompt_decoded_alone(family, dustin):
+    target = tiny_model(family, layers=3)
+    draft = set_gamma(noisy_copy(target), 4)
+    rows = _rows()
+    ids, mask = left_pad(rows)
+    extra = {"cache_implementation": "dustin"} if dustin else {}
+    with dustin_hf.patch(target):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=25, do_sample=False,
+                              return_dict_in_generate=True, **extra)
+    for b, row in enumerate(rows):
+        assert torch.equal(out.sequences[b, ids.shape[1]:], _alone(target, row, max_new_tokens=25)), f"row {b}"
+    stats = out.past_key_values.stats
+    assert 0 < stats["acceptance_rate"] < 1  # ragged acceptance actually happened
+
+
+def test_rows_stop_at_their_own_eos():
+    target = tiny_model("qwen2", layers=3)
+    draft = set_gamma(noisy_copy(target), 4)
+    rows = _rows(seed=1)
+    ids, mask = left_pad(rows)
+    eos = int(_alone(target, rows[1], max_new_tokens=6)[5])  # row 1 emits it at its 6th token (or earlier)
+    pad = PAD
+    kwargs = dict(max_new_tokens=25, eos_token_id=eos, pad_token_id=pad)
+    with dustin_hf.patch(target):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False,
+                              cache_implementation="dustin", **kwargs)
+    lengths = []
+    for b, row in enumerate(rows):
+        ref = _alone(target, row, **kwargs)
+        got = out[b, ids.shape[1]:]
+        assert torch.equal(got[: ref.numel()], ref), f"row {b}"
+        assert bool((got[ref.numel():] == pad).all())
+        lengths.append(ref.numel())
+    assert min(lengths) <= 6 < max(lengths)  # some rows stopped early, others went on
+
+
+def test_no_cross_row_leakage_in_sparse_selection():
+    """Rows that differ only in content: a row's output never depends on the other rows."""
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target), 3)
+    common = random_prompt(700, seed=5)[0]
+    others = [random_prompt(n, seed=10 + n)[0] for n in (650, 720, 300)]
+    config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6)
+    outputs = []
+    with dustin_hf.patch(target, config):
+        alone = target.generate(common[None], assistant_model=draft, do_sample=False, max_new_tokens=20,
+                                cache_implementation="dustin", return_dict_in_generate=True)
+        assert alone.past_key_values.stats["sparse_steps"] > 0
+        for other in others:
+            ids, mask = left_pad([other, common])
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=20,
+                                  cache_implementation="dustin")
+            outputs.append(out[1, ids.shape[1]:])
+    for got in outputs:
+        assert torch.equal(got, alone.sequences[0, common.numel():])
+
+
+def test_right_padding_is_read_from_the_mask(caplog):
+    target = tiny_model("qwen2", layers=2)
+    draft = set_gamma(noisy_copy(target), 3)
+    rows = _rows(lengths=[6, 14])
+    ids, mask = left_pad(rows)
+    right_ids, right_mask = ids.clone(), mask.clone()
+    right_ids[0] = torch.cat([rows[0], torch.full((8,), PAD)])
+    right_mask[0] = torch.cat([torch.ones(6), torch.zeros(8)]).long()
+    with dustin_hf.patch(target):
+        out = target.generate(right_ids, attention_mask=right_mask, assistant_model=draft, do_sample=False,
+                              max_new_tokens=10, cache_implementation="dustin", pad_token_id=PAD)
+    assert torch.equal(out[0, 14:], _alone(target, rows[0], max_new_tokens=10))
+
+
+def test_bad_batches_raise_clear_errors():
+    target = tiny_model("qwen2", layers=2)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids, mask = left_pad(_rows(lengths=[6, 9, 4]))
+    kwargs = dict(assistant_model=draft, max_new_tokens=4, cache_implementation="dustin", pad_token_id=PAD)
+    with dustin_hf.patch(target):
+        with pytest.raises(ValueError, match="does not match input_ids shape"):
+            target.generate(ids, attention_mask=mask[:2], **kwargs)
+        empty = mask.clone()
+        empty[2] = 0
+        with pytest.raises(ValueError, match="row 2 of the batch has an empty prompt"):
+            target.generate(ids, attention_mask=empty, **kwargs)
+        holes = mask.clone()
+        holes[1, -3] = 0
+        with pytest.raises(ValueError, match="holes"):
+            target.generate(ids, attention_mask=holes, **kwargs)

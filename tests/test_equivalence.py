@@ -1,0 +1,69 @@
+"""The invariant that guards everything: with a budget covering the context, Dustin is exact.
+
+Dustin's output must equal plain greedy decoding and stock (batch-1) assisted decoding token for
+token, on Llama-, Qwen2- and Qwen3-style models, for several prompt lengths and draft lengths.
+"""
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import decoding
+from dustin_hf.selection import Selection
+
+from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+
+CASES = [(1, 1), (9, 3), (61, 6)]  # (prompt length, γ)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("prompt_len, gamma", CASES)
+def test_full_budget_equals_greedy_and_stock_assisted(family, prompt_len, gamma):
+    target = tiny_model(family, layers=3)
+    draft = set_gamma(noisy_copy(target), gamma)
+    ids = random_prompt(prompt_len, seed=prompt_len)
+    greedy = target.generate(ids, max_new_tokens=24, do_sample=False)
+    stock = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False)
+    with dustin_hf.patch(target):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    assert torch.equal(stock, greedy)
+    assert torch.equal(out.sequences, greedy)
+    stats = out.past_key_values.stats
+    assert stats["steps"] > 0 and stats["accepted_tokens"] > 0  # the draft really was used
+
+
+def _select_everything(seqlens, draft_scores, target_scores, has_history, config):
+    """A "sparse" read set that happens to hold every cached position: sparse kernels, dense answer."""
+    width = max(seqlens)
+    indices = torch.arange(width, dtype=torch.int32).expand(len(seqlens), width).contiguous()
+    return Selection(indices=indices, num_indices=torch.tensor(seqlens, dtype=torch.int32), counts=list(seqlens))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sparse_path_with_every_position_selected_is_exact(monkeypatch, family):
+    target = tiny_model(family, layers=3)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids = random_prompt(40, seed=3)
+    greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
+    monkeypatch.setattr(decoding, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
+    monkeypatch.setattr(decoding, "select_positions", _select_everything)
+    with dustin_hf.patch(target):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy)
+    assert out.past_key_values.stats["dense_steps"] == 0
+
+
+def test_long_prompt_small_budget_is_sparse_every_step():
+    target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    ids = random_prompt(3000, seed=7)
+    budget = 64
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024)):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=30, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert out.sequences.shape[1] == 3030
+    assert stats["dense_steps"] == 0 and stats["sparse_steps"] == stats["steps"] > 0
+    assert stats["mean_attended"] == budget  # every row read exactly the budget, per layer

@@ -1,0 +1,153 @@
+"""patch()/unpatch(): everything it changes comes back; errors for bad models and bad calls."""
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation import configuration_utils
+
+import dustin_hf
+from dustin_hf import DustinConfig
+from dustin_hf.compat import check_transformers
+
+from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+
+
+def _snapshot(model):
+    return {
+        "class": type(model),
+        "dict_keys": set(model.__dict__),
+        "attn": model.config._attn_implementation,
+        "cache_impls": configuration_utils.ALL_CACHE_IMPLEMENTATIONS,
+        "attention_registry": dict(AttentionInterface._global_mapping),
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _assert_same(before, after):
+    assert after["class"] is before["class"]
+    assert after["dict_keys"] == before["dict_keys"]
+    assert after["attn"] == before["attn"]
+    assert after["cache_impls"] is before["cache_impls"]
+    assert after["attention_registry"] == before["attention_registry"]
+    for name, tensor in before["state"].items():
+        assert torch.equal(tensor, after["state"][name])
+
+
+def test_unpatch_restores_model_and_transformers(qwen_pair):
+    target, draft = qwen_pair
+    before = _snapshot(target)
+    handle = dustin_hf.patch(target)
+    assert dustin_hf.is_patched(target) and type(target).__name__ == before["class"].__name__
+    assert isinstance(target, before["class"])
+    assert "dustin" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS and "dustin" in AttentionInterface._global_mapping
+    target.generate(random_prompt(12), assistant_model=draft, cache_implementation="dustin", max_new_tokens=5)
+    assert target.config._attn_implementation == before["attn"]  # routed only during the call
+    handle.unpatch()
+    handle.unpatch()  # twice is harmless
+    _assert_same(before, _snapshot(target))
+    with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
+        GenerationConfig(cache_implementation="dustin").validate()
+
+
+def test_context_manager_and_double_patch(qwen_pair):
+    target, _ = qwen_pair
+    before = _snapshot(target)
+    with dustin_hf.patch(target) as handle:
+        again = dustin_hf.patch(target, DustinConfig(budget=64))
+        assert again is handle and handle.config.budget == 64
+        assert type(target).__mro__.count(before["class"]) == 1  # not wrapped twice
+        GenerationConfig(cache_implementation="dustin").validate()
+    _assert_same(before, _snapshot(target))
+
+
+def test_two_models_share_the_registrations(qwen_pair):
+    target, draft = qwen_pair
+    first, second = dustin_hf.patch(target), dustin_hf.patch(draft)
+    first.unpatch()
+    assert "dustin" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS  # still needed by the second model
+    second.unpatch()
+    assert "dustin" not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    assert "dustin" not in AttentionInterface._global_mapping
+
+
+def test_patched_model_without_dustin_is_unchanged(qwen_pair):
+    target, draft = qwen_pair
+    ids = random_prompt(20)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assisted = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False)
+    with dustin_hf.patch(target):
+        assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False), plain)
+        assert torch.equal(target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False), assisted)
+
+
+def test_dustin_needs_an_assistant(qwen_pair):
+    target, _ = qwen_pair
+    with dustin_hf.patch(target):
+        with pytest.raises(ValueError, match="needs assisted generation"):
+            target.generate(random_prompt(8), cache_implementation="dustin", max_new_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: tiny_model("mistral", sliding_window=32), "sliding-window"),
+        (lambda: tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window"),
+        (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "not supported"),
+        (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2)),
+         "encoder-decoder"),
+    ],
+)
+def test_unsupported_models_are_refused_at_patch(build, message):
+    with pytest.raises(ValueError, match=message):
+        dustin_hf.patch(build())
+
+
+class _Vocab:
+    """The one tokenizer method the pair check reads."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.size)}
+
+
+def test_mismatched_draft_is_refused_at_generate():
+    target = tiny_model("qwen2", vocab=96)
+    bigger = set_gamma(tiny_model("qwen2", vocab=128), 2)
+    padded = set_gamma(tiny_model("qwen2", vocab=80), 2)
+    kwargs = dict(cache_implementation="dustin", max_new_tokens=3)
+    with dustin_hf.patch(target):
+        with pytest.raises(ValueError, match="larger than the target's"):
+            target.generate(random_prompt(8), assistant_model=bigger, tokenizer=_Vocab(96),
+                            assistant_tokenizer=_Vocab(128), **kwargs)
+        with pytest.raises(ValueError, match="tokenizers differ"):
+            target.generate(random_prompt(8), assistant_model=padded, tokenizer=_Vocab(96),
+                            assistant_tokenizer=_Vocab(80), **kwargs)
+        same = _Vocab(96)  # one tokenizer, two embedding sizes (as Qwen2.5-7B vs 0.5B): accepted
+        out = target.generate(random_prompt(8), assistant_model=padded, tokenizer=same, assistant_tokenizer=same, **kwargs)
+        assert out.shape == (1, 11)
+        sliding = set_gamma(tiny_model("mistral", sliding_window=16), 2)
+        with pytest.raises(ValueError, match="draft model .* sliding-window"):
+            target.generate(random_prompt(8), assistant_model=sliding, **kwargs)
+
+
+def test_unsupported_generate_options_are_refused(qwen_pair):
+    target, draft = qwen_pair
+    with dustin_hf.patch(target):
+        with pytest.raises(NotImplementedError, match="output_attentions"):
+            target.generate(random_prompt(8), assistant_model=draft, cache_implementation="dustin", max_new_tokens=3,
+                            output_attentions=True, return_dict_in_generate=True)
+        with pytest.raises(ValueError, match="unknown DustinConfig field"):
+            target.generate(random_prompt(8), assistant_model=draft, cache_implementation="dustin", max_new_tokens=3,
+                            cache_config={"budgett": 3})
+
+
+def test_transformers_version_guard():
+    check_transformers("5.17.0")
+    with pytest.warns(UserWarning, match="newer"):
+        check_transformers("5.99.0")
+    for bad in ("4.57.0", "5.16.2", "6.0.0"):
+        with pytest.raises(RuntimeError, match="supports transformers >= 5.17.0"):
+            check_transformers(bad)

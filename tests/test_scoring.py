@@ -1,0 +1,58 @@
+"""Scores are true attention probability masses on the chosen heads (checked against explicit math)."""
+
+import torch
+
+from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores
+
+
+def _explicit(q, keys, query_pos, heads, group, scale, num_positions):
+    batch, n_q = q.shape[:2]
+    out = torch.zeros(batch, num_positions, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(n_q):
+            visible = int(query_pos[b, j]) + 1
+            for i, h in enumerate(heads):
+                logits = keys[b, :visible, h // group].double() @ q[b, j, i].double() * scale
+                probs = logits.softmax(0)
+                n = min(visible, num_positions)
+                out[b, :n] += probs[:n]
+    return out
+
+
+def test_attention_mass_matches_explicit_softmax():
+    torch.manual_seed(0)
+    batch, cap, kv, d, group = 3, 40, 2, 8, 3
+    keys = torch.randn(batch, cap, kv, d)
+    heads = (0, 2, 4, 5)
+    q = torch.randn(batch, 2, len(heads), d)
+    query_pos = torch.tensor([[10, 11], [25, 26], [30, 31]])
+    got = attention_mass(q, keys, query_pos, heads, group, 0.3, 27, 32)
+    want = _explicit(q, keys, query_pos, heads, group, 0.3, 27)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_target_history_is_one_distribution_per_head():
+    torch.manual_seed(1)
+    keys = torch.randn(2, 64, 2, 16)
+    history = torch.randn(2, 3, 16)
+    seqlens = torch.tensor([20, 50])
+    scores = target_history_scores(history, keys, seqlens, (0, 1, 2), 4, 0.25, 50)
+    assert scores.shape == (2, 50)
+    torch.testing.assert_close(scores.sum(1), torch.tensor([3.0, 3.0]))  # each of 3 heads sums to 1
+    assert scores[0, 20:].abs().max() == 0  # nothing past the row's length
+
+
+def test_draft_lookahead_counts_only_cached_positions():
+    torch.manual_seed(2)
+    gamma, seqlens = 3, torch.tensor([12, 30])
+    keys = [torch.randn(2, 40, 1, 8), torch.randn(2, 40, 1, 8)]
+    queries = [torch.randn(2, gamma, 2, 8), torch.randn(2, gamma, 1, 8)]
+    scores = draft_lookahead_scores(queries, keys, seqlens, ((0, 1), (1,)), 2, 0.35, 30)
+    want = sum(
+        _explicit(q, k, seqlens[:, None] + torch.arange(gamma), heads, 2, 0.35, 30)
+        for q, k, heads in zip(queries, keys, ((0, 1), (1,)))
+    )
+    for b, n in enumerate(seqlens.tolist()):  # mass on the draft tokens themselves is not a cached position
+        want[b, n:] = 0
+    torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-6)
+    assert bool((scores.sum(1) < gamma * 3).all())

@@ -1,0 +1,85 @@
+"""Budget fill: sinks, recent window, draft top-m, target fill; no duplicates; dense rows."""
+
+import pytest
+import torch
+
+from dustin_hf.config import DustinConfig, resolve
+from dustin_hf.selection import select_positions
+
+from conftest import tiny_model
+
+
+def _config(**kwargs):
+    model = tiny_model("qwen2", layers=2)
+    return resolve(DustinConfig(**kwargs), model.config, model.config)
+
+
+def test_positions_come_from_each_source_in_order():
+    cfg = _config(budget=16, sink_tokens=2, recent_tokens=3, draft_share=4, min_context=0)
+    length = 100
+    draft = torch.zeros(1, length)
+    target = torch.zeros(1, length)
+    draft_top = [50, 10, 70, 30]
+    draft[0, draft_top] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    draft[0, 99] = 100.0  # inside the recent window: must not use a draft slot
+    target[0, [10, 50]] = 50.0  # already chosen by the draft: must not be chosen twice
+    target_top = [5, 15, 25, 35, 45, 55, 65]
+    target[0, target_top] = torch.arange(7, 0, -1).float()
+    sel = select_positions([length], draft, target, [True], cfg)
+    chosen = sel.indices[0, : sel.counts[0]].tolist()
+    assert sel.counts == [16]
+    assert chosen == sorted(chosen) and len(set(chosen)) == 16
+    expected = {0, 1, 97, 98, 99, *draft_top, *target_top}
+    assert set(chosen) == expected
+
+
+def test_rows_without_history_fill_by_draft_scores():
+    cfg = _config(budget=8, sink_tokens=1, recent_tokens=1, draft_share=2, min_context=0)
+    length = 40
+    draft = torch.zeros(2, length)
+    draft[:, [20, 21, 22, 23, 24, 25]] = torch.tensor([6.0, 5, 4, 3, 2, 1])
+    target = torch.zeros(2, length)
+    target[:, [5, 6, 7, 8]] = 9.0
+    sel = select_positions([length, length], draft, target, [True, False], cfg)
+    with_history = set(sel.indices[0].tolist())
+    without = set(sel.indices[1].tolist())
+    assert with_history == {0, 39, 20, 21, 5, 6, 7, 8}
+    assert without == {0, 39, 20, 21, 22, 23, 24, 25}
+
+
+def test_short_rows_are_dense_and_width_covers_them():
+    cfg = _config(budget=8, sink_tokens=1, recent_tokens=1, draft_share=2, min_context=30)
+    seqlens = [5, 20, 50]  # within budget -> dense; below min_context -> dense; long -> sparse
+    scores = torch.rand(3, 50)
+    sel = select_positions(seqlens, scores, scores, [True] * 3, cfg)
+    assert sel.counts == [5, 20, 8]
+    assert sel.indices.shape == (3, 20)  # the dense 20-position row needs more than the budget
+    assert sel.indices[0, :5].tolist() == list(range(5))
+    assert sel.indices[1, :20].tolist() == list(range(20))
+    row = sel.indices[2, :8].tolist()
+    assert row[0] == 0 and row[-1] == 49 and len(set(row)) == 8
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_scores_give_valid_selections(seed):
+    generator = torch.Generator().manual_seed(seed)
+    cfg = _config(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=0)
+    seqlens = torch.randint(33, 300, (6,), generator=generator).tolist()
+    span = max(seqlens)
+    draft = torch.rand(6, span, generator=generator)
+    target = torch.rand(6, span, generator=generator)
+    for b, n in enumerate(seqlens):  # scores are zero past each row's end, as scoring returns them
+        draft[b, n:] = 0
+        target[b, n:] = 0
+    sel = select_positions(seqlens, draft, target, [True] * 6, cfg)
+    for b, n in enumerate(seqlens):
+        row = sel.indices[b, : sel.counts[b]]
+        assert sel.counts[b] == 32
+        assert len(set(row.tolist())) == 32 and bool((row >= 0).all()) and bool((row < n).all())
+        assert set(range(4)) | set(range(n - 8, n)) <= set(row.tolist())
+        free = [p for p in range(4, n - 8)]
+        best_draft = sorted(free, key=lambda p: -draft[b, p].item())[:7]
+        assert set(best_draft) <= set(row.tolist())
+        rest = [p for p in free if p not in best_draft]
+        best_target = sorted(rest, key=lambda p: -target[b, p].item())[: 32 - 4 - 8 - 7]
+        assert set(best_target) <= set(row.tolist())
