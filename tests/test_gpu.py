@@ -1,0 +1,54 @@
+"""End to end on CUDA: the patched generate() with the GPU backends (skipped without a GPU)."""
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import DustinConfig
+from dustin_hf.kernels import resolve_backend
+
+from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _pair(family="qwen2", dtype=torch.float32):
+    target = tiny_model(family, layers=3, hidden=128, heads=8, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    return target.to("cuda", dtype), draft.to("cuda", dtype)
+
+
+def test_auto_backend_is_a_gpu_kernel():
+    assert resolve_backend("auto", "cuda") in ("triton", "flash_attn", "varlen")
+
+
+@pytest.mark.parametrize("backend", ["triton", "varlen", "reference"])
+def test_batched_full_budget_equals_greedy_on_cuda(backend):
+    if backend == "varlen":
+        from dustin_hf.kernels.varlen import torch_varlen_available
+
+        if not torch_varlen_available():
+            pytest.skip("torch varlen_attn not available")
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (7, 40, 23, 64)]
+    ids, mask = left_pad(rows)
+    with dustin_hf.patch(target, DustinConfig(backend=backend)):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+    for b, row in enumerate(rows):
+        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_sparse_generation_runs_on_cuda_bf16(backend):
+    target, draft = _pair(dtype=torch.bfloat16)
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (3000, 2500)]
+    ids, mask = left_pad(rows)
+    config = DustinConfig(budget=128, min_context=1024, backend=backend)
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=32, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert stats["dense_steps"] == 0 and stats["sparse_steps"] > 0 and stats["mean_attended"] == 128
+    assert out.sequences.shape == (2, ids.shape[1] + 32)
