@@ -36,6 +36,7 @@ class DustinStats:
     verified_tokens: int = 0  # draft tokens proposed to the target
     accepted_tokens: int = 0  # draft tokens the target kept
     steps: int = 0  # verification forwards
+    trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -288,7 +288,8 @@ class SpeculativeDecoder:
         new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, γ+1): d_1..d_n, next, garbage
         active = [b for b in range(batch) if not self._finished[b]]
-        counts = self._commit(new_tokens, raw, scores, (n_accepted + 1).tolist())
+        accepted = n_accepted.tolist()
+        counts = self._commit(new_tokens, raw, scores, [n + 1 for n in accepted])
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
         if self.dustin is not None:
@@ -301,6 +302,7 @@ class SpeculativeDecoder:
         stats.steps += 1
         stats.verified_tokens += gamma * len(active)
         stats.accepted_tokens += sum(counts[b] - 1 for b in active)
+        stats.trace.append((gamma, [accepted[b] if b in active else -1 for b in range(batch)]))
         if selection is not None:
             stats.sparse_steps += 1
             stats.attended_sum += sum(selection.counts[b] for b in active) / max(len(active), 1)
