@@ -101,7 +101,7 @@ class DustinLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows = plan.rows
-        slots = plan.on(key_states.device).write_positions  # (B', Q)
+        slots = plan.write_positions(key_states.device)  # (B', Q)
         row_ids = torch.arange(rows.start, rows.stop, device=key_states.device)[:, None]
         self._k[row_ids, slots] = key_states.transpose(1, 2).to(self._k.dtype)  # (B', Q, H, D)
         self._v[row_ids, slots] = value_states.transpose(1, 2).to(self._v.dtype)

@@ -31,6 +31,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .cache import DustinCache
 from .config import ResolvedConfig
+from .graphs import GraphedForward
 from .kernels import resolve_backend
 from .plan import ForwardPlan
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
@@ -83,27 +84,62 @@ def _model_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-class _Model:
-    """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens."""
+def _single_cuda_device(model) -> bool:
+    devices = {p.device for p in model.parameters()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
-    def __init__(self, model, cache: DustinCache, backend: str):
+
+class _Model:
+    """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
+
+    ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
+    per shape and replayed (see :mod:`dustin_hf.graphs`).
+    """
+
+    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0):
         self.model, self.cache, self.backend = model, cache, backend
+        self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
         self.device = _model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
+        self._graphs: dict | None = {} if cuda_graphs else None
+        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+
+    def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
+        extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+            dustin_plan=plan, **extra,
+        )
+        return out.logits[:, -keep:].float()
 
     def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """Run ``input_ids (B', Q)`` at the plan's positions; return the last ``keep`` logits ``(B', keep, V)``."""
-        positions = torch.tensor(plan.cache_seqlens, device=self.device)[:, None] + torch.arange(
-            plan.q_len, device=self.device
-        )
-        extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        """Run ``input_ids (B', Q)`` at the plan's positions (eagerly) and advance the covered rows."""
         with self.cache.forward_plan(plan):
-            out = self.model(
-                input_ids=input_ids.to(self.device), position_ids=positions, past_key_values=self.cache,
-                use_cache=True, dustin_plan=plan, **extra,
-            )
+            logits = self.call(plan, input_ids.to(self.device), plan.write_positions(self.device), keep)
         self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
-        return out.logits[:, -keep:].float()
+        return logits
+
+    def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
+             selection=None) -> tuple[torch.Tensor, dict]:
+        """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits, kept queries)``."""
+        width = 0 if selection is None else selection.indices.shape[1]
+        if self._graphs is None or width not in (0, self.graph_width):  # a rare width: not worth a graph
+            plan = ForwardPlan(
+                rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
+                indices=None if selection is None else selection.indices,
+                num_indices=None if selection is None else selection.num_indices,
+                capture=capture, capture_last=capture_last,
+            )
+            return self.forward(plan, input_ids, keep), plan.captured
+        key = (input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            graphed = self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture,
+                                                         capture_last, self._pool)
+        if selection is None:
+            return graphed(input_ids, seqlens)
+        return graphed(input_ids, seqlens, selection.indices, selection.num_indices)
 
     def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
         """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
@@ -134,6 +170,12 @@ class SpeculativeDecoder:
         num_draft_tokens: γ, draft tokens per step.
         confidence_threshold: stop drafting early once every unfinished row's draft confidence
             (its top probability) falls below it; ``None`` never stops early.
+        streamer: receives each step's new tokens (batch size 1 only).
+        backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
+        cuda_graphs: capture the fixed-shape forwards in CUDA graphs; ``None``: when both models sit
+            on one CUDA device each and the backend is graph-safe (``"triton"``).
+        accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
+            the target's own token follows them.
     """
 
     def __init__(
@@ -148,6 +190,8 @@ class SpeculativeDecoder:
         confidence_threshold: float | None = None,
         streamer=None,
         backend: str = "auto",
+        cuda_graphs: bool | None = None,
+        accept_override=None,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -160,6 +204,10 @@ class SpeculativeDecoder:
         self.threshold = confidence_threshold
         self.streamer = streamer
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, _model_device(target))
+        if cuda_graphs is None:  # graphs need every tensor of a model on one CUDA device and a graph-safe kernel
+            cuda_graphs = self.backend == "triton" and all(_single_cuda_device(m) for m in (target, draft))
+        self.cuda_graphs = cuda_graphs
+        self.accept_override = accept_override
         self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
         self.pad = pad[0] if pad else (self.eos[0] if self.eos else 0)
@@ -186,8 +234,11 @@ class SpeculativeDecoder:
         prompt_lens = [p.numel() for p in prompts]
         capacity = max(prompt_lens) + max_new + self.gamma + 2
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        target = _Model(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend)
-        draft = _Model(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend)
+        width = self.dustin.budget if self.dustin is not None else 0
+        target = _Model(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
+                        self.cuda_graphs, graph_width=width)
+        draft = _Model(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
+                       self.cuda_graphs)
         self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
         self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
         self._t_scale = _attention_scale(self.target, t_cfg)
@@ -215,7 +266,7 @@ class SpeculativeDecoder:
         if self.dustin is not None:
             layer = self.dustin.target_layer
             target.cache.set_history(torch.cat([k[layer][:, 0] for k in kept]), [n - 1 for n in prompt_lens])
-        self._commit(first[:, None], first_raw, first_scores, [1] * batch)
+        self._commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * batch)
         draft.prefill([p[:-1] for p in prompts], chunk, {})
 
         while not all(self._finished):
@@ -230,28 +281,25 @@ class SpeculativeDecoder:
     def _step(self, target: _Model, draft: _Model) -> None:
         """One draft -> (select) -> verify -> accept -> commit round for every row."""
         batch = len(self._lens)
-        rows = slice(0, batch)
         seqlens = [n - 1 for n in self._lens]  # L_b: target-cached positions (the last token is not cached)
         device = self._tokens.device
         base = torch.tensor(seqlens, device=device)
         sparse = self.dustin is not None and not all(dense_rows(seqlens, self.dustin))
 
-        # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two.
+        # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two;
+        #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward.
         d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
         feed = self._tokens.gather(1, base[:, None] - 1 + torch.arange(2, device=device))  # (B, 2)
         drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
         for i in range(self.gamma):
-            plan = ForwardPlan(
-                rows=rows, cache_seqlens=[n - 1 + i + (1 if i else 0) for n in seqlens], q_len=feed.shape[1],
-                backend=self.backend, capture=d_capture, capture_last=True,
-            )
-            raw = draft.forward(plan, feed, keep=1)  # (B, 1, Vd)
+            at = [n - 1 + i + (1 if i else 0) for n in seqlens]
+            raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True)  # (B, 1, Vd)
             scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
             token = pick_tokens(scores[:, 0], self.do_sample).to(device)
             drafts.append(token)
             if self.do_sample or self.threshold is not None:
                 draft_probs.append(scores[:, 0].softmax(dim=-1))
-            for layer, q in plan.captured.items():
+            for layer, q in captured.items():
                 kept_queries[layer].append(q[:, 0])  # (B, heads, D)
             feed = token[:, None]
             if self.threshold is not None and i + 1 < self.gamma:
@@ -262,20 +310,13 @@ class SpeculativeDecoder:
         draft_tokens = torch.stack(drafts, dim=1)  # (B, γ)
 
         # 2. Select what verification reads (Dustin, once some row is long enough).
-        selection = None
-        if sparse:
-            selection = self._select(target, draft, seqlens, base, kept_queries)
+        selection = self._select(target, draft, seqlens, base, kept_queries) if sparse else None
 
-        # 3. Verify [x, d_1..d_γ] at positions L..L+γ.
+        # 3. Verify [x, d_1..d_γ] at positions L..L+γ against the selection (or everything).
         t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
-        plan = ForwardPlan(
-            rows=rows, cache_seqlens=seqlens, q_len=gamma + 1, backend=self.backend,
-            indices=None if selection is None else selection.indices,
-            num_indices=None if selection is None else selection.num_indices,
-            capture=t_capture,
-        )
         verify_in = torch.cat([self._tokens.gather(1, base[:, None]), draft_tokens], dim=1)  # (B, γ+1)
-        raw = target.forward(plan, verify_in, keep=gamma + 1)  # (B, γ+1, V)
+        raw, captured = target.step(verify_in, seqlens, keep=gamma + 1, capture=t_capture, capture_last=False,
+                                    selection=selection)  # (B, γ+1, V)
         scores = self.process(raw, lambda b, i: self._history(b, drafts[:i]))
 
         # 4. Accept: greedy keeps the agreeing prefix; sampling applies the speculative rejection rule.
@@ -283,19 +324,23 @@ class SpeculativeDecoder:
             n_accepted, next_token = accept_sampled(draft_tokens, torch.stack(draft_probs, dim=1), scores)
         else:
             n_accepted, next_token = accept_greedy(draft_tokens, scores)
+        if self.accept_override is not None:  # benchmarks: a recorded acceptance, the target's own next token
+            n_accepted = self.accept_override(n_accepted).clamp(0, gamma).to(device)
+            next_token = scores.argmax(dim=-1).gather(1, n_accepted[:, None]).squeeze(1)
 
         # 5. Commit: k_b tokens per row (the kept drafts + the target's token, cut at EOS / length).
         new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, γ+1): d_1..d_n, next, garbage
         active = [b for b in range(batch) if not self._finished[b]]
-        accepted = n_accepted.tolist()
-        counts = self._commit(new_tokens, raw, scores, [n + 1 for n in accepted])
+        host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
+        accepted = [row[0] for row in host]
+        counts = self._commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
         if self.dustin is not None:
-            layer = self.dustin.target_layer
-            picked = torch.tensor([k - 1 for k in counts], device=device)
-            history = plan.captured[layer][torch.arange(batch, device=device), picked.to(plan.captured[layer].device)]
+            queries = captured[self.dustin.target_layer]  # (B, γ+1, heads, D)
+            picked = torch.tensor([k - 1 for k in counts], device=queries.device)  # the last committed token
+            history = queries[torch.arange(batch, device=queries.device), picked]
             target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
 
         stats = target.cache.counters
@@ -334,26 +379,28 @@ class SpeculativeDecoder:
             return committed
         return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
 
-    def _commit(self, new_tokens, raw, scores, proposed: list[int]) -> list[int]:
+    def _commit(self, new_tokens, host_tokens: list[list[int]], raw, scores, proposed: list[int]) -> list[int]:
         """Append up to ``proposed[b]`` of ``new_tokens[b]`` to each unfinished row, cut at EOS, length and
         stopping criteria; return the counts appended (0 for rows already finished)."""
-        host = new_tokens.tolist()
         streaming = self.streamer is not None and not self._finished[0]
+        starts = list(self._lens)
+        # one scatter writes every row's candidates after its end; only the first k_b become committed
+        slots = torch.tensor(starts, device=new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
+                                                                                      device=new_tokens.device)
+        self._tokens.scatter_(1, slots.clamp_max(self._tokens.shape[1] - 1), new_tokens)
         counts = []
         for b, k in enumerate(proposed):
             if self._finished[b]:
                 counts.append(0)
                 continue
             k = min(k, self._max_new - self._generated[b])
-            for j, token in enumerate(host[b][:k]):
+            for j, token in enumerate(host_tokens[b][:k]):
                 if token in self.eos:
                     k = j + 1
                     self._finished[b] = True
                     break
-            start = self._lens[b]
-            self._tokens[b, start : start + k] = new_tokens[b, :k]
             if self.row_criteria:
-                k = self._apply_row_criteria(b, start, k)
+                k = self._apply_row_criteria(b, starts[b], k)
             self._lens[b] += k
             self._generated[b] += k
             if self._generated[b] >= self._max_new:

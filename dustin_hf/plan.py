@@ -21,9 +21,16 @@ class DeviceTensors:
     """The plan's tensors on one device."""
 
     cache_seqlens: torch.Tensor  # (B',) int32: cached positions before this forward
-    write_positions: torch.Tensor  # (B', Q) int64: cache slots of the new tokens
     indices: torch.Tensor | None  # (B', W) int32: selected cached positions (sparse), else None
     num_indices: torch.Tensor | None  # (B',) int32
+
+    def to(self, device: torch.device) -> "DeviceTensors":
+        return DeviceTensors(*(None if t is None else t.to(device, non_blocking=True) for t in (
+            self.cache_seqlens, self.indices, self.num_indices)))
+
+    def write_positions(self, q_len: int) -> torch.Tensor:
+        """``(B', Q)`` int64 cache slots of the new tokens: ``cache_seqlens[b] + arange(Q)``."""
+        return self.cache_seqlens.long()[:, None] + torch.arange(q_len, device=self.cache_seqlens.device)
 
 
 @dataclass
@@ -39,6 +46,10 @@ class ForwardPlan:
             device; ``None`` for dense attention.
         capture: ``{layer_idx: heads}``: keep these query heads of these layers for scoring.
         capture_last: keep only the last query of each row (drafting and prefill) instead of all.
+        static: device tensors to use as they are (CUDA graphs: persistent buffers refilled before each
+            replay) instead of building them from ``cache_seqlens`` / ``indices``.
+        key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
+            default ``max(cache_seqlens) + q_len``.
     """
 
     rows: slice
@@ -49,15 +60,19 @@ class ForwardPlan:
     num_indices: torch.Tensor | None = None
     capture: dict[int, tuple[int, ...]] = field(default_factory=dict)
     capture_last: bool = False
+    static: DeviceTensors | None = None
+    key_bound: int | None = None
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
-    _home: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
             raise ValueError(f"{len(self.cache_seqlens)} cache_seqlens for rows {self.rows}")
         if (self.indices is None) != (self.num_indices is None):
             raise ValueError("indices and num_indices go together")
+        if self.static is not None:
+            self._on_device[self.static.cache_seqlens.device] = self.static
 
     @property
     def batch_size(self) -> int:
@@ -65,31 +80,33 @@ class ForwardPlan:
 
     @property
     def is_sparse(self) -> bool:
-        return self.indices is not None
+        return self.indices is not None or (self.static is not None and self.static.indices is not None)
 
     @property
     def max_seqlen_k(self) -> int:
         """Longest key range of any row, new tokens included (host int: no device sync)."""
-        return max(self.cache_seqlens) + self.q_len
+        return self.key_bound if self.key_bound is not None else max(self.cache_seqlens) + self.q_len
 
     def on(self, device: torch.device) -> DeviceTensors:
         """The plan's tensors on ``device``, built on first use and reused by every later layer."""
         tensors = self._on_device.get(device)
         if tensors is None:
-            tensors = self._build(device)
+            if self._on_device:  # copy from a device we already have, rather than from the host again
+                tensors = next(iter(self._on_device.values())).to(device)
+            else:
+                seqlens = torch.tensor(self.cache_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+                indices = None if self.indices is None else self.indices.to(device, torch.int32, non_blocking=True)
+                num = None if self.num_indices is None else self.num_indices.to(device, torch.int32, non_blocking=True)
+                tensors = DeviceTensors(seqlens, indices, num)
             self._on_device[device] = tensors
         return tensors
 
-    def _build(self, device: torch.device) -> DeviceTensors:
-        if self._on_device:  # copy from a device we already have, rather than from the host again
-            first = next(iter(self._on_device.values()))
-            return DeviceTensors(*(None if t is None else t.to(device, non_blocking=True) for t in (
-                first.cache_seqlens, first.write_positions, first.indices, first.num_indices)))
-        seqlens = torch.tensor(self.cache_seqlens, dtype=torch.int32).to(device, non_blocking=True)
-        write_positions = seqlens.long()[:, None] + torch.arange(self.q_len, device=device)
-        indices = None if self.indices is None else self.indices.to(device, torch.int32, non_blocking=True)
-        num = None if self.num_indices is None else self.num_indices.to(device, torch.int32, non_blocking=True)
-        return DeviceTensors(seqlens, write_positions, indices, num)
+    def write_positions(self, device: torch.device) -> torch.Tensor:
+        """``(B', Q)`` int64 cache slots of the new tokens on ``device`` (computed once per device)."""
+        slots = self._slots.get(device)
+        if slots is None:
+            slots = self._slots[device] = self.on(device).write_positions(self.q_len)
+        return slots
 
     def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Store the scoring heads' queries of ``layer_idx`` if it is a capture layer.
