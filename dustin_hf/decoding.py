@@ -84,6 +84,32 @@ def _model_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _PhaseClock:
+    """Wall time per phase of the decode loop; when enabled it synchronises the device at every mark."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.totals: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark to ``phase``."""
+        if not self.enabled:
+            return
+        _synchronize(self.device)
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 def _single_cuda_device(model) -> bool:
     devices = {p.device for p in model.parameters()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
@@ -172,10 +198,17 @@ class SpeculativeDecoder:
             (its top probability) falls below it; ``None`` never stops early.
         streamer: receives each step's new tokens (batch size 1 only).
         backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
-        cuda_graphs: capture the fixed-shape forwards in CUDA graphs; ``None``: when both models sit
-            on one CUDA device each and the backend is graph-safe (``"triton"``).
+        cuda_graphs: capture the fixed-shape forwards in CUDA graphs; ``None``: for each model that
+            sits on one CUDA device, when the backend is graph-safe (``"triton"``).
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
             the target's own token follows them.
+        prefill: benchmarks only: replaces ``_Model.prefill`` (same signature and results).
+        profile: synchronise the device between phases and record their times in ``stats``
+            (``phase_seconds``); slows decoding, so leave it off when measuring throughput.
+
+    After ``generate``, the target cache's ``stats`` also hold ``prefill_seconds``,
+    ``decode_seconds``, ``step_end_times`` (host clock, each after the step's device sync) and
+    ``step_tokens`` (tokens committed by all rows at each step).
     """
 
     def __init__(
@@ -192,6 +225,8 @@ class SpeculativeDecoder:
         backend: str = "auto",
         cuda_graphs: bool | None = None,
         accept_override=None,
+        prefill=None,
+        profile: bool = False,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -204,10 +239,14 @@ class SpeculativeDecoder:
         self.threshold = confidence_threshold
         self.streamer = streamer
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, _model_device(target))
-        if cuda_graphs is None:  # graphs need every tensor of a model on one CUDA device and a graph-safe kernel
-            cuda_graphs = self.backend == "triton" and all(_single_cuda_device(m) for m in (target, draft))
-        self.cuda_graphs = cuda_graphs
+        # graphs need all of a model's tensors on one CUDA device and a graph-safe kernel
+        self.graphs = {
+            role: (self.backend == "triton" and _single_cuda_device(model)) if cuda_graphs is None else cuda_graphs
+            for role, model in (("target", target), ("draft", draft))
+        }
         self.accept_override = accept_override
+        self.prefill = prefill or _Model.prefill
+        self.profile = profile
         self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
         self.pad = pad[0] if pad else (self.eos[0] if self.eos else 0)
@@ -236,9 +275,9 @@ class SpeculativeDecoder:
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
         width = self.dustin.budget if self.dustin is not None else 0
         target = _Model(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                        self.cuda_graphs, graph_width=width)
+                        self.graphs["target"], graph_width=width)
         draft = _Model(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                       self.cuda_graphs)
+                       self.graphs["draft"])
         self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
         self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
         self._t_scale = _attention_scale(self.target, t_cfg)
@@ -253,13 +292,14 @@ class SpeculativeDecoder:
         self._max_new = max_new
         self._scores = [[] for _ in range(batch)] if self.output_scores else None
         self._raw = [[] for _ in range(batch)] if self.output_logits else None
-        self._start = time.monotonic()
+        self._clock = _PhaseClock(device, self.profile)
+        started = time.perf_counter()
 
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
         # Prefill: the target reads each prompt (keeping the last query on the scoring heads as the first
         # history) and names the first new token; the draft reads all but the last prompt token.
         t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
-        last_logits, kept = target.prefill(prompts, chunk, t_capture)
+        last_logits, kept = self.prefill(target, prompts, chunk, t_capture)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
         first_scores = self.process(first_raw, lambda b, i: tokens[b : b + 1, : self._lens[b]])
         first = pick_tokens(first_scores[:, 0], self.do_sample)
@@ -267,14 +307,27 @@ class SpeculativeDecoder:
             layer = self.dustin.target_layer
             target.cache.set_history(torch.cat([k[layer][:, 0] for k in kept]), [n - 1 for n in prompt_lens])
         self._commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * batch)
-        draft.prefill([p[:-1] for p in prompts], chunk, {})
+        self.prefill(draft, [p[:-1] for p in prompts], chunk, {})
+        _synchronize(device)
+        decoding = time.perf_counter()
+        self._clock.restart()
+        step_ends, step_tokens = [], []
 
         while not all(self._finished):
+            before = sum(self._generated)
             self._step(target, draft)
+            step_ends.append(time.perf_counter())
+            step_tokens.append(sum(self._generated) - before)
             if self.max_time is not None and self.max_time(tokens, None).all():
                 break
         if self.streamer is not None:
             self.streamer.end()
+        target.cache.counters.extra.update(
+            prefill_seconds=decoding - started, decode_seconds=(step_ends[-1] if step_ends else decoding) - decoding,
+            generated_tokens=sum(self._generated), step_end_times=[t - decoding for t in step_ends],
+            step_tokens=step_tokens,
+            **({"phase_seconds": dict(self._clock.totals)} if self.profile else {}),
+        )
         return self._result(input_ids, target.cache, draft.cache)
 
     # ------------------------------------------------------------------------------------------
@@ -308,9 +361,11 @@ class SpeculativeDecoder:
                     break
         gamma = len(drafts)
         draft_tokens = torch.stack(drafts, dim=1)  # (B, γ)
+        self._clock.mark("draft")
 
         # 2. Select what verification reads (Dustin, once some row is long enough).
         selection = self._select(target, draft, seqlens, base, kept_queries) if sparse else None
+        self._clock.mark("score_select")
 
         # 3. Verify [x, d_1..d_γ] at positions L..L+γ against the selection (or everything).
         t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
@@ -318,6 +373,7 @@ class SpeculativeDecoder:
         raw, captured = target.step(verify_in, seqlens, keep=gamma + 1, capture=t_capture, capture_last=False,
                                     selection=selection)  # (B, γ+1, V)
         scores = self.process(raw, lambda b, i: self._history(b, drafts[:i]))
+        self._clock.mark("verify")
 
         # 4. Accept: greedy keeps the agreeing prefix; sampling applies the speculative rejection rule.
         if self.do_sample:
@@ -332,6 +388,7 @@ class SpeculativeDecoder:
         new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, γ+1): d_1..d_n, next, garbage
         active = [b for b in range(batch) if not self._finished[b]]
+        self._clock.mark("accept")
         host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
         accepted = [row[0] for row in host]
         counts = self._commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
@@ -342,6 +399,7 @@ class SpeculativeDecoder:
             picked = torch.tensor([k - 1 for k in counts], device=queries.device)  # the last committed token
             history = queries[torch.arange(batch, device=queries.device), picked]
             target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
+        self._clock.mark("commit")
 
         stats = target.cache.counters
         stats.steps += 1
@@ -353,6 +411,7 @@ class SpeculativeDecoder:
             stats.attended_sum += sum(selection.counts[b] for b in active) / max(len(active), 1)
         else:
             stats.dense_steps += 1
+        self._clock.mark("bookkeeping")
 
     def _select(self, target: _Model, draft: _Model, seqlens, base, kept_queries):
         cfg = self.dustin
@@ -369,7 +428,7 @@ class SpeculativeDecoder:
             s_target = target_history_scores(t_cache.history_queries.to(t_keys.device), t_keys,
                                              base.to(t_keys.device), cfg.target_heads, self._t_group, self._t_scale,
                                              span).to(base.device)
-        return select_positions(seqlens, s_draft, s_target, has_history, cfg)
+        return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=base)
 
     # ------------------------------------------------------------------------------------------
     def _history(self, b: int, drafts: list[torch.Tensor]) -> torch.Tensor:

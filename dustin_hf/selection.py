@@ -41,6 +41,7 @@ def select_positions(
     target_scores: torch.Tensor | None,
     has_history: list[bool],
     config: ResolvedConfig,
+    lengths: torch.Tensor | None = None,
 ) -> Selection:
     """Choose each row's read set.
 
@@ -50,41 +51,44 @@ def select_positions(
         target_scores: ``(B, max(seqlens))`` float, ``S_target``; ``None`` if no row has a history.
         has_history: per row, whether ``target_scores`` holds a valid history for it.
         config: the resolved budget, windows and ``draft_share``.
+        lengths: ``seqlens`` as a device tensor, if the caller has one (saves a host->device copy).
     """
     device = draft_scores.device
     batch, span = draft_scores.shape
     dense = dense_rows(seqlens, config)
-    width = max([config.budget] + [n for n, d in zip(seqlens, dense) if d])
-    lengths = torch.tensor(seqlens, device=device)
-    positions = torch.arange(span, device=device)
     counts = [n if d else config.budget for n, d in zip(seqlens, dense)]
+    width = max(counts)
+    if all(dense):
+        indices = torch.arange(width, device=device, dtype=torch.int32).expand(batch, width).contiguous()
+        return Selection(indices, torch.tensor(counts, dtype=torch.int32, device=device), counts)
+    if lengths is None:
+        lengths = torch.tensor(seqlens, device=device)
+    lengths = lengths.to(device)[:, None]  # (B, 1)
 
     sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
     fill = config.budget - sink - recent - share
-    chosen = [positions[:sink].expand(batch, sink), lengths[:, None] - recent + positions[:recent]]  # (B, s), (B, r)
-    parts = list(chosen)
-    if not all(dense) and (share or fill):
-        in_range = positions[None, :] < lengths[:, None]
-        fixed = (positions[None, :] < sink) | (positions[None, :] >= lengths[:, None] - recent)
-        free = in_range & ~fixed  # (B, span): candidates for the two top-k fills
-        # rows that only exist as padding here (dense rows) may have too few candidates; topk still returns
-        # valid-shaped indices, which the dense override below replaces.
-        neg_inf = torch.finfo(torch.float32).min
-        by_draft = draft_scores.float().masked_fill(~free, neg_inf)
-        top_draft = by_draft.topk(min(share, span), dim=1).indices  # (B, m)
-        parts.append(top_draft)
-        if fill:
-            history = target_scores.float() if target_scores is not None else draft_scores.float()
-            if target_scores is not None and not all(has_history):
-                use_target = torch.tensor(has_history, device=device)[:, None]
-                history = torch.where(use_target, history, draft_scores.float())
-            by_history = history.masked_fill(~free, neg_inf).scatter(1, top_draft, neg_inf)
-            parts.append(by_history.topk(min(fill, span), dim=1).indices)  # (B, budget - s - r - m)
-    sparse_idx = torch.cat(parts, dim=1).sort(dim=1).values  # (B, budget) for sparse rows
-    if sparse_idx.shape[1] < width:
-        sparse_idx = torch.nn.functional.pad(sparse_idx, (0, width - sparse_idx.shape[1]))
-    dense_idx = torch.arange(width, device=device).expand(batch, width)
-    is_dense = torch.tensor(dense, device=device)[:, None]
-    indices = torch.where(is_dense, dense_idx, sparse_idx).to(torch.int32)
-    num_indices = torch.tensor(counts, dtype=torch.int32, device=device)
+    positions = torch.arange(span, device=device)
+    # candidates for the two top-k fills: in range, not a sink, not in the recent window
+    taken = (positions < sink) | (positions >= lengths - recent) | (positions >= lengths)  # (B, span)
+    neg_inf = torch.finfo(torch.float32).min
+    parts = [positions[:sink].expand(batch, sink), lengths - recent + positions[:recent]]  # (B, s), (B, r)
+    by_draft = draft_scores.float().masked_fill(taken, neg_inf)
+    top_draft = by_draft.topk(share, dim=1, sorted=False).indices  # (B, m)
+    parts.append(top_draft)
+    if fill:
+        history = draft_scores if target_scores is None else target_scores
+        if target_scores is not None and not all(has_history):
+            use_target = torch.tensor(has_history, device=device)[:, None]
+            history = torch.where(use_target, target_scores, draft_scores)
+        by_history = history.float().masked_fill(taken, neg_inf).scatter_(1, top_draft, neg_inf)
+        parts.append(by_history.topk(fill, dim=1, sorted=False).indices)  # (B, budget - s - r - m)
+    indices = torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget) for sparse rows
+    if any(dense):  # rows read in full: positions 0..L-1 (valid entries first, as counts say)
+        if width > indices.shape[1]:
+            indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
+        dense_idx = torch.arange(width, device=device, dtype=torch.int32).expand(batch, width)
+        indices = torch.where(torch.tensor(dense, device=device)[:, None], dense_idx, indices)
+        num_indices = torch.tensor(counts, dtype=torch.int32, device=device)
+    else:
+        num_indices = torch.full((batch,), config.budget, dtype=torch.int32, device=device)
     return Selection(indices=indices, num_indices=num_indices, counts=counts)

@@ -52,3 +52,29 @@ def test_sparse_generation_runs_on_cuda_bf16(backend):
     stats = out.past_key_values.stats
     assert stats["dense_steps"] == 0 and stats["sparse_steps"] > 0 and stats["mean_attended"] == 128
     assert out.sequences.shape == (2, ids.shape[1] + 32)
+
+
+@pytest.mark.parametrize("dustin", [False, True])
+def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
+    from transformers import GenerationConfig
+
+    from dustin_hf.config import resolve
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target, draft = _pair(dtype=torch.bfloat16)
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
+    ids, mask = left_pad(rows)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
+    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton"), target.config, draft.config)
+    outputs = []
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        for graphs in (False, True):
+            decoder = SpeculativeDecoder(target, draft, config, dustin=resolved if dustin else None,
+                                         num_draft_tokens=4, backend="triton", cuda_graphs=graphs)
+            result = decoder.generate(ids.cuda(), mask.cuda())
+            outputs.append(result.sequences)
+            assert decoder.graphs == {"target": graphs, "draft": graphs}
+            if dustin:
+                assert result.cache.stats["sparse_steps"] > 0
+    assert torch.equal(outputs[0], outputs[1])

@@ -1,0 +1,455 @@
+"""End-to-end decoding throughput: plain generate(), classic speculative decoding, Dustin.
+
+Target and draft have the real architectures (Qwen2.5-7B/32B/72B-Instruct and Qwen2.5-0.5B-Instruct,
+configs written below) with random bf16 weights: speed does not depend on weight values. Everything
+the GPU does is real (drafting, verification forwards, scoring, selection, cache work), with two
+stand-ins, both printed with the results:
+
+* acceptance is REPLAYED: random weights make the draft's proposals meaningless, so each step's
+  accepted count comes from a recorded trace of the real Qwen2.5-Coder 0.5B/1.5B pair
+  (``benchmarks/traces/``), or from a fixed pattern with the paper's mean of 2.2 tokens per step;
+* prefill is REPLACED by filling the caches with random keys/values of the right shapes: the
+  benchmark measures decoding at a given context; prefill costs the same for every method.
+
+Methods, each timed in the same run:
+  hf_dynamic   plain ``generate()`` with transformers' default cache (what users run today)
+  hf_static    plain ``generate()`` with ``cache_implementation="static"`` (preallocated cache)
+  spec_dense   batched speculative decoding, dense verification (dustin_hf's loop, no sparsity)
+  dustin       the same loop with Dustin's sparse verification (budget 512)
+
+Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
+graph capture are excluded), over the host-clock time the loop took for them. A profiling pass per
+speculative method splits a step into phases (it synchronises between phases, so it is separate).
+The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth.
+
+    python benchmarks/e2e.py --out benchmarks/results/e2e_h200.json          # one H200, 7B + 0.5B
+    python benchmarks/e2e.py --pair 72b --batches 8 --out benchmarks/results/e2e_h200x2.json  # two H200s
+    python benchmarks/e2e.py --smoke                                          # tiny, CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria
+
+# ----------------------------------------------------------------------------- sweep constants
+CONTEXTS = (8192, 16384, 32768)
+BATCHES = (1, 8, 16)
+GAMMA = 4
+BUDGET = 512
+NEW_TOKENS = 64  # per row, speculative methods
+AR_TOKENS = 24  # per row, plain generate() (slow at long context)
+WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
+PAPER_TOKENS_PER_STEP = 2.2  # fallback replay when no trace is given: [1, 1, 1, 1, 2] accepted drafts
+METHODS = ("hf_dynamic", "hf_static", "spec_dense", "dustin")
+
+QWEN = dict(rope_theta=1e6, max_position_embeddings=131072, rms_norm_eps=1e-6, hidden_act="silu",
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+SHAPES = {  # Qwen2.5-*-Instruct config.json values that set the cost
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+    "tiny-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+}
+
+
+# ----------------------------------------------------------------------------- models
+def build_model(size: str, devices: list[torch.device], dtype: torch.dtype):
+    """A Qwen2 causal LM with ``size``'s shapes and random weights, its layers split evenly over ``devices``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**QWEN, **SHAPES[size])
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    n_layers = config.num_hidden_layers
+    placement = {"model.embed_tokens": devices[0], "model.norm": devices[-1], "lm_head": devices[-1]}
+    for i in range(n_layers):
+        placement[f"model.layers.{i}"] = devices[i * len(devices) // n_layers]
+    for name, device in placement.items():
+        model.get_submodule(name).to_empty(device=device)
+    for param in model.parameters():
+        param.data.normal_(0.0, 0.02)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(devices[0])  # a real inv_freq, not to_empty garbage
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    if len(devices) > 1:
+        from accelerate import dispatch_model
+
+        device_map = {name: device.index for name, device in placement.items()}
+        device_map["model.rotary_emb"] = devices[0].index
+        model = dispatch_model(model, device_map=device_map)
+    return model
+
+
+def layer_device(model, layer: int) -> torch.device:
+    return model.model.layers[layer].self_attn.k_proj.weight.device
+
+
+def random_kv(model, batch: int, length: int, layer: int, dtype: torch.dtype):
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    shape = (batch, cfg.num_key_value_heads, length, head_dim)
+    device = layer_device(model, layer)
+    return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- acceptance replay
+@dataclass
+class Replay:
+    """Per step and row, the drafts accepted, cycled from a trace (or the paper's mean)."""
+
+    counts: list[int]
+    source: str
+
+    @classmethod
+    def load(cls, path: str | None, method: str) -> "Replay":
+        if path is None:
+            return cls([1, 1, 1, 1, 2], f"fixed pattern, mean {PAPER_TOKENS_PER_STEP} tokens per step (paper)")
+        data = json.loads(Path(path).read_text())
+        traces = data.get("traces", {}).get(method) if "traces" in data else data
+        steps = traces["accepted"] if isinstance(traces, dict) else traces
+        flat = [n for step in steps for n in (step if isinstance(step, list) else [step]) if n >= 0]
+        if not flat:
+            raise ValueError(f"{path}: no accepted counts for method {method!r}")
+        return cls(flat, f"trace {path} ({method}, {len(flat)} samples, mean {statistics.mean(flat) + 1:.2f} tokens/step)")
+
+    def override(self):
+        position = [0]
+
+        def accept(n_accepted: torch.Tensor) -> torch.Tensor:
+            batch = n_accepted.shape[0]
+            start = position[0]
+            values = [self.counts[(start + b) % len(self.counts)] for b in range(batch)]
+            position[0] = (start + batch) % len(self.counts)
+            return torch.tensor(values, device=n_accepted.device)
+
+        return accept
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return statistics.mean(min(n, GAMMA) for n in self.counts) + 1
+
+
+# ----------------------------------------------------------------------------- methods
+class _Clock(StoppingCriteria):
+    """A stopping criterion that only records when each token was produced (generate() syncs every step)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
+    """Plain generate() from a cache already holding ``context - 1`` random positions."""
+    from transformers import DynamicCache, StaticCache, StoppingCriteriaList
+
+    cfg = target.config
+    n_new = AR_TOKENS
+    if static:
+        cache = StaticCache(config=cfg, max_cache_len=context + n_new + 1)
+    else:
+        cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        k, v = random_kv(target, batch, context - 1, layer, dtype)
+        cache.update(k, v, layer)
+        del k, v
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
+    clock = _Clock()
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    target.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n_new,
+                    do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
+    times = clock.times[WARMUP_STEPS:]
+    seconds = times[-1] - times[0]
+    tokens = batch * (len(times) - 1)
+    return dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(times) - 1,
+                tokens_per_step=1.0, peak_gib=_peak_gib())
+
+
+def _random_prefill(dtype):
+    """A stand-in for ``_Model.prefill``: random keys/values in every row's slots, random last logits/queries."""
+
+    def prefill(runner, rows, chunk, capture):
+        cache = runner.cache
+        model = runner.model
+        cfg = model.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        lengths = [r.numel() for r in rows]
+        for layer_idx, layer in enumerate(cache.layers):
+            device = layer_device(model, layer_idx)
+            if not layer.is_initialized:
+                fake = torch.zeros(cache.batch_size, cfg.num_key_value_heads, 0, head_dim, device=device, dtype=dtype)
+                layer.lazy_initialization(fake, fake)
+            keys, values = layer.buffers()
+            keys[:, : max(lengths)].normal_()
+            values[:, : max(lengths)].normal_()
+        cache.advance(slice(0, len(rows)), lengths)
+        device = runner.device
+        last = [torch.randn(cfg.vocab_size, device=device) for _ in rows]
+        kept = [{layer: torch.randn(1, 1, len(heads), head_dim, device=layer_device(model, layer), dtype=dtype)
+                 for layer, heads in capture.items()} for _ in rows]
+        return last, kept
+
+    return prefill
+
+
+def run_speculative(target, draft, batch: int, context: int, dustin: bool, replay: Replay, dtype,
+                    profile: bool = False) -> dict:
+    from transformers import GenerationConfig
+
+    from dustin_hf import DustinConfig
+    from dustin_hf.config import resolve
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    config = GenerationConfig(do_sample=False, max_length=context + NEW_TOKENS, pad_token_id=0)
+    resolved = resolve(DustinConfig(budget=BUDGET, min_context=min(2048, context)), target.config, draft.config) \
+        if dustin else None
+    decoder = SpeculativeDecoder(
+        target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
+        accept_override=replay.override(), prefill=_random_prefill(dtype), profile=profile,
+    )
+    ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    with attention_routed(target, draft):
+        result = decoder.generate(ids)
+    stats = result.cache.stats
+    ends, committed = stats["step_end_times"], stats["step_tokens"]
+    steps = range(WARMUP_STEPS, len(ends))
+    tokens = sum(committed[i] for i in steps)
+    seconds = ends[-1] - ends[WARMUP_STEPS - 1]
+    out = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(steps),
+               tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=decoder.graphs,
+               backend=decoder.backend, sparse_steps=stats["sparse_steps"], mean_attended=stats["mean_attended"])
+    if profile:
+        out["phase_ms_per_step"] = {k: 1e3 * v / stats["steps"] for k, v in stats["phase_seconds"].items()}
+    return out
+
+
+def _peak_gib() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    return sum(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**30
+
+
+# ----------------------------------------------------------------------------- hardware bound
+def param_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_position(model, elt: int = 2) -> int:
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * elt  # K and V, all layers
+
+
+def step_bound_ms(method: str, target, draft, batch: int, context: int, copy_gbps: float) -> float:
+    """Fewest bytes one step must read (weights once per forward, KV it attends), over copy bandwidth."""
+    t_w, d_w = param_bytes(target), param_bytes(draft)
+    t_kv, d_kv = kv_bytes_per_position(target), kv_bytes_per_position(draft)
+    if method.startswith("hf"):
+        total = t_w + batch * context * t_kv
+    else:
+        draft_reads = GAMMA * (d_w + batch * context * d_kv)
+        attended = BUDGET + GAMMA + 1 if method == "dustin" else context + GAMMA + 1
+        total = draft_reads + t_w + batch * attended * t_kv
+        if method == "dustin":  # scoring: one target layer and three draft layers' keys of one KV head
+            cfg, dcfg = target.config, draft.config
+            total += batch * context * 2 * (cfg.hidden_size // cfg.num_attention_heads
+                                            + 3 * dcfg.hidden_size // dcfg.num_attention_heads)
+    return total / copy_gbps / 1e6
+
+
+def measure_copy_gbps(device: torch.device) -> float:
+    src = torch.randn(2**28, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 20 * 2 * src.numel() * 4 / (time.perf_counter() - start) / 1e9
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
+    parser.add_argument("--devices", type=int, default=None, help="GPUs to split the target over (default: all)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--trace", default=None,
+                        help="acceptance trace JSON (benchmarks/traces/...); default: the paper's mean")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-phase profiling pass")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, seconds (checks the script)")
+    parser.add_argument("--out", default=None, help="save the results JSON here")
+    parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
+    args = parser.parse_args(argv)
+
+    dtype = torch.bfloat16
+    if args.smoke:
+        devices, sizes = [torch.device("cpu")], ("tiny", "tiny-draft")
+        args.contexts, args.batches, dtype = [64, 96], [2], torch.float32
+        args.methods = [m for m in args.methods if m != "hf_static"]
+    else:
+        n = args.devices or torch.cuda.device_count()
+        devices, sizes = [torch.device(f"cuda:{i}") for i in range(n)], (args.pair, "0.5b")
+    torch.manual_seed(0)
+    target = build_model(sizes[0], devices, dtype)
+    draft = build_model(sizes[1], devices[:1], dtype)
+    import dustin_hf
+
+    dustin_hf.patch(target)  # registers the "dustin" attention, as a user's one line does
+    copy_gbps = measure_copy_gbps(devices[0]) if devices[0].type == "cuda" else 1.0
+    replays = {m: Replay.load(args.trace, m) for m in ("spec_dense", "dustin")}
+
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            for method in args.methods:
+                row = dict(method=method, context=context, batch=batch)
+                try:
+                    if method.startswith("hf"):
+                        row.update(run_hf(target, batch, context, method == "hf_static", dtype))
+                    else:
+                        replay = replays[method]
+                        row.update(run_speculative(target, draft, batch, context, method == "dustin", replay, dtype))
+                        row["acceptance"] = replay.source
+                        if not args.no_profile:
+                            prof = run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
+                                                   profile=True)
+                            row["phase_ms_per_step"] = prof["phase_ms_per_step"]
+                    bound_ms = step_bound_ms(method, target, draft, batch, context, copy_gbps)
+                    row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
+                    row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+                except torch.OutOfMemoryError as error:
+                    row["error"] = f"out of memory: {str(error).splitlines()[0]}"
+                finally:
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                _print_row(row)
+    for row in rows:
+        base = next((r for r in rows if r["method"] == "hf_dynamic" and r["context"] == row["context"]
+                     and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
+        dense = next((r for r in rows if r["method"] == "spec_dense" and r["context"] == row["context"]
+                      and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
+        if "tokens_per_s" in row:
+            row["x_vs_hf_dynamic"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+            row["x_vs_spec_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+    result = dict(
+        command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{sizes[0]} + {sizes[1]}",
+        gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
+        versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=BUDGET,
+        acceptance={m: r.source for m, r in replays.items()},
+        prefill="replaced by random K/V of the same shapes (decode-only measurement)",
+        rows=rows,
+    )
+    _print_table(rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        _plot(rows, args.plot, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {"summary": _summary(rows)}))
+    return result
+
+
+def _versions() -> dict:
+    import transformers
+
+    out = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__)
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def _print_row(row: dict) -> None:
+    if "error" in row:
+        print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['error']}", flush=True)
+        return
+    print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
+          f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
+          f"({100 * row['fraction_of_bound']:.0f}%)  peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+
+
+def _summary(rows: list[dict]) -> list[dict]:
+    keys = ("method", "context", "batch", "tokens_per_s", "x_vs_hf_dynamic", "x_vs_spec_dense", "fraction_of_bound")
+    return [{k: row.get(k) for k in keys} for row in rows if "tokens_per_s" in row]
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"\n{'method':<11}{'ctx':>7}{'B':>4}{'tok/s':>10}{'x hf_dyn':>10}{'x spec':>8}{'%bound':>8}  phases (ms/step)")
+    for row in rows:
+        if "tokens_per_s" not in row:
+            continue
+        phases = " ".join(f"{k}={v:.2f}" for k, v in row.get("phase_ms_per_step", {}).items())
+        x_hf = f"{row['x_vs_hf_dynamic']:.2f}" if row.get("x_vs_hf_dynamic") else "-"
+        x_sd = f"{row['x_vs_spec_dense']:.2f}" if row.get("x_vs_spec_dense") else "-"
+        print(f"{row['method']:<11}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}{x_hf:>10}{x_sd:>8}"
+              f"{100 * row['fraction_of_bound']:>7.0f}%  {phases}")
+
+
+def _plot(rows: list[dict], path: str, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = max(r["batch"] for r in rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in METHODS:
+        pts = sorted((r["context"], r["tokens_per_s"]) for r in rows
+                     if r["method"] == method and r["batch"] == batch and "tokens_per_s" in r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(f"decode tokens/s (batch {batch})")
+    ax.set_title(f"{result['pair']} on {', '.join(result['gpus'])}\nacceptance replayed; see JSON", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
