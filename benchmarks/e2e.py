@@ -51,6 +51,9 @@ AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
 PAPER_TOKENS_PER_STEP = 2.2  # fallback replay when no trace is given: [1, 1, 1, 1, 2] accepted drafts
 METHODS = ("hf_dynamic", "hf_static", "spec_dense", "dustin")
+# transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
+# each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
+COMPILE_STATIC = False
 
 QWEN = dict(rope_theta=1e6, max_position_embeddings=131072, rms_norm_eps=1e-6, hidden_act="silu",
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -184,7 +187,8 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     clock = _Clock()
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     target.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n_new,
-                    do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
+                    do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
+                    disable_compile=not COMPILE_STATIC)
     times = clock.times[WARMUP_STEPS:]
     seconds = times[-1] - times[0]
     tokens = batch * (len(times) - 1)
@@ -245,7 +249,7 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
     tokens = sum(committed[i] for i in steps)
     seconds = ends[-1] - ends[WARMUP_STEPS - 1]
     out = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(steps),
-               tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=decoder.graphs,
+               tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=stats["cuda_graphs"],
                backend=decoder.backend, sparse_steps=stats["sparse_steps"], mean_attended=stats["mean_attended"])
     if profile:
         out["phase_ms_per_step"] = {k: 1e3 * v / stats["steps"] for k, v in stats["phase_seconds"].items()}
@@ -316,11 +320,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace", default=None,
                         help="acceptance trace JSON (benchmarks/traces/...); default: the paper's mean")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-phase profiling pass")
+    parser.add_argument("--compile-static", action="store_true",
+                        help="let transformers compile hf_static's forward (recompiles per shape; slow)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, seconds (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
     args = parser.parse_args(argv)
 
+    global COMPILE_STATIC
+    COMPILE_STATIC = args.compile_static
     dtype = torch.bfloat16
     if args.smoke:
         devices, sizes = [torch.device("cpu")], ("tiny", "tiny-draft")
@@ -339,9 +347,10 @@ def main(argv=None) -> dict:
     replays = {m: Replay.load(args.trace, m) for m in ("spec_dense", "dustin")}
 
     rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            for method in args.methods:
+    # method-major: transformers' static-cache path may compile the model, so it runs after the others
+    for method in sorted(args.methods, key=METHODS.index):
+        for context in args.contexts:
+            for batch in args.batches:
                 row = dict(method=method, context=context, batch=batch)
                 try:
                     if method.startswith("hf"):
@@ -378,6 +387,7 @@ def main(argv=None) -> dict:
         versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=BUDGET,
         acceptance={m: r.source for m, r in replays.items()},
         prefill="replaced by random K/V of the same shapes (decode-only measurement)",
+        hf_static="torch.compile by transformers" if COMPILE_STATIC else "eager (transformers' auto-compile disabled)",
         rows=rows,
     )
     _print_table(rows)

@@ -167,6 +167,13 @@ class _Model:
             return graphed(input_ids, seqlens)
         return graphed(input_ids, seqlens, selection.indices, selection.num_indices)
 
+    @property
+    def graph_report(self) -> dict:
+        """Shapes captured and replayed, and why any capture failed (those shapes ran eagerly)."""
+        graphs = self._graphs or {}
+        return {"captured": sum(g.graph is not None for g in graphs.values()),
+                "failed": [g.failed for g in graphs.values() if g.failed]}
+
     def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
         """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
         last_logits, kept = [], []
@@ -326,6 +333,7 @@ class SpeculativeDecoder:
             prefill_seconds=decoding - started, decode_seconds=(step_ends[-1] if step_ends else decoding) - decoding,
             generated_tokens=sum(self._generated), step_end_times=[t - decoding for t in step_ends],
             step_tokens=step_tokens,
+            cuda_graphs={"target": target.graph_report, "draft": draft.graph_report},
             **({"phase_seconds": dict(self._clock.totals)} if self.profile else {}),
         )
         return self._result(input_ids, target.cache, draft.cache)

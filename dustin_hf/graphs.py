@@ -14,6 +14,8 @@ then captures; later calls replay.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .plan import DeviceTensors, ForwardPlan
@@ -49,6 +51,7 @@ class GraphedForward:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self._capacity = runner.cache.capacity
+        self.failed: str | None = None  # why capture failed; this shape then runs eagerly
 
     def __call__(self, input_ids: torch.Tensor, seqlens: list[int], indices=None, num_indices=None):
         """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``."""
@@ -64,7 +67,8 @@ class GraphedForward:
         if self.graph is None:
             logits = self._eager()
             captured = dict(self.plan.captured)
-            self._capture()
+            if not self.failed:
+                self._capture()
         else:
             with cache.forward_plan(self.plan):
                 self.graph.replay()
@@ -77,7 +81,9 @@ class GraphedForward:
         return self.runner.call(self.plan, self.input_ids, positions, self.keep)
 
     def _eager(self) -> torch.Tensor:
-        """The first call: a real step, which also compiles every kernel before capture."""
+        """A real step run eagerly: the first call (it compiles every kernel before capture), or every call
+        of a shape whose capture failed."""
+        self.plan._slots.clear()  # slots from the static seqlens, computed now
         with self.runner.cache.forward_plan(self.plan):
             return self._forward().clone()
 
@@ -86,6 +92,13 @@ class GraphedForward:
         cache = self.runner.cache
         self._capacity = self.plan.key_bound = cache.capacity
         self.plan._slots.clear()  # recompute slots inside the graph, from the static seqlens
-        with cache.forward_plan(self.plan), torch.cuda.graph(graph, pool=self.pool):
-            self.logits = self._forward()
+        try:
+            with cache.forward_plan(self.plan), torch.cuda.graph(graph, pool=self.pool):
+                self.logits = self._forward()
+        except RuntimeError as error:  # e.g. an op that syncs with the host: run this shape eagerly, say so
+            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            warnings.warn(f"CUDA graph capture failed, running this forward eagerly: {self.failed}", stacklevel=2)
+            torch.cuda.synchronize()
+            self.plan._slots.clear()
+            return
         self.graph = graph

@@ -22,14 +22,9 @@ def test_auto_backend_is_a_gpu_kernel():
     assert resolve_backend("auto", "cuda") in ("triton", "flash_attn", "varlen")
 
 
-@pytest.mark.parametrize("backend", ["triton", "varlen", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_batched_full_budget_equals_greedy_on_cuda(backend):
-    if backend == "varlen":
-        from dustin_hf.kernels.varlen import torch_varlen_available
-
-        if not torch_varlen_available():
-            pytest.skip("torch varlen_attn not available")
-    target, draft = _pair()
+    target, draft = _pair()  # float32: exact comparisons (the varlen backends need fp16/bf16)
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (7, 40, 23, 64)]
     ids, mask = left_pad(rows)
     with dustin_hf.patch(target, DustinConfig(backend=backend)):
@@ -40,7 +35,7 @@ def test_batched_full_budget_equals_greedy_on_cuda(backend):
         assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "varlen", "reference"])
 def test_sparse_generation_runs_on_cuda_bf16(backend):
     target, draft = _pair(dtype=torch.bfloat16)
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (3000, 2500)]
@@ -62,7 +57,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
-    target, draft = _pair(dtype=torch.bfloat16)
+    target, draft = _pair()  # float32: eager and replayed kernels may split the keys differently
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
