@@ -426,8 +426,9 @@ class SpeculativeDecoder:
         span = max(seqlens)
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
         d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
+        score_backend = "triton" if self.backend == "triton" else "reference"
         s_draft = draft_lookahead_scores(d_queries, d_keys, base.to(d_keys[0].device), cfg.draft_heads,
-                                         self._d_group, self._d_scale, span).to(base.device)
+                                         self._d_group, self._d_scale, span, backend=score_backend).to(base.device)
         t_cache = target.cache
         has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
         s_target = None
@@ -435,7 +436,7 @@ class SpeculativeDecoder:
             t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
             s_target = target_history_scores(t_cache.history_queries.to(t_keys.device), t_keys,
                                              base.to(t_keys.device), cfg.target_heads, self._t_group, self._t_scale,
-                                             span).to(base.device)
+                                             span, backend=score_backend).to(base.device)
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=base)
 
     # ------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ vectors are kept during the forwards (see ``ForwardPlan.capture``); here they me
 
 Each query's softmax is normalised over everything it attends to, so the scores are true
 probability masses. Heads that share a KV head are scored together: the key rows are read once.
+
+``backend="reference"`` is the PyTorch code below (the oracle, and the path on CPU);
+``backend="triton"`` runs :mod:`dustin_hf.kernels.triton_score` (same results, no host sync).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def attention_mass(
     softmax_scale: float,
     num_positions: int,
     key_span: int,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -41,11 +45,19 @@ def attention_mass(
         softmax_scale: the model's attention scale.
         num_positions: how many leading key positions to score (host int).
         key_span: ``max(query_pos) + 1`` (host int): every key any query sees lies below it.
+        backend: ``"reference"`` (PyTorch) or ``"triton"`` (the fused kernel; CUDA, or the Triton
+            interpreter on CPU).
 
     Returns:
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
         queries and heads (positions a query cannot see get nothing from it).
     """
+    if backend == "triton":
+        from .kernels.triton_score import attention_mass_triton
+
+        return attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions,
+                                     key_span)
+    _check_backend(backend)
     batch, n_q = queries.shape[:2]
     span = max(key_span, num_positions)
     total = torch.zeros(batch, num_positions, dtype=torch.float32, device=queries.device)
@@ -71,14 +83,16 @@ def target_history_scores(
     group_size: int,
     softmax_scale: float,
     num_positions: int,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """``S_target``: ``history_queries (B, len(heads), D)`` of the token at ``seqlens - 1`` -> ``(B, num_positions)``.
 
-    ``num_positions`` is ``max(seqlens)`` (host int).
+    ``num_positions`` is ``max(seqlens)`` (host int); ``backend`` as in :func:`attention_mass`.
     """
     query_pos = (seqlens.long() - 1)[:, None]  # (B, 1)
     return attention_mass(
-        history_queries[:, None], keys, query_pos, heads, group_size, softmax_scale, num_positions, num_positions
+        history_queries[:, None], keys, query_pos, heads, group_size, softmax_scale, num_positions, num_positions,
+        backend=backend,
     )
 
 
@@ -90,6 +104,7 @@ def draft_lookahead_scores(
     group_size: int,
     softmax_scale: float,
     num_positions: int,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """``S_draft`` summed over the draft scoring layers.
 
@@ -98,16 +113,44 @@ def draft_lookahead_scores(
         draft_keys: per scoring layer, the draft cache's key buffer ``(B, capacity, kv_heads, D)``.
         seqlens: ``(B,)`` the target's cached positions ``L_b`` (the draft's first query is at ``L_b``).
         num_positions: ``max(seqlens)`` (host int).
+        backend: as in :func:`attention_mass`.
     """
     gamma = draft_queries[0].shape[1]
     query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
+    if backend == "triton" and len({q.device for q in draft_queries}) == 1:
+        return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads, group_size,
+                                       softmax_scale, num_positions)
+    _check_backend(backend)
     total = None
     for queries, keys, layer_heads in zip(draft_queries, draft_keys, heads):
         mass = attention_mass(
             queries, keys, query_pos.to(queries.device), layer_heads, group_size, softmax_scale,
-            num_positions, num_positions + gamma,
+            num_positions, num_positions + gamma, backend=backend,
         )
         total = mass if total is None else total + mass.to(total.device)
     # the draft tokens' own positions ([L_b, L_b + γ) of row b) are new tokens, not cached ones
     cached = torch.arange(num_positions, device=total.device)[None, :] < seqlens.to(total.device)[:, None]
     return total * cached
+
+
+def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads, group_size, softmax_scale,
+                            num_positions) -> torch.Tensor:
+    """The Triton path of :func:`draft_lookahead_scores`: the layers add into one buffer, and the last
+    one zeroes the draft tokens' own positions in the same pass (no extra elementwise kernels)."""
+    from .kernels.triton_score import _attention_mass_triton
+
+    device = draft_queries[0].device
+    gamma = draft_queries[0].shape[1]
+    query_pos, seqlens = query_pos.to(device), seqlens.to(device)
+    total = None  # the first layer writes a fresh buffer, the others add into it
+    for layer, (queries, keys, layer_heads) in enumerate(zip(draft_queries, draft_keys, heads)):
+        last = layer == len(draft_queries) - 1
+        total = _attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
+                                       num_positions, num_positions + gamma, out=total,
+                                       position_limit=seqlens if last else None)
+    return total
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"unknown scoring backend {backend!r}; choose 'reference' or 'triton'")

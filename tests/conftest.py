@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU; set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import copy
 
 import pytest
-import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,

@@ -104,5 +104,9 @@ def verify_attention(
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 
+        if q.dtype not in (torch.float16, torch.bfloat16):  # FlashAttention-2's kernels
+            raise ValueError(f"backend {backend!r} runs fp16 or bf16 only (got {q.dtype}); "
+                             "use backend='triton' or 'reference' for float32")
+
         return verify_attention_varlen(q, k_cache, v_cache, cache_seqlens, use_flash_attn=backend == "flash_attn", **kwargs)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

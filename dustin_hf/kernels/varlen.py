@@ -87,9 +87,6 @@ def verify_attention_varlen(
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype. May sync with the host (see the module doc).
     """
     batch, n_queries, n_heads, head_dim = q.shape
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the flash_attn/varlen backends run fp16 or bf16 only (got {q.dtype}); "
-                         "use backend='triton' or 'reference' for float32")
     seqlens = cache_seqlens.to(torch.int32)
     if indices is not None and num_indices is None:
         num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)

@@ -1,0 +1,400 @@
+"""Triton kernels for Dustin's scores: attention probability mass per cached position, two passes.
+
+Computes exactly :func:`dustin_hf.scoring.attention_mass`: every (query ``j``, scoring head ``h``)
+of row ``b`` takes a softmax over the key positions ``[0, query_pos[b, j]]`` of its KV head, and
+position ``p < num_positions`` receives the sum over (query, head) of its probability.
+
+Why a kernel: PyTorch materialises the fp32 logits and probabilities of every scoring row over the
+whole span (and softmaxes them in several passes); here the keys are read once and the only other
+traffic is a 16-bit copy of the scores (shifted by a running max), which is smaller than the keys.
+
+Algorithm (one softmax per packed row, normalised across programs by log-sum-exp):
+
+* **Rows.** The scoring heads sharing a KV head and the ``n_q`` queries are packed into
+  ``M = n_q * n_h`` rows of one program (row ``r`` is query ``r // n_h``, head slot ``r % n_h``),
+  padded to ``BLOCK_M >= 16`` for ``tl.dot``; the KV head's key tile is loaded once for all of
+  them. Heads of several KV heads run as one launch per KV head. In the buffers below, all rows of
+  all heads share one numbering ``j * len(heads) + k`` (``k``: the head's place among the heads,
+  grouped by KV head), so the second pass needs no notion of KV heads.
+* **Pass 1** (:func:`_score_pass1_kernel`), grid ``(num_splits * m_tiles, B)``: split ``s`` owns
+  key positions ``[s * chunk, (s + 1) * chunk)``, stopping at the last position any of the row's
+  queries sees (ragged rows skip the tail). It walks them in ``BLOCK_N`` tiles with an online
+  softmax in fp32 (base 2, ``log2(e)`` folded into the scale) and, per tile, writes the shifted
+  scores ``x = s - m`` (``m``: the running max including this tile, so ``x <= 0``; ``-inf`` where
+  the query does not see the key; fp16 for 16-bit keys, fp32 for fp32 keys) and ``m`` itself per
+  (tile, row); at its end it writes the split's log-sum-exp per row. The probability is then
+  ``exp2(x + (m - lse))``: one offset per (row, tile). Storing ``x`` rather than ``exp2(x)`` keeps
+  the large probabilities (``x`` near 0, where fp16 is finest) about 3x more accurate.
+* **Pass 2** (:func:`_score_pass2_kernel`), grid ``(tiles, B)``: each program merges the per-split
+  log-sum-exps of all rows of its batch row (a few hundred floats), then walks its positions in
+  ``BLOCK_N`` tiles and writes ``sum_r exp2(x[r, p] + m[r, tile] - lse[r])`` over the rows whose
+  query sees ``p``, optionally added to what the output holds (the draft layers accumulate into one
+  buffer) and zeroed past a per-row limit. One program owns each output element: no atomics.
+
+Bytes per scored position and KV head: the keys (``D`` elements) once, plus ``M`` 16-bit shifted
+scores written and read back. For Qwen2.5-72B's target layer (``D = 128``, one query x 8 heads)
+that is ``256 + 2 * 16`` bytes, where re-reading the keys in pass 2 would cost ``256``; for the
+0.5B draft (``D = 64``, 4 queries x 7 heads) ``128 + 2 * 56`` against ``128``, about even. Pass 1
+streams the keys with ``evict_first`` and stores the scores with ``evict_last``, so pass 2 may find
+them in L2 when they fit (B = 16, 32k positions: 8 MB for the target, 29 MB per draft layer).
+
+Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``heads``,
+``key_span``, the SM count), so the call makes no host sync and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_verify import _patch_interpreter_for_numpy_2_4
+
+__all__ = ["attention_mass_triton"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
+_MAX_BLOCK_M = 128
+_MIN_BLOCKS_PER_SPLIT = 4  # a split walks at least this many key tiles (amortises its q load)
+_PROGRAMS_PER_SM = 2  # pass 1: aim for about this many programs per SM before splitting stops
+_PASS2_PROGRAMS_PER_SM = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Launch parameters of one call; build with :func:`_config`.
+
+    Attributes:
+        block_n: key positions per tile (both passes; pass 2 indexes pass 1's per-tile maxima).
+        num_splits: pass 1 programs per (batch row, KV head, row tile) along the keys.
+        chunk: key positions per split, a multiple of ``block_n``.
+        tile: pass 2 output positions per program, a multiple of ``block_n``.
+        num_warps, num_stages: Triton launch options of pass 1.
+        num_warps_reduce: ``num_warps`` of pass 2.
+    """
+
+    block_n: int
+    num_splits: int
+    chunk: int
+    tile: int
+    num_warps: int
+    num_stages: int
+    num_warps_reduce: int
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA, where the Triton interpreter runs)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(
+    batch: int,
+    pass1_programs_per_split: int,
+    head_dim: int,
+    span: int,
+    num_positions: int,
+    sm_count: int,
+    *,
+    key_bytes: int = 2,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_warps_reduce: int | None = None,
+) -> _Config:
+    """Tile sizes and split counts from host-known sizes only (no device data, so graph-safe).
+
+    ``pass1_programs_per_split`` is ``B * sum over KV heads of m_tiles``: the pass 1 programs that
+    one split count multiplies; ``key_bytes`` is the keys' element size. Any keyword left ``None``
+    takes the heuristic value: key tiles of about 16 KB (``block_n * head_dim * key_bytes``); enough
+    splits to give every SM about ``_PROGRAMS_PER_SM`` programs, each walking at least
+    ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 tiles sized for about ``_PASS2_PROGRAMS_PER_SM``
+    programs per SM.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = max(32, min(128, 16384 // (block_d * key_bytes)))
+    n_blocks = max(1, triton.cdiv(span, block_n))
+    if num_splits is None:
+        by_occupancy = max(1, (_PROGRAMS_PER_SM * sm_count) // max(1, pass1_programs_per_split))
+        by_work = max(1, n_blocks // _MIN_BLOCKS_PER_SPLIT)
+        num_splits = min(by_occupancy, by_work)
+    num_splits = max(1, min(num_splits, n_blocks, _MAX_SPLITS))
+    blocks_per_split = triton.cdiv(n_blocks, num_splits)
+    num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
+    if tile is None:
+        out_blocks = max(1, triton.cdiv(num_positions, block_n))
+        tiles_per_row = max(1, triton.cdiv(_PASS2_PROGRAMS_PER_SM * sm_count, batch))
+        tile = triton.cdiv(out_blocks, min(tiles_per_row, out_blocks)) * block_n
+    if tile % block_n:
+        raise ValueError(f"tile ({tile}) must be a multiple of block_n ({block_n})")
+    return _Config(
+        block_n=block_n, num_splits=num_splits, chunk=blocks_per_split * block_n, tile=tile,
+        num_warps=num_warps or (8 if key_bytes == 4 else 4),  # fp32: an FMA dot, more registers
+        num_stages=num_stages or (3 if block_n * block_d <= 64 * 128 else 2),
+        num_warps_reduce=num_warps_reduce or 4,
+    )
+
+
+@triton.jit
+def _score_pass1_kernel(
+    Q, K, QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
+    SHIFTED, TILE_MAX, LSE_PART,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R, num_splits)
+    qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kd,
+    stride_pb, stride_pr,  # SHIFTED, unit stride along positions
+    stride_mb, stride_mt,  # TILE_MAX, unit stride along rows (a tile's maxima are one write)
+    stride_lb, stride_lr,  # LSE_PART, unit stride along splits
+    stride_xb, stride_xt,  # QPOS
+    span, chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
+    N_QUERIES: tl.constexpr, N_HEADS: tl.constexpr, ALL_HEADS: tl.constexpr, HEAD_OFFSET: tl.constexpr,
+    HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0) // M_TILES
+    m_tile = tl.program_id(0) % M_TILES
+    b = tl.program_id(1).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
+
+    # Packed rows: row r = (query r // N_HEADS, head slot r % N_HEADS) -> buffer row j * ALL_HEADS + k.
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_ok = rows < N_QUERIES * N_HEADS
+    query = rows // N_HEADS  # (BLOCK_M,); >= N_QUERIES only on padding rows
+    slot = rows % N_HEADS
+    out_row = query * ALL_HEADS + HEAD_OFFSET + slot  # (BLOCK_M,) row in SHIFTED / TILE_MAX / LSE_PART
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_ptrs = Q + b * stride_qb + query[:, None] * stride_qt + slot[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = q.to(K.dtype.element_ty)  # as the reference: queries meet the keys in the keys' dtype
+    last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=row_ok, other=-1).to(tl.int32)  # (BLOCK_M,)
+
+    lo = split * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, span), tl.max(last, 0) + 1)  # nothing past the last visible key
+
+    k_base = K + b * stride_kb + d[None, :] * stride_kd  # (1, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
+        key_ok = n < hi
+        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt, mask=key_ok[:, None] & d_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # streamed once: leave L2 to SHIFTED
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        s = tl.where(key_ok[None, :] & (n[None, :] <= last[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf while a row has seen nothing
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        x = s - m_safe[:, None]  # (BLOCK_M, BLOCK_N) <= 0, -inf where hidden
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(x), 1)
+        m_i = m_new
+        x_ptrs = SHIFTED + b * stride_pb + out_row[:, None] * stride_pr + n[None, :]
+        # whole tiles (the rows are padded to them, and a split owns whole tiles), so the stores vectorise;
+        # x = -inf past `hi`, where no query looks
+        tl.store(x_ptrs, x.to(SHIFTED.dtype.element_ty), mask=row_ok[:, None],
+                 eviction_policy="evict_last")  # pass 2 reads it back soon: keep it in L2 if it fits
+        tl.store(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + out_row, m_new, mask=row_ok)
+
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))  # base 2
+    tl.store(LSE_PART + b * stride_lb + out_row * stride_lr + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _score_pass2_kernel(
+    SHIFTED, TILE_MAX, LSE_PART, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
+    stride_pb, stride_pr, stride_mb, stride_mt, stride_lb, stride_lr, stride_xb, stride_xt, stride_limit, stride_ob,
+    num_positions, num_splits, tile,
+    N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """``out[b, p] (+)= sum_r exp2(x[r, p] + m[r, p // BLOCK_N] - lse[r])`` over rows whose query sees ``p``."""
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)  # (BLOCK_R,) buffer rows j * ALL_HEADS + k
+    r_ok = r < N_ROWS
+    # Merge the splits' log-sum-exps: lse = max + log2(sum 2^(lse_s - max)); empty splits are -inf.
+    s = tl.arange(0, BLOCK_S)
+    part = tl.load(LSE_PART + b * stride_lb + r[:, None] * stride_lr + s[None, :],
+                   mask=r_ok[:, None] & (s[None, :] < num_splits), other=float("-inf"))  # (BLOCK_R, BLOCK_S)
+    part_max = tl.max(part, 1)
+    part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
+    total = tl.sum(tl.exp2(part - part_max[:, None]), 1)  # (BLOCK_R,); 0 iff the row's query sees nothing
+    lse = part_max + tl.log2(tl.where(total == 0.0, 1.0, total))
+    last = tl.load(QPOS + b * stride_xb + (r // ALL_HEADS) * stride_xt, mask=r_ok, other=-1).to(tl.int32)
+
+    lo = tl.program_id(0) * tile
+    hi = tl.minimum(lo + tile, num_positions)
+    if HAS_LIMIT:
+        limit = tl.load(LIMIT + b * stride_limit).to(tl.int32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) positions
+        pos_ok = n < hi
+        # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
+        seen = r_ok[:, None] & (n[None, :] <= last[:, None]) & pos_ok[None, :]  # (BLOCK_R, BLOCK_N)
+        tile_seen = r_ok & (start <= last)  # (BLOCK_R,): pass 1 wrote this row's tile
+        tile_max = tl.load(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + r, mask=tile_seen, other=0.0)
+        offset = tl.where(tile_seen, tile_max - lse, 0.0)  # (BLOCK_R,), <= 0
+        x = tl.load(SHIFTED + b * stride_pb + r[:, None] * stride_pr + n[None, :], mask=r_ok[:, None],
+                    eviction_policy="evict_first")  # (BLOCK_R, BLOCK_N), whole tiles (vectorised), last use
+        mass = tl.sum(tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, None]), 0.0), 0)  # (BLOCK_N,)
+        out_ptrs = OUT + b * stride_ob + n
+        if ACCUMULATE:
+            mass += tl.load(out_ptrs, mask=pos_ok, other=0.0)
+        if HAS_LIMIT:
+            mass = tl.where(n < limit, mass, 0.0)
+        tl.store(out_ptrs, mass, mask=pos_ok)
+
+
+def attention_mass_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_pos: torch.Tensor,
+    heads: tuple[int, ...],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+    key_span: int,
+) -> torch.Tensor:
+    """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
+
+    Same contract as :func:`dustin_hf.scoring.attention_mass`.
+
+    Args:
+        queries: ``(B, n_q, len(heads), D)``, fp16/bf16/fp32, post-RoPE queries of query heads
+            ``heads``; any strides. Cast to ``keys``' dtype before the product (as the reference).
+        keys: ``(B, capacity, kv_heads, D)``, fp16/bf16/fp32, a cache buffer; any strides.
+        query_pos: ``(B, n_q)``, int32/int64; query j of row b sees key positions ``<= query_pos[b, j]``.
+        heads: query head ids; head h reads KV head ``h // group_size``.
+        softmax_scale: the model's attention scale.
+        num_positions: how many leading key positions to score (host int).
+        key_span: ``max(query_pos) + 1`` (host int), at most ``capacity``.
+
+    Returns:
+        ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
+    """
+    return _attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions, key_span)
+
+
+def _attention_mass_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_pos: torch.Tensor,
+    heads: tuple[int, ...],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+    key_span: int,
+    *,
+    out: torch.Tensor | None = None,
+    position_limit: torch.Tensor | None = None,
+    config: _Config | None = None,
+) -> torch.Tensor:
+    """:func:`attention_mass_triton`, plus: ``out`` (``(B, num_positions)`` fp32, contiguous rows) to
+    add into instead of a fresh tensor; ``position_limit`` (``(B,)`` int) zeroes ``out[b, p]`` for
+    ``p >= position_limit[b]`` after the addition; ``config`` to override the launch heuristic."""
+    heads = tuple(int(h) for h in heads)
+    _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit)
+    batch, n_queries, _, head_dim = queries.shape
+    span = max(key_span, num_positions)
+    if out is None:
+        out = torch.empty(batch, num_positions, dtype=torch.float32, device=queries.device)
+        accumulate = False
+    else:
+        accumulate = True
+    if num_positions == 0 or batch == 0:
+        return out
+    groups = _kv_groups(heads, group_size)  # [(kv_head, [indices into heads])], sorted by kv head
+    m_tiles = [triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in groups]
+    if config is None:
+        config = _config(batch, batch * sum(m_tiles), head_dim, span, num_positions, _sm_count(queries.device),
+                         key_bytes=keys.element_size())
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_interpreter_for_numpy_2_4()
+
+    n_rows = n_queries * len(heads)
+    n_tiles = triton.cdiv(span, config.block_n)
+    shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16  # scores - running max
+    # rows padded to whole tiles: a row stride divisible by 16 lets Triton vectorise the 16-bit accesses
+    shifted = torch.empty(batch, n_rows, n_tiles * config.block_n, dtype=shifted_dtype, device=keys.device)
+    tile_max = torch.empty(batch, n_tiles, n_rows, dtype=torch.float32, device=keys.device)  # (B, n_tiles, R)
+    lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=keys.device)  # (B, R, S)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    head_offset = 0
+    for (kv_head, members), tiles in zip(groups, m_tiles):
+        group_queries = _select_heads(queries, members)  # (B, n_q, n_h, D), a view when members are contiguous
+        rows = n_queries * len(members)
+        _score_pass1_kernel[(config.num_splits * tiles, batch)](
+            group_queries, keys[:, :, kv_head], query_pos, shifted, tile_max, lse_part,
+            softmax_scale * _LOG2E,
+            *group_queries.stride(), *keys[:, :, kv_head].stride(),
+            *shifted.stride()[:2], *tile_max.stride()[:2], *lse_part.stride()[:2], *query_pos.stride(),
+            span, config.chunk,
+            N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=len(heads), HEAD_OFFSET=head_offset,
+            HEAD_DIM=head_dim, M_TILES=tiles,
+            BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
+            BLOCK_D=block_d, DOT_PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        head_offset += len(members)
+    limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
+    _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), batch)](
+        shifted, tile_max, lse_part, query_pos, limit, out,
+        *shifted.stride()[:2], *tile_max.stride()[:2], *lse_part.stride()[:2], *query_pos.stride(), limit.stride(0),
+        out.stride(0),
+        num_positions, config.num_splits, config.tile,
+        N_ROWS=n_rows, ALL_HEADS=len(heads),
+        BLOCK_R=max(2, triton.next_power_of_2(n_rows)), BLOCK_S=max(2, triton.next_power_of_2(config.num_splits)),
+        BLOCK_N=config.block_n, ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
+        num_warps=config.num_warps_reduce,
+    )
+    return out
+
+
+def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[int]]]:
+    """``[(kv_head, [i for i, h in enumerate(heads) if h // group_size == kv_head])]`` by kv head."""
+    return [(kv, [i for i, h in enumerate(heads) if h // group_size == kv])
+            for kv in sorted({h // group_size for h in heads})]
+
+
+def _select_heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
+    """``queries[:, :, members]`` without an index tensor (graph-safe): a view when ``members`` are evenly spaced."""
+    step = members[1] - members[0] if len(members) > 1 else 1
+    if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
+        return queries[:, :, members[0] : members[-1] + 1 : step]
+    return torch.stack([queries[:, :, i] for i in members], dim=2)  # tiny: B x n_q x n_h x D
+
+
+def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit) -> None:
+    """Shape/dtype checks on host metadata only (no device reads)."""
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries must be (B, n_q, len(heads), D) and keys (B, capacity, kv_heads, D); "
+                         f"got {tuple(queries.shape)} and {tuple(keys.shape)}")
+    batch, n_queries, n_heads, head_dim = queries.shape
+    if n_heads != len(heads) or not heads:
+        raise ValueError(f"queries hold {n_heads} heads but heads={heads}")
+    if keys.shape[0] != batch or keys.shape[3] != head_dim:
+        raise ValueError(f"keys must be ({batch}, capacity, kv_heads, {head_dim}); got {tuple(keys.shape)}")
+    if min(heads) < 0 or max(heads) // group_size >= keys.shape[2]:
+        raise ValueError(f"heads {heads} with group_size {group_size} need KV heads the keys ({keys.shape[2]}) lack")
+    for name, t in (("queries", queries), ("keys", keys)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name} must be fp16, bf16 or fp32; got {t.dtype}")
+    if head_dim > 256:
+        raise ValueError(f"head dims up to 256 are supported; got {head_dim}")
+    if query_pos.shape != (batch, n_queries) or query_pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_pos must be ({batch}, {n_queries}) int32/int64; got {tuple(query_pos.shape)} "
+                         f"{query_pos.dtype}")
+    if max(key_span, num_positions) > keys.shape[1]:
+        raise ValueError(f"key_span ({key_span}) and num_positions ({num_positions}) must fit the keys' "
+                         f"capacity ({keys.shape[1]})")
+    if out is not None and (out.shape != (batch, num_positions) or out.dtype != torch.float32 or out.stride(-1) != 1):
+        raise ValueError(f"out must be ({batch}, {num_positions}) float32 with unit stride along positions")
+    if position_limit is not None and position_limit.shape != (batch,):
+        raise ValueError(f"position_limit must be ({batch},); got {tuple(position_limit.shape)}")

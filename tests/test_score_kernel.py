@@ -1,0 +1,281 @@
+"""The Triton scoring kernel against ``scoring.attention_mass`` and an explicit float64 loop.
+
+The loop below takes, per (row, query, head), the softmax over the keys the query sees and adds
+its first ``num_positions`` probabilities; it shares no code with ``scoring.py``. fp32 must match it
+to ``rtol 1e-4 / atol 1e-6``; fp16 follows flash-attn's rule: the kernel's max abs error against
+the fp64 loop may be at most twice the error of the PyTorch reference run in fp16, plus ``1e-5``.
+
+Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CPU
+(``TRITON_INTERPRET=1``, set below before triton is imported) with small shapes; the interpreter
+cannot multiply bf16, so bf16 cases run on CUDA only. Explicit small launch configs force several
+splits per row and several tiles per split, which the heuristic would not pick at these sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _interpreter_ready() -> bool:
+    """The interpreter also needs triton.language's own jit functions (``tl.max``...) built for it, which
+    happens only if TRITON_INTERPRET was set before anything imported triton (conftest's transformers may)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.max, InterpretedFunction)
+
+
+TRITON_RUNS = HAS_TRITON and (HAS_CUDA or _interpreter_ready())
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+pytestmark = [
+    pytest.mark.skipif(not TRITON_RUNS, reason="needs triton: CUDA, or on CPU TRITON_INTERPRET=1 in the environment"),
+    # pass 2 loads whole tiles, including cells pass 1 never wrote (nobody sees them) and drops them with
+    # tl.where; the interpreter's numpy still warns when that garbage overflows
+    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _kernel():
+    from dustin_hf.kernels import triton_score
+
+    return triton_score
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def _explicit(q, keys, query_pos, heads, group, scale, num_positions) -> torch.Tensor:
+    """float64, one (row, query, head) softmax at a time; returns ``(B, num_positions)``."""
+    q, keys, query_pos = q.cpu(), keys.cpu(), query_pos.cpu()
+    batch, n_q = q.shape[:2]
+    out = torch.zeros(batch, num_positions, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(n_q):
+            visible = int(query_pos[b, j]) + 1
+            for i, h in enumerate(heads):
+                logits = keys[b, :visible, h // group].double() @ q[b, j, i].double() * scale
+                probs = logits.softmax(0)
+                n = min(visible, num_positions)
+                out[b, :n] += probs[:n]
+    return out
+
+
+def _assert_close_to_oracle(got, case_inputs, dtype, name) -> None:
+    exact = _explicit(*case_inputs)
+    assert got.dtype == torch.float32 and got.shape == exact.shape, (got.dtype, got.shape)
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        return
+    # flash-attn's rule: at most twice the error of the PyTorch reference in the same dtype
+    baseline = (attention_mass(*_with_span(case_inputs)).double().cpu() - exact).abs().max().item()
+    err = (got.double().cpu() - exact).abs().max().item()
+    assert err <= 2 * baseline + 1e-5, f"{name}: max abs error {err:.3g} > 2 x {baseline:.3g} + 1e-5"
+
+
+def _with_span(case_inputs):
+    q, keys, query_pos, heads, group, scale, num_positions = case_inputs
+    return q, keys, query_pos, heads, group, scale, num_positions, int(query_pos.max()) + 1
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    group: int
+    n_q: int
+    head_dim: int
+    two_groups: bool  # heads of two KV heads (out of order), else a subset of one KV head's heads
+    layout: str = "contiguous"  # "slice_t": buf[:, :cap]; "slice_b": buf[1:1+B]; "strided_d": buf[..., ::2];
+    #                             "hf": a (B, kv, cap, D) buffer transposed, as transformers' caches
+    seed: int = 0
+
+    def heads(self) -> tuple[int, ...]:
+        g = self.group
+        if self.two_groups:  # KV heads 2 and 0, listed out of order, the first one interleaved
+            return (2 * g + g - 1, 0, 2 * g) if g > 1 else (2, 0)
+        return tuple(range(g, 2 * g))[: max(1, g - 1)] if g > 2 else tuple(range(g, 2 * g))  # KV head 1
+
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: str = DEVICE):
+    """``(q, keys, query_pos, heads, group, scale, num_positions)`` with ragged rows; ``key_span`` is
+    ``max(query_pos) + 1``, more than ``num_positions``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    batch, kv, cap, d = 3, 3, 90, case.head_dim
+    heads = case.heads()
+    last = torch.tensor([80, 2, 41])  # row 1's queries see only a few keys
+    if case.n_q == 1:
+        query_pos = last[:, None]
+    else:  # draft-like consecutive positions in rows 0 and 2, an unordered set in row 1
+        query_pos = torch.stack([last[0] + torch.arange(4), torch.tensor([3, 0, 5, 1]), last[2] + torch.arange(4)])
+    num_positions = 70
+    if case.layout == "slice_t":
+        keys = torch.randn(batch, cap + 9, kv, d, generator=gen)[:, :cap]
+    elif case.layout == "slice_b":
+        keys = torch.randn(batch + 2, cap, kv, d, generator=gen)[1 : 1 + batch]
+    elif case.layout == "strided_d":
+        keys = torch.randn(batch, cap, kv, 2 * d, generator=gen)[..., ::2]
+    elif case.layout == "hf":
+        keys = torch.randn(batch, kv, cap, d, generator=gen).transpose(1, 2)
+    else:
+        keys = torch.randn(batch, cap, kv, d, generator=gen)
+    q = 1.5 * torch.randn(batch, case.n_q, len(heads), d, generator=gen)  # peakier than N(0, 1) logits
+    return (q.to(device, dtype), keys.to(device, dtype), query_pos.to(device), heads, case.group, d**-0.5,
+            num_positions)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+LAYOUTS = ("contiguous", "slice_t", "slice_b", "strided_d", "hf")
+
+
+@pytest.mark.parametrize("n_q", [1, 4])
+@pytest.mark.parametrize("group", [1, 2, 7, 8])
+def test_kernel_matches_reference_and_explicit(group, n_q):
+    """Every (group, n_q); head dim, head choice and cache layout cycle across the grid; fp32 and fp16,
+    with the heuristic launch and with a small one (3 splits, 16-key tiles, 32-position pass-2 tiles)."""
+    kernel = _kernel()
+    gi, qi = (1, 2, 7, 8).index(group), (1, 4).index(n_q)
+    case = Case(group=group, n_q=n_q, head_dim=(16, 64, 128)[(gi + qi) % 3], two_groups=(gi + qi) % 2 == 1,
+                layout=LAYOUTS[(2 * gi + qi) % len(LAYOUTS)], seed=10 * group + n_q)
+    for dtype in (torch.float32, torch.float16):
+        inputs = _make_inputs(case, dtype)
+        q, keys, query_pos, heads, g, scale, num_positions = inputs
+        span = int(query_pos.max()) + 1
+        small = kernel._config(3, 3, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
+        for name, config in (("heuristic", None), ("small", small)):
+            got = kernel._attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span,
+                                                config=config)
+            label = f"{case} {dtype} {name}"
+            _assert_close_to_oracle(got, inputs, dtype, label)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, attention_mass(*_with_span(inputs)), rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{label} vs reference: {m}")
+
+
+def test_backend_switch_in_attention_mass():
+    inputs = _make_inputs(Case(group=4, n_q=4, head_dim=32, two_groups=False, layout="hf"), torch.float32)
+    want = attention_mass(*_with_span(inputs))
+    got = attention_mass(*_with_span(inputs), backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown scoring backend"):
+        attention_mass(*_with_span(inputs), backend="cuda")
+
+
+def test_heads_in_any_order():
+    """Heads of one KV head at uneven places in ``heads`` (packed with a copy rather than a view)."""
+    gen = torch.Generator().manual_seed(6)
+    heads = (0, 4, 1, 2, 5)  # KV head 0 at places 0, 2, 3; KV head 1 at 1, 4
+    keys = torch.randn(2, 30, 2, 16, generator=gen).to(DEVICE)
+    q = torch.randn(2, 2, len(heads), 16, generator=gen).to(DEVICE)
+    query_pos = torch.tensor([[20, 21], [7, 3]], device=DEVICE)
+    args = (q, keys, query_pos, heads, 4, 0.3, 22, 22)
+    torch.testing.assert_close(attention_mass(*args, backend="triton"), attention_mass(*args), rtol=1e-4, atol=1e-6)
+
+
+def test_target_history_scores_triton():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 2, 64, 16, generator=gen).transpose(1, 2).to(DEVICE)  # (B, cap, kv, D) view
+    history = torch.randn(3, 3, 16, generator=gen).to(DEVICE)
+    seqlens = torch.tensor([20, 50, 1], dtype=torch.int32, device=DEVICE)
+    args = (history, keys, seqlens, (4, 5, 7), 4, 0.25, 50)
+    got = target_history_scores(*args, backend="triton")
+    torch.testing.assert_close(got, target_history_scores(*args), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.sum(1).cpu(), torch.tensor([3.0, 3.0, 3.0]))  # one distribution per head
+    assert got[0, 20:].abs().max() == 0 and got[2, 1:].abs().max() == 0
+
+
+def test_draft_lookahead_scores_triton():
+    """Layers with different heads add into one buffer; the draft tokens' own positions get nothing."""
+    gen = torch.Generator().manual_seed(4)
+    gamma, seqlens = 4, torch.tensor([12, 30, 5], device=DEVICE)
+    keys = [torch.randn(3, 40, 2, 16, generator=gen).to(DEVICE) for _ in range(3)]
+    queries = [torch.randn(3, gamma, len(h), 16, generator=gen).to(DEVICE) for h in ((0, 1), (1,), (3, 0, 2))]
+    heads = ((0, 1), (1,), (3, 0, 2))
+    want = draft_lookahead_scores(queries, keys, seqlens, heads, 2, 0.35, 30)
+    got = draft_lookahead_scores(queries, keys, seqlens, heads, 2, 0.35, 30, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert got[0, 12:].abs().max() == 0 and got[2, 5:].abs().max() == 0
+
+
+def test_query_that_sees_nothing_adds_nothing():
+    """``query_pos = -1`` (an empty row): the kernel adds 0 (the reference's softmax over nothing is NaN)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 20, 1, 16, generator=gen).to(DEVICE)
+    q = torch.randn(2, 2, 2, 16, generator=gen).to(DEVICE)
+    query_pos = torch.tensor([[-1, 6], [-1, -1]], device=DEVICE)
+    got = _kernel().attention_mass_triton(q, keys, query_pos, (0, 1), 2, 0.25, 10, 10)
+    assert got[1].abs().max() == 0
+    torch.testing.assert_close(got[0].sum().cpu(), torch.tensor(2.0))  # one query x two heads
+
+
+def test_never_written_buffer_cells_are_ignored(monkeypatch):
+    """Every scratch buffer starts as NaN: what pass 1 skips (keys nobody sees) must never reach the output."""
+    inputs = _make_inputs(Case(group=2, n_q=4, head_dim=16, two_groups=True), torch.float16)
+    want = _kernel().attention_mass_triton(*_with_span(inputs))
+    empty = torch.empty
+
+    def poisoned(*shape, dtype=None, **kwargs):
+        out = empty(*shape, dtype=dtype, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    small = _kernel()._config(3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2, tile=32)
+    got = _kernel()._attention_mass_triton(*_with_span(inputs), config=small)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@needs_cuda
+def test_bf16_on_cuda():
+    case = Case(group=7, n_q=4, head_dim=64, two_groups=False, layout="hf")
+    inputs = _make_inputs(case, torch.bfloat16)
+    got = attention_mass(*_with_span(inputs), backend="triton")
+    _assert_close_to_oracle(got, inputs, torch.bfloat16, "bf16")
+
+
+@needs_cuda
+def test_cuda_graph_replay():
+    """Captured once, replayed on new key and position values: the output follows the inputs."""
+    case = Case(group=8, n_q=1, head_dim=128, two_groups=False, layout="hf")
+    q, keys, query_pos, heads, group, scale, num_positions = _make_inputs(case, torch.bfloat16)
+    span = keys.shape[1]
+    run = lambda: attention_mass(q, keys, query_pos, heads, group, scale, num_positions, span,  # noqa: E731
+                                 backend="triton")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    gen = torch.Generator().manual_seed(9)
+    keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.device, keys.dtype))
+    query_pos.copy_(torch.tensor([[60], [3], [89]], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = attention_mass(q, keys, query_pos, heads, group, scale, num_positions, span)
+    exact = _explicit(q, keys, query_pos, heads, group, scale, num_positions)
+    baseline = (want.double().cpu() - exact).abs().max().item()
+    err = (out.double().cpu() - exact).abs().max().item()
+    assert err <= 2 * baseline + 1e-5, f"graph replay: {err:.3g} > 2 x {baseline:.3g} + 1e-5"
