@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/results/, as one script per device call.
+#   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
+#   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200
+#   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
+set -u
+what=${1:?kernels|e2e|e2e2}; out=${2:?OUT dir}; shift 2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
+trace=()
+[ -f benchmarks/traces/qwen2.5-coder_ctx4096.json ] && trace=(--trace benchmarks/traces/qwen2.5-coder_ctx4096.json)
+case $what in
+  kernels)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -6 | tee "$out/gpu_tests.txt"
+    for layout in qwen2.5-7b qwen2.5-72b; do
+      timeout 200 python3 benchmarks/attention.py --layouts $layout --out "$out/attention_$layout.json" > "$out/attention_$layout.txt" 2>&1
+      tail -14 "$out/attention_$layout.txt" | cut -c1-160
+    done
+    timeout 60 python3 benchmarks/attention.py --timer cudagraph --layouts qwen2.5-72b --contexts 32768 --batches 16 \
+      --budgets 512 --out "$out/attention_cudagraph.json" > "$out/attention_cudagraph.txt" 2>&1
+    tail -4 "$out/attention_cudagraph.txt" | cut -c1-200 ;;
+  e2e)
+    timeout 560 python3 benchmarks/e2e.py "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
+      | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;
+  e2e2)
+    timeout 560 python3 benchmarks/e2e.py --pair 72b --batches 8 --contexts 32768 "${trace[@]}" \
+      --out "$out/e2e_h200x2.json" "$@" 2>&1 | tee "$out/e2e2.txt" | grep -v '^{' | tail -30 ;;
+esac
