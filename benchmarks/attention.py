@@ -72,7 +72,7 @@ MAX_ROTATION = 8
 COPY_PROBE_BYTES = 2 * 2**30
 WARMUP_MS, REP_MS = 25, 100
 # --sweep-triton: every combination of these _config overrides (None = the heuristic's choice)
-TRITON_SWEEP = dict(block_n=(32, 64), num_splits=(None, 1, 4, 16), num_stages=(2, 3, 4), num_warps=(4, 8))
+TRITON_SWEEP = dict(block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(2, 3, 4), num_warps=(2, 4, 8))
 CHECK_ATOL = 2e-2  # outputs vs kernels/reference.py (bf16); larger differences are flagged MISMATCH
 
 SMOKE = dict(contexts=(96, 200), batches=(1, 2), layouts=(Layout("tiny", 4, 2, 16, 2),),

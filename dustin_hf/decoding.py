@@ -156,6 +156,7 @@ class _Model:
                 indices=None if selection is None else selection.indices,
                 num_indices=None if selection is None else selection.num_indices,
                 capture=capture, capture_last=capture_last,
+                key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
             )
             return self.forward(plan, input_ids, keep), plan.captured
         key = (input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last)

@@ -40,7 +40,8 @@ def verify_attention_reference(
         indices: ``(batch, W)``, int; selected cached positions, each ``< cache_seqlens[b]``.
             ``None`` attends to every cached position.
         num_indices: ``(batch,)``, int; how many leading entries of each ``indices`` row are valid.
-        max_seqlen_k: ``max(cache_seqlens) + Q`` if the caller knows it (saves a device sync).
+        max_seqlen_k: an upper bound on ``max(cache_seqlens) + Q`` if the caller knows it (saves a device
+            sync for batches; a single row always reads its exact length).
 
     Returns:
         ``(batch, Q, nheads, headdim)``, in ``q``'s dtype.
@@ -50,10 +51,10 @@ def verify_attention_reference(
     seqlens = cache_seqlens.to(device=device, dtype=torch.long)
     query_pos = seqlens[:, None] + torch.arange(n_q, device=device)  # (B, Q) absolute positions
     if indices is None:
-        if max_seqlen_k is None:
+        if max_seqlen_k is None or batch == 1:  # one row (prefill): its exact key count
             max_seqlen_k = int(seqlens.max()) + n_q
         keys, values = k_cache[:, :max_seqlen_k], v_cache[:, :max_seqlen_k]  # (B, Tk, Hkv, D)
-        if batch == 1:  # one row (prefill): a bottom-right causal bias, which flash kernels take without a mask
+        if batch == 1:  # keys end at the last query: a bottom-right causal bias, which flash kernels take maskless
             mask = causal_lower_right(n_q, max_seqlen_k)
         else:
             key_pos = torch.arange(max_seqlen_k, device=device)
