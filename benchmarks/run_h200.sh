@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, as one script per device call.
 #   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
+#   bash benchmarks/run_h200.sh sweep OUT     the Triton kernel's launch configs under CUDA graphs (headline point)
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
 set -u
@@ -22,6 +23,10 @@ case $what in
     timeout 60 python3 benchmarks/attention.py --timer cudagraph --layouts qwen2.5-72b --contexts 32768 --batches 16 \
       --budgets 512 --out "$out/attention_cudagraph.json" > "$out/attention_cudagraph.txt" 2>&1
     tail -4 "$out/attention_cudagraph.txt" | cut -c1-200 ;;
+  sweep)
+    timeout 300 python3 benchmarks/attention.py --timer cudagraph --sweep-triton --layouts qwen2.5-72b qwen2.5-7b \
+      --contexts 32768 --batches 16 --budgets 512 --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
+    grep -E "triton\[" "$out/attention_sweep.txt" | sort -t' ' -k1,1 | awk '{print $1, $5, $6}' | sort -k3 -g | head -12 ;;
   e2e)
     timeout 560 python3 benchmarks/e2e.py "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
       | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;
