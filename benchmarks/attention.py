@@ -481,8 +481,19 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sweep-triton", action="store_true",
                         help="also time the Triton kernel under every TRITON_SWEEP combination of block_n, "
                              "num_splits, num_stages, num_warps (many rows; narrow the sweep with --contexts etc.)")
+    parser.add_argument("--sweep", metavar="SPEC", default=None,
+                        help="like --sweep-triton over the given values instead of TRITON_SWEEP, e.g. "
+                             "'block_n=32,64 num_splits=1,2,4 num_stages=3 num_warps=4' (0 = the heuristic)")
     parser.add_argument("--out", help="save a JSON with the command line, GPU, versions, copy bandwidth and all rows")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sweep:
+        for item in args.sweep.split():
+            key, values = item.split("=")
+            if key not in TRITON_SWEEP:
+                parser.error(f"--sweep: unknown key {key!r}; choose from {list(TRITON_SWEEP)}")
+            TRITON_SWEEP[key] = tuple(int(v) or None for v in values.split(","))
+        args.sweep_triton = True
+    return args
 
 
 def main(argv=None) -> None:

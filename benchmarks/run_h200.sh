@@ -24,9 +24,10 @@ case $what in
       --budgets 512 --out "$out/attention_cudagraph.json" > "$out/attention_cudagraph.txt" 2>&1
     tail -4 "$out/attention_cudagraph.txt" | cut -c1-200 ;;
   sweep)
-    timeout 300 python3 benchmarks/attention.py --timer cudagraph --sweep-triton --layouts qwen2.5-72b qwen2.5-7b \
-      --contexts 32768 --batches 16 --budgets 512 --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
-    grep -E "triton\[" "$out/attention_sweep.txt" | sort -t' ' -k1,1 | awk '{print $1, $5, $6}' | sort -k3 -g | head -12 ;;
+    timeout 150 python3 benchmarks/attention.py --timer cudagraph --layouts qwen2.5-72b --contexts 32768 --batches 16 \
+      --budgets 512 --sweep "block_n=32,64 num_splits=0,1,2,4,8 num_stages=3 num_warps=4" \
+      --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
+    grep -E "^qwen" "$out/attention_sweep.txt" | cut -c1-120 | tail -32 ;;
   e2e)
     timeout 560 python3 benchmarks/e2e.py "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
       | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;

@@ -288,6 +288,7 @@ class SpeculativeDecoder:
                        self.graphs["draft"])
         self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
         self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
+        self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
         self._t_scale = _attention_scale(self.target, t_cfg)
         self._d_scale = _attention_scale(self.draft, d_cfg)
 
@@ -352,6 +353,7 @@ class SpeculativeDecoder:
         #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward.
         d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
         feed = self._tokens.gather(1, base[:, None] - 1 + torch.arange(2, device=device))  # (B, 2)
+        feed = feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
         drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
         for i in range(self.gamma):
             at = [n - 1 + i + (1 if i else 0) for n in seqlens]
