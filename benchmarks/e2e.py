@@ -30,6 +30,7 @@ The hardware bound per step is (weight bytes + KV bytes read) / the measured cop
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -319,7 +320,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--trace", default=None,
                         help="acceptance trace JSON (benchmarks/traces/...); default: the paper's mean")
-    parser.add_argument("--no-profile", action="store_true", help="skip the per-phase profiling pass")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--compile-static", action="store_true",
                         help="let transformers compile hf_static's forward (recompiles per shape; slow)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, seconds (checks the script)")
@@ -359,7 +361,7 @@ def main(argv=None) -> dict:
                         replay = replays[method]
                         row.update(run_speculative(target, draft, batch, context, method == "dustin", replay, dtype))
                         row["acceptance"] = replay.source
-                        if not args.no_profile:
+                        if not args.no_profile and batch == max(args.batches):
                             prof = run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
                                                    profile=True)
                             row["phase_ms_per_step"] = prof["phase_ms_per_step"]
@@ -369,6 +371,7 @@ def main(argv=None) -> dict:
                 except torch.OutOfMemoryError as error:
                     row["error"] = f"out of memory: {str(error).splitlines()[0]}"
                 finally:
+                    gc.collect()  # the loop's CUDA graphs sit in reference cycles; free them between runs
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                 rows.append(row)

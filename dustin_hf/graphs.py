@@ -14,6 +14,7 @@ then captures; later calls replay.
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -92,6 +93,10 @@ class GraphedForward:
         cache = self.runner.cache
         self._capacity = self.plan.key_bound = cache.capacity
         self.plan._slots.clear()  # recompute slots inside the graph, from the static seqlens
+        # No garbage collection while capturing: freeing an unreachable graph (an old decoder's) then is not
+        # permitted and would invalidate this capture.
+        gc.collect()
+        gc.disable()
         try:
             with cache.forward_plan(self.plan), torch.cuda.graph(graph, pool=self.pool):
                 self.logits = self._forward()
@@ -101,4 +106,6 @@ class GraphedForward:
             torch.cuda.synchronize()
             self.plan._slots.clear()
             return
+        finally:
+            gc.enable()
         self.graph = graph
