@@ -144,7 +144,12 @@ def _config(
     )
 
 
-@triton.jit
+# Sizes that change every decode step (span, strides of per-call buffers) must not be specialised on:
+# each new divisibility pattern would compile a new kernel in the middle of decoding.
+@triton.jit(do_not_specialize=[
+    "stride_qb", "stride_kb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr",
+    "stride_xb", "span", "chunk",
+])
 def _score_pass1_kernel(
     Q, K, QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
     SHIFTED, TILE_MAX, LSE_PART,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R, num_splits)
@@ -206,7 +211,10 @@ def _score_pass1_kernel(
     tl.store(LSE_PART + b * stride_lb + out_row * stride_lr + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[
+    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr", "stride_xb", "stride_ob",
+    "num_positions", "num_splits", "tile",
+])
 def _score_pass2_kernel(
     SHIFTED, TILE_MAX, LSE_PART, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
     stride_pb, stride_pr, stride_mb, stride_mt, stride_lb, stride_lr, stride_xb, stride_xt, stride_limit, stride_ob,
