@@ -252,8 +252,9 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
     out = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(steps),
                tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=stats["cuda_graphs"],
                backend=decoder.backend, sparse_steps=stats["sparse_steps"], mean_attended=stats["mean_attended"])
-    if profile:
-        out["phase_ms_per_step"] = {k: 1e3 * v / stats["steps"] for k, v in stats["phase_seconds"].items()}
+    if profile:  # steps after the warm-up ones (the first steps compile kernels and capture graphs)
+        timed = stats["phase_seconds"][WARMUP_STEPS:]
+        out["phase_ms_per_step"] = {k: 1e3 * sum(step.get(k, 0.0) for step in timed) / len(timed) for k in timed[0]}
     return out
 
 

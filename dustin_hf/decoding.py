@@ -90,24 +90,30 @@ def _synchronize(device: torch.device) -> None:
 
 
 class _PhaseClock:
-    """Wall time per phase of the decode loop; when enabled it synchronises the device at every mark."""
+    """Wall time per phase of each decode step; when enabled it synchronises the device at every mark."""
 
     def __init__(self, device: torch.device, enabled: bool):
         self.device, self.enabled = device, enabled
-        self.totals: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []  # one {phase: seconds} per finished step
+        self._current: dict[str, float] = {}
         self._last = time.perf_counter()
 
     def restart(self) -> None:
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        """Charge the time since the previous mark to ``phase``."""
+        """Charge the time since the previous mark to ``phase`` of the current step."""
         if not self.enabled:
             return
         _synchronize(self.device)
         now = time.perf_counter()
-        self.totals[phase] = self.totals.get(phase, 0.0) + now - self._last
+        self._current[phase] = self._current.get(phase, 0.0) + now - self._last
         self._last = now
+
+    def end_step(self) -> None:
+        if self.enabled:
+            self.steps.append(self._current)
+            self._current = {}
 
 
 def _single_cuda_device(model) -> bool:
@@ -211,8 +217,8 @@ class SpeculativeDecoder:
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
             the target's own token follows them.
         prefill: benchmarks only: replaces ``_Model.prefill`` (same signature and results).
-        profile: synchronise the device between phases and record their times in ``stats``
-            (``phase_seconds``); slows decoding, so leave it off when measuring throughput.
+        profile: synchronise the device between phases and record each step's phase times in
+            ``stats["phase_seconds"]``; slows decoding, so leave it off when measuring throughput.
 
     After ``generate``, the target cache's ``stats`` also hold ``prefill_seconds``,
     ``decode_seconds``, ``step_end_times`` (host clock, each after the step's device sync) and
@@ -336,7 +342,7 @@ class SpeculativeDecoder:
             generated_tokens=sum(self._generated), step_end_times=[t - decoding for t in step_ends],
             step_tokens=step_tokens,
             cuda_graphs={"target": target.graph_report, "draft": draft.graph_report},
-            **({"phase_seconds": dict(self._clock.totals)} if self.profile else {}),
+            **({"phase_seconds": self._clock.steps} if self.profile else {}),
         )
         return self._result(input_ids, target.cache, draft.cache)
 
@@ -423,6 +429,7 @@ class SpeculativeDecoder:
         else:
             stats.dense_steps += 1
         self._clock.mark("bookkeeping")
+        self._clock.end_step()
 
     def _select(self, target: _Model, draft: _Model, seqlens, base, kept_queries):
         cfg = self.dustin
