@@ -85,3 +85,19 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor,
         ids[b, width - r.numel():] = r
         mask[b, width - r.numel():] = 1
     return ids, mask
+
+
+def explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positions) -> torch.Tensor:
+    """The scoring oracle: float64, one (row, query, head) softmax at a time; returns ``(B, num_positions)``."""
+    q, keys, query_pos = q.cpu(), keys.cpu(), query_pos.cpu()
+    batch, n_q = q.shape[:2]
+    out = torch.zeros(batch, num_positions, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(n_q):
+            visible = int(query_pos[b, j]) + 1
+            for i, h in enumerate(heads):
+                logits = keys[b, :visible, h // group].double() @ q[b, j, i].double() * scale
+                probs = logits.softmax(0)
+                n = min(visible, num_positions)
+                out[b, :n] += probs[:n]
+    return out

@@ -26,6 +26,8 @@ if not HAS_CUDA:
 
 from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
+from conftest import explicit_attention_mass  # noqa: E402
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -61,24 +63,8 @@ def _kernel():
 # ----------------------------------------------------------------------------- oracle
 
 
-def _explicit(q, keys, query_pos, heads, group, scale, num_positions) -> torch.Tensor:
-    """float64, one (row, query, head) softmax at a time; returns ``(B, num_positions)``."""
-    q, keys, query_pos = q.cpu(), keys.cpu(), query_pos.cpu()
-    batch, n_q = q.shape[:2]
-    out = torch.zeros(batch, num_positions, dtype=torch.float64)
-    for b in range(batch):
-        for j in range(n_q):
-            visible = int(query_pos[b, j]) + 1
-            for i, h in enumerate(heads):
-                logits = keys[b, :visible, h // group].double() @ q[b, j, i].double() * scale
-                probs = logits.softmax(0)
-                n = min(visible, num_positions)
-                out[b, :n] += probs[:n]
-    return out
-
-
 def _assert_close_to_oracle(got, case_inputs, dtype, name) -> None:
-    exact = _explicit(*case_inputs)
+    exact = explicit_attention_mass(*case_inputs)
     assert got.dtype == torch.float32 and got.shape == exact.shape, (got.dtype, got.shape)
     assert not torch.isnan(got).any(), f"{name}: NaN"
     if dtype == torch.float32:
@@ -150,7 +136,7 @@ LAYOUTS = ("contiguous", "slice_t", "slice_b", "strided_d", "hf")
 
 @pytest.mark.parametrize("n_q", [1, 4])
 @pytest.mark.parametrize("group", [1, 2, 7, 8])
-def test_kernel_matches_reference_and_explicit(group, n_q):
+def test_kernel_matches_reference_andexplicit_attention_mass(group, n_q):
     """Every (group, n_q); head dim, head choice and cache layout cycle across the grid; fp32 and fp16,
     with the heuristic launch and with a small one (3 splits, 16-key tiles, 32-position pass-2 tiles)."""
     kernel = _kernel()
@@ -275,7 +261,7 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     want = attention_mass(q, keys, query_pos, heads, group, scale, num_positions, span)
-    exact = _explicit(q, keys, query_pos, heads, group, scale, num_positions)
+    exact = explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positions)
     baseline = (want.double().cpu() - exact).abs().max().item()
     err = (out.double().cpu() - exact).abs().max().item()
     assert err <= 2 * baseline + 1e-5, f"graph replay: {err:.3g} > 2 x {baseline:.3g} + 1e-5"

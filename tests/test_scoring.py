@@ -4,19 +4,7 @@ import torch
 
 from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores
 
-
-def _explicit(q, keys, query_pos, heads, group, scale, num_positions):
-    batch, n_q = q.shape[:2]
-    out = torch.zeros(batch, num_positions, dtype=torch.float64)
-    for b in range(batch):
-        for j in range(n_q):
-            visible = int(query_pos[b, j]) + 1
-            for i, h in enumerate(heads):
-                logits = keys[b, :visible, h // group].double() @ q[b, j, i].double() * scale
-                probs = logits.softmax(0)
-                n = min(visible, num_positions)
-                out[b, :n] += probs[:n]
-    return out
+from conftest import explicit_attention_mass
 
 
 def test_attention_mass_matches_explicit_softmax():
@@ -27,7 +15,7 @@ def test_attention_mass_matches_explicit_softmax():
     q = torch.randn(batch, 2, len(heads), d)
     query_pos = torch.tensor([[10, 11], [25, 26], [30, 31]])
     got = attention_mass(q, keys, query_pos, heads, group, 0.3, 27, 32)
-    want = _explicit(q, keys, query_pos, heads, group, 0.3, 27)
+    want = explicit_attention_mass(q, keys, query_pos, heads, group, 0.3, 27)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -49,7 +37,7 @@ def test_draft_lookahead_counts_only_cached_positions():
     queries = [torch.randn(2, gamma, 2, 8), torch.randn(2, gamma, 1, 8)]
     scores = draft_lookahead_scores(queries, keys, seqlens, ((0, 1), (1,)), 2, 0.35, 30)
     want = sum(
-        _explicit(q, k, seqlens[:, None] + torch.arange(gamma), heads, 2, 0.35, 30)
+        explicit_attention_mass(q, k, seqlens[:, None] + torch.arange(gamma), heads, 2, 0.35, 30)
         for q, k, heads in zip(queries, keys, ((0, 1), (1,)))
     )
     for b, n in enumerate(seqlens.tolist()):  # mass on the draft tokens themselves is not a cached position

@@ -45,14 +45,13 @@ Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_verify import _patch_interpreter_for_numpy_2_4
+from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["attention_mass_triton"]
 
@@ -84,14 +83,6 @@ class _Config:
     num_warps: int
     num_stages: int
     num_warps_reduce: int
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (1 off CUDA, where the Triton interpreter runs)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _config(
