@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
+from dustin_hf.compat import CACHE_KWARG
+
 # ----------------------------------------------------------------------------- sweep constants
 CONTEXTS = (8192, 16384, 32768)
 BATCHES = (1, 8, 16)
@@ -187,7 +189,7 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     clock = _Clock()
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    target.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n_new,
+    target.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_KWARG: cache}, max_new_tokens=n_new,
                     do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
                     disable_compile=not COMPILE_STATIC)
     times = clock.times[WARMUP_STEPS:]

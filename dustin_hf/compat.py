@@ -13,10 +13,15 @@ import warnings
 
 import transformers
 from packaging.version import Version
+from transformers.generation.utils import ALL_CACHE_NAMES
 
-__all__ = ["VERIFIED_RANGE", "check_transformers", "check_model", "check_pair"]
+__all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "check_transformers", "check_model", "check_pair"]
 
-VERIFIED_RANGE = ("5.17.0", "5.23.0")  # inclusive; both ends tested
+VERIFIED_RANGE = ("5.17.0", "5.24.0")  # inclusive; both ends tested
+
+# The keyword that carries the KV cache into a model's forward and through generate()'s model kwargs:
+# "past_key_values" up to 5.23, "cache" from 5.24 (which still accepts the old name, with a warning).
+CACHE_KWARG = ALL_CACHE_NAMES[0]
 _MIN_VERSION, _MAX_MAJOR = Version("5.17.0"), 6
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")

@@ -30,6 +30,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .cache import DustinCache
+from .compat import CACHE_KWARG
 from .config import ResolvedConfig
 from .graphs import GraphedForward
 from .kernels import resolve_backend
@@ -140,8 +141,8 @@ class _Model:
         """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
         extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
         out = self.model(
-            input_ids=input_ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-            dustin_plan=plan, **extra,
+            input_ids=input_ids, position_ids=positions, use_cache=True, dustin_plan=plan,
+            **{CACHE_KWARG: self.cache}, **extra,
         )
         return out.logits[:, -keep:].float()
 

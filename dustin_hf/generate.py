@@ -13,14 +13,14 @@ import torch
 from transformers import GenerationConfig
 
 from .attention import ATTENTION_NAME
-from .compat import check_pair
+from .compat import CACHE_KWARG, check_pair
 from .config import resolve
 from .decoding import DecodeResult, SpeculativeDecoder
 
 __all__ = ["attention_routed", "run_assisted"]
 
 # model kwargs generate() prepares itself; anything else would be silently ignored by the loop
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", CACHE_KWARG}
 
 
 @contextlib.contextmanager

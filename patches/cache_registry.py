@@ -3,7 +3,7 @@
 transformers has no registry for cache implementations: ``validate()`` reads the module global
 ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`` (a tuple) at call time.
 We replace that tuple with one that also holds ``"dustin"`` while at least one model is patched,
-and put the original object back when the last patch is undone. Checked on transformers 5.17-5.23.
+and put the original object back when the last patch is undone. Checked on transformers 5.17-5.24.
 """
 
 from __future__ import annotations

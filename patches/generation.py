@@ -12,12 +12,14 @@ class still sees the original) that overrides two methods:
   batch larger than one (stock transformers refuses those); a batch of one without Dustin takes the
   stock path unchanged.
 
-Checked against transformers 5.17 and 5.23 (the signatures below are theirs).
+Checked against transformers 5.17 to 5.24 (the signatures below are theirs).
 """
 
 from __future__ import annotations
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
+
+from dustin_hf.compat import CACHE_KWARG
 
 from .cache_registry import CACHE_NAME
 
@@ -40,8 +42,8 @@ class DustinGenerationMixin:
                 "cache_implementation='dustin' verifies draft tokens, so it needs assisted generation: pass "
                 f"assistant_model=<draft model> to generate() (got generation mode {generation_mode.value!r})"
             )
-        if model_kwargs.get("past_key_values") is not None:
-            raise ValueError("pass either past_key_values or cache_implementation='dustin', not both")
+        if model_kwargs.get(CACHE_KWARG) is not None:
+            raise ValueError(f"pass either {CACHE_KWARG}=... or cache_implementation='dustin', not both")
         if not generation_config.use_cache:
             raise ValueError("cache_implementation='dustin' needs use_cache=True")
 
@@ -65,7 +67,7 @@ class DustinGenerationMixin:
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return GenerateDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, past_key_values=result.cache,
+            sequences=result.sequences, scores=result.scores, logits=result.logits, **{CACHE_KWARG: result.cache},
         )
 
 
