@@ -200,7 +200,7 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
 
 
 def _random_prefill(dtype):
-    """A stand-in for ``_Model.prefill``: random keys/values in every row's slots, random last logits/queries."""
+    """A stand-in for ``ModelRunner.prefill``: random keys/values in every row's slots, random last logits/queries."""
 
     def prefill(runner, rows, chunk, capture):
         cache = runner.cache

@@ -60,14 +60,15 @@ def dustin_attention(
     backend = dustin_plan.backend
     if not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES:
         backend = "reference"
+    sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
     out = verify_attention(
         q,
         key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again
         value.transpose(1, 2),
         tensors.cache_seqlens,
         softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-        indices=tensors.indices,
-        num_indices=tensors.num_indices,
+        indices=tensors.indices if sparse else None,
+        num_indices=tensors.num_indices if sparse else None,
         max_seqlen_k=dustin_plan.max_seqlen_k,
         backend=backend,
     )

@@ -51,6 +51,11 @@ class DustinConfig:
             ``None``: layers at 1/4, 1/2 and 3/4 of the depth.
         draft_heads: query heads used on each draft layer: one tuple shared by all layers, or one
             tuple per entry of ``draft_layers``. ``None``: the first KV group's query heads.
+        dense_layers: target layers that read every cached position even on sparse steps (the
+            others read the selection). Negative indices count from the last layer. ``()``: none,
+            the paper's method. A fidelity guard for models whose attention is too diffuse in a few
+            layers for one shared set (``dustin-hf eval`` shows per-layer recovery); each dense layer
+            reads the whole cache, so it costs as much as ``context / budget`` sparse layers.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
@@ -65,6 +70,7 @@ class DustinConfig:
     target_heads: tuple[int, ...] | None = None
     draft_layers: tuple[int, ...] | None = None
     draft_heads: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
+    dense_layers: tuple[int, ...] = ()
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int = 4096
@@ -93,6 +99,11 @@ class DustinConfig:
         object.__setattr__(self, "target_heads", _as_int_tuple(self.target_heads, "target_heads"))
         object.__setattr__(self, "draft_layers", _as_int_tuple(self.draft_layers, "draft_layers"))
         object.__setattr__(self, "draft_heads", self._normalized_draft_heads())
+        layers = self.dense_layers
+        if isinstance(layers, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers) \
+                or len(set(layers)) != len(tuple(layers)):
+            raise ValueError(f"dense_layers must be a sequence of distinct ints (e.g. (0, -1)), got {layers!r}")
+        object.__setattr__(self, "dense_layers", tuple(layers))
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
 
@@ -151,6 +162,7 @@ class ResolvedConfig:
     target_heads: tuple[int, ...]
     draft_layers: tuple[int, ...]
     draft_heads: tuple[tuple[int, ...], ...]
+    dense_layers: tuple[int, ...] = ()  # non-negative, sorted
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -189,6 +201,10 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
     for layer_heads in per_layer:
         _check_heads(layer_heads, d_heads, "draft_heads")
 
+    dense_layers = tuple(sorted({layer % t_layers for layer in config.dense_layers}))
+    if any(not -t_layers <= layer < t_layers for layer in config.dense_layers) or len(dense_layers) != len(config.dense_layers):
+        raise ValueError(f"dense_layers {config.dense_layers} out of range or repeated: the target has {t_layers} layers")
+
     free = config.budget - config.sink_tokens - config.recent_tokens
     draft_share = free // 2 if config.draft_share is None else config.draft_share
     return ResolvedConfig(
@@ -203,4 +219,5 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         target_heads=tuple(target_heads),
         draft_layers=tuple(draft_layers),
         draft_heads=tuple(tuple(h) for h in per_layer),
+        dense_layers=dense_layers,
     )

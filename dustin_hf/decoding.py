@@ -39,7 +39,7 @@ from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import dense_rows, select_positions
 
-__all__ = ["DecodeResult", "SpeculativeDecoder", "prompts_from_mask"]
+__all__ = ["DecodeResult", "ModelRunner", "SpeculativeDecoder", "attention_scale", "model_device", "prompts_from_mask"]
 
 
 def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -81,7 +81,7 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _model_device(model) -> torch.device:
+def model_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
@@ -122,17 +122,19 @@ def _single_cuda_device(model) -> bool:
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
-class _Model:
+class ModelRunner:
     """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
     per shape and replayed (see :mod:`dustin_hf.graphs`).
     """
 
-    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0):
+    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
+                 dense_layers: tuple[int, ...] = ()):
         self.model, self.cache, self.backend = model, cache, backend
+        self.dense_layers = dense_layers  # read in full even on sparse steps
         self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
-        self.device = _model_device(model)
+        self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self._graphs: dict | None = {} if cuda_graphs else None
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -162,7 +164,7 @@ class _Model:
                 rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
                 indices=None if selection is None else selection.indices,
                 num_indices=None if selection is None else selection.num_indices,
-                capture=capture, capture_last=capture_last,
+                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
             )
             return self.forward(plan, input_ids, keep), plan.captured
@@ -217,7 +219,8 @@ class SpeculativeDecoder:
             sits on one CUDA device, when the backend is graph-safe (``"triton"``).
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
             the target's own token follows them.
-        prefill: benchmarks only: replaces ``_Model.prefill`` (same signature and results).
+        prefill: replaces ``ModelRunner.prefill`` (same signature and results); benchmarks and evaluation
+            use it to start from a stored prefill.
         profile: synchronise the device between phases and record each step's phase times in
             ``stats["phase_seconds"]``; slows decoding, so leave it off when measuring throughput.
 
@@ -253,14 +256,14 @@ class SpeculativeDecoder:
         self.gamma = num_draft_tokens
         self.threshold = confidence_threshold
         self.streamer = streamer
-        self.backend = resolve_backend(dustin.backend if dustin is not None else backend, _model_device(target))
+        self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
         # graphs need all of a model's tensors on one CUDA device and a graph-safe kernel
         self.graphs = {
             role: (self.backend == "triton" and _single_cuda_device(model)) if cuda_graphs is None else cuda_graphs
             for role, model in (("target", target), ("draft", draft))
         }
         self.accept_override = accept_override
-        self.prefill = prefill or _Model.prefill
+        self.prefill = prefill or ModelRunner.prefill
         self.profile = profile
         self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
@@ -284,20 +287,22 @@ class SpeculativeDecoder:
             raise ValueError(f"max_length {self.config.max_length} leaves no room after the {padded_len}-token input")
         if self.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
-        device = _model_device(self.target)
+        device = model_device(self.target)
         prompt_lens = [p.numel() for p in prompts]
         capacity = max(prompt_lens) + max_new + self.gamma + 2
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
         width = self.dustin.budget if self.dustin is not None else 0
-        target = _Model(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                        self.graphs["target"], graph_width=width)
-        draft = _Model(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
+        target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
+                        self.graphs["target"], graph_width=width,
+                        dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
+        draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                        self.graphs["draft"])
         self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
         self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
+        self._t_layers = t_cfg.num_hidden_layers
         self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
-        self._t_scale = _attention_scale(self.target, t_cfg)
-        self._d_scale = _attention_scale(self.draft, d_cfg)
+        self._t_scale = attention_scale(self.target, t_cfg)
+        self._d_scale = attention_scale(self.draft, d_cfg)
 
         tokens = torch.full((batch, capacity + 1), self.pad, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
@@ -348,7 +353,7 @@ class SpeculativeDecoder:
         return self._result(input_ids, target.cache, draft.cache)
 
     # ------------------------------------------------------------------------------------------
-    def _step(self, target: _Model, draft: _Model) -> None:
+    def _step(self, target: ModelRunner, draft: ModelRunner) -> None:
         """One draft -> (select) -> verify -> accept -> commit round for every row."""
         batch = len(self._lens)
         seqlens = [n - 1 for n in self._lens]  # L_b: target-cached positions (the last token is not cached)
@@ -426,13 +431,15 @@ class SpeculativeDecoder:
         stats.trace.append((gamma, [accepted[b] if b in active else -1 for b in range(batch)]))
         if selection is not None:
             stats.sparse_steps += 1
-            stats.attended_sum += sum(selection.counts[b] for b in active) / max(len(active), 1)
+            layers, dense = self._t_layers, len(self.dustin.dense_layers)  # per layer: dense layers read everything
+            stats.attended_sum += sum((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers
+                                      for b in active) / max(len(active), 1)
         else:
             stats.dense_steps += 1
         self._clock.mark("bookkeeping")
         self._clock.end_step()
 
-    def _select(self, target: _Model, draft: _Model, seqlens, base, kept_queries):
+    def _select(self, target: ModelRunner, draft: ModelRunner, seqlens, base, kept_queries):
         cfg = self.dustin
         span = max(seqlens)
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
@@ -537,7 +544,7 @@ def _token_ids(tensor, fallback) -> list[int]:
     return [int(fallback)] if isinstance(fallback, int) else [int(t) for t in fallback]
 
 
-def _attention_scale(model, text_config) -> float:
+def attention_scale(model, text_config) -> float:
     """The softmax scale of the model's attention layers (``module.scaling``)."""
     for module in model.modules():
         if hasattr(module, "scaling") and hasattr(module, "layer_idx"):

@@ -48,6 +48,7 @@ class GraphedForward:
         self.plan = ForwardPlan(
             rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
             capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
+            dense_layers=runner.dense_layers,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None

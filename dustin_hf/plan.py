@@ -50,6 +50,7 @@ class ForwardPlan:
             replay) instead of building them from ``cache_seqlens`` / ``indices``.
         key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
             default ``max(cache_seqlens) + q_len``.
+        dense_layers: layers that ignore ``indices`` and read every cached position.
     """
 
     rows: slice
@@ -62,6 +63,7 @@ class ForwardPlan:
     capture_last: bool = False
     static: DeviceTensors | None = None
     key_bound: int | None = None
+    dense_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)

@@ -23,6 +23,8 @@ from conftest import tiny_model
         (dict(draft_layers=(0, 1), draft_heads=((0,), (1,), (2,))), "same length"),
         (dict(backend="cuda-magic"), "backend must be one of"),
         (dict(target_layer=-1), "target_layer"),
+        (dict(dense_layers=(0, 0)), "dense_layers"),
+        (dict(dense_layers=1), "dense_layers"),
     ],
 )
 def test_invalid_values_raise_with_the_fix(kwargs, message):
@@ -55,6 +57,11 @@ def test_resolution_checks_ranges():
         resolve(DustinConfig(target_layer=9), target.config, draft.config)
     with pytest.raises(ValueError, match="out of range: the model has 4 attention heads"):
         resolve(DustinConfig(target_heads=(7,)), target.config, draft.config)
+    with pytest.raises(ValueError, match="dense_layers .* the target has 4 layers"):
+        resolve(DustinConfig(dense_layers=(4,)), target.config, draft.config)
+    with pytest.raises(ValueError, match="dense_layers"):
+        resolve(DustinConfig(dense_layers=(3, -1)), target.config, draft.config)  # the same layer twice
+    assert resolve(DustinConfig(dense_layers=(-1, 0)), target.config, draft.config).dense_layers == (0, 3)
 
 
 def test_profile_round_trip(tmp_path):

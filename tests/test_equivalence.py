@@ -67,3 +67,25 @@ def test_long_prompt_small_budget_is_sparse_every_step():
     assert out.sequences.shape[1] == 3030
     assert stats["dense_steps"] == 0 and stats["sparse_steps"] == stats["steps"] > 0
     assert stats["mean_attended"] == budget  # every row read exactly the budget, per layer
+
+
+def test_dense_layers_read_everything_on_sparse_steps():
+    """Every layer dense: sparse steps (selection made, small budget) still decode exactly like greedy;
+    one dense layer of two: the per-layer read count is the mean of the budget and the context."""
+    target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    ids = random_prompt(600, seed=11)
+    greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
+    outs = {}
+    for dense in [(0, 1), (-1,), ()]:
+        config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=dense)
+        with dustin_hf.patch(target, config):
+            outs[dense] = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
+                                          cache_implementation="dustin", return_dict_in_generate=True)
+        assert outs[dense].past_key_values.stats["sparse_steps"] == outs[dense].past_key_values.stats["steps"] > 0
+    assert torch.equal(outs[(0, 1)].sequences, greedy)
+    assert not torch.equal(outs[()].sequences, greedy)  # the budget is small enough to change the answer
+    stats = outs[(0, 1)].past_key_values.stats
+    assert stats["mean_attended"] > 600  # the whole context, per layer
+    half = outs[(-1,)].past_key_values.stats
+    assert 32 < half["mean_attended"] < stats["mean_attended"]

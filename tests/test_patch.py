@@ -10,7 +10,7 @@ import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import check_transformers
 
-from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import random_prompt, set_gamma, tiny_model
 
 
 def _snapshot(model):
