@@ -1,0 +1,150 @@
+"""Prefill a long prompt once; reuse the state for every budget, the walk and every decode run.
+
+On a CPU the 1.5B target reads 4k tokens in minutes, so evaluation prefills each prompt once and
+starts every later run (dense speculative decoding, Dustin at each budget, the teacher-forced walk)
+from a copy of the same state. The state is exactly what :class:`~dustin_hf.decoding.SpeculativeDecoder`
+has after its own prefill of the prompt: the target cache holds the prompt, the draft cache all but
+its last token, and the target's last query on the scoring layer is kept as the first history.
+
+:func:`reusing_prefill` plugs the stored states into the decoder through its ``prefill`` hook:
+a prompt found in the store is copied in, any other prompt is prefilled normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import decoding
+from .cache import DustinCache
+from .generate import attention_routed
+from .kernels import resolve_backend
+from .patching import is_patched, patch
+from .plan import select_heads
+
+__all__ = ["Prefilled", "PrefillStore", "clone_cache", "dustin_attention_on", "prefill_pair", "speculative_decoder"]
+
+
+@dataclass
+class Prefilled:
+    """One prompt read by both models, as the decoder leaves it after its prefill.
+
+    ``history[layer]``: ``(1, heads, D)``, the target's query of the prompt's last token on every
+    query head of ``layer`` (the layers asked for at prefill time).
+    """
+
+    tokens: torch.Tensor  # (C,) int64, on the models' device
+    target_cache: DustinCache  # positions [0, C)
+    draft_cache: DustinCache  # positions [0, C - 1)
+    last_logits: torch.Tensor  # (V,) float32: the target's prediction for the token after the prompt
+    history: dict[int, torch.Tensor]
+    seconds: float  # wall time of both prefills
+
+
+@contextlib.contextmanager
+def dustin_attention_on(target, draft):
+    """Register Dustin's attention (patching ``target`` for the block if it is not already) and route both
+    models to it; everything is restored on exit."""
+    handle = None if is_patched(target) else patch(target)
+    try:
+        with attention_routed(target, draft):
+            yield
+    finally:
+        if handle is not None:
+            handle.unpatch()
+
+
+def clone_cache(src: DustinCache, capacity: int | None = None) -> DustinCache:
+    """A new cache holding ``src``'s rows and lengths (contents copied, at least ``capacity`` slots)."""
+    dst = DustinCache(len(src.layers), src.batch_size, max(capacity or 0, max(src.seq_lengths) + 1))
+    copy_cache_into(src, dst)
+    return dst
+
+
+def copy_cache_into(src: DustinCache, dst: DustinCache) -> None:
+    """Write ``src``'s cached positions and lengths into ``dst`` (same layers and rows; ``dst`` grows if needed)."""
+    if len(src.layers) != len(dst.layers) or src.batch_size != dst.batch_size:
+        raise ValueError(f"cannot copy {src!r} into {dst!r}: layers or rows differ")
+    length = max(src.seq_lengths)
+    dst.ensure_capacity(length)
+    for s_layer, d_layer in zip(src.layers, dst.layers):
+        keys, values = s_layer.buffers()  # (B, capacity, H, D)
+        if not d_layer.is_initialized:
+            d_layer.lazy_initialization(keys.transpose(1, 2), values.transpose(1, 2))  # allocates dst.capacity slots
+        d_keys, d_values = d_layer.buffers()
+        d_keys[:, :length].copy_(keys[:, :length])
+        d_values[:, :length].copy_(values[:, :length])
+    dst.seq_lengths = list(src.seq_lengths)
+
+
+def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int = 4096,
+                 capacity: int = 0) -> Prefilled:
+    """Prefill ``tokens (C,)`` like the decoder does, keeping every query head of ``history_layers``.
+
+    Runs with Dustin's attention routed (the caller need not patch anything). ``capacity``: slots to
+    reserve past the prompt in both caches (they grow on demand anyway).
+    """
+    device = decoding.model_device(target)
+    tokens = tokens.to(device)
+    backend = resolve_backend("auto", device)
+    t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
+    capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in history_layers}
+    start = time.perf_counter()
+    with torch.no_grad(), dustin_attention_on(target, draft):
+        t_model = decoding.ModelRunner(target, DustinCache(t_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
+        d_model = decoding.ModelRunner(draft, DustinCache(d_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
+        logits, kept = decoding.ModelRunner.prefill(t_model, [tokens], chunk, capture)
+        decoding.ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {})
+    history = {layer: kept[0][layer][:, 0] for layer in history_layers}  # (1, heads, D)
+    return Prefilled(tokens, t_model.cache, d_model.cache, logits[0], history, time.perf_counter() - start)
+
+
+class PrefillStore:
+    """Prefilled prompts of one target/draft pair, looked up by their tokens."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+        self._states: list[Prefilled] = []
+
+    def add(self, state: Prefilled) -> Prefilled:
+        self._states.append(state)
+        return state
+
+    def find(self, tokens: torch.Tensor, drop_last: bool = False) -> Prefilled | None:
+        """The state whose prompt is ``tokens`` (or, with ``drop_last``, whose prompt minus its last token is)."""
+        for state in self._states:
+            prompt = state.tokens[:-1] if drop_last else state.tokens
+            if prompt.numel() == tokens.numel() and torch.equal(prompt, tokens.to(prompt.device)):
+                return state
+        return None
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def hook(self):
+        """A function with ``ModelRunner.prefill``'s signature (plus the model wrapper) for the decoder's hook."""
+
+        def prefill(model, rows: list[torch.Tensor], chunk: int, capture: dict):
+            if len(rows) == 1:
+                if model.model is self.target and (state := self.find(rows[0])) is not None:
+                    missing = set(capture) - set(state.history)
+                    if not missing:
+                        copy_cache_into(state.target_cache, model.cache)
+                        kept = {layer: select_heads(state.history[layer][:, None], heads) for layer, heads in capture.items()}
+                        return [state.last_logits], [kept]
+                if model.model is self.draft and (state := self.find(rows[0], drop_last=True)) is not None:
+                    copy_cache_into(state.draft_cache, model.cache)
+                    return [state.last_logits], [{}]
+            return decoding.ModelRunner.prefill(model, rows, chunk, capture)
+
+        return prefill
+
+
+def speculative_decoder(target, draft, generation_config, *, dustin, gamma: int, store: PrefillStore | None = None):
+    """A :class:`~dustin_hf.decoding.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
+    found in ``store`` from there instead of prefilling them."""
+    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin=dustin, num_draft_tokens=gamma,
+                                       confidence_threshold=None, prefill=None if store is None else store.hook())

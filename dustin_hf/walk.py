@@ -1,0 +1,251 @@
+"""Teacher-forced verification walk: perplexity and attention recovery under sparse verification.
+
+Speculative decoding verifies γ+1 tokens per step; with Dustin each step reads only a selected set
+of cached positions. To measure what that costs in quality without sampling noise, the walk feeds
+the *true* continuation of a text through verification-shaped steps, as if the draft had proposed
+exactly the next γ tokens and all were accepted. Step ``s`` at ``L = C + s(γ+1)`` cached positions:
+
+  1. draft: reads ``tokens[L-1 : L+γ]`` at positions ``L-1 ..`` (one forward; the decoder feeds the
+     same tokens over γ forwards) and keeps its queries at ``L .. L+γ-1`` on the scoring layers;
+  2. select (per budget): ``S_draft`` from those queries, ``S_target`` from the target's query of
+     the last committed token (kept by the previous step), budget fill by ``select_positions``,
+     exactly as :meth:`SpeculativeDecoder._select` does;
+  3. verify: the target reads ``tokens[L : L+γ+1]`` against the selection (dense: everything); its
+     logits give the NLL of ``tokens[L+1 : L+γ+2]``, and its query at ``L+γ`` becomes the history.
+
+Besides perplexity, each step compares greedy predictions on the same true prefix: the target's
+against the draft's (teacher-forced acceptance: how many leading drafts a greedy target would keep
+if the draft guessed each next token from the true text) and against the dense target's (top-1
+agreement). Unlike free-running generation, these compare every method on the same text.
+
+Every method (dense, each budget) keeps its own target cache (sparse steps write keys and values
+computed from sparse attention, as in decoding) and its own history; the draft cache is shared (the
+draft always attends densely). Attention recovery is measured against the dense method's queries
+and keys at the same step: for the selection each budget actually used, and for selections made
+from the dense method's signals by any number of extra configurations (e.g. the default heads),
+and the oracle: the top positions of the reference attention itself (recovery is linear in the
+selection, so no set of that size captures more).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from . import decoding
+from .config import ResolvedConfig
+from .kernels import resolve_backend
+from .plan import ForwardPlan, select_heads
+from .prefilled import Prefilled, clone_cache, dustin_attention_on
+from .recovery import position_weights, selection_recovery
+from .scoring import draft_lookahead_scores, target_history_scores
+from .selection import dense_rows, select_positions
+
+__all__ = ["WalkResult", "teacher_forced_walk"]
+
+
+@dataclass
+class WalkResult:
+    """Per method: summed NLL over ``tokens`` evaluated positions, perplexity; recovery means."""
+
+    tokens: int
+    steps: int
+    nll: dict[str, float]
+    ppl: dict[str, float]
+    recovery: dict[str, float] = field(default_factory=dict)  # method -> mean share (actual selections)
+    recovery_per_layer: dict[str, list[float]] = field(default_factory=dict)
+    # "<config>@<budget>" -> mean share; "oracle@<budget>": the best any set of that size can reach
+    recovery_dense_signals: dict[str, float] = field(default_factory=dict)
+    sparse_steps: dict[str, int] = field(default_factory=dict)
+    # teacher-forced greedy acceptance: per step, the leading positions where the draft's and the target's
+    # greedy predictions (given the true prefix) agree, averaged over steps; and the per-token agreement rate
+    accepted: dict[str, float] = field(default_factory=dict)
+    draft_agreement: dict[str, float] = field(default_factory=dict)
+    top1_agreement_with_dense: dict[str, float] = field(default_factory=dict)  # target argmax vs the dense method's
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Method:
+    """One verification method's target state along the walk."""
+
+    def __init__(self, name: str, config: ResolvedConfig | None, model: decoding.ModelRunner, history: torch.Tensor | None):
+        self.name, self.config, self.model, self.history = name, config, model, history
+        self.nll = 0.0
+        self.sparse_steps = 0
+        self.accepted = 0  # summed over steps: leading draft/target greedy agreements
+        self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
+        self.same_as_dense = 0  # positions where the target's greedy prediction equals the dense method's
+        self.recovery: list[torch.Tensor] = []  # per recovery step: (n_layers,)
+
+
+def _groups(cfg) -> int:
+    return cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def teacher_forced_walk(
+    target,
+    draft,
+    state: Prefilled,
+    continuation: torch.Tensor,
+    gamma: int,
+    methods: dict[str, ResolvedConfig | None],
+    recovery_configs: dict[str, ResolvedConfig] | None = None,
+    recovery_every: int = 1,
+    progress: bool = True,
+    desc: str = "walk",
+) -> WalkResult:
+    """Walk ``continuation (N,)`` after ``state``'s prompt in steps of γ+1 teacher-forced tokens.
+
+    Args:
+        methods: name -> resolved Dustin config, or ``None`` for dense verification (needed whenever
+            recovery is measured: it provides the reference attention).
+        recovery_configs: name -> config whose selection, made from the *dense* method's signals,
+            is scored for recovery at each recovery step (e.g. ``{"default@512": ...}``).
+        recovery_every: measure recovery every this many steps (0: never).
+
+    Returns a :class:`WalkResult` over ``(N - 1) // (γ+1)`` steps.
+    """
+    recovery_configs = recovery_configs or {}
+    device = decoding.model_device(target)
+    tokens = torch.cat([state.tokens, continuation.to(device)])
+    context = state.tokens.numel()
+    steps = (continuation.numel() - 1) // (gamma + 1)
+    if steps < 1:
+        raise ValueError(f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}")
+    dense_name = next((n for n, c in methods.items() if c is None), None)
+    if (recovery_every or recovery_configs) and dense_name is None:
+        raise ValueError("measuring recovery needs a dense method (a name mapped to None) in methods")
+    t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
+    t_group, d_group = _groups(t_cfg), _groups(d_cfg)
+    t_scale, d_scale = decoding.attention_scale(target, t_cfg), decoding.attention_scale(draft, d_cfg)
+    backend = resolve_backend("auto", device)
+    all_t_heads = tuple(range(t_cfg.num_attention_heads))
+    all_configs = [c for c in methods.values() if c is not None] + list(recovery_configs.values())
+    d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for c in all_configs for layer in c.draft_layers}
+    capacity = context + continuation.numel() + 1
+
+    draft_model = decoding.ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
+    runs = []
+    for name, cfg in methods.items():
+        history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
+        runs.append(_Method(name, cfg, decoding.ModelRunner(target, clone_cache(state.target_cache, capacity), backend), history))
+    dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
+    signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
+
+    start = time.perf_counter()
+    with torch.no_grad(), dustin_attention_on(target, draft):
+        for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress):
+            at = context + step * (gamma + 1)  # L: cached positions of every target cache
+            base = torch.tensor([at], device=device)
+            # 1. the draft reads the true next tokens; its queries at L .. L+γ-1 score positions
+            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture)
+            draft_logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
+            draft_next = draft_logits[1:].argmax(dim=-1)  # (γ,): the draft's guesses for tokens[L+1 : L+γ+1]
+            dense_next = None
+            d_queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (1, γ, H, D)
+            s_draft = _DraftScores(draft_model, d_queries, base, d_group, d_scale, at)
+            measure = bool(recovery_every) and step % recovery_every == 0
+            verify_in = tokens[at : at + gamma + 1][None]
+            labels = tokens[at + 1 : at + gamma + 2]
+            weights = None
+            for run in sorted(runs, key=lambda r: r.config is not None):  # dense first: its attention is the reference
+                selection = None
+                cfg = run.config
+                if cfg is not None and not all(dense_rows([at], cfg)):
+                    selection = _select(run, cfg, s_draft, base, t_group, t_scale, at)
+                    run.sparse_steps += 1
+                capture = {cfg.target_layer: cfg.target_heads} if cfg is not None else {}
+                if cfg is None and measure:
+                    capture = {layer: all_t_heads for layer in range(t_cfg.num_hidden_layers)}
+                elif cfg is None:
+                    capture = {layer: all_t_heads for layer in dense_history}
+                plan = ForwardPlan(
+                    rows=slice(0, 1), cache_seqlens=[at], q_len=gamma + 1, backend=backend,
+                    indices=None if selection is None else selection.indices,
+                    num_indices=None if selection is None else selection.num_indices, capture=capture,
+                    dense_layers=() if cfg is None else cfg.dense_layers,
+                )
+                logits = run.model.forward(plan, verify_in, keep=gamma + 1)[0]  # (γ+1, V)
+                run.nll += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+                target_next = logits.argmax(dim=-1)  # (γ+1,)
+                agree = (target_next[:gamma] == draft_next.to(target_next.device)).long()
+                run.agreed += int(agree.sum())
+                run.accepted += int(agree.cumprod(0).sum())
+                if cfg is None:
+                    dense_next = target_next
+                run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
+                if cfg is not None:
+                    run.history = plan.captured[cfg.target_layer][:, gamma]  # (1, heads, D): the query at L+γ
+                    if weights is not None and selection is not None:
+                        run.recovery.append(selection_recovery(weights, selection.indices[0], selection.counts[0]))
+                    continue
+                if measure:  # dense: the reference attention of this step, then selections from dense signals
+                    t_keys = {layer: run.model.cache.layer_buffers(layer)[0][0] for layer in plan.captured}
+                    weights = position_weights({l: q[0] for l, q in plan.captured.items()}, t_keys, at, t_scale)
+                    mean_weights = weights.mean(dim=0)  # (L,): recovery is linear, so its top-k is the best shared set
+                    for budget in sorted({c.budget for c in recovery_configs.values()}):
+                        best = 1.0 if budget >= at else float(mean_weights.topk(budget).values.sum())
+                        signals_recovery.setdefault(f"oracle@{budget}", []).append(best)
+                    for name, rcfg in recovery_configs.items():
+                        sel = _select_from(rcfg, dense_history[rcfg.target_layer], run.model, s_draft, base, t_group,
+                                           t_scale, at)
+                        share = 1.0 if sel is None else float(selection_recovery(weights, sel.indices[0], sel.counts[0]).mean())
+                        signals_recovery[name].append(share)
+                dense_history = {layer: plan.captured[layer][:, gamma] for layer in dense_history}
+            # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the next step
+
+    evaluated = steps * (gamma + 1)
+    result = WalkResult(
+        tokens=evaluated, steps=steps,
+        nll={r.name: r.nll for r in runs}, ppl={r.name: math.exp(r.nll / evaluated) for r in runs},
+        sparse_steps={r.name: r.sparse_steps for r in runs}, seconds=time.perf_counter() - start,
+        accepted={r.name: r.accepted / steps for r in runs},
+        draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
+        top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
+    )
+    for run in runs:
+        if run.recovery:
+            per_layer = torch.stack(run.recovery).mean(dim=0)
+            result.recovery[run.name] = float(per_layer.mean())
+            result.recovery_per_layer[run.name] = [round(float(v), 5) for v in per_layer]
+    result.recovery_dense_signals = {n: sum(v) / len(v) for n, v in signals_recovery.items() if v}
+    return result
+
+
+class _DraftScores:
+    """``S_draft`` of one step, computed once per distinct (draft layers, heads)."""
+
+    def __init__(self, draft_model, queries, base, group, scale, span):
+        self.model, self.queries, self.base, self.group, self.scale, self.span = draft_model, queries, base, group, scale, span
+        self._memo: dict = {}
+
+    def __call__(self, cfg: ResolvedConfig) -> torch.Tensor:
+        key = (cfg.draft_layers, cfg.draft_heads)
+        if key not in self._memo:
+            keys = [self.model.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
+            queries = [select_heads(self.queries[layer], heads) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads)]
+            self._memo[key] = draft_lookahead_scores(queries, keys, self.base.to(keys[0].device), cfg.draft_heads,
+                                                     self.group, self.scale, self.span).to(self.base.device)
+        return self._memo[key]
+
+
+def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
+    keys = run.model.cache.layer_buffers(cfg.target_layer)[0]
+    s_target = target_history_scores(run.history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
+                                     t_group, t_scale, at).to(base.device)
+    return select_positions([at], s_draft(cfg), s_target, [True], cfg)
+
+
+def _select_from(cfg, history_all_heads, model, s_draft, base, t_group, t_scale, at):
+    """The selection ``cfg`` would make from the dense method's state (``None``: ``cfg`` reads densely)."""
+    if all(dense_rows([at], cfg)):
+        return None
+    run = _Method("", cfg, model, select_heads(history_all_heads[:, None], cfg.target_heads)[:, 0])
+    return _select(run, cfg, s_draft, base, t_group, t_scale, at)

@@ -1,0 +1,127 @@
+"""The dustin-hf command on tiny saved models: calibrate, eval, demo, --help and the usage errors."""
+
+import json
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import DustinConfig, cli
+from dustin_hf.traces import TRACE_FORMAT, load_trace
+
+from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is faster, and far faster when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv) + ["--quiet"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _models(dirs):
+    return ["--target", str(dirs[0]), "--draft", str(dirs[1])]
+
+
+@pytest.fixture(scope="module")
+def profile(dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    assert cli.main(["calibrate", *_models(dirs), "--books", "alice", "--context", "160", "--steps-per-book", "3",
+                     "--min-position", "100", "--budgets", "24,48", "--profile-budget", "48", "--time-limit", "30",
+                     "--out", str(path), "--quiet"]) == 0
+    return path
+
+
+def test_calibrate_writes_a_loadable_profile(profile, dirs):
+    data = json.loads(profile.read_text())
+    for key in ("config", "draft_share_fraction", "recovery", "default_recovery", "model_pair", "texts", "seconds",
+                "command", "machine"):
+        assert key in data
+    assert data["recovery"]["mean"] >= data["default_recovery"]["mean"] - 1e-6  # the search starts from a superset
+    config = DustinConfig.from_profile(profile)
+    assert config.budget == 48 and config.target_layer is not None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dirs[0])
+    with dustin_hf.patch(model, profile) as handle:
+        assert handle.config == config
+
+
+def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp_path):
+    out = tmp_path / "fidelity.json"
+    code, stdout, _ = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice",
+                           "--contexts", "120", "--budgets", "24,512", "--ppl-tokens", "17", "--new-tokens", "8",
+                           "--needle-contexts", "120", "--needle-depths", "0.5", "--needle-books", "alice",
+                           "--needle-new-tokens", "4", "--min-context", "32", "--out", str(out),
+                           "--traces-dir", str(tmp_path / "traces"), "--no-plot", "--json")
+    assert code == 0
+    report = json.loads(stdout)
+    assert report["command"].startswith("dustin-hf eval") and json.loads(out.read_text())["summary"] == report["summary"]
+    assert {"command", "machine", "perplexity", "continuations", "needles", "summary", "trace_files"} <= set(report)
+    row = report["summary"]["per_context"]["120"]
+    assert row["512"]["ppl_ratio"] == 1.0  # the budget covers the context: dense verification, bit for bit
+    assert row["24"]["recovery"] is not None and 0 < row["24"]["recovery"] < 1
+    assert set(report["summary"]["needle_accuracy"]["120"]) == {"dense", "24", "512"}
+    assert len(report["trace_files"]) == 6  # (continuation, needle) x (dense, 24, 512)
+    trace = load_trace(report["trace_files"][0])
+    assert trace["format"] == TRACE_FORMAT and trace["gamma"] == 4
+    seq = trace["sequences"][0]
+    assert len(seq["accepted"]) == len(seq["gammas"]) and all(0 <= a <= 4 for a in seq["accepted"])
+
+
+def test_demo_prints_what_was_measured(capsys, dirs):
+    code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "8", "--budget", "24",
+                           "--min-context", "32", "--book", "alice")
+    assert code == 0
+    assert "Measured on cpu" in stdout and "dense speculative decoding" in stdout and "Dustin (budget 24" in stdout
+    assert "sparse_steps" in stdout and "token agreement" in stdout
+
+
+def test_demo_json(capsys, dirs):
+    code, stdout, stderr = _run(capsys, "demo", *_models(dirs), "--context", "100", "--new-tokens", "6", "--budget",
+                                "24", "--min-context", "32", "--book", "alice", "--json")
+    assert code == 0
+    result = json.loads(stdout)
+    assert set(result["runs"]) == {"dense", "dustin"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
+    assert "Measured on" in stderr
+
+
+def test_missing_model_path_is_a_clear_error(capsys, tmp_path, dirs):
+    code, _, err = _run(capsys, "demo", "--target", str(tmp_path / "nope"), "--draft", str(dirs[1]))
+    assert code == 2 and "target model path" in err and "does not exist" in err
+    code, _, err = _run(capsys, "demo", "--target", str(dirs[0]))
+    assert code == 2 and "both --target and --draft" in err
+
+
+def test_mismatched_tokenizers_are_refused(capsys, tmp_path, dirs):
+    other = tmp_path / "other"
+    tiny_qwen(len(tiny_tokenizer(120)), layers=2).save_pretrained(other)
+    tiny_tokenizer(120).save_pretrained(other)
+    code, _, err = _run(capsys, "demo", "--target", str(dirs[0]), "--draft", str(other))
+    assert code == 2 and "tokenizers differ" in err
+
+
+def test_text_shorter_than_the_context_is_refused_before_loading(capsys, dirs):
+    code, _, err = _run(capsys, "demo", *_models(dirs), "--book", "alice", "--context", "10000000")
+    assert code == 2 and "too few for 10,000,000 tokens" in err
+
+
+@pytest.mark.parametrize("command", ["fetch-models", "demo", "calibrate", "eval"])
+def test_every_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "default" in capsys.readouterr().out

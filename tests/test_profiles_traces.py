@@ -1,0 +1,42 @@
+"""Profiles (draft share per budget, loading) and acceptance trace files."""
+
+import json
+
+import pytest
+
+from dustin_hf import DustinConfig
+from dustin_hf.profiles import config_for_budget, read_profile, write_profile
+from dustin_hf.traces import TRACE_FORMAT, load_trace, trace_filename, trace_record, write_trace
+
+
+def test_profile_round_trip_and_budget_rescaling(tmp_path):
+    config = DustinConfig(budget=512, draft_share=123, target_layer=5, target_heads=(0, 2),
+                          draft_layers=(3, 9), draft_heads=((0, 1), (4,)))
+    path = write_profile(tmp_path / "p.json", config, 0.25, recovery={"mean": 0.9})
+    loaded, fraction, data = read_profile(path)
+    assert loaded == config and fraction == 0.25 and data["recovery"] == {"mean": 0.9}
+    assert DustinConfig.from_profile(path) == config
+    assert config_for_budget(loaded, fraction, 128).draft_share == round(0.25 * (128 - 20))
+    assert config_for_budget(loaded, None, 1024).draft_share == 123  # still fits: kept
+    assert config_for_budget(loaded, None, 64).draft_share is None  # too large for 64: back to the default
+
+
+def test_missing_or_broken_profile_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="dustin-hf calibrate"):
+        read_profile(tmp_path / "absent.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_profile(tmp_path / "bad.json")
+
+
+def test_trace_file_round_trip(tmp_path):
+    pair = {"target": "t/1.5b", "draft": "d"}
+    seqs = [{"source": {"book": "emma"}, "prompt_tokens": 10, "generated_tokens": 7, "gammas": [4, 4], "accepted": [4, 1]}]
+    record = trace_record(pair, "continuation", 10, 4, "dustin", 512, {"budget": 512}, 7, "float32", "cpu", seqs)
+    assert record["summary"] == {"steps": 2, "mean_accepted_per_step": 2.5, "mean_tokens_per_step": 3.5}
+    path = write_trace(tmp_path, record)
+    assert path.name == "t_1.5b+d_continuation_ctx10_g4_dustin_b512.json"
+    assert load_trace(path) == record and trace_filename(pair, "needle", 8, 2, "dense", None).endswith("_g2_dense.json")
+    path.write_text(json.dumps({**record, "format": "other"}))
+    with pytest.raises(ValueError, match=TRACE_FORMAT):
+        load_trace(path)

@@ -1,0 +1,148 @@
+"""The teacher-forced walk, prefill reuse and recovery math, on tiny random-weight models."""
+
+import pytest
+import torch
+
+from dustin_hf import DustinConfig
+from dustin_hf.config import resolve
+from dustin_hf.continuations import speculative_continuation, token_agreement
+from dustin_hf.prefilled import PrefillStore, clone_cache, prefill_pair
+from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
+from dustin_hf.scoring import attention_mass
+from dustin_hf.walk import teacher_forced_walk
+
+from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+
+CONTEXT, GAMMA = 80, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is faster, and far faster when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2)
+    return target, set_gamma(noisy_copy(target), GAMMA)
+
+
+def _cfg(target, draft, budget, **kw):
+    config = DustinConfig(budget=budget, min_context=16, **kw)
+    return resolve(config, target.config, draft.config)
+
+
+@pytest.fixture(scope="module")
+def state(pair):
+    target, draft = pair
+    tokens = random_prompt(CONTEXT + 33, seed=5)[0]
+    layer = _cfg(target, draft, 32).target_layer
+    return prefill_pair(target, draft, tokens[:CONTEXT], (layer,)), tokens[CONTEXT:]
+
+
+def test_budget_covering_the_context_equals_the_dense_walk_exactly(pair, state):
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24)},
+                               progress=False)
+    assert walk.steps == (continuation.numel() - 1) // (GAMMA + 1) and walk.tokens == walk.steps * (GAMMA + 1)
+    assert walk.nll["full"] == walk.nll["dense"]  # bit for bit: the same dense forwards
+    assert walk.sparse_steps == {"dense": 0, "full": 0, "small": walk.steps}
+    assert walk.nll["small"] != walk.nll["dense"]
+    assert 0.0 < walk.recovery["small"] < 1.0 and "full" not in walk.recovery
+    assert walk.accepted["full"] == walk.accepted["dense"] and walk.top1_agreement_with_dense["full"] == 1.0
+    assert 0 <= walk.accepted["small"] <= GAMMA and 0 <= walk.draft_agreement["small"] <= 1
+    assert walk.accepted["dense"] > 0  # the noisy-copy draft mostly agrees with its target
+
+
+def test_dense_layers_in_the_walk(pair, state):
+    """All target layers dense: a sparse step (selection made) scores exactly like the dense walk."""
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
+                                "last": _cfg(target, draft, 24, dense_layers=(-1,)), "none": _cfg(target, draft, 24)},
+                               recovery_every=0, progress=False)
+    assert walk.sparse_steps["all"] == walk.steps
+    assert walk.nll["all"] == walk.nll["dense"]
+    assert len({walk.nll["dense"], walk.nll["last"], walk.nll["none"]}) == 3
+
+
+def test_dense_walk_equals_the_plain_forward_nll(pair, state):
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, recovery_every=0,
+                               progress=False)
+    tokens = torch.cat([prefilled.tokens, continuation])
+    with torch.no_grad():
+        logits = target(tokens[None]).logits[0].float()  # the model's own attention, one forward
+    positions = torch.arange(CONTEXT, CONTEXT + walk.tokens)  # predicting tokens[C+1 : C+1+n]
+    nll = torch.nn.functional.cross_entropy(logits[positions], tokens[positions + 1], reduction="sum")
+    assert walk.nll["dense"] == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_recovery_of_the_dense_signals_uses_the_given_configs(pair, state):
+    target, draft = pair
+    prefilled, continuation = state
+    cfg = _cfg(target, draft, 24)
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None},
+                               recovery_configs={"a": cfg, "everything": _cfg(target, draft, 4096)}, progress=False)
+    assert walk.recovery_dense_signals["everything"] == 1.0
+    assert 0.0 < walk.recovery_dense_signals["a"] <= walk.recovery_dense_signals["oracle@24"] < 1.0
+
+
+def test_reused_prefill_decodes_exactly_like_a_fresh_one(pair, state):
+    target, draft = pair
+    prefilled, _ = state
+    store = PrefillStore(target, draft)
+    store.add(prefilled)
+    for cfg in (None, _cfg(target, draft, 24)):
+        kwargs = dict(config=cfg, gamma=GAMMA, max_new_tokens=12, eos_token_ids=[])
+        fresh = speculative_continuation(target, draft, prefilled.tokens, **kwargs)
+        reused = speculative_continuation(target, draft, prefilled.tokens, store=store, **kwargs)
+        assert reused["tokens"] == fresh["tokens"] and reused["accepted"] == fresh["accepted"]
+    greedy = target.generate(prefilled.tokens[None], max_new_tokens=12, do_sample=False)[0, CONTEXT:].tolist()
+    assert fresh["tokens"] != [] and speculative_continuation(
+        target, draft, prefilled.tokens, config=None, gamma=GAMMA, max_new_tokens=12, eos_token_ids=[], store=store
+    )["tokens"] == greedy
+
+
+def test_clone_cache_copies_contents_and_lengths(state):
+    prefilled, _ = state
+    copy = clone_cache(prefilled.target_cache, capacity=500)
+    assert copy.seq_lengths == prefilled.target_cache.seq_lengths and copy.capacity >= 500
+    for a, b in zip(copy.layers, prefilled.target_cache.layers):
+        assert torch.equal(a.buffers()[0][:, :CONTEXT], b.buffers()[0][:, :CONTEXT])
+    copy.layers[0].buffers()[0].zero_()  # independent storage
+    assert prefilled.target_cache.layers[0].buffers()[0][:, :CONTEXT].abs().sum() > 0
+
+
+def test_head_probabilities_sum_to_the_scoring_mass():
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 4, 8), torch.randn(40, 2, 8)  # 3 queries, 4 heads (2 per KV head), 40 keys
+    pos = torch.tensor([30, 31, 32])
+    per_head = head_probabilities(q, k, pos, 30, 0.35)
+    for heads in [(0,), (0, 1), (2, 3), (1, 2)]:
+        mass = attention_mass(q[None][:, :, list(heads)], k[None], pos[None], heads, 2, 0.35, 30, 33)[0]
+        torch.testing.assert_close(per_head[list(heads)].sum(0), mass, rtol=1e-5, atol=1e-6)
+
+
+def test_position_weights_are_distributions_and_recovery_is_linear():
+    torch.manual_seed(0)
+    q, k = {0: torch.randn(4, 4, 8), 1: torch.randn(4, 4, 8)}, {0: torch.randn(50, 2, 8), 1: torch.randn(50, 2, 8)}
+    w = position_weights(q, k, 50, 0.35)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2))
+    everything = selection_recovery(w, torch.arange(50))
+    torch.testing.assert_close(everything, torch.ones(2))
+    half = selection_recovery(w, torch.arange(25)) + selection_recovery(w, torch.arange(25, 50))
+    torch.testing.assert_close(half, everything)
+
+
+def test_token_agreement():
+    assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == {"prefix": 2, "agreement": 0.75, "compared": 4, "identical": False}
+    assert token_agreement([1, 2], [1, 2])["identical"]
