@@ -6,8 +6,9 @@ the GPU does is real (drafting, verification forwards, scoring, selection, cache
 stand-ins, both printed with the results:
 
 * acceptance is REPLAYED: random weights make the draft's proposals meaningless, so each step's
-  accepted count comes from a recorded trace of the real Qwen2.5-Coder 0.5B/1.5B pair
-  (``benchmarks/traces/``), or from a fixed pattern with the paper's mean of 2.2 tokens per step;
+  accepted count comes from recorded traces of the real Qwen2.5-Coder 0.5B/1.5B pair
+  (``benchmarks/traces/``, ``--trace-dense`` / ``--trace-dustin``), or from a fixed pattern with the
+  paper's mean of 2.2 tokens per step;
 * prefill is REPLACED by filling the caches with random keys/values of the right shapes: the
   benchmark measures decoding at a given context; prefill costs the same for every method.
 
@@ -132,16 +133,23 @@ class Replay:
     source: str
 
     @classmethod
-    def load(cls, path: str | None, method: str) -> "Replay":
-        if path is None:
+    def load(cls, paths: list[str] | None) -> "Replay":
+        """Pool the per-step accepted counts of ``paths`` (dustin_hf acceptance traces, ``benchmarks/traces/``)."""
+        if not paths:
             return cls([1, 1, 1, 1, 2], f"fixed pattern, mean {PAPER_TOKENS_PER_STEP} tokens per step (paper)")
-        data = json.loads(Path(path).read_text())
-        traces = data.get("traces", {}).get(method) if "traces" in data else data
-        steps = traces["accepted"] if isinstance(traces, dict) else traces
-        flat = [n for step in steps for n in (step if isinstance(step, list) else [step]) if n >= 0]
+        from dustin_hf.traces import load_trace
+
+        flat, names = [], []
+        for path in paths:
+            record = load_trace(path)
+            if record["gamma"] != GAMMA:
+                raise ValueError(f"{path}: recorded with γ={record['gamma']}, the benchmark runs γ={GAMMA}")
+            flat += [n for seq in record["sequences"] for n in seq["accepted"]]
+            names.append(Path(path).name)
         if not flat:
-            raise ValueError(f"{path}: no accepted counts for method {method!r}")
-        return cls(flat, f"trace {path} ({method}, {len(flat)} samples, mean {statistics.mean(flat) + 1:.2f} tokens/step)")
+            raise ValueError(f"{paths}: no accepted counts")
+        return cls(flat, f"recorded traces {', '.join(names)} ({len(flat)} steps, mean "
+                         f"{statistics.mean(flat) + 1:.2f} tokens/step, replayed in order, cycled)")
 
     def override(self):
         position = [0]
@@ -321,8 +329,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--trace", default=None,
-                        help="acceptance trace JSON (benchmarks/traces/...); default: the paper's mean")
+    parser.add_argument("--trace-dense", nargs="+", default=None, metavar="TRACE",
+                        help="acceptance traces (benchmarks/traces/*_dense.json) replayed by spec_dense; "
+                             "default: the paper's mean")
+    parser.add_argument("--trace-dustin", nargs="+", default=None, metavar="TRACE",
+                        help="acceptance traces (benchmarks/traces/*_dustin_b512.json) replayed by dustin; "
+                             "default: the paper's mean")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--compile-static", action="store_true",
@@ -349,7 +361,9 @@ def main(argv=None) -> dict:
 
     dustin_hf.patch(target)  # registers the "dustin" attention, as a user's one line does
     copy_gbps = measure_copy_gbps(devices[0]) if devices[0].type == "cuda" else 1.0
-    replays = {m: Replay.load(args.trace, m) for m in ("spec_dense", "dustin")}
+    if (args.trace_dense is None) != (args.trace_dustin is None):
+        parser.error("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
+    replays = {"spec_dense": Replay.load(args.trace_dense), "dustin": Replay.load(args.trace_dustin)}
 
     rows = []
     # method-major, transformers' static-cache path last (it may compile the model)

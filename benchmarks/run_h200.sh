@@ -11,8 +11,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
-trace=()
-[ -f benchmarks/traces/qwen2.5-coder_ctx4096.json ] && trace=(--trace benchmarks/traces/qwen2.5-coder_ctx4096.json)
+# acceptance recorded on CPU with the real Qwen2.5-Coder 1.5B/0.5B pair (book continuations, 4k and 8k context)
+pair=benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_continuation
+trace=(--trace-dense "${pair}"_ctx{4096,8192}_g4_dense.json --trace-dustin "${pair}"_ctx{4096,8192}_g4_dustin_b512.json)
 case $what in
   kernels)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -6 | tee "$out/gpu_tests.txt"
