@@ -65,6 +65,16 @@ def set_gamma(draft, gamma: int, threshold: float | None = None):
     return draft
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is faster, and far faster when other processes share the cores.
+    Use as ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def qwen_pair():
     target = tiny_model("qwen2", layers=4, seed=0)

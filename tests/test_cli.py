@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import dustin_hf
 from dustin_hf import DustinConfig, cli
@@ -12,13 +11,7 @@ from dustin_hf.traces import TRACE_FORMAT, load_trace
 from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is faster, and far faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
