@@ -43,7 +43,8 @@ from .recovery import head_probabilities, position_weights
 from .selection import select_positions
 from .texts import token_window
 
-__all__ = ["CalibrationSettings", "StepFeatures", "calibrate", "collect_features", "oracle_recovery", "recovery_of"]
+__all__ = ["CalibrationSettings", "Choice", "StepFeatures", "calibrate", "collect_features", "default_choice",
+           "oracle_recovery", "recovery_of", "search", "stack_features", "step_features"]
 
 _SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 _SINK_GRID = (1, 4, 16)
@@ -127,27 +128,30 @@ def _scale_and_group(model):
     return decoding.attention_scale(model, cfg), cfg.num_attention_heads // kv, cfg
 
 
-def _step_features(target, draft, t_model, d_model, tokens, at, gamma, backend):
-    """Features of one step at ``L = at`` (both caches are rolled back to ``L-1`` first)."""
+def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, row: int = 0):
+    """Features of one verification-like step at ``L = at`` on cache row ``row``: ``(W, T, D)`` on the CPU.
+
+    Both caches' ``row`` must hold exactly ``at - 1`` positions (the forwards write slots ``at-1 ..``
+    and advance the row); ``tokens (n,)`` is the row's text, ``n >= at + gamma + 1``.
+    """
     t_scale, _, t_cfg = _scale_and_group(target)
     d_scale, _, d_cfg = _scale_and_group(draft)
     t_heads, d_heads = tuple(range(t_cfg.num_attention_heads)), tuple(range(d_cfg.num_attention_heads))
-    t_model.cache.rollback([at - 1])
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 2, backend=backend,
+    rows = slice(row, row + 1)
+    plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 2, backend=backend,
                        capture={layer: t_heads for layer in range(t_cfg.num_hidden_layers)})
     t_model.forward(plan, tokens[at - 1 : at + gamma + 1][None], keep=1)
-    t_keys = {layer: t_model.cache.layer_buffers(layer)[0][0] for layer in plan.captured}  # (T, Hkv, D)
+    t_keys = {layer: t_model.cache.layer_buffers(layer)[0][row] for layer in plan.captured}  # (T, Hkv, D)
     weights = position_weights({l: q[0, 1:] for l, q in plan.captured.items()}, t_keys, at, t_scale)  # (layers, L)
     history_pos = torch.tensor([at - 1], device=tokens.device)
     target = torch.stack([head_probabilities(plan.captured[l][0, :1], t_keys[l], history_pos, at, t_scale)
                           for l in sorted(plan.captured)])  # (layers, heads, L)
-    d_model.cache.rollback([at - 1])
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend,
+    plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend,
                        capture={layer: d_heads for layer in range(d_cfg.num_hidden_layers)})
     d_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=1)
     query_pos = at + torch.arange(gamma, device=tokens.device)
     draft_feats = torch.stack([
-        head_probabilities(plan.captured[l][0, 1:], d_model.cache.layer_buffers(l)[0][0], query_pos, at, d_scale)
+        head_probabilities(plan.captured[l][0, 1:], d_model.cache.layer_buffers(l)[0][row], query_pos, at, d_scale)
         for l in sorted(plan.captured)])  # (layers, heads, L)
     return weights.cpu(), target.cpu(), draft_feats.cpu()
 
@@ -173,14 +177,17 @@ def collect_features(pair, settings: CalibrationSettings, deadline: float, progr
         d_model = decoding.ModelRunner(draft, state.draft_cache, backend)
         with torch.no_grad(), dustin_attention_on(target, draft):
             for at in sorted(positions, reverse=True):  # caches only ever roll back
-                rows.append(_step_features(target, draft, t_model, d_model, tokens, at, settings.gamma, backend))
+                t_model.cache.rollback([at - 1])
+                d_model.cache.rollback([at - 1])
+                rows.append(step_features(target, draft, t_model, d_model, tokens, at, settings.gamma, backend))
                 seqlens.append(at)
                 sources.append({"book": book, "offset": settings.offset, "position": at})
         del state, t_model, d_model
-    return _stack(rows, seqlens, sources)
+    return stack_features(rows, seqlens, sources)
 
 
-def _stack(rows, seqlens, sources) -> StepFeatures:
+def stack_features(rows, seqlens, sources) -> StepFeatures:
+    """One :class:`StepFeatures` from :func:`step_features` results at ``seqlens`` positions."""
     width = max(seqlens)
 
     def pad(t):
@@ -306,12 +313,13 @@ def _group(head: int, group_size: int) -> tuple[int, ...]:
     return tuple(range(first, first + group_size))
 
 
-def search(features: StepFeatures, t_cfg, d_cfg, settings: CalibrationSettings, base: DustinConfig, deadline: float,
-           progress: bool = True) -> tuple[Choice, dict]:
-    """The greedy search of the module docstring; returns the best choice and a log of each stage."""
+def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, deadline: float, progress: bool = True,
+           max_draft_layers: int = 3, search_windows: bool = True) -> tuple[Choice, dict]:
+    """The greedy search of the module docstring (recovery averaged over ``budgets``); returns the best
+    choice and a log of each stage."""
     t_heads, t_group = t_cfg.num_attention_heads, t_cfg.num_attention_heads // t_cfg.num_key_value_heads
     d_heads, d_group = d_cfg.num_attention_heads, d_cfg.num_attention_heads // d_cfg.num_key_value_heads
-    s = _Search(features, settings.budgets, base, deadline, progress)
+    s = _Search(features, budgets, base, deadline, progress)
     log = {}
     # Stage 1: target layer and heads, m = 0 (the whole free budget by S_target).
     singles = {}
@@ -359,7 +367,7 @@ def search(features: StepFeatures, t_cfg, d_cfg, settings: CalibrationSettings, 
         if scored is not None:
             candidates[layer] = scored
     chosen_value, chosen = max(candidates.values(), key=lambda x: x[0]) if candidates else s.best([with_target(())])
-    while len(chosen.draft) < settings.max_draft_layers and not s.out_of_time():
+    while len(chosen.draft) < max_draft_layers and not s.out_of_time():
         used = {l for l, _ in chosen.draft}
         options = [with_target(chosen.draft + c.draft) for l, (_, c) in candidates.items() if l not in used]
         scored = s.best(options)
@@ -373,8 +381,8 @@ def search(features: StepFeatures, t_cfg, d_cfg, settings: CalibrationSettings, 
     log["share"] = {"recovery": final_value, "share": final.share}
 
     # Stage 4 (optional): the sink and recent windows, then m again.
-    if settings.search_windows:
-        limit = min(settings.budgets) // 2
+    if search_windows:
+        limit = min(budgets) // 2
         windows = [(sink, recent) for sink in _SINK_GRID for recent in _RECENT_GRID if sink + recent <= limit]
         final_value, final = s.best([final.replace(sink=a, recent=b) for a, b in windows], (final_value, final))
         final_value, final = s.best([final.replace(share=f) for f in _SHARE_GRID], (final_value, final))
@@ -410,7 +418,8 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
         if save_features is not None:
             features.save(save_features)
     collected = time.perf_counter() - start
-    choice, log = search(features, t_cfg, d_cfg, settings, base, deadline, progress)
+    choice, log = search(features, t_cfg, d_cfg, settings.budgets, base, deadline, progress,
+                         settings.max_draft_layers, settings.search_windows)
     default = default_choice(base, t_cfg, d_cfg, settings.profile_budget)
     report = {}
     for name, c in (("calibrated", choice), ("default", default)):

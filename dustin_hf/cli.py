@@ -162,6 +162,9 @@ def _demo_args(parser):
                                                                       "(default: 1024, so a 2048-token prompt is sparse)")
     parser.add_argument("--profile", help="calibration profile (JSON from `dustin-hf calibrate`); default: "
                                           "DustinConfig()'s heads")
+    parser.add_argument("--calibration", choices=("none", "prompt"), default="none",
+                        help="prompt: search the scoring heads on the prompt itself after prefill (seconds; "
+                             "instead of --profile)")
 
 
 @register("demo", "dense speculative decoding vs Dustin on a long book prompt",
@@ -180,13 +183,18 @@ def demo(args, out: Output) -> dict:
     config, fraction = DustinConfig(), None
     if args.profile:
         config, fraction, _ = read_profile(args.profile)
-    config = config_for_budget(config, fraction, args.budget).replace(min_context=args.min_context)
+    if args.profile and args.calibration == "prompt":
+        raise UsageError("--calibration prompt searches the heads a profile would give; pass one or the other")
+    config = config_for_budget(config, fraction, args.budget).replace(min_context=args.min_context,
+                                                                      calibration=args.calibration)
     pair = _load(args, out, check=lambda tok: token_window(tok, args.book, args.context, args.offset))
     resolved = resolve(config, pair.target.config.get_text_config(), pair.draft.config.get_text_config())
     prompt = token_window(pair.tokenizer, args.book, args.context, args.offset)
     machine = describe_machine(pair.device)
     out.say(f"prefilling {args.context} tokens of {args.book!r} (target and draft, once for both runs)...")
-    state = prefill_pair(pair.target, pair.draft, prompt.to(pair.device), (resolved.target_layer,), resolved.prefill_chunk)
+    history_layers = (resolved.target_layer,) if args.calibration == "none" else tuple(
+        range(pair.target.config.get_text_config().num_hidden_layers))  # the layer is chosen after prefill
+    state = prefill_pair(pair.target, pair.draft, prompt.to(pair.device), history_layers, resolved.prefill_chunk)
     store = PrefillStore(pair.target, pair.draft)
     store.add(state)
     eos = eos_ids(pair.target, pair.tokenizer)
@@ -222,6 +230,12 @@ def demo(args, out: Output) -> dict:
             stats = run["stats"]
             out.say(f"  Dustin stats: sparse_steps {stats['sparse_steps']}, dense_steps {stats['dense_steps']}, "
                     f"mean_attended {stats['mean_attended']:.0f} positions per step and row")
+            if "calibration" in stats:
+                c = stats["calibration"]
+                out.say(f"  calibrated on the prompt: {c['skipped']}" if "skipped" in c else
+                        f"  calibrated on the prompt in {c['seconds']:.1f} s ({c['steps']} steps): target layer "
+                        f"{c['target_layer']} heads {c['target_heads']}, draft layers {c['draft_layers']}, m={c['draft_share']}; "
+                        f"attention recovery {c['recovery']:.3f} (default heads {c['default_recovery']:.3f})")
     out.say("", f"token agreement with dense: {agreement['prefix']}/{agreement['compared']} identical before the first "
                 f"difference, {agreement['agreement']:.0%} of positions equal")
     return result

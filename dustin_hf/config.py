@@ -16,6 +16,8 @@ from typing import Any
 __all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
 
 _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
+_CALIBRATIONS = ("none", "prompt")
+_SEARCHED = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 
 
 def _as_int_tuple(value: Any, name: str) -> tuple[int, ...] | None:
@@ -56,6 +58,10 @@ class DustinConfig:
             the paper's method. A fidelity guard for models whose attention is too diffuse in a few
             layers for one shared set (``dustin-hf eval`` shows per-layer recovery); each dense layer
             reads the whole cache, so it costs as much as ``context / budget`` sparse layers.
+        calibration: ``"none"``: score with the heads above (or their defaults). ``"prompt"``: after
+            prefill, search the scoring heads and ``draft_share`` on a few verification-like steps
+            replayed inside the prompt (seconds; see :mod:`dustin_hf.prompt_calibration`); the
+            searched fields must then be left ``None``.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
@@ -71,6 +77,7 @@ class DustinConfig:
     draft_layers: tuple[int, ...] | None = None
     draft_heads: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     dense_layers: tuple[int, ...] = ()
+    calibration: str = "none"
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int = 4096
@@ -104,6 +111,12 @@ class DustinConfig:
                 or len(set(layers)) != len(tuple(layers)):
             raise ValueError(f"dense_layers must be a sequence of distinct ints (e.g. (0, -1)), got {layers!r}")
         object.__setattr__(self, "dense_layers", tuple(layers))
+        if self.calibration not in _CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {_CALIBRATIONS}, got {self.calibration!r}")
+        if self.calibration == "prompt" and any(getattr(self, name) is not None for name in _SEARCHED):
+            given = [name for name in _SEARCHED if getattr(self, name) is not None]
+            raise ValueError(f"calibration='prompt' searches {', '.join(_SEARCHED)}; leave them None (got {given}), "
+                             "or use calibration='none' to keep them")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
 
@@ -163,6 +176,7 @@ class ResolvedConfig:
     draft_layers: tuple[int, ...]
     draft_heads: tuple[tuple[int, ...], ...]
     dense_layers: tuple[int, ...] = ()  # non-negative, sorted
+    calibration: str = "none"  # "prompt": the decoder searches the heads above after prefill
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -220,4 +234,5 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         draft_layers=tuple(draft_layers),
         draft_heads=tuple(tuple(h) for h in per_layer),
         dense_layers=dense_layers,
+        calibration=config.calibration,
     )

@@ -34,7 +34,7 @@ from .compat import CACHE_KWARG
 from .config import ResolvedConfig
 from .graphs import GraphedForward
 from .kernels import resolve_backend
-from .plan import ForwardPlan
+from .plan import ForwardPlan, select_heads
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import dense_rows, select_positions
@@ -319,16 +319,28 @@ class SpeculativeDecoder:
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
         # Prefill: the target reads each prompt (keeping the last query on the scoring heads as the first
         # history) and names the first new token; the draft reads all but the last prompt token.
-        t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+        calibrate = self.dustin is not None and self.dustin.calibration == "prompt"
+        if calibrate:  # the target layer is chosen after prefill: keep every layer's last query
+            t_capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in range(t_cfg.num_hidden_layers)}
+        else:
+            t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
         last_logits, kept = self.prefill(target, prompts, chunk, t_capture)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
         first_scores = self.process(first_raw, lambda b, i: tokens[b : b + 1, : self._lens[b]])
         first = pick_tokens(first_scores[:, 0], self.do_sample)
-        if self.dustin is not None:
-            layer = self.dustin.target_layer
-            target.cache.set_history(torch.cat([k[layer][:, 0] for k in kept]), [n - 1 for n in prompt_lens])
         self._commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * batch)
         self.prefill(draft, [p[:-1] for p in prompts], chunk, {})
+        if calibrate:
+            from .prompt_calibration import calibrate_on_prompts
+
+            self.dustin, report = calibrate_on_prompts(self, target, draft, self.dustin, self.gamma, prompt_lens)
+            target.cache.counters.extra["calibration"] = report
+        if self.dustin is not None:
+            layer, heads = self.dustin.target_layer, self.dustin.target_heads
+            history = torch.cat([k[layer][:, 0] for k in kept])  # (B, kept heads, D)
+            if calibrate:
+                history = select_heads(history, heads, dim=1)
+            target.cache.set_history(history, [n - 1 for n in prompt_lens])
         _synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()

@@ -92,6 +92,14 @@ def test_demo_json(capsys, dirs):
     assert "Measured on" in stderr
 
 
+def test_demo_calibrates_on_the_prompt(capsys, dirs, profile):
+    code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "6", "--budget", "24",
+                           "--min-context", "32", "--book", "alice", "--calibration", "prompt")
+    assert code == 0 and "calibrated on the prompt in" in stdout and "default heads" in stdout
+    code, _, err = _run(capsys, "demo", *_models(dirs), "--profile", str(profile), "--calibration", "prompt")
+    assert code == 2 and "one or the other" in err
+
+
 def test_missing_model_path_is_a_clear_error(capsys, tmp_path, dirs):
     code, _, err = _run(capsys, "demo", "--target", str(tmp_path / "nope"), "--draft", str(dirs[1]))
     assert code == 2 and "target model path" in err and "does not exist" in err

@@ -25,6 +25,8 @@ from conftest import tiny_model
         (dict(target_layer=-1), "target_layer"),
         (dict(dense_layers=(0, 0)), "dense_layers"),
         (dict(dense_layers=1), "dense_layers"),
+        (dict(calibration="auto"), "calibration must be one of"),
+        (dict(calibration="prompt", target_layer=1), "leave them None"),
     ],
 )
 def test_invalid_values_raise_with_the_fix(kwargs, message):

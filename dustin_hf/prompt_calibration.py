@@ -1,0 +1,96 @@
+"""Quick calibration from the prompt itself, when no profile exists (``DustinConfig(calibration="prompt")``).
+
+Offline calibration (:mod:`dustin_hf.calibrate`) needs texts and minutes. The prompt is a long text
+the models have just read, so the decoder can calibrate on it: after both prefills it replays a few
+verification-like steps inside the prompt's second half (the target over ``γ+2`` prompt tokens, the
+draft over ``γ+1``, every head of every layer kept), turns them into the same step features the
+offline search uses, and runs that search (target layer and heads, draft layers and heads, ``m``;
+the budget, windows and dense layers stay the user's) within :data:`SEARCH_SECONDS`.
+
+The replayed steps rewrite prompt slots of both caches; the slots and the row lengths are saved
+before each step and put back after it, so decoding starts from exactly the prefilled state.
+Feature memory: per step ``(target layers × (heads + 1) + draft layers × heads) × L`` float32, on the
+models' device, a few steps at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .calibrate import default_choice, recovery_of, search, stack_features, step_features
+from .config import DustinConfig, ResolvedConfig, resolve
+
+__all__ = ["SEARCH_SECONDS", "STEPS", "calibrate_on_prompts"]
+
+STEPS = 4  # verification-like steps replayed per calibrated row
+ROWS = 2  # rows of a batch calibrated (the longest prompts); one choice serves the whole batch
+SEARCH_SECONDS = 5.0  # the greedy search stops here, keeping its best choice so far
+
+
+@contextlib.contextmanager
+def _restored(cache, row: int, start: int, stop: int):
+    """Put back row ``row``'s slots ``[start, stop)`` of every layer and its length after the block."""
+    length = cache.seq_lengths[row]
+    saved = [tuple(t[row, start:stop].clone() for t in cache.layer_buffers(layer)) for layer in range(len(cache.layers))]
+    cache.seq_lengths[row] = start
+    try:
+        yield
+    finally:
+        for layer, tensors in enumerate(saved):
+            for buffer, kept in zip(cache.layer_buffers(layer), tensors):
+                buffer[row, start:stop].copy_(kept)
+        cache.seq_lengths[row] = length
+
+
+def _positions(length: int, gamma: int) -> list[int]:
+    """Step positions ``L`` in the prompt's second half (each needs ``L + γ + 1 <= length``)."""
+    last = length - gamma - 1
+    first = max(length // 2, 2)
+    if last < first:
+        return []
+    return torch.linspace(first, last, STEPS).round().long().unique().tolist()
+
+
+def calibrate_on_prompts(decoder, target, draft, config: ResolvedConfig, gamma: int,
+                         lengths: list[int]) -> tuple[ResolvedConfig, dict]:
+    """The scoring heads and ``m`` searched on the prompts (``lengths`` tokens per row of ``decoder._tokens``)
+    held by ``target``/``draft`` (model runners right after prefill: the target caches each prompt, the
+    draft all but its last token); returns the new resolved config and a report (``stats["calibration"]``)."""
+    started = time.perf_counter()
+    tokens = decoder._tokens
+    rows = sorted(range(len(lengths)), key=lambda b: -lengths[b])[:ROWS]
+    features, seqlens, sources = [], [], []
+    for row in rows:
+        for at in _positions(lengths[row], gamma):
+            with _restored(target.cache, row, at - 1, at + gamma + 1), _restored(draft.cache, row, at - 1, at + gamma):
+                features.append(step_features(decoder.target, decoder.draft, target, draft, tokens[row], at, gamma,
+                                              decoder.backend, row=row))
+            seqlens.append(at)
+            sources.append({"row": row, "position": at})
+    if not features:
+        return config, {"skipped": f"prompts shorter than {2 * (gamma + 2)} tokens: kept the configured heads"}
+    steps = stack_features(features, seqlens, sources)
+    t_cfg, d_cfg = decoder.target.config.get_text_config(), decoder.draft.config.get_text_config()
+    base = DustinConfig(budget=config.budget, sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
+                        dense_layers=config.dense_layers, min_context=config.min_context, backend=config.backend,
+                        prefill_chunk=config.prefill_chunk)
+    choice, log = search(steps, t_cfg, d_cfg, (config.budget,), base, time.perf_counter() + SEARCH_SECONDS,
+                         progress=False, search_windows=False)
+    default = default_choice(base, t_cfg, d_cfg, config.budget)
+    recovery = recovery_of(steps, choice, (config.budget,), base)[config.budget]
+    default_recovery = recovery_of(steps, default, (config.budget,), base)[config.budget]
+    if default_recovery > recovery:  # never worse than the defaults on the prompt's own steps
+        choice, recovery = default, default_recovery
+    chosen = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
+    report = {
+        "steps": len(seqlens), "rows": rows, "seconds": time.perf_counter() - started,
+        "recovery": recovery, "default_recovery": default_recovery,
+        "target_layer": chosen.target_layer, "target_heads": list(chosen.target_heads),
+        "draft_layers": list(chosen.draft_layers), "draft_heads": [list(h) for h in chosen.draft_heads],
+        "draft_share": chosen.draft_share, "candidates": log["candidates_evaluated"],
+        "stopped_early": log["stopped_early"],
+    }
+    return chosen, report

@@ -1,0 +1,78 @@
+"""Quick calibration on the prompt (``DustinConfig(calibration="prompt")``), tiny random-weight models."""
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import prompt_calibration
+
+from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2)
+    return target, set_gamma(noisy_copy(target), 4)
+
+
+def _snapshot(runner):
+    cache = runner.cache
+    return list(cache.seq_lengths), [tuple(t.clone() for t in cache.layer_buffers(l)) for l in range(len(cache.layers))]
+
+
+def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, monkeypatch):
+    """Every layer dense: whatever heads calibration picks, decoding must equal greedy, which only holds
+    if the replayed steps put every slot and length back (checked bit for bit too)."""
+    target, draft = pair
+    rows = [random_prompt(n, seed=n)[0] for n in (300, 420)]
+    ids, mask = left_pad(rows)
+    real, checked = prompt_calibration.calibrate_on_prompts, []
+
+    def checking(decoder, t_runner, d_runner, *args):
+        before = [_snapshot(t_runner), _snapshot(d_runner)]
+        out = real(decoder, t_runner, d_runner, *args)
+        for (lengths, tensors), runner in zip(before, (t_runner, d_runner)):
+            after_lengths, after = _snapshot(runner)
+            assert after_lengths == lengths
+            assert all(torch.equal(a, b) for x, y in zip(tensors, after) for a, b in zip(x, y))
+        checked.append(out[1])
+        return out
+
+    monkeypatch.setattr(prompt_calibration, "calibrate_on_prompts", checking)
+    config = dustin_hf.DustinConfig(budget=32, min_context=128, dense_layers=(0, 1, 2), calibration="prompt")
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    report = out.past_key_values.stats["calibration"]
+    assert checked and report["steps"] == 2 * prompt_calibration.STEPS and sorted(report["rows"]) == [0, 1]
+    assert report["recovery"] >= report["default_recovery"]
+    width = ids.shape[1]
+    for b, row in enumerate(rows):
+        alone = target.generate(row[None], max_new_tokens=16, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, width:], alone)
+
+
+def test_calibrated_heads_are_used_and_reported(pair):
+    target, draft = pair
+    ids = random_prompt(500, seed=3)
+    config = dustin_hf.DustinConfig(budget=32, min_context=128, calibration="prompt")
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    report = stats["calibration"]
+    assert stats["sparse_steps"] == stats["steps"] > 0
+    assert 0 < report["default_recovery"] <= report["recovery"] <= 1
+    assert 0 <= report["target_layer"] < 3 and report["target_heads"] and report["draft_layers"]
+    assert report["draft_share"] <= 32 - 4 - 16
+
+
+def test_short_prompt_keeps_the_configured_heads(pair):
+    target, draft = pair
+    config = dustin_hf.DustinConfig(budget=32, min_context=4, calibration="prompt")
+    with dustin_hf.patch(target, config):
+        out = target.generate(random_prompt(8, seed=1), assistant_model=draft, max_new_tokens=6, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    assert "skipped" in out.past_key_values.stats["calibration"]
