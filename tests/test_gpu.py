@@ -73,3 +73,20 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             if dustin:
                 assert result.cache.stats["sparse_steps"] > 0
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_dense_layers_and_prompt_calibration_under_cuda_graphs():
+    """Every layer dense on sparse steps, heads calibrated on the prompts, graphs replayed: still greedy."""
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1100)]
+    ids, mask = left_pad(rows)
+    config = DustinConfig(budget=128, min_context=512, backend="triton", dense_layers=(0, 1, 2), calibration="prompt")
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert stats["sparse_steps"] > 0 and stats["cuda_graphs"]["target"]["captured"] > 0
+    assert stats["calibration"]["steps"] > 0
+    for b, row in enumerate(rows):
+        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel():]
+        assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
