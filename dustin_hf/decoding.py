@@ -293,10 +293,10 @@ class SpeculativeDecoder:
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
         width = self.dustin.budget if self.dustin is not None else 0
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                        self.graphs["target"], graph_width=width,
-                        dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
+                             self.graphs["target"], graph_width=width,
+                             dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                       self.graphs["draft"])
+                            self.graphs["draft"])
         self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
         self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
         self._t_layers = t_cfg.num_hidden_layers

@@ -135,7 +135,8 @@ def teacher_forced_walk(
     runs = []
     for name, cfg in methods.items():
         history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
-        runs.append(_Method(name, cfg, decoding.ModelRunner(target, clone_cache(state.target_cache, capacity), backend), history))
+        runner = decoding.ModelRunner(target, clone_cache(state.target_cache, capacity), backend)
+        runs.append(_Method(name, cfg, runner, history))
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
 
