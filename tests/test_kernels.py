@@ -276,6 +276,10 @@ def test_triton_split_heuristic_uses_host_sizes_only():
     busy = _config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
     assert busy.num_splits == 1
     assert _config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
+    # budget 512 + 5 new tokens: unsplit once the programs fill half the SMs (measured faster on the H200)
+    assert _config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
+    assert _config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
+    assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
 
 
 @needs_cuda

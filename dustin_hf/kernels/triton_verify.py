@@ -53,6 +53,10 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
 _MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
 _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
+# A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
+# launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs:
+# 21.6 us with 2 splits, 18.2 us unsplit; benchmarks/results/attention_h200_sweep_cudagraph.json).
+_SHORT_RANGE_BLOCKS = 16
 _MAX_BLOCK_M = 128
 
 
@@ -105,9 +109,10 @@ def _config(
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
     ``n_keys`` bounds the key ordinals of every row: ``W + Q`` (sparse) or ``max_seqlen_k`` (dense).
-    Any keyword left ``None`` takes the heuristic value. Splits: enough programs to give every SM
-    about ``programs_per_sm`` of them (floor, so no partial extra wave), but never fewer than
-    ``min_blocks_per_split`` key tiles per split, and at most ``_MAX_SPLITS``.
+    Any keyword left ``None`` takes the heuristic value. Splits: none for a short key range (at most
+    ``_SHORT_RANGE_BLOCKS`` tiles) whose programs fill half the SMs already; otherwise enough programs
+    to give every SM about ``programs_per_sm`` of them (floor, so no partial extra wave), but never
+    fewer than ``min_blocks_per_split`` key tiles per split, and at most ``_MAX_SPLITS``.
     """
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
@@ -116,8 +121,10 @@ def _config(
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
+    programs = batch * n_kv_heads * m_tiles
+    if num_splits is None and n_blocks <= _SHORT_RANGE_BLOCKS and 2 * programs >= sm_count:
+        num_splits = 1
     if num_splits is None:
-        programs = batch * n_kv_heads * m_tiles
         by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, programs))
         by_work = max(1, n_blocks // min_blocks_per_split)
         num_splits = min(by_occupancy, by_work, _MAX_SPLITS)
