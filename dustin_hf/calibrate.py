@@ -122,10 +122,9 @@ class StepFeatures:
         return cls(data["seqlens"], data["weights"], data["target"], data["draft"], data["sources"])
 
 
-def _scale_and_group(model):
+def _scale_and_config(model):
     cfg = model.config.get_text_config()
-    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return decoding.attention_scale(model, cfg), cfg.num_attention_heads // kv, cfg
+    return decoding.attention_scale(model, cfg), cfg
 
 
 def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, row: int = 0):
@@ -134,8 +133,8 @@ def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, r
     Both caches' ``row`` must hold exactly ``at - 1`` positions (the forwards write slots ``at-1 ..``
     and advance the row); ``tokens (n,)`` is the row's text, ``n >= at + gamma + 1``.
     """
-    t_scale, _, t_cfg = _scale_and_group(target)
-    d_scale, _, d_cfg = _scale_and_group(draft)
+    t_scale, t_cfg = _scale_and_config(target)
+    d_scale, d_cfg = _scale_and_config(draft)
     t_heads, d_heads = tuple(range(t_cfg.num_attention_heads)), tuple(range(d_cfg.num_attention_heads))
     rows = slice(row, row + 1)
     plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 2, backend=backend,
@@ -317,8 +316,8 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
            max_draft_layers: int = 3, search_windows: bool = True) -> tuple[Choice, dict]:
     """The greedy search of the module docstring (recovery averaged over ``budgets``); returns the best
     choice and a log of each stage."""
-    t_heads, t_group = t_cfg.num_attention_heads, t_cfg.num_attention_heads // t_cfg.num_key_value_heads
-    d_heads, d_group = d_cfg.num_attention_heads, d_cfg.num_attention_heads // d_cfg.num_key_value_heads
+    t_heads, t_group = t_cfg.num_attention_heads, decoding.group_size(t_cfg)
+    d_heads, d_group = d_cfg.num_attention_heads, decoding.group_size(d_cfg)
     s = _Search(features, budgets, base, deadline, progress)
     log = {}
     # Stage 1: target layer and heads, m = 0 (the whole free budget by S_target).

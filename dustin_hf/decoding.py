@@ -39,7 +39,8 @@ from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import dense_rows, select_positions
 
-__all__ = ["DecodeResult", "ModelRunner", "SpeculativeDecoder", "attention_scale", "model_device", "prompts_from_mask"]
+__all__ = ["DecodeResult", "ModelRunner", "SpeculativeDecoder", "attention_scale", "group_size", "model_device",
+           "prompts_from_mask"]
 
 
 def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -79,6 +80,12 @@ class DecodeResult:
 
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def group_size(text_config) -> int:
+    """Query heads per key/value head (GQA group size; 1 without GQA)."""
+    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
+                                               or text_config.num_attention_heads)
 
 
 def model_device(model) -> torch.device:
@@ -297,8 +304,7 @@ class SpeculativeDecoder:
                              dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             self.graphs["draft"])
-        self._t_group = t_cfg.num_attention_heads // (getattr(t_cfg, "num_key_value_heads", None) or t_cfg.num_attention_heads)
-        self._d_group = d_cfg.num_attention_heads // (getattr(d_cfg, "num_key_value_heads", None) or d_cfg.num_attention_heads)
+        self._t_group, self._d_group = group_size(t_cfg), group_size(d_cfg)
         self._t_layers = t_cfg.num_hidden_layers
         self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
         self._t_scale = attention_scale(self.target, t_cfg)

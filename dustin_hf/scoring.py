@@ -137,7 +137,7 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads
                             num_positions) -> torch.Tensor:
     """The Triton path of :func:`draft_lookahead_scores`: the layers add into one buffer, and the last
     one zeroes the draft tokens' own positions in the same pass (no extra elementwise kernels)."""
-    from .kernels.triton_score import _attention_mass_triton
+    from .kernels.triton_score import attention_mass_triton
 
     device = draft_queries[0].device
     gamma = draft_queries[0].shape[1]
@@ -145,9 +145,9 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads
     total = None  # the first layer writes a fresh buffer, the others add into it
     for layer, (queries, keys, layer_heads) in enumerate(zip(draft_queries, draft_keys, heads)):
         last = layer == len(draft_queries) - 1
-        total = _attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
-                                       num_positions, num_positions + gamma, out=total,
-                                       position_limit=seqlens if last else None)
+        total = attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
+                                      num_positions, num_positions + gamma, out=total,
+                                      position_limit=seqlens if last else None)
     return total
 
 

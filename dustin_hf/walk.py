@@ -85,10 +85,6 @@ class _Method:
         self.recovery: list[torch.Tensor] = []  # per recovery step: (n_layers,)
 
 
-def _groups(cfg) -> int:
-    return cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-
-
 def teacher_forced_walk(
     target,
     draft,
@@ -123,7 +119,7 @@ def teacher_forced_walk(
     if (recovery_every or recovery_configs) and dense_name is None:
         raise ValueError("measuring recovery needs a dense method (a name mapped to None) in methods")
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
-    t_group, d_group = _groups(t_cfg), _groups(d_cfg)
+    t_group, d_group = decoding.group_size(t_cfg), decoding.group_size(d_cfg)
     t_scale, d_scale = decoding.attention_scale(target, t_cfg), decoding.attention_scale(draft, d_cfg)
     backend = resolve_backend("auto", device)
     all_t_heads = tuple(range(t_cfg.num_attention_heads))

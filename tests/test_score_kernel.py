@@ -149,8 +149,8 @@ def test_kernel_matches_reference_andexplicit_attention_mass(group, n_q):
         span = int(query_pos.max()) + 1
         small = kernel._config(3, 3, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
         for name, config in (("heuristic", None), ("small", small)):
-            got = kernel._attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span,
-                                                config=config)
+            got = kernel.attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span,
+                                               config=config)
             label = f"{case} {dtype} {name}"
             _assert_close_to_oracle(got, inputs, dtype, label)
             if dtype == torch.float32:
@@ -226,7 +226,7 @@ def test_never_written_buffer_cells_are_ignored(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned)
     small = _kernel()._config(3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2, tile=32)
-    got = _kernel()._attention_mass_triton(*_with_span(inputs), config=small)
+    got = _kernel().attention_mass_triton(*_with_span(inputs), config=small)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 

@@ -260,6 +260,10 @@ def attention_mass_triton(
     softmax_scale: float,
     num_positions: int,
     key_span: int,
+    *,
+    out: torch.Tensor | None = None,
+    position_limit: torch.Tensor | None = None,
+    config: _Config | None = None,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -274,30 +278,13 @@ def attention_mass_triton(
         softmax_scale: the model's attention scale.
         num_positions: how many leading key positions to score (host int).
         key_span: ``max(query_pos) + 1`` (host int), at most ``capacity``.
+        out: ``(B, num_positions)`` fp32, contiguous rows, to add into instead of a fresh tensor.
+        position_limit: ``(B,)`` int; zeroes ``out[b, p]`` for ``p >= position_limit[b]`` after the addition.
+        config: overrides the launch heuristic.
 
     Returns:
         ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
     """
-    return _attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions, key_span)
-
-
-def _attention_mass_triton(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_pos: torch.Tensor,
-    heads: tuple[int, ...],
-    group_size: int,
-    softmax_scale: float,
-    num_positions: int,
-    key_span: int,
-    *,
-    out: torch.Tensor | None = None,
-    position_limit: torch.Tensor | None = None,
-    config: _Config | None = None,
-) -> torch.Tensor:
-    """:func:`attention_mass_triton`, plus: ``out`` (``(B, num_positions)`` fp32, contiguous rows) to
-    add into instead of a fresh tensor; ``position_limit`` (``(B,)`` int) zeroes ``out[b, p]`` for
-    ``p >= position_limit[b]`` after the addition; ``config`` to override the launch heuristic."""
     heads = tuple(int(h) for h in heads)
     _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit)
     batch, n_queries, _, head_dim = queries.shape
