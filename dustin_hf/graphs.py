@@ -56,7 +56,7 @@ class GraphedForward:
         self.failed: str | None = None  # why capture failed; this shape then runs eagerly
 
     def __call__(self, input_ids: torch.Tensor, seqlens: list[int], indices=None, num_indices=None):
-        """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``."""
+        """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller."""
         self.input_ids.copy_(input_ids, non_blocking=True)
         self.tensors.cache_seqlens.copy_(torch.tensor(seqlens, dtype=torch.int32), non_blocking=True)
         if self.tensors.indices is not None:
@@ -74,7 +74,9 @@ class GraphedForward:
         else:
             with cache.forward_plan(self.plan):
                 self.graph.replay()
-            logits, captured = self.logits, self.plan.captured
+            # the next replay of this graph overwrites its outputs: hand out copies (kept queries of several
+            # draft steps are stacked for scoring, logits may be kept as output scores)
+            logits, captured = self.logits.clone(), {k: v.clone() for k, v in self.plan.captured.items()}
         cache.advance(self.plan.rows, [self.q_len] * self.plan.batch_size)
         return logits, captured
 
