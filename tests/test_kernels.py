@@ -450,3 +450,43 @@ def test_dispatcher_reference_matches_oracle():
     kwargs = inputs.kwargs() | {"indices": inputs.in_range_indices()}
     out = verify_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, **kwargs)
     _assert_matches_oracle(out, inputs, "dispatcher")
+
+
+# ----------------------------------------------------------------------------- cache writes
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_triton_kv_write_equals_index_put(dtype, head_dim):
+    """The one-launch K/V write stores exactly what ``cache[rows, slots] = states`` stores, and nothing else."""
+    from dustin_hf.kernels.triton_cache import write_kv_triton
+
+    gen = torch.Generator().manual_seed(head_dim)
+    batch, rows, heads, n_new, capacity, row0 = 4, 2, 3, 5, 40, 1
+    # states as attention layers produce them: (B', Q, H, D) projections viewed as (B', H, Q, D)
+    keys = torch.randn(rows, n_new, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    values = torch.randn(rows, n_new, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.tensor([[3, 4, 5, 6, 7], [30, 31, 32, 33, 34]])
+    k_cache = torch.randn(batch, capacity, heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(batch, capacity, heads, head_dim, generator=gen).to(dtype)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    row_ids = torch.arange(row0, row0 + rows)[:, None]
+    expect_k[row_ids, slots] = keys.transpose(1, 2)
+    expect_v[row_ids, slots] = values.transpose(1, 2)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    write_kv_triton(keys.to(DEVICE), values.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), row0)
+    assert torch.equal(k_cache.cpu(), expect_k) and torch.equal(v_cache.cpu(), expect_v)
+
+
+@needs_triton
+def test_triton_kv_write_refuses_mismatched_shapes():
+    from dustin_hf.kernels.triton_cache import write_kv_triton
+
+    states = torch.zeros(1, 2, 3, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="slots"):
+        write_kv_triton(states, states, cache, cache, torch.zeros(1, 4, dtype=torch.long, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        write_kv_triton(states, states, cache[..., :8], cache[..., :8], torch.zeros(1, 3, dtype=torch.long,
+                                                                                     device=DEVICE), 0)
