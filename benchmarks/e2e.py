@@ -235,7 +235,7 @@ def _random_prefill(dtype):
 
 
 def run_speculative(target, draft, batch: int, context: int, dustin: bool, replay: Replay, dtype,
-                    profile: bool = False) -> dict:
+                    profile: bool = False, torch_trace: str | None = None) -> dict:
     from transformers import GenerationConfig
 
     from dustin_hf import DustinConfig
@@ -252,6 +252,8 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    if torch_trace:
+        _trace_steps(decoder, torch_trace)
     with attention_routed(target, draft):
         result = decoder.generate(ids)
     stats = result.cache.stats
@@ -266,6 +268,33 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
         timed = stats["phase_seconds"][WARMUP_STEPS:]
         out["phase_ms_per_step"] = {k: 1e3 * sum(step.get(k, 0.0) for step in timed) / len(timed) for k in timed[0]}
     return out
+
+
+def _trace_steps(decoder, path: str, steps: int = 8) -> None:
+    """Record ``steps`` decode steps after the warm-up ones with torch.profiler; save a gzipped Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    step, done = decoder._step, [0]
+
+    def traced(target, draft):
+        if done[0] == WARMUP_STEPS:
+            prof.start()
+        step(target, draft)
+        done[0] += 1
+        if done[0] == WARMUP_STEPS + steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.stop()
+            prof.export_chrome_trace(path.removesuffix(".gz"))
+            import gzip
+            import shutil
+
+            with open(path.removesuffix(".gz"), "rb") as src, gzip.open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            Path(path.removesuffix(".gz")).unlink()
+
+    decoder._step = traced
 
 
 def _peak_gib() -> float | None:
@@ -339,6 +368,9 @@ def main(argv=None) -> dict:
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--compile-static", action="store_true",
                         help="let transformers compile hf_static's forward (recompiles per shape; slow)")
+    parser.add_argument("--torch-trace", default=None, metavar="DIR",
+                        help="also record 8 decode steps of each speculative run with torch.profiler "
+                             "(DIR/<method>_<context>_<batch>.json.gz, Chrome trace format)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, seconds (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
@@ -382,6 +414,10 @@ def main(argv=None) -> dict:
                             prof = run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
                                                    profile=True)
                             row["phase_ms_per_step"] = prof["phase_ms_per_step"]
+                        if args.torch_trace and batch == max(args.batches):  # a separate, untimed run
+                            Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
+                            run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
+                                            torch_trace=f"{args.torch_trace}/{method}_{context}_{batch}.json.gz")
                     bound_ms = step_bound_ms(method, target, draft, batch, context, copy_gbps)
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
                     row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
