@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .cache import DustinCache
 from .compat import CACHE_KWARG
 from .config import ResolvedConfig
+from .fused import fused_ops, fused_ops_available
 from .graphs import GraphedForward
 from .kernels import resolve_backend
 from .plan import ForwardPlan, select_heads
@@ -224,6 +225,9 @@ class SpeculativeDecoder:
         backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
         cuda_graphs: capture the fixed-shape forwards in CUDA graphs; ``None``: for each model that
             sits on one CUDA device, when the backend is graph-safe (``"triton"``).
+        fused_ops: run the models' RMSNorms and rotary embeddings through one-launch Triton kernels
+            (:mod:`dustin_hf.fused`; rotary bit-exact, RMSNorm within 2 ulps); ``None``: for each model
+            whose parameters are all on CUDA, when the backend is ``"triton"``.
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
             the target's own token follows them.
         prefill: replaces ``ModelRunner.prefill`` (same signature and results); benchmarks and evaluation
@@ -249,6 +253,7 @@ class SpeculativeDecoder:
         streamer=None,
         backend: str = "auto",
         cuda_graphs: bool | None = None,
+        fused_ops: bool | None = None,
         accept_override=None,
         prefill=None,
         profile: bool = False,
@@ -269,6 +274,10 @@ class SpeculativeDecoder:
             role: (self.backend == "triton" and _single_cuda_device(model)) if cuda_graphs is None else cuda_graphs
             for role, model in (("target", target), ("draft", draft))
         }
+        self.fused = {
+            role: (self.backend == "triton" and fused_ops_available(model)) if fused_ops is None else fused_ops
+            for role, model in (("target", target), ("draft", draft))
+        }
         self.accept_override = accept_override
         self.prefill = prefill or ModelRunner.prefill
         self.profile = profile
@@ -287,6 +296,13 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
+        fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
+        with fused_ops(*fused) as report:  # entered before any graph is captured: graphs keep the fused kernels
+            result = self._generate(input_ids, attention_mask)
+        result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules)}
+        return result
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:
         prompts = prompts_from_mask(input_ids, attention_mask)
         batch, padded_len = input_ids.shape
         max_new = self.config.max_length - padded_len

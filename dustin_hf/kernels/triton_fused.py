@@ -1,0 +1,281 @@
+"""Triton kernels for RMSNorm and rotary embedding, one launch each, rounding exactly where PyTorch does.
+
+:func:`dustin_hf.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
+
+Why: under CUDA graphs the decode step is made of thousands of ~2 us elementwise kernels. transformers'
+RMSNorm is about 8 of them (to fp32, pow, mean, add eps, rsqrt, mul, to the input dtype, mul by the
+weight), ``apply_rotary_pos_emb`` about 10 (for q and for k: ``q * cos``, neg, cat, mul, add). Each
+becomes one launch here, q and k together.
+
+Numerics. PyTorch's elementwise ops on fp16/bf16 tensors compute in fp32 and round the result to the
+tensor's dtype, once per op. The kernels compute in fp32 and round (:func:`_round`, to nearest, ties
+to even) after every op whose PyTorch output is 16-bit, in the dtype PyTorch's type promotion gives
+that op. Products of two 16-bit values are exact in fp32, so each rounding matches PyTorch's bit for
+bit; so does every fp32 op, since the kernels are compiled with ``enable_fp_fusion=False`` (no
+multiply-add is contracted into one FMA, which rounds once where PyTorch rounds twice).
+
+* Rotary: ``q * cos + rotate_half(q) * sin`` is bit-exact to PyTorch for every dtype.
+* RMSNorm: ``mean(x**2)`` sums in another order than PyTorch's reduction (and ``rsqrt`` may differ
+  by an ulp on the GPU), so the fp32 ``rsqrt(var + eps)`` can differ in its last bits, and the
+  16-bit ``y = x * rsqrt(...)`` can round one ulp the other way: 2 to 5 elements per million on an
+  H200 (bf16), which the weight multiply makes at most 2 ulps of a 16-bit output. Everything after
+  the reduction rounds as PyTorch does.
+
+Rounding to bf16 is done on the fp32 bit pattern with integer ops, not with a cast: Triton's
+interpreter (the CPU test path) truncates fp32 -> bf16 casts, while compiled kernels round to nearest;
+the integer version gives the same bits in both. Sizes come from host ints only and outputs from
+``torch.empty``: no host sync, so both kernels can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["apply_rotary_triton", "rms_norm_triton"]
+
+_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
+_LOOP_BLOCK = 4096
+_ROTARY_TILE = 4096  # (heads x half head dim) elements per rotary tile
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest (ties to even) in ``DTYPE``, returned as fp32 (exact in ``DTYPE``)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # carries into the exponent as it should
+        rounded = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    elif DTYPE == tl.float16:
+        rounded = x.to(tl.float16).to(tl.float32)  # fp16 casts round to nearest in both modes
+    else:
+        rounded = x
+    return rounded
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps,
+    N_COLS: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: ``out = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    if N_COLS <= BLOCK:  # the whole row in registers: x is read once
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N_COLS
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N_COLS + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _round(x * rstd, X_DTYPE)  # .to(input_dtype)
+        out = _round(w * y, OUT_DTYPE)  # weight * y in the promoted dtype
+        tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # two passes over the row: sum of squares, then normalise (the second read mostly hits L2)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N_COLS, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < N_COLS, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N_COLS + eps)
+        for start in range(0, N_COLS, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N_COLS
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            out = _round(w * _round(x * rstd, X_DTYPE), OUT_DTYPE)
+            tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block: int | None = None) -> torch.Tensor:
+    """transformers' RMSNorm: ``weight * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)``, ``x32 = x.float()``.
+
+    Args:
+        x: ``(..., N)``, fp16/bf16/fp32, any strides (copied if its last dim is not contiguous).
+        weight: ``(N,)``, fp16/bf16/fp32, on ``x``'s device.
+        eps: added to the mean square (as fp32).
+        block: tile width; ``None`` picks one (tests force the looped path with a small one).
+
+    Returns:
+        ``x.shape``, contiguous, in ``torch.promote_types(weight.dtype, x.dtype)`` (fp32 for a bf16
+        ``x`` with an fp32 weight, as in PyTorch).
+    """
+    n_cols = x.shape[-1]
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise ValueError(f"rms_norm takes fp16, bf16 or fp32 tensors; got x {x.dtype}, weight {weight.dtype}")
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight must be ({n_cols},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.reshape(-1, n_cols)  # a view unless the leading dims cannot be flattened
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0] == 0 or n_cols == 0:
+        return out
+    if block is None:
+        block = triton.next_power_of_2(n_cols) if n_cols <= _MAX_ONE_TILE else _LOOP_BLOCK
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    with _on_device(x):
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight.contiguous(), out, rows.stride(0), n_cols, float(eps),
+            N_COLS=n_cols, X_DTYPE=_DTYPES[x.dtype], OUT_DTYPE=_DTYPES[out_dtype], BLOCK=block,
+            num_warps=num_warps, enable_fp_fusion=False,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, stride_h, stride_d, out_stride_h, out_stride_d, cos1, cos2, sin1, sin2, d, d_mask,
+    N_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    COS_DTYPE: tl.constexpr, SIN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    """``x * cos + rotate_half(x) * sin`` for the heads of one (batch row, position); ``rotate_half(x) = cat(-x2, x1)``.
+
+    Each product is rounded to its PyTorch dtype (``COS_DTYPE = promote(x, cos)``, ``SIN_DTYPE =
+    promote(x, sin)``), then the sum to ``OUT_DTYPE``. ``round(-a * s) = -round(a * s)``: the negation
+    commutes with rounding to nearest, so ``neg`` then ``mul`` equals one fused step.
+    """
+    for h0 in range(0, N_HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < N_HEADS)[:, None] & d_mask[None, :]
+        src = x_ptr + h[:, None] * stride_h + d[None, :] * stride_d  # (BLOCK_H, BLOCK_HALF), first halves
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
+        out1 = _round(_round(x1 * cos1[None, :], COS_DTYPE) + _round(-x2 * sin1[None, :], SIN_DTYPE), OUT_DTYPE)
+        out2 = _round(_round(x2 * cos2[None, :], COS_DTYPE) + _round(x1 * sin2[None, :], SIN_DTYPE), OUT_DTYPE)
+        dst = out_ptr + h[:, None] * out_stride_h + d[None, :] * out_stride_d
+        tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF * out_stride_d, out2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq_len,
+    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
+    sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
+    sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q_COS_DTYPE: tl.constexpr, Q_SIN_DTYPE: tl.constexpr, Q_OUT_DTYPE: tl.constexpr,
+    K_COS_DTYPE: tl.constexpr, K_SIN_DTYPE: tl.constexpr, K_OUT_DTYPE: tl.constexpr,
+):
+    """One program per (batch row, position): loads its cos/sin once, rotates every q head, then every k head."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    t = pid % seq_len
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    cos_row = cos_ptr + b * sc_b + t * sc_t
+    sin_row = sin_ptr + b * ss_b + t * ss_t
+    cos1 = tl.load(cos_row + d * sc_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + (d + HALF) * sc_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row + d * ss_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + (d + HALF) * ss_d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + b * sq_b + t * sq_t, q_out_ptr + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
+        cos1, cos2, sin1, sin2, d, d_mask, N_Q_HEADS, HALF, BLOCK_H, Q_COS_DTYPE, Q_SIN_DTYPE, Q_OUT_DTYPE,
+    )
+    _rotate_heads(
+        k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
+        cos1, cos2, sin1, sin2, d, d_mask, N_K_HEADS, HALF, BLOCK_H, K_COS_DTYPE, K_SIN_DTYPE, K_OUT_DTYPE,
+    )
+
+
+def apply_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb``, bit for bit, in one launch for q and k.
+
+    Args:
+        q: ``(B, Hq, T, D)`` with ``unsqueeze_dim=1`` (``(B, T, Hq, D)`` with 2); fp16/bf16/fp32, any
+            strides; ``D`` even, at most 512.
+        k: like ``q`` with ``Hk`` heads (same ``B``, ``T``, ``D``).
+        cos, sin: ``(B, T, D)`` (``B`` may be 1: broadcast), fp16/bf16/fp32; transformers' rotary
+            module casts them to the hidden states' dtype.
+        unsqueeze_dim: where cos/sin get their head axis: 1 (or -3) or 2 (or -2).
+
+    Returns:
+        ``(q_embed, k_embed)``, shaped and strided like ``q`` and ``k``, each in the dtype PyTorch's
+        promotion gives ``x * cos + rotate_half(x) * sin``.
+    """
+    dim = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim
+    _check_rotary(q, k, cos, sin, dim)
+    q_out = torch.empty_like(q, dtype=_rotary_dtypes(q, cos, sin)[2])
+    k_out = torch.empty_like(k, dtype=_rotary_dtypes(k, cos, sin)[2])
+    cos4, sin4 = cos.unsqueeze(dim), sin.unsqueeze(dim)
+    views = [q, k, q_out, k_out, cos4, sin4]
+    if dim == 2:  # one (B, H, T, D) indexing for both layouts
+        views = [v.transpose(1, 2) for v in views]
+    qv, kv, qov, kov, cos4, sin4 = views
+    batch, n_q_heads, seq_len, head_dim = qv.shape
+    cos4 = cos4.expand(batch, 1, seq_len, head_dim)  # broadcast axes get stride 0
+    sin4 = sin4.expand(batch, 1, seq_len, head_dim)
+    if batch * seq_len == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(n_q_heads, kv.shape[1])), max(1, _ROTARY_TILE // block_half))
+    q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
+    k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
+    with _on_device(q):
+        _rotary_kernel[(batch * seq_len,)](
+            qv, kv, cos4, sin4, qov, kov, seq_len,
+            *qv.stride(), *kv.stride(), *qov.stride(), *kov.stride(),
+            cos4.stride(0), cos4.stride(2), cos4.stride(3), sin4.stride(0), sin4.stride(2), sin4.stride(3),
+            N_Q_HEADS=n_q_heads, N_K_HEADS=kv.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
+            K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
+            num_warps=4, enable_fp_fusion=False,
+        )
+    return q_out, k_out
+
+
+def _rotary_dtypes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """PyTorch's dtypes of ``x * cos``, ``rotate_half(x) * sin`` and their sum."""
+    with_cos, with_sin = torch.promote_types(x.dtype, cos.dtype), torch.promote_types(x.dtype, sin.dtype)
+    return with_cos, with_sin, torch.promote_types(with_cos, with_sin)
+
+
+def _check_rotary(q, k, cos, sin, dim: int) -> None:
+    """Shape/dtype checks on host metadata only (no device reads)."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
+        raise ValueError(
+            f"apply_rotary takes 4-D q, k and 3-D cos, sin; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    if dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 or 2 (the head axis of q and k); got {dim}")
+    for t in (q, k, cos, sin):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"apply_rotary takes fp16, bf16 or fp32 tensors; got {t.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim % 2 or head_dim > 512:
+        raise ValueError(f"the head dim must be even and at most 512; got {head_dim}")
+    seq_axis = 3 - dim  # (B, H, T, D) or (B, T, H, D)
+    if k.shape[0] != q.shape[0] or k.shape[seq_axis] != q.shape[seq_axis] or k.shape[-1] != head_dim:
+        raise ValueError(f"q and k must share batch, length and head dim; got {tuple(q.shape)} and {tuple(k.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        shape = q.shape[0], q.shape[seq_axis], head_dim
+        if t.shape[0] not in (1, shape[0]) or t.shape[1:] != shape[1:]:
+            raise ValueError(
+                f"{name} must be {shape} (or batch 1) for q of shape {tuple(q.shape)}; got {tuple(t.shape)}"
+            )
+    devices = {t.device for t in (q, k, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
+
+
+def _on_device(t: torch.Tensor):
+    """Make ``t``'s CUDA device current for the launch (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -1,0 +1,411 @@
+"""Fused RMSNorm and rotary kernels against transformers' own functions; fused_ops() patches and restores.
+
+Oracles are transformers' modules and functions themselves: ``apply_rotary_pos_emb`` must be matched
+bit for bit (``torch.equal``) in every dtype. RMSNorm reduces its sum of squares in another order than
+PyTorch, so its fp32 ``rsqrt(var + eps)`` may differ in the last bits: fp32 is compared with a tight
+tolerance, and in 16 bits the normalised value ``y`` may round one ulp the other way, which the weight
+multiply can turn into two ulps of a 16-bit output. On CPU no element differs in these cases; on an
+H200, 2 to 5 elements per million did (bf16, hidden 896 to 20000), by at most 2 ulps.
+
+Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CPU
+(``TRITON_INTERPRET=1``, set below before triton is imported) with small shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from accelerate.hooks import ModelHook, add_hook_to_module  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+
+from dustin_hf import fused  # noqa: E402
+from dustin_hf.fused import apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
+
+from conftest import random_prompt, tiny_model  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+HF_ROTARY = modeling_qwen2.apply_rotary_pos_emb  # the oracle, taken before any test patches the module
+
+pytestmark = [
+    pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)"),
+    pytest.mark.usefixtures("one_thread"),
+]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _rotary_inputs(batch=2, q_heads=4, k_heads=2, seq=5, head_dim=64, dtype=torch.bfloat16, seed=0, device=DEVICE):
+    """q as transformers makes it, ``(B, T, H, D)`` transposed to ``(B, H, T, D)`` (not contiguous); cos/sin
+    as its rotary module makes them: fp32 angles, cast to the hidden states' dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, q_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, k_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.randint(0, 4096, (batch, seq), generator=gen).float()
+    freqs = positions[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q, k, emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Units in the last place between two tensors of one float dtype (bit patterns mapped to ordered ints)."""
+    bits, mask = (torch.int32, 0x7FFFFFFF) if a.dtype == torch.float32 else (torch.int16, 0x7FFF)
+
+    def ordered(t):
+        i = t.contiguous().view(bits).long()
+        return torch.where(i < 0, -(i & mask), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_is_bit_exact(dtype, head_dim):
+    q, k, cos, sin = _rotary_inputs(head_dim=head_dim, dtype=dtype, seq=5)
+    q_ref, k_ref = HF_ROTARY(q, k, cos, sin)
+    q_out, k_out = apply_rotary(q, k, cos, sin)
+    assert q_out.dtype == q_ref.dtype and q_out.shape == q_ref.shape
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+@pytest.mark.parametrize("case", ["unsqueeze_dim_2", "batch_1_cos", "fp32_cos", "head_dim_80", "one_token"])
+def test_rotary_other_layouts_and_dtypes(case):
+    q, k, cos, sin = _rotary_inputs(head_dim=80 if case == "head_dim_80" else 64, seq=1 if case == "one_token" else 3)
+    dim = 1
+    if case == "unsqueeze_dim_2":  # (B, T, H, D)
+        q, k, dim = q.transpose(1, 2), k.transpose(1, 2), 2
+    elif case == "batch_1_cos":
+        cos, sin = cos[:1], sin[:1]
+    elif case == "fp32_cos":  # bf16 q times fp32 cos promotes to fp32, as in PyTorch
+        cos, sin = cos.float(), sin.float()
+    expected = HF_ROTARY(q, k, cos, sin, unsqueeze_dim=dim)
+    out = apply_rotary(q, k, cos, sin, unsqueeze_dim=dim)
+    assert out[0].dtype == expected[0].dtype
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+
+
+def test_rotary_rotates_each_pair_by_its_angle():
+    """An oracle independent of transformers: dims ``(i, i + D/2)`` form a pair rotated by the angle of ``i``,
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``. Swapped halves or a wrong sign fail here."""
+    head_dim, angle = 8, 0.5
+    q = torch.zeros(1, 1, 1, head_dim, device=DEVICE)
+    q[..., 1], q[..., 1 + head_dim // 2] = 1.0, 2.0  # pair 1: (x1, x2) = (1, 2)
+    theta = torch.zeros(1, 1, head_dim, device=DEVICE)
+    theta[..., 1] = theta[..., 1 + head_dim // 2] = angle
+    q_out, k_out = apply_rotary(q, q.clone(), theta.cos(), theta.sin())
+    c, s = math.cos(angle), math.sin(angle)
+    expected = torch.zeros(head_dim)
+    expected[1], expected[1 + head_dim // 2] = 1 * c - 2 * s, 2 * c + 1 * s
+    torch.testing.assert_close(q_out.flatten().cpu(), expected)
+    torch.testing.assert_close(k_out, q_out)
+
+
+def test_rotary_rejects_bad_shapes():
+    q, k, cos, sin = _rotary_inputs()
+    with pytest.raises(ValueError, match="even"):
+        apply_rotary(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63])
+    with pytest.raises(ValueError, match="cos must be"):
+        apply_rotary(q, k, cos[:, :2], sin)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        apply_rotary(q, k, cos, sin, unsqueeze_dim=0)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def _norm(hidden, weight_dtype, seed=0, eps=1e-6):
+    torch.manual_seed(seed)
+    norm = Qwen2RMSNorm(hidden, eps=eps).to(DEVICE)
+    norm.weight.data = (torch.randn(hidden, device=DEVICE) * 0.3 + 1).to(weight_dtype)
+    return norm
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 64), (7, 200), (2, 3, 4, 32)], ids=str)
+def test_rms_norm_fp32_matches_the_module(shape):
+    norm = _norm(shape[-1], torch.float32)
+    x = torch.randn(shape, device=DEVICE) * 3
+    out = rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    torch.testing.assert_close(out, norm(x), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_16bit_within_one_ulp_of_y(x_dtype, weight_dtype):
+    """The output takes PyTorch's promoted dtype (fp32 for a bf16 x and an fp32 weight). The rounded
+    ``y = x * rsqrt(var + eps)`` may differ by one ulp: two ulps of a 16-bit ``weight * y``, or a relative
+    ``2**-7`` (one bf16 ulp) of an fp32 one."""
+    norm = _norm(384, weight_dtype)
+    x = (torch.randn(16, 384, device=DEVICE) * 2).to(x_dtype)
+    out, expected = rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)
+    assert out.dtype == expected.dtype == torch.promote_types(x_dtype, weight_dtype)
+    if out.dtype == x_dtype:
+        assert int(_ulps(out, expected).max()) <= 2
+    else:  # fp32 = fp32 weight * 16-bit y
+        torch.testing.assert_close(out, expected, rtol=2.0 ** -7, atol=0)
+    assert float((out != expected).float().mean()) < 0.01
+
+
+def test_rms_norm_long_rows_loop_and_strided_input():
+    """Rows longer than the tile run the two-pass loop; a non-contiguous x is read through its strides."""
+    from dustin_hf.kernels.triton_fused import rms_norm_triton
+
+    norm = _norm(200, torch.float32)
+    x = (torch.randn(200, 6, device=DEVICE) * 3).t()  # (6, 200), last dim strided
+    torch.testing.assert_close(rms_norm_triton(x, norm.weight, 1e-6, block=64), norm(x), rtol=2e-6, atol=1e-6)
+    rows = torch.randn(6, 400, device=DEVICE)[:, :200]  # row stride 400, last dim contiguous
+    torch.testing.assert_close(rms_norm(rows, norm.weight, 1e-6), norm(rows), rtol=2e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- fused_ops
+
+
+@pytest.mark.parametrize("family, norms_per_layer", [("qwen2", 2), ("llama", 2), ("qwen3", 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype):
+    model = tiny_model(family, layers=2, hidden=64, heads=4, kv_heads=2).to(DEVICE, dtype)
+    modeling = sys.modules[type(model).__module__]
+    original_rotary = modeling.apply_rotary_pos_emb
+    prompt = random_prompt(9, batch=2).to(DEVICE)
+    with torch.no_grad():
+        expected = model(prompt).logits.float()
+        with fused_ops(model) as done:
+            assert done.norms == norms_per_layer * 2 + 1
+            assert done.rotary_modules == (modeling.__name__,)
+            assert modeling.apply_rotary_pos_emb is not original_rotary
+            out = model(prompt).logits.float()
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(out, expected, **tolerance)
+    _assert_restored(model, modeling, original_rotary)
+
+
+def test_fused_ops_calls_the_kernels(monkeypatch):
+    """Inside the context the model's norms and rotary run the fused functions (counted), outside they do not."""
+    calls = {"rms_norm": 0, "apply_rotary": 0}
+    for name in calls:
+        real = getattr(fused, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fused, name, counted)
+    model = tiny_model("qwen2", layers=2, hidden=32).to(DEVICE)
+    prompt = random_prompt(3).to(DEVICE)
+    with torch.no_grad(), fused_ops(model):
+        model(prompt)
+    assert calls == {"rms_norm": 5, "apply_rotary": 2}
+    with torch.no_grad():
+        model(prompt)
+    assert calls == {"rms_norm": 5, "apply_rotary": 2}
+
+
+def test_fused_ops_restores_after_an_exception_and_nests():
+    model = tiny_model("llama", layers=2, hidden=32).to(DEVICE)
+    original_rotary = modeling_llama.apply_rotary_pos_emb
+    with pytest.raises(RuntimeError, match="boom"):
+        with fused_ops(model):
+            raise RuntimeError("boom")
+    _assert_restored(model, modeling_llama, original_rotary)
+    with fused_ops(model, model) as outer:  # a model given twice is patched once
+        patched_rotary = modeling_llama.apply_rotary_pos_emb
+        with fused_ops(model) as inner:
+            assert (inner.norms, inner.rotary_modules) == (0, ())
+        assert outer.norms == 5 and modeling_llama.apply_rotary_pos_emb is patched_rotary
+        assert model.model.norm.forward.__func__ is fused._fused_rms_norm_forward
+    _assert_restored(model, modeling_llama, original_rotary)
+    with fused_ops(model) as again:
+        assert again.norms == 5
+    _assert_restored(model, modeling_llama, original_rotary)
+
+
+def _assert_restored(model, modeling, original_rotary):
+    assert modeling.apply_rotary_pos_emb is original_rotary
+    for module in model.modules():
+        assert "forward" not in module.__dict__, type(module).__name__
+
+
+def test_accelerate_hooks_keep_wrapping_the_fused_forward():
+    """Under a device hook (device_map) the hook's ``_old_forward`` is replaced, so the hook still runs."""
+    norm = _norm(32, torch.float32)
+    seen = []
+
+    class Recorder(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(True)
+            return args, kwargs
+
+    add_hook_to_module(norm, Recorder())
+    hooked_forward, old_forward = norm.forward, norm._old_forward
+    x = torch.randn(3, 32, device=DEVICE)
+    with fused_ops(norm) as done:
+        assert done.norms == 1 and norm.forward is hooked_forward
+        assert norm._old_forward.__func__ is fused._fused_rms_norm_forward
+        torch.testing.assert_close(norm(x), old_forward(x), rtol=2e-6, atol=1e-6)
+    assert seen and norm.forward is hooked_forward and norm._old_forward is old_forward
+
+
+def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
+    """Gemma's ``(1 + weight)`` norm is not listed; a listed name with another forward, or a modeling module
+    whose ``apply_rotary_pos_emb`` is not the standard one (e.g. interleaved), is left alone."""
+
+    class Qwen2RMSNorm(torch.nn.Module):  # the allowlisted name, another function
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(8)), 1e-6
+
+        def forward(self, x):
+            return x * (1 + self.weight)
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        return q, k
+
+    fake = types.ModuleType("fake_modeling")
+    fake.rotate_half, fake.apply_rotary_pos_emb = modeling_qwen2.rotate_half, interleaved
+    monkeypatch.setitem(sys.modules, "fake_modeling", fake)
+    FakeAttention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
+    model = torch.nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(), FakeAttention()).to(DEVICE)
+    with fused_ops(model) as done:
+        assert (done.norms, done.rotary_modules) == (0, ())
+        assert fake.apply_rotary_pos_emb is interleaved
+    fake.apply_rotary_pos_emb = HF_ROTARY  # the standard function is recognised in any module
+    with fused_ops(model) as done:
+        assert done.rotary_modules == ("fake_modeling",)
+    assert fake.apply_rotary_pos_emb is HF_ROTARY
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU without the interpreter")
+def test_cpu_models_need_the_interpreter(monkeypatch):
+    model = tiny_model("qwen2", layers=1, hidden=32)
+    assert not fused_ops_available(model)
+    q, k, cos, sin = _rotary_inputs(dtype=torch.float32)
+    with fused_ops(model):
+        monkeypatch.delenv("TRITON_INTERPRET")
+        # another CPU model of the family, outside the interpreter, falls back to transformers' function
+        out = modeling_qwen2.apply_rotary_pos_emb(q, k, cos, sin)
+        assert torch.equal(out[0], HF_ROTARY(q, k, cos, sin)[0])
+        with pytest.raises(ValueError, match="fused_ops_available"):
+            with fused_ops(model):
+                pass
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            rms_norm(q, torch.ones(64), 1e-6)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_rms_norm_and_rotary_on_gpu_at_qwen_sizes():
+    """Qwen2.5-7B (hidden 3584, 28/4 heads of 128) and 0.5B (896, 14/2 of 64) at batch 16, 5 positions."""
+    for hidden, q_heads, k_heads, head_dim in ((3584, 28, 4, 128), (896, 14, 2, 64)):
+        q, k, cos, sin = _rotary_inputs(16, q_heads, k_heads, 5, head_dim, torch.bfloat16)
+        q_ref, k_ref = HF_ROTARY(q, k, cos, sin)
+        q_out, k_out = apply_rotary(q, k, cos, sin)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        for weight_dtype in (torch.bfloat16, torch.float32):
+            norm = _norm(hidden, weight_dtype)
+            x = torch.randn(16 * 5 * 8, hidden, device="cuda").to(torch.bfloat16) * 2
+            out, expected = rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)
+            assert out.dtype == expected.dtype
+            if out.dtype == torch.bfloat16:
+                assert int(_ulps(out, expected).max()) <= 2
+            else:
+                torch.testing.assert_close(out, expected, rtol=2.0 ** -7, atol=0)
+            assert float((out != expected).float().mean()) < 1e-3
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_fused_kernels_are_cuda_graph_capturable():
+    q, k, cos, sin = _rotary_inputs(4, 8, 2, 3, 128, torch.bfloat16)
+    norm = _norm(512, torch.bfloat16)
+    x = torch.randn(12, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return apply_rotary(q, k, cos, sin), rms_norm(x, norm.weight, 1e-6)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (q_out, k_out), normed = step()
+    fresh = _rotary_inputs(4, 8, 2, 3, 128, torch.bfloat16, seed=1)
+    for tensor, new in zip((q, k, cos, sin), fresh):
+        tensor.copy_(new)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    (q_ref, k_ref), norm_ref = step()
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref) and torch.equal(normed, norm_ref)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fused_ops_on_a_model_split_over_two_devices():
+    """accelerate's device_map puts the second layer and the head on cuda:1 while cuda:0 is current: each
+    launch must run on its tensors' device, and the hooked final norm keeps its hook."""
+    from accelerate import dispatch_model
+
+    model = tiny_model("qwen2", layers=2, hidden=64).to(torch.bfloat16)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                  "model.norm": 1, "lm_head": 1}
+    model = dispatch_model(model, device_map=device_map)
+    assert fused_ops_available(model)
+    prompt = random_prompt(7, batch=2).to("cuda:0")
+    torch.cuda.set_device(0)
+    with torch.no_grad():
+        expected = model(prompt).logits.float()
+        with fused_ops(model) as done:
+            assert done.norms == 5
+            out = model(prompt).logits.float()
+    torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)
+
+
+def test_decoder_with_fused_ops_decodes_like_without():
+    """The decoding loop inside fused_ops: same greedy tokens as unfused, patches counted, models restored."""
+    from transformers import GenerationConfig
+
+    import dustin_hf
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target, draft = tiny_model("qwen2", seed=1), tiny_model("qwen2", layers=2, seed=2)
+    forwards = [m.forward for m in target.modules()]
+    ids = random_prompt(23, batch=2, seed=3)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 12, pad_token_id=0)
+    outputs = []
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        for fused_on in (False, True):
+            decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
+                                         fused_ops=fused_on)
+            result = decoder.generate(ids)
+            outputs.append(result.sequences)
+            report = result.cache.stats["fused_ops"]
+            # 2 norms per layer and a final one, in both models; one modeling module's rotary
+            assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__]} if fused_on
+                              else {"norms": 0, "rotary": []})
+    assert torch.equal(outputs[0], outputs[1])
+    assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY
