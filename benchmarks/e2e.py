@@ -37,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,7 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     """Plain generate() from a cache already holding ``context - 1`` random positions."""
     from transformers import DynamicCache, StaticCache, StoppingCriteriaList
 
+    _release_memory()
     cfg = target.config
     n_new = AR_TOKENS
     if static:
@@ -243,6 +245,7 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
+    _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + NEW_TOKENS, pad_token_id=0)
     resolved = resolve(DustinConfig(budget=BUDGET, min_context=min(2048, context)), target.config, draft.config) \
         if dustin else None
@@ -295,6 +298,12 @@ def _trace_steps(decoder, path: str, steps: int = 8) -> None:
             Path(path.removesuffix(".gz")).unlink()
 
     decoder._step = traced
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _peak_gib() -> float | None:
@@ -422,11 +431,12 @@ def main(argv=None) -> dict:
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
                     row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
                 except torch.OutOfMemoryError as error:
-                    row["error"] = f"out of memory: {str(error).splitlines()[0]}"
+                    where = traceback.extract_tb(error.__traceback__)[-3:]
+                    row["error"] = (f"out of memory: {str(error).splitlines()[0]} at "
+                                    + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(where)))
+                    row.pop("tokens_per_s", None)  # a later pass of this row failed: no partial result
                 finally:
-                    gc.collect()  # the loop's CUDA graphs sit in reference cycles; free them between runs
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    _release_memory()
                 rows.append(row)
                 _print_row(row)
     for row in rows:
