@@ -36,6 +36,7 @@ class DustinStats:
     verified_tokens: int = 0  # draft tokens proposed to the target
     accepted_tokens: int = 0  # draft tokens the target kept
     steps: int = 0  # verification forwards
+    draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
     trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
     extra: dict = field(default_factory=dict)
 
@@ -50,6 +51,7 @@ class DustinStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0,
             "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
+            "draft_sparse_forwards": self.draft_sparse_forwards,
             **self.extra,
         }
 

@@ -62,6 +62,12 @@ class DustinConfig:
             prefill, search the scoring heads and ``draft_share`` on a few verification-like steps
             replayed inside the prompt (seconds; see :mod:`dustin_hf.prompt_calibration`); the
             searched fields must then be left ``None``.
+        sparse_draft: the draft also reads a selection on sparse steps: the positions the previous
+            step verified against plus those written since, instead of its whole cache (its scoring
+            layers still score every position). Cuts the draft's cache reads, which at long context
+            cost as much as dense verification, for some acceptance: the draft guesses from less
+            context. ``False``: the paper's dense draft. Verification, and so the output's fidelity,
+            is unchanged in kind.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
@@ -78,6 +84,7 @@ class DustinConfig:
     draft_heads: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     dense_layers: tuple[int, ...] = ()
     calibration: str = "none"
+    sparse_draft: bool = False
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int = 4096
@@ -119,6 +126,8 @@ class DustinConfig:
                              "or use calibration='none' to keep them")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.sparse_draft, bool):
+            raise ValueError(f"sparse_draft must be True or False, got {self.sparse_draft!r}")
 
     def _normalized_draft_heads(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
         heads = self.draft_heads
@@ -177,6 +186,7 @@ class ResolvedConfig:
     draft_heads: tuple[tuple[int, ...], ...]
     dense_layers: tuple[int, ...] = ()  # non-negative, sorted
     calibration: str = "none"  # "prompt": the decoder searches the heads above after prefill
+    sparse_draft: bool = False  # the draft reads the previous selection + what was written since
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -235,4 +245,5 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         draft_heads=tuple(tuple(h) for h in per_layer),
         dense_layers=dense_layers,
         calibration=config.calibration,
+        sparse_draft=config.sparse_draft,
     )

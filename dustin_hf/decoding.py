@@ -38,7 +38,7 @@ from .kernels import resolve_backend
 from .plan import ForwardPlan, select_heads
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
-from .selection import dense_rows, select_positions
+from .selection import Selection, dense_rows, select_positions
 
 __all__ = ["DecodeResult", "ModelRunner", "SpeculativeDecoder", "attention_scale", "group_size", "model_device",
            "prompts_from_mask"]
@@ -210,6 +210,47 @@ class ModelRunner:
         return last_logits, kept
 
 
+@dataclass(frozen=True)
+class DraftReads:
+    """What the draft reads on a sparse step with ``DustinConfig.sparse_draft``: the positions the last
+    sparse verification read, plus every position written since (the tokens committed after it and
+    this step's drafts), each row's count growing with every draft forward.
+
+    ``indices`` is ``(B, budget + extra(γ))``: the last selection, then ``L' .. L' + extra - 1`` where
+    ``L'`` is each row's cached length at that verification. After it, a row committed ``k <= γ+1``
+    tokens and the draft wrote up to γ more, so at most ``2γ`` positions are new.
+    """
+
+    indices: torch.Tensor
+    base: list[int]  # L' per row
+    counts: list[int]  # entries of the last selection per row
+
+    @staticmethod
+    def extra(gamma: int) -> int:
+        return 2 * gamma
+
+    @classmethod
+    def after(cls, last, config: ResolvedConfig, gamma: int, capacity: int) -> "DraftReads | None":
+        """From ``(selection, seqlens)`` of the last verification, if it read ``budget`` positions in every
+        row (rows read in full, or no sparse step yet: the draft reads everything too). Entries past a
+        row's count stay inside the ``capacity`` slots of the cache."""
+        if last is None:
+            return None
+        selection, seqlens = last
+        if selection.indices.shape[1] != config.budget or any(n != config.budget for n in selection.counts):
+            return None
+        device = selection.indices.device
+        since = torch.tensor(seqlens, device=device)[:, None] + torch.arange(cls.extra(gamma), device=device)
+        since = since.clamp_max(capacity - 1).to(torch.int32)
+        return cls(torch.cat([selection.indices, since], dim=1), list(seqlens), list(selection.counts))
+
+    def at(self, cached: list[int]) -> Selection:
+        """The read set of a draft forward whose rows hold ``cached`` positions."""
+        extra = self.indices.shape[1] - self.counts[0]
+        counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
+        return Selection(self.indices, torch.tensor(counts, dtype=torch.int32, device=self.indices.device), counts)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a batch with a target and a draft model sharing a tokenizer.
 
@@ -278,6 +319,7 @@ class SpeculativeDecoder:
             role: (self.backend == "triton" and fused_ops_available(model)) if fused_ops is None else fused_ops
             for role, model in (("target", target), ("draft", draft))
         }
+        self._sparse_draft = dustin is not None and dustin.sparse_draft
         self.accept_override = accept_override
         self.prefill = prefill or ModelRunner.prefill
         self.profile = profile
@@ -318,8 +360,10 @@ class SpeculativeDecoder:
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
                              self.graphs["target"], graph_width=width,
                              dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
+        draft_width = self.dustin.budget + DraftReads.extra(self.gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                            self.graphs["draft"])
+                            self.graphs["draft"], graph_width=draft_width)
+        self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self._t_group, self._d_group = group_size(t_cfg), group_size(d_cfg)
         self._t_layers = t_cfg.num_hidden_layers
         self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
@@ -398,12 +442,15 @@ class SpeculativeDecoder:
         # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two;
         #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward.
         d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
+        reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
+            if sparse and self._sparse_draft else None
         feed = self._tokens.gather(1, base[:, None] - 1 + torch.arange(2, device=device))  # (B, 2)
         feed = feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
         drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
         for i in range(self.gamma):
             at = [n - 1 + i + (1 if i else 0) for n in seqlens]
-            raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True)  # (B, 1, Vd)
+            raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
+                                       selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
             scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
             token = pick_tokens(scores[:, 0], self.do_sample).to(device)
             drafts.append(token)
@@ -418,10 +465,13 @@ class SpeculativeDecoder:
                     break
         gamma = len(drafts)
         draft_tokens = torch.stack(drafts, dim=1)  # (B, γ)
+        if reads is not None:
+            target.cache.counters.draft_sparse_forwards += gamma
         self._clock.mark("draft")
 
         # 2. Select what verification reads (Dustin, once some row is long enough).
         selection = self._select(target, draft, seqlens, base, kept_queries) if sparse else None
+        self._last_selection = None if selection is None else (selection, seqlens)
         self._clock.mark("score_select")
 
         # 3. Verify [x, d_1..d_γ] at positions L..L+γ against the selection (or everything).

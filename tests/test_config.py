@@ -26,6 +26,7 @@ from conftest import tiny_model
         (dict(dense_layers=(0, 0)), "dense_layers"),
         (dict(dense_layers=1), "dense_layers"),
         (dict(calibration="auto"), "calibration must be one of"),
+        (dict(sparse_draft=1), "sparse_draft must be True or False"),
         (dict(calibration="prompt", target_layer=1), "leave them None"),
     ],
 )

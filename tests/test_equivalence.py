@@ -89,3 +89,41 @@ def test_dense_layers_read_everything_on_sparse_steps():
     assert stats["mean_attended"] > 600  # the whole context, per layer
     half = outs[(-1,)].past_key_values.stats
     assert 32 < half["mean_attended"] < stats["mean_attended"]
+
+
+def test_sparse_draft_changes_only_the_drafts():
+    """``sparse_draft``: the draft reads the last selection plus what was written since. With every target
+    layer dense the output is still exactly greedy (only the drafts, so the acceptance, may change)."""
+    target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    ids = random_prompt(600, seed=11)
+    greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
+    stats = {}
+    for sparse_draft in (False, True):
+        config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=(0, 1), sparse_draft=sparse_draft)
+        with dustin_hf.patch(target, config):
+            out = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
+                                  cache_implementation="dustin", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, greedy)
+        stats[sparse_draft] = out.past_key_values.stats
+    assert stats[False]["draft_sparse_forwards"] == 0
+    # every step after the first sparse one drafts from a selection
+    assert 0 < stats[True]["draft_sparse_forwards"] <= 4 * (stats[True]["sparse_steps"] - 1)
+    assert stats[True]["accepted_tokens"] != stats[False]["accepted_tokens"]  # the drafts did change
+
+
+def test_draft_reads_are_the_last_selection_and_the_positions_since():
+    config = dustin_hf.config.resolve(dustin_hf.DustinConfig(budget=24, sink_tokens=2, recent_tokens=2),
+                                      tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+    picked = torch.stack([torch.arange(0, 48, 2), torch.arange(24)]).to(torch.int32)  # (2, 24) sorted
+    last = (Selection(picked, torch.tensor([24, 24], dtype=torch.int32), [24, 24]), [100, 30])
+    reads = decoding.DraftReads.after(last, config, gamma=3, capacity=104)
+    assert reads.indices.shape == (2, 24 + 6)
+    assert reads.indices[0, 24:].tolist() == [100, 101, 102, 103, 103, 103]  # clamped inside the cache
+    assert reads.indices[1, 24:].tolist() == list(range(30, 36))
+    sel = reads.at([102, 30])  # row 0 committed 2 positions since, row 1 none yet
+    assert sel.counts == [26, 24] and sel.num_indices.tolist() == [26, 24]
+    assert reads.at([120, 29]).counts == [30, 24]  # at most 2γ new positions; never fewer than the selection
+    dense_row = (Selection(picked, torch.tensor([24, 20], dtype=torch.int32), [24, 20]), [100, 20])
+    assert decoding.DraftReads.after(dense_row, config, 3, 104) is None  # a row read in full: the draft reads all
+    assert decoding.DraftReads.after(None, config, 3, 104) is None

@@ -49,7 +49,7 @@ def test_sparse_generation_runs_on_cuda_bf16(backend):
     assert out.sequences.shape == (2, ids.shape[1] + 32)
 
 
-@pytest.mark.parametrize("dustin", [False, True])
+@pytest.mark.parametrize("dustin", [False, True, "sparse_draft"])
 def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     from transformers import GenerationConfig
 
@@ -61,7 +61,8 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
-    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton"), target.config, draft.config)
+    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=dustin == "sparse_draft"),
+                       target.config, draft.config)
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
@@ -72,6 +73,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             assert decoder.graphs == {"target": graphs, "draft": graphs}
             if dustin:
                 assert result.cache.stats["sparse_steps"] > 0
+                assert (result.cache.stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
     assert torch.equal(outputs[0], outputs[1])
 
 
