@@ -20,7 +20,8 @@ agreement). Unlike free-running generation, these compare every method on the sa
 
 Every method (dense, each budget) keeps its own target cache (sparse steps write keys and values
 computed from sparse attention, as in decoding) and its own history; the draft cache is shared (the
-draft always attends densely). Attention recovery is measured against the dense method's queries
+draft attends densely), except for a ``sparse_draft`` method: its own draft reads that method's last
+selection plus the positions written since, as the decoder's draft does. Attention recovery is measured against the dense method's queries
 and keys at the same step: for the selection each budget actually used, and for selections made
 from the dense method's signals by any number of extra configurations (e.g. the default heads),
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
@@ -65,6 +66,7 @@ class WalkResult:
     # greedy predictions (given the true prefix) agree, averaged over steps; and the per-token agreement rate
     accepted: dict[str, float] = field(default_factory=dict)
     draft_agreement: dict[str, float] = field(default_factory=dict)
+    accepted_trace: dict[str, list[int]] = field(default_factory=dict)  # per step, the leading agreements
     top1_agreement_with_dense: dict[str, float] = field(default_factory=dict)  # target argmax vs the dense method's
     seconds: float = 0.0
 
@@ -75,8 +77,12 @@ class WalkResult:
 class _Method:
     """One verification method's target state along the walk."""
 
-    def __init__(self, name: str, config: ResolvedConfig | None, model: decoding.ModelRunner, history: torch.Tensor | None):
+    def __init__(self, name: str, config: ResolvedConfig | None, model: decoding.ModelRunner, history: torch.Tensor | None,
+                 draft: decoding.ModelRunner | None = None):
         self.name, self.config, self.model, self.history = name, config, model, history
+        self.draft = draft  # its own draft (``sparse_draft``: what the draft reads follows this method's selections)
+        self.last_selection = None  # (selection, [L]) of its last sparse step
+        self.trace: list[int] = []  # per step: leading drafts a greedy target keeps
         self.nll = 0.0
         self.sparse_steps = 0
         self.accepted = 0  # summed over steps: leading draft/target greedy agreements
@@ -132,7 +138,10 @@ def teacher_forced_walk(
     for name, cfg in methods.items():
         history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
         runner = decoding.ModelRunner(target, clone_cache(state.target_cache, capacity), backend)
-        runs.append(_Method(name, cfg, runner, history))
+        own_draft = None
+        if cfg is not None and cfg.sparse_draft:
+            own_draft = decoding.ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
+        runs.append(_Method(name, cfg, runner, history, own_draft))
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
 
@@ -155,9 +164,15 @@ def teacher_forced_walk(
             for run in sorted(runs, key=lambda r: r.config is not None):  # dense first: its attention is the reference
                 selection = None
                 cfg = run.config
+                run_draft_next, run_s_draft = draft_next, s_draft
+                if run.draft is not None:  # a sparse draft: reads this method's last selection + what came since
+                    run_draft_next, run_s_draft = _sparse_draft(run, tokens, at, gamma, backend, d_capture, base,
+                                                                d_group, d_scale, capacity)
                 if cfg is not None and not all(dense_rows([at], cfg)):
-                    selection = _select(run, cfg, s_draft, base, t_group, t_scale, at)
+                    selection = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
                     run.sparse_steps += 1
+                if run.draft is not None:
+                    run.last_selection = None if selection is None else (selection, [at])
                 capture = {cfg.target_layer: cfg.target_heads} if cfg is not None else {}
                 if cfg is None and measure:
                     capture = {layer: all_t_heads for layer in range(t_cfg.num_hidden_layers)}
@@ -172,9 +187,10 @@ def teacher_forced_walk(
                 logits = run.model.forward(plan, verify_in, keep=gamma + 1)[0]  # (γ+1, V)
                 run.nll += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
                 target_next = logits.argmax(dim=-1)  # (γ+1,)
-                agree = (target_next[:gamma] == draft_next.to(target_next.device)).long()
+                agree = (target_next[:gamma] == run_draft_next.to(target_next.device)).long()
                 run.agreed += int(agree.sum())
-                run.accepted += int(agree.cumprod(0).sum())
+                run.trace.append(int(agree.cumprod(0).sum()))
+                run.accepted += run.trace[-1]
                 if cfg is None:
                     dense_next = target_next
                 run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
@@ -204,6 +220,7 @@ def teacher_forced_walk(
         nll={r.name: r.nll for r in runs}, ppl={r.name: math.exp(r.nll / evaluated) for r in runs},
         sparse_steps={r.name: r.sparse_steps for r in runs}, seconds=time.perf_counter() - start,
         accepted={r.name: r.accepted / steps for r in runs},
+        accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
         top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
     )
@@ -231,6 +248,18 @@ class _DraftScores:
             self._memo[key] = draft_lookahead_scores(queries, keys, self.base.to(keys[0].device), cfg.draft_heads,
                                                      self.group, self.scale, self.span).to(self.base.device)
         return self._memo[key]
+
+
+def _sparse_draft(run: _Method, tokens, at, gamma, backend, d_capture, base, d_group, d_scale, capacity):
+    """The draft step of a ``sparse_draft`` method: its own draft reads the last selection and the positions
+    written since (:class:`~dustin_hf.decoding.DraftReads`), or everything before its first sparse step."""
+    reads = decoding.DraftReads.after(run.last_selection, run.config, gamma, capacity)
+    sel = None if reads is None else reads.at([at - 1])
+    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture,
+                       indices=None if sel is None else sel.indices, num_indices=None if sel is None else sel.num_indices)
+    logits = run.draft.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
+    queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}
+    return logits[1:].argmax(dim=-1), _DraftScores(run.draft, queries, base, d_group, d_scale, at)
 
 
 def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):

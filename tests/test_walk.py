@@ -67,6 +67,22 @@ def test_dense_layers_in_the_walk(pair, state):
     assert len({walk.nll["dense"], walk.nll["last"], walk.nll["none"]}) == 3
 
 
+def test_sparse_draft_in_the_walk(pair, state):
+    """A sparse-draft method drafts from its own selections: its target (every layer dense) scores exactly
+    like dense, its drafts differ; the per-step accepted counts add up to the mean."""
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
+                                "all_sd": _cfg(target, draft, 24, dense_layers=(0, 1, 2), sparse_draft=True)},
+                               recovery_every=0, progress=False)
+    assert walk.nll["all_sd"] == walk.nll["all"] == walk.nll["dense"]
+    assert walk.accepted_trace["all"] == walk.accepted_trace["dense"]  # the same dense draft
+    assert walk.accepted_trace["all_sd"] != walk.accepted_trace["all"]
+    for name, trace in walk.accepted_trace.items():
+        assert len(trace) == walk.steps and sum(trace) / walk.steps == pytest.approx(walk.accepted[name])
+
+
 def test_dense_walk_equals_the_plain_forward_nll(pair, state):
     target, draft = pair
     prefilled, continuation = state

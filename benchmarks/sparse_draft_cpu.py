@@ -1,0 +1,92 @@
+"""What a sparse draft costs in acceptance, on the real pair, teacher-forced (same text for every method).
+
+``DustinConfig(sparse_draft=True)`` lets the draft read the last verification's selection plus the
+positions written since, instead of its whole cache. Verification is unchanged; only the drafts, and so
+the acceptance, can change. Free-running continuations cannot show that reliably (each method's text
+diverges after a few tokens), so this walks a book teacher-forced (:mod:`dustin_hf.walk`) with three
+methods on the same prefill: dense verification, Dustin, Dustin with the sparse draft. It reports
+each one's teacher-forced accepted drafts per step and perplexity, and writes the per-step counts as
+acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can replay.
+
+    python benchmarks/sparse_draft_cpu.py --contexts 4096 8192 --out benchmarks/results/sparse_draft_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dustin_hf.config import resolve
+from dustin_hf.models import fetch_pair
+from dustin_hf.pair import load_pair
+from dustin_hf.prefilled import prefill_pair
+from dustin_hf.profiles import config_for_budget, read_profile
+from dustin_hf.texts import token_window
+from dustin_hf.traces import trace_record, write_trace
+from dustin_hf.walk import teacher_forced_walk
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
+GAMMA = 4
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=201, help="teacher-forced tokens walked per context")
+    parser.add_argument("--book", default="emma", help="bundled book (held out from calibration)")
+    parser.add_argument("--offset", type=int, default=0, help="token offset of the window in the book")
+    parser.add_argument("--profile", default=str(PROFILE))
+    parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"), help="where to write the traces")
+    parser.add_argument("--out", default=None, help="save the report JSON here")
+    args = parser.parse_args(argv)
+
+    torch.set_grad_enabled(False)
+    target_dir, draft_dir = fetch_pair(progress=True)
+    pair = load_pair(target_dir, draft_dir, "cpu", "float32")
+    names = pair.describe()
+    config, fraction, _ = read_profile(args.profile)
+    base = config_for_budget(config, fraction, args.budget).replace(min_context=1024)
+    t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
+    methods = {"dense": None,
+               "dustin": resolve(base, t_cfg, d_cfg),
+               "dustin-sparse-draft": resolve(base.replace(sparse_draft=True), t_cfg, d_cfg)}
+    report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "model_pair": names,
+              "profile": str(Path(args.profile).relative_to(ROOT)) if Path(args.profile).is_relative_to(ROOT)
+              else args.profile, "budget": args.budget, "gamma": GAMMA, "book": args.book, "results": [],
+              "traces": []}
+    pair_names = {"target": names["target"]["name"], "draft": names["draft"]["name"]}
+    for context in args.contexts:
+        window = token_window(pair.tokenizer, args.book, context + args.tokens, args.offset)
+        started = time.perf_counter()
+        state = prefill_pair(pair.target, pair.draft, window[:context], (methods["dustin"].target_layer,))
+        walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
+                                   recovery_every=0, desc=f"walk {args.book}@{context}")
+        row = {"context": context, "steps": walk.steps, "seconds": time.perf_counter() - started,
+               "tf_accepted_per_step": walk.accepted, "ppl": walk.ppl,
+               "ppl_ratio": {m: walk.ppl[m] / walk.ppl["dense"] for m in methods}}
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+        for name, cfg in methods.items():
+            sequence = {"source": {"book": args.book, "offset": args.offset}, "prompt_tokens": context,
+                        "generated_tokens": walk.tokens, "gammas": [GAMMA] * walk.steps,
+                        "accepted": walk.accepted_trace[name]}
+            record = trace_record(pair_names, "teacher-forced", context, GAMMA, name,
+                                  None if cfg is None else args.budget, None if cfg is None else asdict(cfg),
+                                  walk.tokens, names["dtype"], names["device"], [sequence])
+            report["traces"].append(str(write_trace(args.traces, record).relative_to(ROOT)))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
