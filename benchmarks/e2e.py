@@ -17,6 +17,7 @@ Methods, each timed in the same run:
   hf_static    plain ``generate()`` with ``cache_implementation="static"`` (preallocated cache)
   spec_dense   batched speculative decoding, dense verification (dustin_hf's loop, no sparsity)
   dustin       the same loop with Dustin's sparse verification (budget 512)
+  dustin_sparse_draft  Dustin whose draft also reads a selection (``DustinConfig(sparse_draft=True)``)
 
 Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
 graph capture are excluded), over the host-clock time the loop took for them. A profiling pass per
@@ -55,7 +56,8 @@ NEW_TOKENS = 64  # per row, speculative methods
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
 PAPER_TOKENS_PER_STEP = 2.2  # fallback replay when no trace is given: [1, 1, 1, 1, 2] accepted drafts
-METHODS = ("spec_dense", "dustin", "hf_dynamic", "hf_static")  # run in this order
+METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")  # run in this order
+SPECULATIVE = {"spec_dense": None, "dustin": False, "dustin_sparse_draft": True}  # method -> Dustin's sparse_draft
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
 # each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
 COMPILE_STATIC = False
@@ -236,7 +238,7 @@ def _random_prefill(dtype):
     return prefill
 
 
-def run_speculative(target, draft, batch: int, context: int, dustin: bool, replay: Replay, dtype,
+def run_speculative(target, draft, batch: int, context: int, method: str, replay: Replay, dtype,
                     profile: bool = False, torch_trace: str | None = None) -> dict:
     from transformers import GenerationConfig
 
@@ -247,8 +249,10 @@ def run_speculative(target, draft, batch: int, context: int, dustin: bool, repla
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + NEW_TOKENS, pad_token_id=0)
-    resolved = resolve(DustinConfig(budget=BUDGET, min_context=min(2048, context)), target.config, draft.config) \
-        if dustin else None
+    sparse_draft = SPECULATIVE[method]
+    resolved = None if sparse_draft is None else resolve(
+        DustinConfig(budget=BUDGET, min_context=min(2048, context), sparse_draft=sparse_draft), target.config,
+        draft.config)
     decoder = SpeculativeDecoder(
         target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
         accept_override=replay.override(), prefill=_random_prefill(dtype), profile=profile,
@@ -335,10 +339,11 @@ def step_bound_ms(method: str, target, draft, batch: int, context: int, copy_gbp
     if method.startswith("hf"):
         total = t_w + batch * context * t_kv
     else:
-        draft_reads = GAMMA * (d_w + batch * context * d_kv)
-        attended = BUDGET + GAMMA + 1 if method == "dustin" else context + GAMMA + 1
+        draft_attended = BUDGET + 2 * GAMMA + 1 if method == "dustin_sparse_draft" else context + 1
+        draft_reads = GAMMA * (d_w + batch * draft_attended * d_kv)
+        attended = context + GAMMA + 1 if method == "spec_dense" else BUDGET + GAMMA + 1
         total = draft_reads + t_w + batch * attended * t_kv
-        if method == "dustin":  # scoring: one target layer and three draft layers' keys of one KV head
+        if method != "spec_dense":  # scoring: one target layer and three draft layers' keys of one KV head
             cfg, dcfg = target.config, draft.config
             total += batch * context * 2 * (cfg.hidden_size // cfg.num_attention_heads
                                             + 3 * dcfg.hidden_size // dcfg.num_attention_heads)
@@ -373,6 +378,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace-dustin", nargs="+", default=None, metavar="TRACE",
                         help="acceptance traces (benchmarks/traces/*_dustin_b512.json) replayed by dustin; "
                              "default: the paper's mean")
+    parser.add_argument("--trace-dustin-sparse-draft", nargs="+", default=None, metavar="TRACE",
+                        help="acceptance traces replayed by dustin_sparse_draft (DustinConfig(sparse_draft=True)); "
+                             "default: the --trace-dustin traces, which is said in the output")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--compile-static", action="store_true",
@@ -405,6 +413,9 @@ def main(argv=None) -> dict:
     if (args.trace_dense is None) != (args.trace_dustin is None):
         parser.error("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
     replays = {"spec_dense": Replay.load(args.trace_dense), "dustin": Replay.load(args.trace_dustin)}
+    replays["dustin_sparse_draft"] = Replay.load(args.trace_dustin_sparse_draft or args.trace_dustin)
+    if args.trace_dustin_sparse_draft is None:
+        replays["dustin_sparse_draft"].source += " (Dustin's traces: the sparse draft's own acceptance not given)"
 
     rows = []
     # method-major, transformers' static-cache path last (it may compile the model)
@@ -417,15 +428,15 @@ def main(argv=None) -> dict:
                         row.update(run_hf(target, batch, context, method == "hf_static", dtype))
                     else:
                         replay = replays[method]
-                        row.update(run_speculative(target, draft, batch, context, method == "dustin", replay, dtype))
+                        row.update(run_speculative(target, draft, batch, context, method, replay, dtype))
                         row["acceptance"] = replay.source
                         if not args.no_profile and batch == max(args.batches):
-                            prof = run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
+                            prof = run_speculative(target, draft, batch, context, method, replay, dtype,
                                                    profile=True)
                             row["phase_ms_per_step"] = prof["phase_ms_per_step"]
                         if args.torch_trace and batch == max(args.batches):  # a separate, untimed run
                             Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
-                            run_speculative(target, draft, batch, context, method == "dustin", replay, dtype,
+                            run_speculative(target, draft, batch, context, method, replay, dtype,
                                             torch_trace=f"{args.torch_trace}/{method}_{context}_{batch}.json.gz")
                     bound_ms = step_bound_ms(method, target, draft, batch, context, copy_gbps)
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)

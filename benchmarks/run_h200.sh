@@ -4,10 +4,10 @@
 #   bash benchmarks/run_h200.sh sweep OUT     the Triton kernel's launch configs under CUDA graphs (headline point)
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
-# Acceptance replay: both speculative methods replay the DENSE traces (recorded on CPU with the real
-# Qwen2.5-Coder 1.5B/0.5B pair). Dustin's own free-running traces are too short to tell its acceptance
-# from dense's (their texts diverge after a few tokens; by chance they accept more), and the
-# teacher-forced measure says Dustin accepts 86-98% as many drafts; equal acceptance is what is replayed.
+# Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
+# windows of a held-out book, benchmarks/sparse_draft_cpu.py): every method's per-step accepted drafts on
+# the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
+# compare methods: their texts diverge after a few tokens.
 set -u
 what=${1:?kernels|e2e|e2e2}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
@@ -15,9 +15,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
-# acceptance recorded on CPU with the real Qwen2.5-Coder 1.5B/0.5B pair (book continuations, 4k and 8k context)
-pair=benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_continuation
-trace=(--trace-dense "${pair}"_ctx{4096,8192}_g4_dense.json --trace-dustin "${pair}"_ctx{4096,8192}_g4_dense.json)
+pair=benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_teacher-forced
+trace=(--trace-dense "${pair}"_ctx{4096,8192}_g4_dense.json --trace-dustin "${pair}"_ctx{4096,8192}_g4_dustin_b512.json
+       --trace-dustin-sparse-draft "${pair}"_ctx{4096,8192}_g4_dustin-sparse-draft_b512.json)
 case $what in
   kernels)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -6 | tee "$out/gpu_tests.txt"
