@@ -20,7 +20,9 @@ Methods, each timed in the same run:
   dustin_sparse_draft  Dustin whose draft also reads a selection (``DustinConfig(sparse_draft=True)``)
 
 Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
-graph capture are excluded), over the host-clock time the loop took for them. A profiling pass per
+graph capture are excluded), over the host-clock time the loop took for them, until the last row has
+its tokens; the steady rate counts only the steps before any row finished (every row committing),
+since rows that finish early leave the batch's later steps partly idle. A profiling pass per
 speculative method splits a step into phases (it synchronises between phases, so it is separate).
 The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth.
 
@@ -208,7 +210,7 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     seconds = times[-1] - times[0]
     tokens = batch * (len(times) - 1)
     return dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(times) - 1,
-                tokens_per_step=1.0, peak_gib=_peak_gib())
+                tokens_per_step=1.0, peak_gib=_peak_gib(), steady_tokens_per_s=tokens / seconds)
 
 
 def _random_prefill(dtype):
@@ -271,6 +273,16 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
     out = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(steps),
                tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=stats["cuda_graphs"],
                backend=decoder.backend, sparse_steps=stats["sparse_steps"], mean_attended=stats["mean_attended"])
+    # Steady state: the steps before any row reached its token limit (every row committing its replayed
+    # count). Later steps cost the same (fixed shapes) while finished rows commit nothing, so the
+    # all-steps rate above depends on how unevenly the replayed counts land on the rows.
+    full = next((i for i, (_, rows) in enumerate(result.cache.counters.trace) if -1 in rows), len(ends))
+    full = min(full, len(ends)) - 1  # the step before the first one with a finished row may have cut a row
+    if full > WARMUP_STEPS:
+        steady = sum(committed[i] for i in range(WARMUP_STEPS, full))
+        out["steady_tokens_per_s"] = steady / (ends[full - 1] - ends[WARMUP_STEPS - 1])
+        out["steady_steps"] = full - WARMUP_STEPS
+        out["steady_tokens_per_step"] = steady / out["steady_steps"] / batch
     if profile:  # steps after the warm-up ones (the first steps compile kernels and capture graphs)
         timed = stats["phase_seconds"][WARMUP_STEPS:]
         out["phase_ms_per_step"] = {k: 1e3 * sum(step.get(k, 0.0) for step in timed) / len(timed) for k in timed[0]}
@@ -458,6 +470,10 @@ def main(argv=None) -> dict:
         if "tokens_per_s" in row:
             row["x_vs_hf_dynamic"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
             row["x_vs_spec_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+            if "steady_tokens_per_s" in row:  # every row active: the rate a server sees between arrivals
+                for key, ref in (("steady_x_vs_hf_dynamic", base), ("steady_x_vs_spec_dense", dense)):
+                    row[key] = (row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
+                                if ref and "steady_tokens_per_s" in ref else None)
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{sizes[0]} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
@@ -496,24 +512,29 @@ def _print_row(row: dict) -> None:
         return
     print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
           f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
-          f"({100 * row['fraction_of_bound']:.0f}%)  peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+          f"({100 * row['fraction_of_bound']:.0f}%)  steady {row.get('steady_tokens_per_s', float('nan')):9.1f} tok/s  "
+          f"peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
 
 
 def _summary(rows: list[dict]) -> list[dict]:
-    keys = ("method", "context", "batch", "tokens_per_s", "x_vs_hf_dynamic", "x_vs_spec_dense", "fraction_of_bound")
+    keys = ("method", "context", "batch", "tokens_per_s", "x_vs_hf_dynamic", "x_vs_spec_dense", "fraction_of_bound",
+            "steady_tokens_per_s", "steady_x_vs_hf_dynamic", "steady_x_vs_spec_dense")
     return [{k: row.get(k) for k in keys} for row in rows if "tokens_per_s" in row]
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(f"\n{'method':<11}{'ctx':>7}{'B':>4}{'tok/s':>10}{'x hf_dyn':>10}{'x spec':>8}{'%bound':>8}  phases (ms/step)")
+    print(f"\n{'method':<20}{'ctx':>7}{'B':>4}{'tok/s':>10}{'x hf_dyn':>10}{'x spec':>8}{'%bound':>8}"
+          f"{'steady':>9}{'x spec':>8}  phases (ms/step)")
     for row in rows:
         if "tokens_per_s" not in row:
             continue
         phases = " ".join(f"{k}={v:.2f}" for k, v in row.get("phase_ms_per_step", {}).items())
-        x_hf = f"{row['x_vs_hf_dynamic']:.2f}" if row.get("x_vs_hf_dynamic") else "-"
-        x_sd = f"{row['x_vs_spec_dense']:.2f}" if row.get("x_vs_spec_dense") else "-"
-        print(f"{row['method']:<11}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}{x_hf:>10}{x_sd:>8}"
-              f"{100 * row['fraction_of_bound']:>7.0f}%  {phases}")
+        ratio = {k: f"{row[k]:.2f}" if row.get(k) else "-" for k in ("x_vs_hf_dynamic", "x_vs_spec_dense",
+                                                                      "steady_x_vs_spec_dense")}
+        steady = f"{row['steady_tokens_per_s']:.1f}" if "steady_tokens_per_s" in row else "-"
+        print(f"{row['method']:<20}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}"
+              f"{ratio['x_vs_hf_dynamic']:>10}{ratio['x_vs_spec_dense']:>8}{100 * row['fraction_of_bound']:>7.0f}%"
+              f"{steady:>9}{ratio['steady_x_vs_spec_dense']:>8}  {phases}")
 
 
 def _plot(rows: list[dict], path: str, result: dict) -> None:
