@@ -65,9 +65,9 @@ class DustinConfig:
         sparse_draft: the draft also reads a selection on sparse steps: the positions the previous
             step verified against plus those written since, instead of its whole cache (its scoring
             layers still score every position). Cuts the draft's cache reads, which at long context
-            cost as much as dense verification, for some acceptance: the draft guesses from less
-            context. ``False``: the paper's dense draft. Verification, and so the output's fidelity,
-            is unchanged in kind.
+            cost as much as dense verification. The drafts change (so the acceptance can), and so do
+            the draft queries that score positions, so the selection and the output can shift too.
+            ``False``: the paper's dense draft.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
