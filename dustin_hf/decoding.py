@@ -40,7 +40,7 @@ from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import Selection, dense_rows, select_positions
 
-__all__ = ["DecodeResult", "ModelRunner", "SpeculativeDecoder", "attention_scale", "group_size", "model_device",
+__all__ = ["DecodeResult", "DraftReads", "ModelRunner", "SpeculativeDecoder", "attention_scale", "group_size", "model_device",
            "prompts_from_mask"]
 
 
@@ -440,7 +440,8 @@ class SpeculativeDecoder:
         sparse = self.dustin is not None and not all(dense_rows(seqlens, self.dustin))
 
         # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two;
-        #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward.
+        #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With sparse_draft
+        #    the draft reads the last selection plus the positions written since (DraftReads).
         d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
         reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
             if sparse and self._sparse_draft else None
