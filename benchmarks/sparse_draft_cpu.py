@@ -9,6 +9,8 @@ each one's teacher-forced accepted drafts per step and perplexity, and writes th
 acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can replay.
 
     python benchmarks/sparse_draft_cpu.py --contexts 4096 8192 --out benchmarks/results/sparse_draft_cpu.json
+    python benchmarks/sparse_draft_cpu.py --books alice prideprejudice --contexts 4096 --guarded --traces '' \
+        --out benchmarks/results/sparse_draft_cpu_more.json
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=201, help="teacher-forced tokens walked per context")
-    parser.add_argument("--book", default="emma", help="bundled book (held out from calibration)")
+    parser.add_argument("--books", nargs="+", default=["emma"],
+                        help="bundled books (emma, alice and prideprejudice are held out from calibration)")
     parser.add_argument("--offset", type=int, default=0, help="token offset of the window in the book")
     parser.add_argument("--profile", default=str(PROFILE))
-    parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"), help="where to write the traces")
+    parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"),
+                        help="where to write the traces (one per context and method, books pooled); '' for none")
+    parser.add_argument("--guarded", action="store_true",
+                        help="also walk Dustin with the first two and last two target layers dense")
     parser.add_argument("--out", default=None, help="save the report JSON here")
     args = parser.parse_args(argv)
 
@@ -59,29 +65,39 @@ def main(argv=None) -> dict:
     methods = {"dense": None,
                "dustin": resolve(base, t_cfg, d_cfg),
                "dustin-sparse-draft": resolve(base.replace(sparse_draft=True), t_cfg, d_cfg)}
+    if args.guarded:
+        methods["dustin-guarded"] = resolve(base.replace(dense_layers=(0, 1, -2, -1)), t_cfg, d_cfg)
     report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "model_pair": names,
               "profile": str(Path(args.profile).relative_to(ROOT)) if Path(args.profile).is_relative_to(ROOT)
-              else args.profile, "budget": args.budget, "gamma": GAMMA, "book": args.book, "results": [],
+              else args.profile, "budget": args.budget, "gamma": GAMMA, "books": args.books, "results": [],
               "traces": []}
     pair_names = {"target": names["target"]["name"], "draft": names["draft"]["name"]}
     for context in args.contexts:
-        window = token_window(pair.tokenizer, args.book, context + args.tokens, args.offset)
-        started = time.perf_counter()
-        state = prefill_pair(pair.target, pair.draft, window[:context], (methods["dustin"].target_layer,))
-        walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
-                                   recovery_every=0, desc=f"walk {args.book}@{context}")
-        row = {"context": context, "steps": walk.steps, "seconds": time.perf_counter() - started,
-               "tf_accepted_per_step": walk.accepted, "ppl": walk.ppl,
-               "ppl_ratio": {m: walk.ppl[m] / walk.ppl["dense"] for m in methods}}
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
+        sequences = {name: [] for name in methods}
+        for book in args.books:
+            window = token_window(pair.tokenizer, book, context + args.tokens, args.offset)
+            started = time.perf_counter()
+            state = prefill_pair(pair.target, pair.draft, window[:context], (methods["dustin"].target_layer,))
+            walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
+                                       recovery_every=0, desc=f"walk {book}@{context}")
+            row = {"book": book, "context": context, "steps": walk.steps, "seconds": time.perf_counter() - started,
+                   "tf_accepted_per_step": walk.accepted, "ppl": walk.ppl,
+                   "ppl_ratio": {m: walk.ppl[m] / walk.ppl["dense"] for m in methods}}
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)
+            for name in methods:
+                sequences[name].append({"source": {"book": book, "offset": args.offset}, "prompt_tokens": context,
+                                        "generated_tokens": walk.tokens, "gammas": [GAMMA] * walk.steps,
+                                        "accepted": walk.accepted_trace[name]})
+            if args.out:
+                Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         for name, cfg in methods.items():
-            sequence = {"source": {"book": args.book, "offset": args.offset}, "prompt_tokens": context,
-                        "generated_tokens": walk.tokens, "gammas": [GAMMA] * walk.steps,
-                        "accepted": walk.accepted_trace[name]}
+            if not args.traces:
+                break
             record = trace_record(pair_names, "teacher-forced", context, GAMMA, name,
                                   None if cfg is None else args.budget, None if cfg is None else asdict(cfg),
-                                  walk.tokens, names["dtype"], names["device"], [sequence])
+                                  sequences[name][0]["generated_tokens"], names["dtype"], names["device"],
+                                  sequences[name])
             report["traces"].append(str(write_trace(args.traces, record).relative_to(ROOT)))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
