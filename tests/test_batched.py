@@ -57,18 +57,21 @@ def test_rows_stop_at_their_own_eos():
     assert min(lengths) <= 6 < max(lengths)  # some rows stopped early, others went on
 
 
-def test_no_cross_row_leakage_in_sparse_selection():
-    """Rows that differ only in content: a row's output never depends on the other rows."""
+@pytest.mark.parametrize("sparse_draft", [False, True])
+def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
+    """Rows that differ only in content: a row's output never depends on the other rows (nor, with the
+    sparse draft, on what the other rows' drafts read)."""
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target), 3)
     common = random_prompt(700, seed=5)[0]
     others = [random_prompt(n, seed=10 + n)[0] for n in (650, 720, 300)]
-    config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6)
+    config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=sparse_draft)
     outputs = []
     with dustin_hf.patch(target, config):
         alone = target.generate(common[None], assistant_model=draft, do_sample=False, max_new_tokens=20,
                                 cache_implementation="dustin", return_dict_in_generate=True)
         assert alone.past_key_values.stats["sparse_steps"] > 0
+        assert (alone.past_key_values.stats["draft_sparse_forwards"] > 0) == sparse_draft
         for other in others:
             ids, mask = left_pad([other, common])
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=20,
