@@ -75,6 +75,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def capture_graph(fn):
+    """``fn()`` captured in a CUDA graph, after one warm-up call on a side stream (kernels compile outside
+    the capture); returns ``(graph, what the captured call returned)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.fixture
 def qwen_pair():
     target = tiny_model("qwen2", layers=4, seed=0)

@@ -35,7 +35,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 from dustin_hf import fused  # noqa: E402
 from dustin_hf.fused import apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
 
-from conftest import random_prompt, tiny_model  # noqa: E402
+from conftest import capture_graph, random_prompt, tiny_model  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
@@ -343,14 +343,7 @@ def test_fused_kernels_are_cuda_graph_capturable():
     def step():
         return apply_rotary(q, k, cos, sin), rms_norm(x, norm.weight, 1e-6)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        (q_out, k_out), normed = step()
+    graph, ((q_out, k_out), normed) = capture_graph(step)
     fresh = _rotary_inputs(4, 8, 2, 3, 128, torch.bfloat16, seed=1)
     for tensor, new in zip((q, k, cos, sin), fresh):
         tensor.copy_(new)

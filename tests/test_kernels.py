@@ -30,6 +30,8 @@ from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noq
 from dustin_hf.kernels import varlen  # noqa: E402
 from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
 
+from conftest import capture_graph  # noqa: E402
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -313,14 +315,7 @@ def test_triton_is_cuda_graph_capturable(sparse):
     def call():
         return verify_attention_triton(*args, **inputs.kwargs())
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = capture_graph(call)
     for name in ("q", "k_cache", "v_cache", "indices", "num_indices"):
         if getattr(inputs, name) is not None:
             getattr(inputs, name).copy_(getattr(fresh, name))

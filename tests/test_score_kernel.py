@@ -26,7 +26,7 @@ if not HAS_CUDA:
 
 from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
-from conftest import explicit_attention_mass  # noqa: E402
+from conftest import capture_graph, explicit_attention_mass  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -247,14 +247,7 @@ def test_cuda_graph_replay():
     span = keys.shape[1]
     run = lambda: attention_mass(q, keys, query_pos, heads, group, scale, num_positions, span,  # noqa: E731
                                  backend="triton")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     gen = torch.Generator().manual_seed(9)
     keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.device, keys.dtype))
     query_pos.copy_(torch.tensor([[60], [3], [89]], device=DEVICE))
