@@ -85,7 +85,6 @@ class _Method:
         self.trace: list[int] = []  # per step: leading drafts a greedy target keeps
         self.nll = 0.0
         self.sparse_steps = 0
-        self.accepted = 0  # summed over steps: leading draft/target greedy agreements
         self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
         self.same_as_dense = 0  # positions where the target's greedy prediction equals the dense method's
         self.recovery: list[torch.Tensor] = []  # per recovery step: (n_layers,)
@@ -151,12 +150,9 @@ def teacher_forced_walk(
             at = context + step * (gamma + 1)  # L: cached positions of every target cache
             base = torch.tensor([at], device=device)
             # 1. the draft reads the true next tokens; its queries at L .. L+γ-1 score positions
-            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture)
-            draft_logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
-            draft_next = draft_logits[1:].argmax(dim=-1)  # (γ,): the draft's guesses for tokens[L+1 : L+γ+1]
+            draft_next, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
+                                              d_scale)
             dense_next = None
-            d_queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (1, γ, H, D)
-            s_draft = _DraftScores(draft_model, d_queries, base, d_group, d_scale, at)
             measure = bool(recovery_every) and step % recovery_every == 0
             verify_in = tokens[at : at + gamma + 1][None]
             labels = tokens[at + 1 : at + gamma + 2]
@@ -166,8 +162,10 @@ def teacher_forced_walk(
                 cfg = run.config
                 run_draft_next, run_s_draft = draft_next, s_draft
                 if run.draft is not None:  # a sparse draft: reads this method's last selection + what came since
-                    run_draft_next, run_s_draft = _sparse_draft(run, tokens, at, gamma, backend, d_capture, base,
-                                                                d_group, d_scale, capacity)
+                    reads = decoding.DraftReads.after(run.last_selection, cfg, gamma, capacity)
+                    run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
+                                                              tokens, at, gamma, backend, d_capture, base, d_group,
+                                                              d_scale)
                 if cfg is not None and not all(dense_rows([at], cfg)):
                     selection = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
                     run.sparse_steps += 1
@@ -190,7 +188,6 @@ def teacher_forced_walk(
                 agree = (target_next[:gamma] == run_draft_next.to(target_next.device)).long()
                 run.agreed += int(agree.sum())
                 run.trace.append(int(agree.cumprod(0).sum()))
-                run.accepted += run.trace[-1]
                 if cfg is None:
                     dense_next = target_next
                 run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
@@ -219,7 +216,7 @@ def teacher_forced_walk(
         tokens=evaluated, steps=steps,
         nll={r.name: r.nll for r in runs}, ppl={r.name: math.exp(r.nll / evaluated) for r in runs},
         sparse_steps={r.name: r.sparse_steps for r in runs}, seconds=time.perf_counter() - start,
-        accepted={r.name: r.accepted / steps for r in runs},
+        accepted={r.name: sum(r.trace) / steps for r in runs},
         accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
         top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
@@ -250,16 +247,15 @@ class _DraftScores:
         return self._memo[key]
 
 
-def _sparse_draft(run: _Method, tokens, at, gamma, backend, d_capture, base, d_group, d_scale, capacity):
-    """The draft step of a ``sparse_draft`` method: its own draft reads the last selection and the positions
-    written since (:class:`~dustin_hf.decoding.DraftReads`), or everything before its first sparse step."""
-    reads = decoding.DraftReads.after(run.last_selection, run.config, gamma, capacity)
-    sel = None if reads is None else reads.at([at - 1])
+def _draft_step(draft_model, selection, tokens, at, gamma, backend, d_capture, base, d_group, d_scale):
+    """The draft over ``tokens[L-1 : L+γ]`` (all it has cached, or ``selection`` for a sparse draft): its greedy
+    guesses ``(γ,)`` for ``tokens[L+1 : L+γ+1]`` and its ``S_draft`` from the queries at ``L .. L+γ-1``."""
     plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture,
-                       indices=None if sel is None else sel.indices, num_indices=None if sel is None else sel.num_indices)
-    logits = run.draft.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
-    queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}
-    return logits[1:].argmax(dim=-1), _DraftScores(run.draft, queries, base, d_group, d_scale, at)
+                       indices=None if selection is None else selection.indices,
+                       num_indices=None if selection is None else selection.num_indices)
+    logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
+    queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (1, γ, H, D)
+    return logits[1:].argmax(dim=-1), _DraftScores(draft_model, queries, base, d_group, d_scale, at)
 
 
 def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
