@@ -189,7 +189,7 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     """Plain generate() from a cache already holding ``context - 1`` random positions."""
     from transformers import DynamicCache, StaticCache, StoppingCriteriaList
 
-    _release_memory()
+    _release_memory()  # each run starts by freeing what earlier runs left
     cfg = target.config
     n_new = AR_TOKENS
     if static:
@@ -458,8 +458,6 @@ def main(argv=None) -> dict:
                     row["error"] = (f"out of memory: {str(error).splitlines()[0]} at "
                                     + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(where)))
                     row.pop("tokens_per_s", None)  # a later pass of this row failed: no partial result
-                finally:
-                    _release_memory()
                 rows.append(row)
                 _print_row(row)
     for row in rows:
