@@ -105,9 +105,11 @@ class DustinLayer(CacheLayerMixin):
         rows = plan.rows
         slots = plan.write_positions(key_states.device)  # (B', Q)
         if plan.backend == "triton" and key_states.is_cuda and key_states.dtype == self._k.dtype:
+            from .kernels import launch_device
             from .kernels.triton_cache import write_kv_triton
 
-            write_kv_triton(key_states, value_states, self._k, self._v, slots, rows.start)  # one launch, not three
+            with launch_device(key_states):
+                write_kv_triton(key_states, value_states, self._k, self._v, slots, rows.start)  # one launch, not three
             return self.keys[rows], self.values[rows]
         row_ids = torch.arange(rows.start, rows.stop, device=key_states.device)[:, None]
         self._k[row_ids, slots] = key_states.transpose(1, 2).to(self._k.dtype)  # (B', Q, H, D)

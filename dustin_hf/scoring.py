@@ -53,10 +53,12 @@ def attention_mass(
         queries and heads (positions a query cannot see get nothing from it).
     """
     if backend == "triton":
+        from .kernels import launch_device
         from .kernels.triton_score import attention_mass_triton
 
-        return attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions,
-                                     key_span)
+        with launch_device(queries):
+            return attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions,
+                                         key_span)
     _check_backend(backend)
     batch, n_q = queries.shape[:2]
     span = max(key_span, num_positions)
@@ -137,17 +139,19 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads
                             num_positions) -> torch.Tensor:
     """The Triton path of :func:`draft_lookahead_scores`: the layers add into one buffer, and the last
     one zeroes the draft tokens' own positions in the same pass (no extra elementwise kernels)."""
+    from .kernels import launch_device
     from .kernels.triton_score import attention_mass_triton
 
     device = draft_queries[0].device
     gamma = draft_queries[0].shape[1]
     query_pos, seqlens = query_pos.to(device), seqlens.to(device)
     total = None  # the first layer writes a fresh buffer, the others add into it
-    for layer, (queries, keys, layer_heads) in enumerate(zip(draft_queries, draft_keys, heads)):
-        last = layer == len(draft_queries) - 1
-        total = attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
-                                      num_positions, num_positions + gamma, out=total,
-                                      position_limit=seqlens if last else None)
+    with launch_device(draft_queries[0]):
+        for layer, (queries, keys, layer_heads) in enumerate(zip(draft_queries, draft_keys, heads)):
+            last = layer == len(draft_queries) - 1
+            total = attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
+                                          num_positions, num_positions + gamma, out=total,
+                                          position_limit=seqlens if last else None)
     return total
 
 

@@ -15,6 +15,7 @@ Backends compute the function defined in :mod:`dustin_hf.kernels.reference`:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -22,7 +23,7 @@ import torch
 
 from .reference import verify_attention_reference
 
-__all__ = ["BACKENDS", "available_backends", "resolve_backend", "verify_attention"]
+__all__ = ["BACKENDS", "available_backends", "launch_device", "resolve_backend", "verify_attention"]
 
 BACKENDS = ("reference", "triton", "flash_attn", "varlen")
 # Fastest first; "auto" takes the first one available on the device.
@@ -32,6 +33,17 @@ _AUTO_ORDER_CUDA = ("triton", "flash_attn", "varlen", "reference")
 @functools.cache
 def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
+
+
+def launch_device(t: torch.Tensor):
+    """Make ``t``'s CUDA device current around a Triton launch.
+
+    Triton launches on the *current* device and stream, not on its arguments' device. In a model that
+    accelerate split over GPUs the layers on ``cuda:1`` run while ``cuda:0`` is current: without this
+    the kernel would run on ``cuda:0``'s stream, unordered with the ``cuda:1`` work that produced its
+    inputs, reading ``cuda:1`` memory over the interconnect.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _backend_unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -100,7 +112,8 @@ def verify_attention(
     if backend == "triton":
         from .triton_verify import verify_attention_triton
 
-        return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs)
+        with launch_device(q):
+            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs)
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 

@@ -29,11 +29,11 @@ the integer version gives the same bits in both. Sizes come from host ints only 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from . import launch_device
 
 __all__ = ["apply_rotary_triton", "rms_norm_triton"]
 
@@ -122,7 +122,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block:
     if block is None:
         block = triton.next_power_of_2(n_cols) if n_cols <= _MAX_ONE_TILE else _LOOP_BLOCK
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
-    with _on_device(x):
+    with launch_device(x):
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight.contiguous(), out, rows.stride(0), n_cols, float(eps),
             N_COLS=n_cols, X_DTYPE=_DTYPES[x.dtype], OUT_DTYPE=_DTYPES[out_dtype], BLOCK=block,
@@ -228,7 +228,7 @@ def apply_rotary_triton(
     block_h = min(triton.next_power_of_2(max(n_q_heads, kv.shape[1])), max(1, _ROTARY_TILE // block_half))
     q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
     k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
-    with _on_device(q):
+    with launch_device(q):
         _rotary_kernel[(batch * seq_len,)](
             qv, kv, cos4, sin4, qov, kov, seq_len,
             *qv.stride(), *kv.stride(), *qov.stride(), *kov.stride(),
@@ -275,7 +275,3 @@ def _check_rotary(q, k, cos, sin, dim: int) -> None:
     if len(devices) != 1:
         raise ValueError(f"q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
 
-
-def _on_device(t: torch.Tensor):
-    """Make ``t``'s CUDA device current for the launch (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
