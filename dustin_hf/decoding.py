@@ -33,7 +33,7 @@ from .cache import DustinCache
 from .compat import CACHE_KWARG
 from .config import ResolvedConfig
 from .fused import fused_ops, fused_ops_available
-from .graphs import GraphedForward
+from .graphs import GraphedForward, Pipeline
 from .kernels import resolve_backend
 from .plan import ForwardPlan, select_heads
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
@@ -125,9 +125,8 @@ class _PhaseClock:
             self._current = {}
 
 
-def _single_cuda_device(model) -> bool:
-    devices = {p.device for p in model.parameters()}
-    return len(devices) == 1 and next(iter(devices)).type == "cuda"
+def _all_on_cuda(model) -> bool:
+    return all(p.is_cuda for p in model.parameters())
 
 
 class ModelRunner:
@@ -145,7 +144,11 @@ class ModelRunner:
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self._graphs: dict | None = {} if cuda_graphs else None
-        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        if cuda_graphs:
+            self.pipeline = Pipeline(model)
+            # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
+            self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+                                for device in self.pipeline.devices}
 
     def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
@@ -180,7 +183,7 @@ class ModelRunner:
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture,
-                                                         capture_last, self._pool)
+                                                         capture_last)
         if selection is None:
             return graphed(input_ids, seqlens)
         return graphed(input_ids, seqlens, selection.indices, selection.num_indices)
@@ -189,7 +192,7 @@ class ModelRunner:
     def graph_report(self) -> dict:
         """Shapes captured and replayed, and why any capture failed (those shapes ran eagerly)."""
         graphs = self._graphs or {}
-        return {"captured": sum(g.graph is not None for g in graphs.values()),
+        return {"captured": sum(g.graphs is not None for g in graphs.values()),
                 "failed": [g.failed for g in graphs.values() if g.failed]}
 
     def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
@@ -264,8 +267,9 @@ class SpeculativeDecoder:
             (its top probability) falls below it; ``None`` never stops early.
         streamer: receives each step's new tokens (batch size 1 only).
         backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
-        cuda_graphs: capture the fixed-shape forwards in CUDA graphs; ``None``: for each model that
-            sits on one CUDA device, when the backend is graph-safe (``"triton"``).
+        cuda_graphs: capture the fixed-shape forwards in CUDA graphs (a model split over GPUs: one graph per
+            device, see :class:`~dustin_hf.graphs.Pipeline`); ``None``: for each model whose parameters are
+            all on CUDA, when the backend is graph-safe (``"triton"``).
         fused_ops: run the models' RMSNorms and rotary embeddings through one-launch Triton kernels
             (:mod:`dustin_hf.fused`; rotary bit-exact, RMSNorm within 2 ulps); ``None``: for each model
             whose parameters are all on CUDA, when the backend is ``"triton"``.
@@ -310,9 +314,9 @@ class SpeculativeDecoder:
         self.threshold = confidence_threshold
         self.streamer = streamer
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
-        # graphs need all of a model's tensors on one CUDA device and a graph-safe kernel
+        # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         self.graphs = {
-            role: (self.backend == "triton" and _single_cuda_device(model)) if cuda_graphs is None else cuda_graphs
+            role: (self.backend == "triton" and _all_on_cuda(model)) if cuda_graphs is None else cuda_graphs
             for role, model in (("target", target), ("draft", draft))
         }
         self.fused = {

@@ -10,105 +10,206 @@ What makes the forward capturable: the plan's device tensors are those buffers (
 kernels size their grids by the cache capacity (``key_bound``) rather than this step's longest row,
 and nothing inside reads device values on the host. The first call runs eagerly (it is a real step),
 then captures; later calls replay.
+
+A model that accelerate split over several GPUs cannot be captured in one graph (a graph belongs to
+one device; PyTorch cannot capture work on several, pytorch#153025). :class:`Pipeline` runs the
+forward as one *stage* per run of consecutive modules on the same device (embedding and rotary
+table, decoder layers, final norm, head), and each stage is captured in its own graph on its own
+device. Between replays the few tensors that cross a device boundary (hidden states, the rotary
+table) are copied into the next stage's input buffers. A model on one GPU is one stage.
 """
 
 from __future__ import annotations
 
 import gc
 import warnings
+from dataclasses import dataclass
 
 import torch
 
+from .compat import CACHE_KWARG
 from .plan import DeviceTensors, ForwardPlan
 
-__all__ = ["GraphedForward"]
+__all__ = ["GraphedForward", "Pipeline"]
+
+_Step = str | int  # "embed", "rotary", a decoder layer's index, "norm", "head"
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    return next(iter([*module.parameters(), *module.buffers()])).device
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Consecutive steps of the forward whose modules all sit on ``device``."""
+
+    device: torch.device
+    steps: tuple[_Step, ...]
+
+
+class Pipeline:
+    """A decoder-only causal LM's forward (Llama, Mistral, Qwen2/3 families) as device stages.
+
+    It calls the model's own modules in the order the model's forward does (embedding, rotary table,
+    decoder layers, final norm on the kept positions, head) with the arguments the model passes them,
+    so a stage computes what the model's forward computes; the tests check that logits match.
+    """
+
+    def __init__(self, model):
+        self.model, self.decoder = model, model.base_model
+        self.layers = self.decoder.layers[: model.config.get_text_config().num_hidden_layers]
+        self.head = model.get_output_embeddings()
+        placed = [("embed", _module_device(self.decoder.embed_tokens)),
+                  ("rotary", _module_device(self.decoder.rotary_emb))]
+        placed += [(i, _module_device(layer)) for i, layer in enumerate(self.layers)]
+        placed += [("norm", _module_device(self.decoder.norm)), ("head", _module_device(self.head))]
+        stages: list[tuple[torch.device, list[_Step]]] = []
+        for step, device in placed:
+            if not stages or stages[-1][0] != device:
+                stages.append((device, []))
+            stages[-1][1].append(step)
+        self.stages = tuple(Stage(device, tuple(steps)) for device, steps in stages)
+        self.devices = tuple(dict.fromkeys(stage.device for stage in self.stages))
+
+    def run(self, stage: Stage, state: dict[str, torch.Tensor], plan: ForwardPlan, cache, keep: int) -> dict:
+        """Run ``stage`` on ``state`` (its tensors on ``stage.device``); returns the next state.
+
+        The state holds ``ids`` before the embedding, then ``h`` (hidden states) and, from the rotary
+        step to the final norm, ``cos``/``sin``; after the head only ``logits`` (the last ``keep``
+        positions, float32).
+        """
+        for step in stage.steps:
+            if step == "embed":
+                state = {"h": self.decoder.embed_tokens(state["ids"])}
+            elif step == "rotary":
+                cos, sin = self.decoder.rotary_emb(state["h"], plan.write_positions(stage.device))
+                state = {**state, "cos": cos, "sin": sin}
+            elif step == "norm":
+                state = {"h": self.decoder.norm(state["h"][:, -keep:])}
+            elif step == "head":
+                state = {"logits": self.head(state["h"]).float()}
+            else:
+                hidden = self.layers[step](
+                    state["h"], attention_mask=None, position_embeddings=(state["cos"], state["sin"]),
+                    position_ids=plan.write_positions(stage.device), use_cache=True, dustin_plan=plan,
+                    **{CACHE_KWARG: cache},
+                )
+                state = {**state, "h": hidden[0] if isinstance(hidden, tuple) else hidden}
+        return state
+
+    def forward(self, ids: torch.Tensor, plan: ForwardPlan, cache, keep: int) -> torch.Tensor:
+        """All stages eagerly, moving the state across devices: the last ``keep`` logits on ``ids``' device."""
+        state = {"ids": ids}
+        for stage in self.stages:
+            state = self.run(stage, {k: v.to(stage.device) for k, v in state.items()}, plan, cache, keep)
+        return state["logits"].to(ids.device)
 
 
 class GraphedForward:
-    """One captured forward of a model over its :class:`~dustin_hf.cache.DustinCache`.
+    """One captured forward of a model over its :class:`~dustin_hf.cache.DustinCache`, one graph per stage.
 
     Args:
-        runner: the decoding loop's model wrapper (``.model``, ``.cache``, ``.device``, ``.backend``,
-            ``.call(plan, input_ids, positions, keep)``).
+        runner: the decoding loop's model wrapper (``.pipeline``, ``.cache``, ``.device``, ``.backend``,
+            ``.dense_layers``, ``.graph_pools``: per device, a memory pool and a capture stream shared by
+            the loop's graphs).
         q_len: new tokens per row.
         width: columns of the sparse read set (0: dense).
         keep: logits kept per row (the last ``keep`` positions).
         capture, capture_last: scoring queries to keep (see :class:`~dustin_hf.plan.ForwardPlan`).
-        pool: a CUDA graph memory pool shared by the loop's graphs.
     """
 
-    def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool, pool):
-        batch, device = runner.cache.batch_size, runner.device
-        self.runner, self.q_len, self.keep, self.pool = runner, q_len, keep, pool
-        self.input_ids = torch.zeros(batch, q_len, dtype=torch.long, device=device)
-        seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
-        indices = torch.zeros(batch, width, dtype=torch.int32, device=device) if width else None
-        num_indices = torch.zeros(batch, dtype=torch.int32, device=device) if width else None
-        self.tensors = DeviceTensors(seqlens, indices, num_indices)
+    def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool):
+        batch, pipeline = runner.cache.batch_size, runner.pipeline
+        self.runner, self.q_len, self.keep = runner, q_len, keep
+        self.input_ids = torch.zeros(batch, q_len, dtype=torch.long, device=pipeline.stages[0].device)
+        self.tensors = tuple(DeviceTensors(
+            torch.zeros(batch, dtype=torch.int32, device=device),
+            torch.zeros(batch, width, dtype=torch.int32, device=device) if width else None,
+            torch.zeros(batch, dtype=torch.int32, device=device) if width else None,
+        ) for device in pipeline.devices)
         self.plan = ForwardPlan(
             rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
             capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
             dense_layers=runner.dense_layers,
         )
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.inputs: list[dict[str, torch.Tensor]] = []  # per stage: the buffers its input state is copied into
+        self.outputs: list[dict[str, torch.Tensor]] = []  # per stage: what its graph writes
         self._capacity = runner.cache.capacity
         self.failed: str | None = None  # why capture failed; this shape then runs eagerly
 
     def __call__(self, input_ids: torch.Tensor, seqlens: list[int], indices=None, num_indices=None):
         """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller."""
         self.input_ids.copy_(input_ids, non_blocking=True)
-        self.tensors.cache_seqlens.copy_(torch.tensor(seqlens, dtype=torch.int32), non_blocking=True)
-        if self.tensors.indices is not None:
-            self.tensors.indices.copy_(indices, non_blocking=True)
-            self.tensors.num_indices.copy_(num_indices, non_blocking=True)
+        host_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+        for tensors in self.tensors:
+            tensors.cache_seqlens.copy_(host_seqlens, non_blocking=True)
+            if tensors.indices is not None:
+                tensors.indices.copy_(indices, non_blocking=True)
+                tensors.num_indices.copy_(num_indices, non_blocking=True)
         self.plan.cache_seqlens = list(seqlens)
         cache = self.runner.cache
-        if self.graph is not None and self._capacity != cache.capacity:
-            self.graph = None  # the buffers were reallocated: the recorded pointers are stale
-        if self.graph is None:
+        if self.graphs is not None and self._capacity != cache.capacity:
+            self.graphs = None  # the buffers were reallocated: the recorded pointers are stale
+        if self.graphs is None:
             logits = self._eager()
             captured = dict(self.plan.captured)
             if not self.failed:
                 self._capture()
         else:
-            with cache.forward_plan(self.plan):
-                self.graph.replay()
+            self._replay()
             # the next replay of this graph overwrites its outputs: hand out copies (kept queries of several
             # draft steps are stacked for scoring, logits may be kept as output scores)
-            logits, captured = self.logits.clone(), {k: v.clone() for k, v in self.plan.captured.items()}
+            logits = self.outputs[-1]["logits"].to(self.runner.device, copy=True)
+            captured = {k: v.clone() for k, v in self.plan.captured.items()}
         cache.advance(self.plan.rows, [self.q_len] * self.plan.batch_size)
         return logits, captured
-
-    def _forward(self) -> torch.Tensor:
-        positions = self.plan.write_positions(self.runner.device)  # (B, Q): the new tokens' positions
-        return self.runner.call(self.plan, self.input_ids, positions, self.keep)
 
     def _eager(self) -> torch.Tensor:
         """A real step run eagerly: the first call (it compiles every kernel before capture), or every call
         of a shape whose capture failed."""
         self.plan._slots.clear()  # slots from the static seqlens, computed now
-        with self.runner.cache.forward_plan(self.plan):
-            return self._forward().clone()
+        cache = self.runner.cache
+        with cache.forward_plan(self.plan):
+            return self.runner.pipeline.forward(self.input_ids, self.plan, cache, self.keep).to(self.runner.device)
+
+    def _replay(self) -> None:
+        for stage, graph, inputs, previous in zip(self.runner.pipeline.stages, self.graphs, self.inputs,
+                                                  [{}] + self.outputs[:-1]):
+            for name, buffer in inputs.items():  # across the device boundary, ordered on both devices' streams
+                buffer.copy_(previous[name], non_blocking=True)
+            with torch.cuda.device(stage.device):
+                graph.replay()
 
     def _capture(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        cache = self.runner.cache
+        cache, pipeline = self.runner.cache, self.runner.pipeline
         self._capacity = self.plan.key_bound = cache.capacity
-        self.plan._slots.clear()  # recompute slots inside the graph, from the static seqlens
+        self.plan._slots.clear()  # recompute slots inside the graphs, from the static seqlens
+        graphs, inputs, outputs = [], [], []
+        state = {"ids": self.input_ids}
         # No garbage collection while capturing: freeing an unreachable graph (an old decoder's) then is not
         # permitted and would invalidate this capture.
         gc.collect()
         gc.disable()
         try:
-            with cache.forward_plan(self.plan), torch.cuda.graph(graph, pool=self.pool):
-                self.logits = self._forward()
+            with cache.forward_plan(self.plan):
+                for i, stage in enumerate(pipeline.stages):
+                    # the first stage reads the input ids in place; a later one, buffers on its device
+                    static = {} if i == 0 else {k: torch.empty_like(v, device=stage.device) for k, v in state.items()}
+                    pool, stream = self.runner.graph_pools[stage.device]
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        state = pipeline.run(stage, static or state, self.plan, cache, self.keep)
+                    graphs.append(graph)
+                    inputs.append(static)
+                    outputs.append(state)
         except RuntimeError as error:  # e.g. an op that syncs with the host: run this shape eagerly, say so
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             warnings.warn(f"CUDA graph capture failed, running this forward eagerly: {self.failed}", stacklevel=2)
-            torch.cuda.synchronize()
+            for device in pipeline.devices:
+                torch.cuda.synchronize(device)
             self.plan._slots.clear()
             return
         finally:
             gc.enable()
-        self.graph = graph
+        self.graphs, self.inputs, self.outputs = graphs, inputs, outputs

@@ -46,8 +46,9 @@ class ForwardPlan:
             device; ``None`` for dense attention.
         capture: ``{layer_idx: heads}``: keep these query heads of these layers for scoring.
         capture_last: keep only the last query of each row (drafting and prefill) instead of all.
-        static: device tensors to use as they are (CUDA graphs: persistent buffers refilled before each
-            replay) instead of building them from ``cache_seqlens`` / ``indices``.
+        static: device tensors to use as they are, one set per device the model spans (CUDA graphs:
+            persistent buffers refilled before each replay) instead of building them from
+            ``cache_seqlens`` / ``indices``.
         key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
             default ``max(cache_seqlens) + q_len``.
         dense_layers: layers that ignore ``indices`` and read every cached position.
@@ -61,7 +62,7 @@ class ForwardPlan:
     num_indices: torch.Tensor | None = None
     capture: dict[int, tuple[int, ...]] = field(default_factory=dict)
     capture_last: bool = False
-    static: DeviceTensors | None = None
+    static: tuple[DeviceTensors, ...] = ()
     key_bound: int | None = None
     dense_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
@@ -73,8 +74,8 @@ class ForwardPlan:
             raise ValueError(f"{len(self.cache_seqlens)} cache_seqlens for rows {self.rows}")
         if (self.indices is None) != (self.num_indices is None):
             raise ValueError("indices and num_indices go together")
-        if self.static is not None:
-            self._on_device[self.static.cache_seqlens.device] = self.static
+        for tensors in self.static:
+            self._on_device[tensors.cache_seqlens.device] = tensors
 
     @property
     def batch_size(self) -> int:
@@ -82,7 +83,7 @@ class ForwardPlan:
 
     @property
     def is_sparse(self) -> bool:
-        return self.indices is not None or (self.static is not None and self.static.indices is not None)
+        return self.indices is not None or any(t.indices is not None for t in self.static)
 
     @property
     def max_seqlen_k(self) -> int:

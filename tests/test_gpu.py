@@ -92,3 +92,50 @@ def test_dense_layers_and_prompt_calibration_under_cuda_graphs():
     for b, row in enumerate(rows):
         alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel():]
         assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
+
+
+def _split_over_two_gpus(model):
+    """accelerate's pipeline layout: embedding and the first layers on cuda:0, the rest and the head on cuda:1."""
+    from accelerate import dispatch_model
+
+    layers = model.config.num_hidden_layers
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map.update({f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)})
+    return dispatch_model(model, device_map=device_map)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly():
+    """A target split by accelerate: each device's stage captured in its own graph, replayed with the hidden
+    states handed across; every Triton launch on its tensors' device (cuda:0 stays current throughout)."""
+    from transformers import GenerationConfig
+
+    from dustin_hf.config import resolve
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+    from dustin_hf.graphs import Pipeline
+
+    torch.cuda.set_device(0)
+    target = tiny_model("qwen2", layers=4, hidden=128, heads=8, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4).to("cuda:0")
+    target = _split_over_two_gpus(target)
+    assert [stage.device.index for stage in Pipeline(target).stages] == [0, 1]
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
+    ids, mask = left_pad(rows)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
+    full = resolve(DustinConfig(budget=4096, backend="triton"), target.config, draft.config)
+    sparse = resolve(DustinConfig(budget=128, min_context=512, backend="triton"), target.config, draft.config)
+    outputs = {}
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        for name, dustin, graphs in (("full", full, True), ("eager", sparse, False), ("graphed", sparse, True)):
+            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, num_draft_tokens=4, backend="triton",
+                                         cuda_graphs=None if graphs else False)
+            result = decoder.generate(ids.cuda(), mask.cuda())
+            outputs[name] = result.sequences
+            assert decoder.graphs["target"] == graphs
+            report = result.cache.stats["cuda_graphs"]["target"]
+            assert report["failed"] == [] and (report["captured"] > 0) == graphs
+    assert torch.equal(outputs["eager"], outputs["graphed"])
+    for b, row in enumerate(rows):  # the whole context in budget: plain greedy decoding of the split model
+        alone = target.generate(row[None], max_new_tokens=40, do_sample=False)[0, row.numel():]
+        assert torch.equal(outputs["full"][b, ids.shape[1]:], alone.to(outputs["full"].device)), f"row {b}"
