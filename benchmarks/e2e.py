@@ -54,7 +54,7 @@ CONTEXTS = (8192, 16384, 32768)
 BATCHES = (1, 8, 16)
 GAMMA = 4
 BUDGET = 512
-NEW_TOKENS = 64  # per row, speculative methods
+NEW_TOKENS = 64  # per row, speculative methods (--new-tokens)
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
 PAPER_TOKENS_PER_STEP = 2.2  # fallback replay when no trace is given: [1, 1, 1, 1, 2] accepted drafts
@@ -241,7 +241,7 @@ def _random_prefill(dtype):
 
 
 def run_speculative(target, draft, batch: int, context: int, method: str, replay: Replay, dtype,
-                    profile: bool = False, torch_trace: str | None = None) -> dict:
+                    new_tokens: int = NEW_TOKENS, profile: bool = False, torch_trace: str | None = None) -> dict:
     from transformers import GenerationConfig
 
     from dustin_hf import DustinConfig
@@ -250,7 +250,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
     from dustin_hf.generate import attention_routed
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
-    config = GenerationConfig(do_sample=False, max_length=context + NEW_TOKENS, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
     sparse_draft = SPECULATIVE[method]
     resolved = None if sparse_draft is None else resolve(
         DustinConfig(budget=BUDGET, min_context=min(2048, context), sparse_draft=sparse_draft), target.config,
@@ -393,6 +393,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace-dustin-sparse-draft", nargs="+", default=None, metavar="TRACE",
                         help="acceptance traces replayed by dustin_sparse_draft (DustinConfig(sparse_draft=True)); "
                              "default: the --trace-dustin traces, which is said in the output")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help="tokens per row for the speculative methods; the all-steps rate includes the tail where "
+                             "rows that finished early idle, which weighs less the more tokens each row makes")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--compile-static", action="store_true",
@@ -440,15 +443,16 @@ def main(argv=None) -> dict:
                         row.update(run_hf(target, batch, context, method == "hf_static", dtype))
                     else:
                         replay = replays[method]
-                        row.update(run_speculative(target, draft, batch, context, method, replay, dtype))
+                        row.update(run_speculative(target, draft, batch, context, method, replay, dtype,
+                                                   args.new_tokens))
                         row["acceptance"] = replay.source
                         if not args.no_profile and batch == max(args.batches):
                             prof = run_speculative(target, draft, batch, context, method, replay, dtype,
-                                                   profile=True)
+                                                   args.new_tokens, profile=True)
                             row["phase_ms_per_step"] = prof["phase_ms_per_step"]
                         if args.torch_trace and batch == max(args.batches):  # a separate, untimed run
                             Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
-                            run_speculative(target, draft, batch, context, method, replay, dtype,
+                            run_speculative(target, draft, batch, context, method, replay, dtype, args.new_tokens,
                                             torch_trace=f"{args.torch_trace}/{method}_{context}_{batch}.json.gz")
                     bound_ms = step_bound_ms(method, target, draft, batch, context, copy_gbps)
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
@@ -476,6 +480,7 @@ def main(argv=None) -> dict:
         command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{sizes[0]} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
         versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=BUDGET,
+        new_tokens={"speculative": args.new_tokens, "generate": AR_TOKENS},
         acceptance={m: r.source for m, r in replays.items()},
         prefill="replaced by random K/V of the same shapes (decode-only measurement)",
         hf_static="torch.compile by transformers" if COMPILE_STATIC else "eager (transformers' auto-compile disabled)",
