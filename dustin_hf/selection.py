@@ -10,10 +10,16 @@ Per row, one index set shared by all layers and heads (DESIGN.md section 2):
 A row is read densely (all of ``[0, L)``) when its context fits the budget or is shorter than
 ``min_context``. Indices come out sorted (sequential reads), as ``(B, W)`` int32 with a per-row
 count; ``W`` is the budget, or longer when a dense row needs more.
+
+``backend="reference"`` is the PyTorch code below (the oracle, and the path on CPU);
+``backend="triton"`` runs :mod:`dustin_hf.kernels.triton_select` (two launches instead of about ten,
+no host sync); ``"auto"`` takes Triton for scores on CUDA. The two agree except where scores tie at
+a threshold: Triton takes the lowest tied positions, ``torch.topk`` any of them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +48,7 @@ def select_positions(
     has_history: list[bool],
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> Selection:
     """Choose each row's read set.
 
@@ -52,6 +59,7 @@ def select_positions(
         has_history: per row, whether ``target_scores`` holds a valid history for it.
         config: the resolved budget, windows and ``draft_share``.
         lengths: ``seqlens`` as a device tensor, if the caller has one (saves a host->device copy).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (CUDA, or the Triton interpreter on CPU).
     """
     device = draft_scores.device
     batch, span = draft_scores.shape
@@ -63,26 +71,20 @@ def select_positions(
         return Selection(indices, torch.tensor(counts, dtype=torch.int32, device=device), counts)
     if lengths is None:
         lengths = torch.tensor(seqlens, device=device)
-    lengths = lengths.to(device)[:, None]  # (B, 1)
+    lengths = lengths.to(device)
 
     sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
     fill = config.budget - sink - recent - share
-    positions = torch.arange(span, device=device)
-    # candidates for the two top-k fills: in range, not a sink, not in the recent window
-    taken = (positions < sink) | (positions >= lengths - recent) | (positions >= lengths)  # (B, span)
-    neg_inf = torch.finfo(torch.float32).min
-    parts = [positions[:sink].expand(batch, sink), lengths - recent + positions[:recent]]  # (B, s), (B, r)
-    by_draft = draft_scores.float().masked_fill(taken, neg_inf)
-    top_draft = by_draft.topk(share, dim=1, sorted=False).indices  # (B, m)
-    parts.append(top_draft)
-    if fill:
-        history = draft_scores if target_scores is None else target_scores
-        if target_scores is not None and not all(has_history):
-            use_target = torch.tensor(has_history, device=device)[:, None]
-            history = torch.where(use_target, target_scores, draft_scores)
-        by_history = history.float().masked_fill(taken, neg_inf).scatter_(1, top_draft, neg_inf)
-        parts.append(by_history.topk(fill, dim=1, sorted=False).indices)  # (B, budget - s - r - m)
-    indices = torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget) for sparse rows
+    history = _history_scores(draft_scores, target_scores, has_history)
+    if _resolve_backend(backend, draft_scores, share, fill) == "triton":
+        from .kernels import launch_device
+        from .kernels.triton_select import select_sparse_triton
+
+        with launch_device(draft_scores):
+            indices = select_sparse_triton(draft_scores.contiguous(), history.contiguous(), lengths, sink=sink,
+                                           recent=recent, share=share, fill=fill)  # (B, budget)
+    else:
+        indices = _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
     if any(dense):  # rows read in full: positions 0..L-1 (valid entries first, as counts say)
         if width > indices.shape[1]:
             indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
@@ -92,3 +94,46 @@ def select_positions(
     else:
         num_indices = torch.full((batch,), config.budget, dtype=torch.int32, device=device)
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
+
+
+def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | None,
+                    has_history: list[bool]) -> torch.Tensor:
+    """The fill's scores per row: ``S_target`` where the row has a history, else ``S_draft``."""
+    if target_scores is None:
+        return draft_scores
+    if all(has_history):
+        return target_scores
+    use_target = torch.tensor(has_history, device=draft_scores.device)[:, None]
+    return torch.where(use_target, target_scores, draft_scores)
+
+
+def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill: int) -> str:
+    """``"auto"``: Triton for scores on CUDA (when triton is installed and its pools hold the span)."""
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"unknown selection backend {backend!r}; choose 'auto', 'reference' or 'triton'")
+    if backend == "auto":
+        if not draft_scores.is_cuda or importlib.util.find_spec("triton") is None:
+            return "reference"
+        from .kernels.triton_select import supports
+
+        return "triton" if supports(draft_scores.shape[1], share, fill) else "reference"
+    return backend
+
+
+def _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill) -> torch.Tensor:
+    """The PyTorch budget fill for every row: ``(B, budget)`` int32, sorted (see the module docstring)."""
+    device = draft_scores.device
+    batch, span = draft_scores.shape
+    lengths = lengths[:, None]  # (B, 1)
+    positions = torch.arange(span, device=device)
+    # candidates for the two top-k fills: in range, not a sink, not in the recent window
+    taken = (positions < sink) | (positions >= lengths - recent) | (positions >= lengths)  # (B, span)
+    neg_inf = torch.finfo(torch.float32).min
+    parts = [positions[:sink].expand(batch, sink), lengths - recent + positions[:recent]]  # (B, s), (B, r)
+    by_draft = draft_scores.float().masked_fill(taken, neg_inf)
+    top_draft = by_draft.topk(share, dim=1, sorted=False).indices  # (B, m)
+    parts.append(top_draft)
+    if fill:
+        by_history = history.float().masked_fill(taken, neg_inf).scatter_(1, top_draft, neg_inf)
+        parts.append(by_history.topk(fill, dim=1, sorted=False).indices)  # (B, budget - s - r - m)
+    return torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget)

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy
+import importlib.util
 
 import pytest
 from transformers import (
@@ -23,6 +24,24 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+
+def _triton_runs() -> bool:
+    """Whether Triton kernels run here: on CUDA, or on CPU in the interpreter, which also needs
+    triton.language's own jit functions (``tl.max``...) built for it; that happens only if
+    TRITON_INTERPRET was set before anything imported triton (set above, before transformers)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if torch.cuda.is_available():
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.max, InterpretedFunction)
+
+
+TRITON_RUNS = _triton_runs()
 VOCAB = 96
 PAD = VOCAB - 1  # never drawn by random_prompt, so generate() never mistakes a prompt token for padding
 WEIGHT_SCALE = 1.0

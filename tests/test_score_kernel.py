@@ -14,7 +14,6 @@ splits per row and several tiles per split, which the heuristic would not pick a
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
@@ -26,23 +25,8 @@ if not HAS_CUDA:
 
 from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
-from conftest import capture_graph, explicit_attention_mass  # noqa: E402
+from conftest import TRITON_RUNS, capture_graph, explicit_attention_mass  # noqa: E402
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _interpreter_ready() -> bool:
-    """The interpreter also needs triton.language's own jit functions (``tl.max``...) built for it, which
-    happens only if TRITON_INTERPRET was set before anything imported triton (conftest's transformers may)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.standard.max, InterpretedFunction)
-
-
-TRITON_RUNS = HAS_TRITON and (HAS_CUDA or _interpreter_ready())
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 pytestmark = [
