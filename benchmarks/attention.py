@@ -309,58 +309,90 @@ def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, 
 
     Times nothing else: the target-history scores (one target layer, its default scoring heads), the
     draft-lookahead scores (the default draft layers/heads of ``draft``, gamma = Q - 1 queries) and
-    ``select_positions`` over them. If those modules or the APIs this hook was written against are
+    ``select_positions`` over them, all with the Triton kernels on CUDA (PyTorch on CPU). If those modules or the APIs this hook was written against are
     missing, returns ``{"status": "not measured: <why>"}`` with ``None`` times: no estimate is made.
     """
     device = device or torch.device("cuda")
     try:
-        from dustin_hf import config as dconfig
-        from dustin_hf import scoring, selection
+        from dustin_hf import config, scoring, selection  # noqa: F401
     except ImportError as error:
         return {"scoring_ms": None, "selection_ms": None, "status": f"not measured: {error}"}
     try:
-        return _time_scoring_and_selection(dconfig, scoring, selection, layout, draft, batch, context, budget,
-                                           device, dtype, timer)
+        return _time_scoring_and_selection(layout, draft, batch, context, budget, device, dtype, timer)
     except (AttributeError, TypeError, ValueError) as error:  # API drift: report, never guess
         return {"scoring_ms": None, "selection_ms": None, "status": f"not measured: {type(error).__name__}: {error}"}
 
 
-def _time_scoring_and_selection(dconfig, scoring, selection, layout, draft, batch, context, budget, device, dtype,
-                                timer) -> dict:
-    from types import SimpleNamespace
-
-    def model(lay):
-        return SimpleNamespace(num_hidden_layers=lay.n_layers, num_attention_heads=lay.n_heads,
-                               num_key_value_heads=lay.n_kv_heads)
-
-    user_config = dconfig.DustinConfig(budget=budget, min_context=min(2048, context))
-    cfg = dconfig.resolve(user_config, model(layout), model(draft))
-    gamma = N_QUERIES - 1
-    capacity = context + N_QUERIES
-    seqlens_host = [context] * batch
-    seqlens = torch.tensor(seqlens_host, dtype=torch.int32, device=device)
-    target_keys = torch.randn(batch, capacity, layout.n_kv_heads, layout.head_dim, device=device).to(dtype)
-    history_q = torch.randn(batch, len(cfg.target_heads), layout.head_dim, device=device).to(dtype)
-    draft_keys = [torch.randn(batch, capacity, draft.n_kv_heads, draft.head_dim, device=device).to(dtype)
-                  for _ in cfg.draft_layers]
-    draft_q = [torch.randn(batch, gamma, len(h), draft.head_dim, device=device).to(dtype) for h in cfg.draft_heads]
-
-    backend = "triton" if torch.device(device).type == "cuda" else "reference"
-
-    def score():
-        target = scoring.target_history_scores(history_q, target_keys, seqlens, cfg.target_heads,
-                                               layout.n_heads // layout.n_kv_heads, layout.head_dim**-0.5, context,
-                                               backend=backend)
-        drafted = scoring.draft_lookahead_scores(draft_q, draft_keys, seqlens, cfg.draft_heads,
-                                                 draft.n_heads // draft.n_kv_heads, draft.head_dim**-0.5, context,
-                                                 backend=backend)
-        return target, drafted
-
+def _time_scoring_and_selection(layout, draft, batch, context, budget, device, dtype, timer) -> dict:
+    step = ScoringStep.build(layout, draft, batch, context, budget, device, dtype)
+    backend = "triton" if torch.device(device).type == "cuda" else "reference"  # scoring and selection alike
+    score = lambda: (step.score_target(backend), step.score_draft(backend))  # noqa: E731
     target, drafted = score()
-    select = lambda: selection.select_positions(seqlens_host, drafted, target, [True] * batch, cfg,  # noqa: E731
-                                                lengths=seqlens)
+    select = lambda: step.select(target, drafted, backend)  # noqa: E731
     return {"scoring_ms": _time_ms(score, device, timer), "selection_ms": _time_ms(select, device, timer),
-            "status": f"measured (draft layout {draft.name}, scoring backend {backend})"}
+            "status": f"measured (draft layout {draft.name}, scoring and selection backend {backend})"}
+
+
+@dataclasses.dataclass
+class ScoringStep:
+    """One verification step's scoring inputs: random keys, and kept queries on the default scoring heads
+    (one target layer; the default draft layers/heads of ``draft``, gamma = Q - 1 queries per row)."""
+
+    layout: Layout
+    draft: Layout
+    cfg: object  # dustin_hf.config.ResolvedConfig
+    seqlens_host: list[int]
+    seqlens: torch.Tensor  # (B,) int32, = context
+    target_keys: torch.Tensor  # (B, context + Q, Hkv, D)
+    history_q: torch.Tensor  # (B, len(target_heads), D)
+    draft_keys: list[torch.Tensor]  # per draft scoring layer: (B, context + Q, Hkv_draft, D_draft)
+    draft_q: list[torch.Tensor]  # per draft scoring layer: (B, gamma, len(heads), D_draft)
+
+    @classmethod
+    def build(cls, layout, draft, batch, context, budget, device, dtype) -> ScoringStep:
+        from types import SimpleNamespace
+
+        from dustin_hf import config
+
+        def model(lay):
+            return SimpleNamespace(num_hidden_layers=lay.n_layers, num_attention_heads=lay.n_heads,
+                                   num_key_value_heads=lay.n_kv_heads)
+
+        cfg = config.resolve(config.DustinConfig(budget=budget, min_context=min(2048, context)), model(layout),
+                             model(draft))
+        capacity = context + N_QUERIES
+
+        def randn(*shape):
+            return torch.randn(*shape, device=device).to(dtype)
+
+        return cls(layout, draft, cfg, [context] * batch,
+                   torch.full((batch,), context, dtype=torch.int32, device=device),
+                   randn(batch, capacity, layout.n_kv_heads, layout.head_dim),
+                   randn(batch, len(cfg.target_heads), layout.head_dim),
+                   [randn(batch, capacity, draft.n_kv_heads, draft.head_dim) for _ in cfg.draft_layers],
+                   [randn(batch, N_QUERIES - 1, len(h), draft.head_dim) for h in cfg.draft_heads])
+
+    def score_target(self, backend: str) -> torch.Tensor:
+        from dustin_hf import scoring
+
+        lay = self.layout
+        return scoring.target_history_scores(self.history_q, self.target_keys, self.seqlens, self.cfg.target_heads,
+                                             lay.n_heads // lay.n_kv_heads, lay.head_dim**-0.5, max(self.seqlens_host),
+                                             backend=backend)
+
+    def score_draft(self, backend: str) -> torch.Tensor:
+        from dustin_hf import scoring
+
+        lay = self.draft
+        return scoring.draft_lookahead_scores(self.draft_q, self.draft_keys, self.seqlens, self.cfg.draft_heads,
+                                              lay.n_heads // lay.n_kv_heads, lay.head_dim**-0.5,
+                                              max(self.seqlens_host), backend=backend)
+
+    def select(self, target: torch.Tensor, drafted: torch.Tensor, backend: str):
+        from dustin_hf import selection
+
+        return selection.select_positions(self.seqlens_host, drafted, target, [True] * len(self.seqlens_host),
+                                          self.cfg, lengths=self.seqlens, backend=backend)
 
 
 # ----------------------------------------------------------------------------- the sweep

@@ -2,6 +2,7 @@
 # The H200 runs behind benchmarks/results/, as one script per device call.
 #   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
 #   bash benchmarks/run_h200.sh sweep OUT     the Triton kernel's launch configs under CUDA graphs (headline point)
+#   bash benchmarks/run_h200.sh select OUT    selection (PyTorch vs Triton) and scoring per step, headline point
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
@@ -9,7 +10,7 @@
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|e2e|e2e2}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|sweep|select|e2e|e2e2}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -33,6 +34,9 @@ case $what in
       --budgets 512 --sweep "block_n=32,64 num_splits=0,1,2,4,8 num_stages=3 num_warps=4" \
       --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
     grep -E "^qwen" "$out/attention_sweep.txt" | cut -c1-120 | tail -32 ;;
+  select)
+    timeout 300 python3 benchmarks/select_timing.py > "$out/select_timing.txt" 2>&1
+    grep -v '^{' "$out/select_timing.txt" | tail -30; grep '^{' "$out/select_timing.txt" > "$out/select_timing.json" ;;
   e2e)
     timeout 560 python3 benchmarks/e2e.py --devices 1 "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
       | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;
