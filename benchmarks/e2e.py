@@ -154,16 +154,19 @@ class Replay:
         if not flat:
             raise ValueError(f"{paths}: no accepted counts")
         return cls(flat, f"recorded traces {', '.join(names)} ({len(flat)} steps, mean "
-                         f"{statistics.mean(flat) + 1:.2f} tokens/step, replayed in order, cycled)")
+                         f"{statistics.mean(flat) + 1:.2f} tokens/step; each row replays them in order from its own "
+                         "offset, cycled)")
 
     def override(self):
-        position = [0]
+        step = [0]
 
         def accept(n_accepted: torch.Tensor) -> torch.Tensor:
-            batch = n_accepted.shape[0]
-            start = position[0]
-            values = [self.counts[(start + b) % len(self.counts)] for b in range(batch)]
-            position[0] = (start + batch) % len(self.counts)
+            # Each row walks the recorded sequence in order from its own, evenly spaced, starting point, so
+            # every row sees the trace's acceptance (handing out consecutive counts across the rows instead
+            # gave row b only the counts at b mod batch whenever the trace length is a multiple of the batch).
+            batch, n = n_accepted.shape[0], len(self.counts)
+            values = [self.counts[(b * n // batch + step[0]) % n] for b in range(batch)]
+            step[0] += 1
             return torch.tensor(values, device=n_accepted.device)
 
         return accept
