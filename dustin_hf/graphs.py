@@ -57,6 +57,12 @@ class Pipeline:
 
     def __init__(self, model):
         self.model, self.decoder = model, model.base_model
+        missing = [name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(self.decoder, name)]
+        if missing or model.get_output_embeddings() is None:
+            raise ValueError(
+                f"{type(model).__name__} does not have the decoder layout CUDA graph capture follows (missing: "
+                f"{', '.join(missing) or 'output embeddings'}); run with cuda_graphs=False"
+            )
         self.layers = self.decoder.layers[: model.config.get_text_config().num_hidden_layers]
         self.head = model.get_output_embeddings()
         placed = [("embed", _module_device(self.decoder.embed_tokens)),

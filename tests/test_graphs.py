@@ -74,3 +74,10 @@ def test_pipeline_stages_follow_the_devices_of_the_modules():
     pipeline = Pipeline(model)
     assert pipeline.devices == (torch.device("cpu"),)
     assert pipeline.stages == (Stage(torch.device("cpu"), ("embed", "rotary", 0, 1, 2, "norm", "head")),)
+
+
+def test_pipeline_names_what_a_model_lacks():
+    model = tiny_model("qwen2", layers=2)
+    del model.model.rotary_emb
+    with pytest.raises(ValueError, match="missing: rotary_emb.*cuda_graphs=False"):
+        Pipeline(model)
