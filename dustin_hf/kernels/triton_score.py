@@ -136,9 +136,13 @@ def _config(
 
 
 # Sizes that change every decode step (span, strides of per-call buffers) must not be specialised on:
-# each new divisibility pattern would compile a new kernel in the middle of decoding.
+# each new divisibility pattern would compile a new kernel in the middle of decoding. The keys' strides are
+# the cache buffer's, fixed for a run, and are specialised: without their divisibility by 16 Triton cannot
+# prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined (pass 1 then ran at
+# ~1.1 TB/s on an H200). The per-call buffers' strides are multiples of BLOCK_N by construction, which
+# tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
 @triton.jit(do_not_specialize=[
-    "stride_qb", "stride_kb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr",
+    "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr",
     "stride_xb", "span", "chunk",
 ])
 def _score_pass1_kernel(
@@ -173,7 +177,7 @@ def _score_pass1_kernel(
     q = q.to(K.dtype.element_ty)  # as the reference: queries meet the keys in the keys' dtype
     last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=row_ok, other=-1).to(tl.int32)  # (BLOCK_M,)
 
-    lo = split * chunk
+    lo = tl.multiple_of(split * chunk, BLOCK_N)  # chunk is a multiple of BLOCK_N (host)
     hi = tl.minimum(tl.minimum(lo + chunk, span), tl.max(last, 0) + 1)  # nothing past the last visible key
 
     k_base = K + b * stride_kb + d[None, :] * stride_kd  # (1, BLOCK_D)
@@ -191,7 +195,7 @@ def _score_pass1_kernel(
         x = s - m_safe[:, None]  # (BLOCK_M, BLOCK_N) <= 0, -inf where hidden
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(x), 1)
         m_i = m_new
-        x_ptrs = SHIFTED + b * stride_pb + out_row[:, None] * stride_pr + n[None, :]
+        x_ptrs = SHIFTED + tl.multiple_of(b * stride_pb + out_row * stride_pr, BLOCK_N)[:, None] + n[None, :]
         # whole tiles (the rows are padded to them, and a split owns whole tiles), so the stores vectorise;
         # x = -inf past `hi`, where no query looks
         tl.store(x_ptrs, x.to(SHIFTED.dtype.element_ty), mask=row_ok[:, None],
@@ -228,7 +232,7 @@ def _score_pass2_kernel(
     lse = part_max + tl.log2(tl.where(total == 0.0, 1.0, total))
     last = tl.load(QPOS + b * stride_xb + (r // ALL_HEADS) * stride_xt, mask=r_ok, other=-1).to(tl.int32)
 
-    lo = tl.program_id(0) * tile
+    lo = tl.multiple_of(tl.program_id(0) * tile, BLOCK_N)  # tile is a multiple of BLOCK_N (host)
     hi = tl.minimum(lo + tile, num_positions)
     if HAS_LIMIT:
         limit = tl.load(LIMIT + b * stride_limit).to(tl.int32)
@@ -240,7 +244,8 @@ def _score_pass2_kernel(
         tile_seen = r_ok & (start <= last)  # (BLOCK_R,): pass 1 wrote this row's tile
         tile_max = tl.load(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + r, mask=tile_seen, other=0.0)
         offset = tl.where(tile_seen, tile_max - lse, 0.0)  # (BLOCK_R,), <= 0
-        x = tl.load(SHIFTED + b * stride_pb + r[:, None] * stride_pr + n[None, :], mask=r_ok[:, None],
+        x = tl.load(SHIFTED + tl.multiple_of(b * stride_pb + r * stride_pr, BLOCK_N)[:, None] + n[None, :],
+                    mask=r_ok[:, None],
                     eviction_policy="evict_first")  # (BLOCK_R, BLOCK_N), whole tiles (vectorised), last use
         mass = tl.sum(tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, None]), 0.0), 0)  # (BLOCK_N,)
         out_ptrs = OUT + b * stride_ob + n
