@@ -15,13 +15,25 @@ the default config resolves them), on random keys, with :class:`attention.Scorin
 Times are medians under CUDA graphs (``triton.testing.do_bench_cudagraph``), as ``attention.py
 --timer cudagraph``. Prints a table, then one JSON line.
 
+``--sweep SPEC`` instead times the scoring kernel under every combination of launch overrides
+(``triton_score._config`` keywords, 0 = the heuristic's value), after the heuristic itself: per row the
+GPU microseconds of pass 1 and pass 2 per step (``torch.profiler``, both scoring calls), pass 1's key
+GB/s, and the max abs error against an fp32 oracle (the PyTorch reference on fp32 copies of the same
+inputs), flagged ``ERR`` where it exceeds twice the error of the PyTorch reference in the inputs'
+dtype + 1e-5 (the tests' rule). The heuristic and the fastest passing row are then timed end to end
+under CUDA graphs.
+
     python benchmarks/select_timing.py                  # the point above (CUDA)
     python benchmarks/select_timing.py --smoke          # tiny sizes on CPU (reference + Triton interpreter)
+    python benchmarks/select_timing.py --sweep "programs_per_sm=2,4,8 num_stages=2,3,4 num_warps=4,8; tile_bytes=8192,32768"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import itertools
 import json
 import platform
 import sys
@@ -33,6 +45,8 @@ from attention import DRAFT_LAYOUT, LAYOUTS, SMOKE, ScoringStep, _time_ms, _vers
 TARGET_LAYOUT = next(lay for lay in LAYOUTS if lay.name == "qwen2.5-72b")
 BATCH, CONTEXT, BUDGET = 16, 32768, 512
 PROFILED_CALLS = 20
+# --sweep keys: keywords of dustin_hf.kernels.triton_score._config
+SWEEP_KEYS = ("programs_per_sm", "tile_bytes", "block_n", "num_splits", "num_stages", "num_warps", "num_warps_reduce")
 
 
 def _timed(fn, device: torch.device, timer: str) -> float | str:
@@ -97,6 +111,112 @@ def measure(batch: int, context: int, budget: int, target, draft, device: torch.
     return result
 
 
+# ----------------------------------------------------------------------------- --sweep
+
+
+def parse_sweep(spec: str) -> list[dict[str, int]]:
+    """``"key=v1,v2 key2=v3; key=v4"`` -> every combination of each ``;``-separated part, as dicts
+    (0 = the heuristic's value)."""
+    combos = []
+    for part in spec.split(";"):
+        grid = {}
+        for item in part.split():
+            key, _, values = item.partition("=")
+            if key not in SWEEP_KEYS or not values:
+                raise ValueError(f"--sweep: {item!r} is not key=v1,v2,...; keys: {', '.join(SWEEP_KEYS)}")
+            grid[key] = [int(v) for v in values.split(",")]
+        combos += [dict(zip(grid, values)) for values in itertools.product(*grid.values()) if grid]
+    return combos
+
+
+@contextlib.contextmanager
+def score_config(overrides: dict[str, int], chosen: dict[int, object]):
+    """``triton_score._config`` with ``overrides`` (0 keeps the heuristic's value); the config resolved
+    per head dim lands in ``chosen``."""
+    from dustin_hf.kernels import triton_score
+
+    original = triton_score._config
+    set_keys = {key: value for key, value in overrides.items() if value}
+
+    def patched(batch, programs, head_dim, *args, **kwargs):
+        chosen[head_dim] = original(batch, programs, head_dim, *args, **kwargs, **set_keys)
+        return chosen[head_dim]
+
+    triton_score._config = patched
+    try:
+        yield
+    finally:
+        triton_score._config = original
+
+
+def _oracle(step: ScoringStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft scores of the PyTorch reference on fp32 copies of ``step``'s inputs (exact products)."""
+    exact = dataclasses.replace(step, target_keys=step.target_keys.float(), history_q=step.history_q.float(),
+                                draft_keys=[k.float() for k in step.draft_keys],
+                                draft_q=[q.float() for q in step.draft_q])
+    return exact.score_target("reference"), exact.score_draft("reference")
+
+
+def _max_err(got, want) -> float:
+    return max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
+
+
+def _short(config) -> str:
+    return f"n{config.block_n}/s{config.num_splits}/w{config.num_warps}/st{config.num_stages}"
+
+
+def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: str) -> dict:
+    """One row per launch override (the heuristic first), then CUDA-graph times of the heuristic and the best row."""
+    oracle = _oracle(step)
+    ref_err = _max_err((step.score_target("reference"), step.score_draft("reference")), oracle)
+    key_bytes = _key_bytes(step)
+    both = lambda: (step.score_target("triton"), step.score_draft("triton"))  # noqa: E731
+    rows = []
+    for overrides in [{}] + combos:
+        chosen = {}
+        row = dict(overrides=overrides or "heuristic")
+        try:
+            with score_config(overrides, chosen):
+                err = _max_err(both(), oracle)
+                us = kernel_us(both) if device.type == "cuda" else {}
+        except Exception as error:  # e.g. out of shared memory: report it, keep going
+            rows.append(row | dict(status=f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:100]}"))
+            continue
+        pass1 = sum(t for name, t in us.items() if name.startswith("_score_pass1"))
+        pass2 = sum(t for name, t in us.items() if name.startswith("_score_pass2"))
+        rows.append(row | dict(
+            configs={f"d{d}": _short(c) for d, c in sorted(chosen.items())}, pass1_us=pass1, pass2_us=pass2,
+            pass1_key_gbps=key_bytes / pass1 / 1e3 if pass1 else None, max_err=err,
+            status="ok" if err <= 2 * ref_err + 1e-5 else f"ERR > 2 x {ref_err:.3g} + 1e-5"))
+    passing = [r for r in rows[1:] if r.get("status") == "ok" and r["pass1_us"]]
+    best = min(passing, key=lambda r: r["pass1_us"] + r["pass2_us"], default=None)
+    graph_ms = {}
+    for label, row in (("heuristic", rows[0]), ("best", best)):
+        if row is not None and row.get("status") == "ok":
+            with score_config(row["overrides"] if isinstance(row["overrides"], dict) else {}, {}):
+                graph_ms[label] = _timed(both, device, timer)
+    return dict(scoring_key_bytes=key_bytes, reference_max_err=ref_err, sweep=rows, best=best,
+                scoring_ms_triton_graph=graph_ms)
+
+
+def _print_sweep(result: dict) -> None:
+    print(f"key bytes {result['scoring_key_bytes'] / 1e6:.0f} MB; PyTorch reference (inputs' dtype) max err "
+          f"{result['reference_max_err']:.3g}")
+    print(f"{'overrides':<58}{'configs (head dim: tile/splits/warps/stages)':<46}{'pass1 us':>9}{'pass2 us':>9}"
+          f"{'key GB/s':>9}{'max err':>10}  status")
+    for row in result["sweep"]:
+        label = row["overrides"] if isinstance(row["overrides"], str) else " ".join(
+            f"{k}={v}" for k, v in row["overrides"].items())
+        if "pass1_us" not in row:
+            print(f"{label:<58}{'':<46}{'':>37}  {row['status']}")
+            continue
+        configs = " ".join(f"{k}:{v}" for k, v in row["configs"].items())
+        gbps = f"{row['pass1_key_gbps']:>9.0f}" if row["pass1_key_gbps"] else f"{'n/a':>9}"
+        print(f"{label:<58}{configs:<46}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
+              f"{row['max_err']:>10.2e}  {row['status']}")
+    print(f"CUDA-graph ms per step (target + draft scoring): {result['scoring_ms_triton_graph']}")
+
+
 def _print_table(result: dict) -> None:
     print(f"{'ms per step':<18}{'PyTorch':>10}{'Triton':>10}")
     for what in ("selection", "scoring", "scoring_target", "scoring_draft"):
@@ -118,7 +238,15 @@ def main(argv=None) -> None:
     parser.add_argument("--timer", choices=("cudagraph", "do_bench"), default="cudagraph",
                         help="do_bench_cudagraph (default; no launch overhead) or do_bench (L2 flushed per run)")
     parser.add_argument("--smoke", action="store_true", help="tiny layouts and sizes; runs on CPU")
+    parser.add_argument("--sweep", metavar="SPEC", default=None,
+                        help="only the scoring kernel, under every combination of triton_score._config "
+                             "overrides, e.g. 'programs_per_sm=2,4 num_stages=3,4' (0 = heuristic); keys: "
+                             + ", ".join(SWEEP_KEYS))
     args = parser.parse_args(argv)
+    try:
+        combos = parse_sweep(args.sweep) if args.sweep else None
+    except ValueError as error:
+        parser.error(str(error))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, draft, dtype = TARGET_LAYOUT, DRAFT_LAYOUT, torch.bfloat16
     if args.smoke:
@@ -127,8 +255,13 @@ def main(argv=None) -> None:
     elif device.type != "cuda":
         sys.exit("needs a CUDA GPU; use --smoke on CPU")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'unknown'})"
-    result = measure(args.batch, args.context, args.budget, target, draft, device, dtype, args.timer)
-    _print_table(result)
+    if combos is not None:
+        step = ScoringStep.build(target, draft, args.batch, args.context, args.budget, device, dtype)
+        result = sweep(step, combos, device, args.timer)
+        _print_sweep(result)
+    else:
+        result = measure(args.batch, args.context, args.budget, target, draft, device, dtype, args.timer)
+        _print_table(result)
     print(json.dumps(dict(command=" ".join([sys.executable] + sys.argv), gpu=gpu, versions=_versions(),
                           timer=args.timer, target=target.name, draft=draft.name, batch=args.batch,
                           context=args.context, budget=args.budget, dtype=str(dtype), **result)))

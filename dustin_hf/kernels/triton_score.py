@@ -59,7 +59,13 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
 _MAX_BLOCK_M = 128
 _MIN_BLOCKS_PER_SPLIT = 4  # a split walks at least this many key tiles (amortises its q load)
-_PROGRAMS_PER_SM = 2  # pass 1: aim for about this many programs per SM before splitting stops
+# Pass 1: aim for about this many programs per SM before splitting stops. Pass 1 streams keys: an SM
+# needs ~25-40 KB of loads in flight to keep its share of HBM busy, and every program also spends a
+# latency-bound stretch per tile (dot, row max/sum shuffles, the score store's layout change) with no
+# load issued; 4 programs of 4 warps, each with num_stages - 1 key tiles of ~16 KB prefetched, hide it
+# (the draft's pass 1 uses ~123 registers a thread, so 4 programs of 4 warps fill an SM's register file).
+_PROGRAMS_PER_SM = 4
+_TILE_BYTES = 16384  # pass 1: key bytes per tile (block_n * head_dim * key_bytes)
 _PASS2_PROGRAMS_PER_SM = 4
 
 
@@ -94,6 +100,8 @@ def _config(
     sm_count: int,
     *,
     key_bytes: int = 2,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    tile_bytes: int = _TILE_BYTES,
     block_n: int | None = None,
     num_splits: int | None = None,
     tile: int | None = None,
@@ -105,17 +113,18 @@ def _config(
 
     ``pass1_programs_per_split`` is ``B * sum over KV heads of m_tiles``: the pass 1 programs that
     one split count multiplies; ``key_bytes`` is the keys' element size. Any keyword left ``None``
-    takes the heuristic value: key tiles of about 16 KB (``block_n * head_dim * key_bytes``); enough
-    splits to give every SM about ``_PROGRAMS_PER_SM`` programs, each walking at least
+    takes the heuristic value: key tiles of about ``tile_bytes`` (``block_n * head_dim * key_bytes``);
+    enough splits to give every SM about ``programs_per_sm`` pass 1 programs, each walking at least
     ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 tiles sized for about ``_PASS2_PROGRAMS_PER_SM``
-    programs per SM.
+    programs per SM. ``programs_per_sm`` and ``tile_bytes`` exist for benchmarks/select_timing.py's
+    sweep.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
-        block_n = max(32, min(128, 16384 // (block_d * key_bytes)))
+        block_n = max(32, min(128, tile_bytes // (block_d * key_bytes)))
     n_blocks = max(1, triton.cdiv(span, block_n))
     if num_splits is None:
-        by_occupancy = max(1, (_PROGRAMS_PER_SM * sm_count) // max(1, pass1_programs_per_split))
+        by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, pass1_programs_per_split))
         by_work = max(1, n_blocks // _MIN_BLOCKS_PER_SPLIT)
         num_splits = min(by_occupancy, by_work)
     num_splits = max(1, min(num_splits, n_blocks, _MAX_SPLITS))
