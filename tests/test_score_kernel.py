@@ -14,7 +14,11 @@ splits per row and several tiles per split, which the heuristic would not pick a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +246,30 @@ def test_cuda_graph_replay():
     baseline = (want.double().cpu() - exact).abs().max().item()
     err = (out.double().cpu() - exact).abs().max().item()
     assert err <= 2 * baseline + 1e-5, f"graph replay: {err:.3g} > 2 x {baseline:.3g} + 1e-5"
+
+
+def test_memory_accesses_are_wide_on_sm90():
+    """How the kernels touch memory at the 72B / 0.5B scoring shapes, compiled for sm_90 without a GPU
+    (``kernel_ptx.py``, in a subprocess without the interpreter): pass 1 streams the keys through
+    16-byte ``cp.async`` copies and stores the scores 16 bytes at a time, pass 2 reads them back in
+    vectors. No value test sees this: with the keys' batch stride left unspecialised, Triton could not
+    prove a key row aligned, loaded the keys 2 bytes at a time without pipelining, and pass 1 ran at
+    ~1.1 TB/s on an H200 while every test above passed."""
+    script = Path(__file__).with_name("kernel_ptx.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode == 77:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr[-3000:]
+    launches = json.loads(done.stdout)
+    assert {launch["kernel"] for launch in launches} == {"_score_pass1_kernel", "_score_pass2_kernel"}
+    for launch in launches:
+        ops, label = launch["ops"], f"{launch['kernel']} {launch['constexprs']}: {launch['ops']}"
+        streamed = [op for op in ops if "evict_first" in op]  # pass 1's keys unpipelined, pass 2's scores
+        if launch["kernel"] == "_score_pass1_kernel":
+            assert ops.get("cp.async.cg.shared.global", 0) > 0, f"keys not loaded through 16-byte cp.async: {label}"
+            assert not streamed, f"keys loaded by plain loads: {label}"
+            stores = [op for op in ops if op.startswith("st.global") and "evict_last" in op]
+            assert stores and all(".v4." in op for op in stores), f"scores not stored 16 bytes at a time: {label}"
+        else:
+            assert streamed and all(".v2." in op or ".v4." in op for op in streamed), f"scores read narrow: {label}"

@@ -1,0 +1,114 @@
+"""The scoring kernels' global-memory instructions, compiled for an H100/H200 (sm_90) without a GPU.
+
+Run as a script, without ``TRITON_INTERPRET`` (``tests/test_score_kernel.py`` does so in a
+subprocess): it calls :func:`attention_mass_triton` on meta tensors at the scoring shapes of
+``benchmarks/select_timing.py`` (Qwen2.5-72B's target layer and the Qwen2.5-0.5B draft, batch 16,
+32k positions), catches each kernel launch instead of running it, compiles it with the
+specialisation Triton's JIT picks for those arguments (its own binder), and prints one JSON list:
+per launch, the kernel, its tile sizes and a count of each global load/store/cp.async instruction
+in the PTX. Values cannot be checked this way, only how the memory is accessed, which no CPU test
+of the values can see. Exits 77 where this Triton cannot compile for CUDA.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+
+import torch
+
+SKIP = 77
+_MEMORY_OP = re.compile(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*|cp\.async\.c[ag][\w.:]*)")
+
+
+def capture_launches(run) -> list[tuple[object, dict, dict]]:
+    """``(kernel, arguments by name, launch options)`` of every scoring kernel launch ``run()`` makes."""
+    from dustin_hf.kernels import triton_score
+
+    launches = []
+
+    class Catch:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                names = [p.name for p in self.kernel.params]
+                options = {k: v for k, v in kwargs.items() if k not in names}
+                launches.append((self.kernel, dict(zip(names, args)) | {k: kwargs[k] for k in names if k in kwargs},
+                                 options))
+            return launch
+
+    kernels = {name: getattr(triton_score, name) for name in ("_score_pass1_kernel", "_score_pass2_kernel")}
+    try:
+        for name, kernel in kernels.items():
+            setattr(triton_score, name, Catch(kernel))
+        run()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(triton_score, name, kernel)
+    return launches
+
+
+def compile_sm90(kernel, args: dict, options: dict) -> str:
+    """PTX of ``kernel`` for sm_90, specialised on ``args`` as Triton's JIT would at launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, parsed = binder(**args, **options)
+    parsed, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, parsed)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=parsed.__dict__).asm["ptx"]
+
+
+def scoring_launches() -> list[tuple[object, dict, dict]]:
+    """The launches of one step's target and draft scoring at select_timing.py's point, on meta tensors."""
+    from dustin_hf import scoring
+
+    batch, context, n_queries, dtype = 16, 32768, 5, torch.bfloat16
+
+    def empty(*shape):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device="meta")
+
+    def run():
+        scoring.target_history_scores(empty(batch, 8, 128), empty(batch, context + n_queries, 8, 128), seqlens,
+                                      tuple(range(8)), 8, 128**-0.5, context, backend="triton")
+        scoring.draft_lookahead_scores([empty(batch, n_queries - 1, 7, 64)] * 3,
+                                       [empty(batch, context + n_queries, 2, 64)] * 3, seqlens,
+                                       (tuple(range(7)),) * 3, 7, 64**-0.5, context, backend="triton")
+
+    return capture_launches(run)
+
+
+def main() -> None:
+    try:
+        from triton.compiler import make_backend
+        from triton.backends.compiler import GPUTarget
+
+        make_backend(GPUTarget("cuda", 90, 32))
+    except Exception as error:  # a Triton without its NVIDIA backend
+        print(f"cannot compile for CUDA here: {error}", file=sys.stderr)
+        sys.exit(SKIP)
+    report, seen = [], set()
+    for kernel, args, options in scoring_launches():
+        constexprs = {p.name: args[p.name] for p in kernel.params if p.is_constexpr}
+        key = (kernel.fn.__name__, constexprs.get("HEAD_DIM"), constexprs["BLOCK_N"])
+        if key in seen:  # the draft layers repeat one tile shape (pass 2 adds flags, not accesses)
+            continue
+        seen.add(key)
+        ops = collections.Counter(_MEMORY_OP.findall(compile_sm90(kernel, args, options)))
+        report.append(dict(kernel=kernel.fn.__name__, constexprs=constexprs, options=options, ops=dict(ops)))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
