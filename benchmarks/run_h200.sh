@@ -3,6 +3,7 @@
 #   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
 #   bash benchmarks/run_h200.sh sweep OUT     the Triton kernel's launch configs under CUDA graphs (headline point)
 #   bash benchmarks/run_h200.sh select OUT    selection (PyTorch vs Triton) and scoring per step, headline point
+#   bash benchmarks/run_h200.sh score-sweep OUT  the scoring kernel's launch configs (pass 1/2 GPU us, error), same point
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
@@ -10,7 +11,7 @@
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|sweep|select|e2e|e2e2}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|sweep|select|score-sweep|e2e|e2e2}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -37,6 +38,10 @@ case $what in
   select)
     timeout 300 python3 benchmarks/select_timing.py > "$out/select_timing.txt" 2>&1
     grep -v '^{' "$out/select_timing.txt" | tail -30; grep '^{' "$out/select_timing.txt" > "$out/select_timing.json" ;;
+  score-sweep)
+    timeout 170 python3 benchmarks/select_timing.py \
+      --sweep "programs_per_sm=2,4,8 num_stages=2,3,4 num_warps=4,8; tile_bytes=8192,32768" > "$out/score_sweep.txt" 2>&1
+    grep -v '^{' "$out/score_sweep.txt" | cut -c1-160 | tail -30; grep '^{' "$out/score_sweep.txt" > "$out/score_sweep.json" ;;
   e2e)
     timeout 560 python3 benchmarks/e2e.py --devices 1 "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
       | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;

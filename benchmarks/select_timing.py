@@ -202,17 +202,17 @@ def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: st
 def _print_sweep(result: dict) -> None:
     print(f"key bytes {result['scoring_key_bytes'] / 1e6:.0f} MB; PyTorch reference (inputs' dtype) max err "
           f"{result['reference_max_err']:.3g}")
-    print(f"{'overrides':<58}{'configs (head dim: tile/splits/warps/stages)':<46}{'pass1 us':>9}{'pass2 us':>9}"
+    print(f"{'overrides':<44}{'d<D>: tile n/splits s/warps w/stages st':<41}{'pass1 us':>9}{'pass2 us':>9}"
           f"{'key GB/s':>9}{'max err':>10}  status")
     for row in result["sweep"]:
         label = row["overrides"] if isinstance(row["overrides"], str) else " ".join(
             f"{k}={v}" for k, v in row["overrides"].items())
         if "pass1_us" not in row:
-            print(f"{label:<58}{'':<46}{'':>37}  {row['status']}")
+            print(f"{label:<44}{'':<41}{'':>37}  {row['status']}")
             continue
         configs = " ".join(f"{k}:{v}" for k, v in row["configs"].items())
         gbps = f"{row['pass1_key_gbps']:>9.0f}" if row["pass1_key_gbps"] else f"{'n/a':>9}"
-        print(f"{label:<58}{configs:<46}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
+        print(f"{label:<44}{configs:<41}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
               f"{row['max_err']:>10.2e}  {row['status']}")
     print(f"CUDA-graph ms per step (target + draft scoring): {result['scoring_ms_triton_graph']}")
 
