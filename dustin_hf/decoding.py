@@ -270,8 +270,9 @@ class SpeculativeDecoder:
         cuda_graphs: capture the fixed-shape forwards in CUDA graphs (a model split over GPUs: one graph per
             device, see :class:`~dustin_hf.graphs.Pipeline`); ``None``: for each model whose parameters are
             all on CUDA, when the backend is graph-safe (``"triton"``).
-        fused_ops: run the models' RMSNorms and rotary embeddings through one-launch Triton kernels
-            (:mod:`dustin_hf.fused`; rotary bit-exact, RMSNorm within 2 ulps); ``None``: for each model
+        fused_ops: run the models' RMSNorms, rotary embeddings and SiLU·mul through one-launch Triton kernels
+            and their q/k/v and gate/up projections as one GEMM each (:mod:`dustin_hf.fused`; rotary
+            bit-exact, RMSNorm within 2 ulps, fused GEMMs may round differently); ``None``: for each model
             whose parameters are all on CUDA, when the backend is ``"triton"``.
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
             the target's own token follows them.
@@ -345,7 +346,8 @@ class SpeculativeDecoder:
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         with fused_ops(*fused) as report:  # entered before any graph is captured: graphs keep the fused kernels
             result = self._generate(input_ids, attention_mask)
-        result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules)}
+        result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
+                                                     "mlps": report.mlps, "qkv": report.qkv}
         return result
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:

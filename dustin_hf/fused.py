@@ -1,4 +1,4 @@
-"""Fused RMSNorm and rotary embedding for transformers' Llama, Mistral and Qwen families, as an opt-in context.
+"""Fused RMSNorm, rotary embedding and projections for transformers' Llama, Mistral and Qwen families, as a context.
 
     if fused_ops_available(target) and fused_ops_available(draft):
         with fused_ops(target, draft):
@@ -29,6 +29,17 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   bytecode. That global is shared by every model of the family in the process; tensors on a device the
   kernel cannot run on go to the original function.
 
+* **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
+  arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
+  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`; an attention's
+  ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they
+  are called on the same input, as every listed family's attention does: ``q_proj`` computes all three
+  and ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). The weights
+  are not copied: each projection's weight (and bias) becomes a view of the fused tensor while the
+  context is open, and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does;
+  a fused GEMM may reduce in another order than the separate ones (cuBLAS picks its kernel by shape),
+  so its outputs can differ in the last bits.
+
 Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
 enclosing context already replaced is left to it. Enter the context before capturing CUDA graphs:
 graphs captured outside it keep the unfused kernels, graphs captured inside keep the fused ones.
@@ -48,13 +59,19 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["FusedOps", "apply_rotary", "fused_ops", "fused_ops_available", "rms_norm"]
+__all__ = ["FusedOps", "apply_rotary", "fused_ops", "fused_ops_available", "rms_norm", "silu_mul"]
 
 # RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24); each instance is
 # also checked against _StandardRMSNorm.forward's bytecode before it is replaced.
 _RMS_NORM_CLASSES = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
     "Qwen3MoeRMSNorm",
+})
+# MLP classes with the standard ``down(act(gate(x)) * up(x))`` forward (5.17 to 5.24), checked by bytecode too.
+_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+_ATTENTION_CLASSES = frozenset({
+    "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention",
+    "Qwen3MoeAttention",
 })
 _MISSING = object()
 
@@ -93,6 +110,14 @@ def fused_ops_available(model: torch.nn.Module) -> bool:
     return importlib.util.find_spec("triton") is not None and all(p.is_cuda for p in model.parameters())
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension, in one Triton launch."""
+    _check_device(gate_up)
+    from .kernels.triton_fused import silu_mul_triton
+
+    return silu_mul_triton(gate_up)
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedOps:
     """What one :func:`fused_ops` context replaced (not what an enclosing context had already replaced).
@@ -100,10 +125,14 @@ class FusedOps:
     Attributes:
         norms: RMSNorm modules whose forward now calls :func:`rms_norm`.
         rotary_modules: modeling modules whose ``apply_rotary_pos_emb`` now calls :func:`apply_rotary`.
+        mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
+        qkv: attentions whose q/k/v projections run as one GEMM.
     """
 
     norms: int
     rotary_modules: tuple[str, ...]
+    mlps: int = 0
+    qkv: int = 0
 
 
 @contextlib.contextmanager
@@ -122,9 +151,12 @@ def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
             )
     undo: list[Callable[[], None]] = []
     try:
-        norms = sum(_fuse_norm(m, undo) for model in models for m in model.modules())
+        modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
+        norms = sum(_fuse_norm(m, undo) for m in modules)
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
-        yield FusedOps(norms=norms, rotary_modules=rotary)
+        mlps = sum(_fuse_mlp(m, undo) for m in modules)
+        qkv = sum(_fuse_qkv(m, undo) for m in modules)
+        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv)
     finally:
         for restore in reversed(undo):
             restore()
@@ -150,16 +182,24 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _fuse_norm(module: torch.nn.Module, undo: list) -> bool:
-    """Point ``module``'s forward (or accelerate's ``_old_forward`` under a device hook) at :func:`rms_norm`."""
+    """Point ``module``'s forward at :func:`rms_norm`."""
     cls = type(module)
     if cls.__name__ not in _RMS_NORM_CLASSES or not _same_code(cls.forward, _StandardRMSNorm.forward):
         return False
+    # a partial, not a bound method: it can carry the _dustin_fused tag
+    return _replace_forward(module, functools.partial(_fused_rms_norm_forward, module), undo)
+
+
+def _replace_forward(module: torch.nn.Module, forward: Callable, undo: list) -> bool:
+    """Set ``module``'s forward (or accelerate's ``_old_forward`` under a device hook, so inputs still move)
+    unless an enclosing context already replaced it; ``forward`` is tagged so that a nested one can tell."""
     hooked = hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
     attr = "_old_forward" if hooked else "forward"
     current = module.__dict__.get(attr, _MISSING)
-    if getattr(current, "__func__", None) is _fused_rms_norm_forward:
+    if getattr(current, "_dustin_fused", False):
         return False  # an enclosing context did it
-    setattr(module, attr, types.MethodType(_fused_rms_norm_forward, module))
+    forward._dustin_fused = True
+    setattr(module, attr, forward)
     undo.append(functools.partial(_restore_attr, module, attr, current))
     return True
 
@@ -222,6 +262,106 @@ def _fused_rotary(original: Callable) -> Callable:
 
     apply_rotary_pos_emb._fused_original = original
     return apply_rotary_pos_emb
+
+
+# ----------------------------------------------------------------------------- projections
+
+
+class _StandardMLP:
+    """transformers' gated MLP forward, verbatim (``_MLP_CLASSES``, 5.17 to 5.24)."""
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+def _plain_linears(*linears) -> bool:
+    """Plain ``nn.Linear`` layers (not quantized or hooked) sharing one dtype and device, the Triton kernels' dtypes."""
+    if not all(type(m) is torch.nn.Linear and not hasattr(m, "_hf_hook") for m in linears):
+        return False
+    weights = [m.weight for m in linears]
+    return len({(w.dtype, w.device) for w in weights}) == 1 and weights[0].dtype in (
+        torch.float16, torch.bfloat16, torch.float32) and _triton_runs_on(weights[0].device)
+
+
+def _share_storage(linears, undo: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate ``linears``' weights (and biases) along the output dimension and make each layer's
+    parameters views of the result (no second copy of the weights); on exit each gets its own storage back."""
+    fused = []
+    for name in ("weight", "bias"):
+        params = [getattr(m, name) for m in linears]
+        if params[0] is None:
+            fused.append(None)
+            continue
+        whole = torch.cat([p.detach() for p in params])
+        for param, view in zip(params, whole.split([p.shape[0] for p in params])):
+            param.data = view  # the layer's own storage is released here
+        fused.append(whole)
+    undo.append(functools.partial(_own_storage, linears))
+    return fused[0], fused[1]
+
+
+def _own_storage(linears) -> None:
+    for m in linears:
+        for param in (m.weight, m.bias):
+            if param is not None:
+                param.data = param.data.clone()  # the fused tensor goes once every view is replaced
+
+
+def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
+    """``down(silu(gate(x)) * up(x))`` as one GEMM over ``[gate; up]`` and one :func:`silu_mul` launch."""
+    cls = type(module)
+    if cls.__name__ not in _MLP_CLASSES or not _same_code(cls.forward, _StandardMLP.forward):
+        return False
+    gate, up = module.gate_proj, module.up_proj
+    act = getattr(module, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    if not (silu and gate.bias is None and up.bias is None and _plain_linears(gate, up, module.down_proj)):
+        return False
+    if getattr(module.__dict__.get("forward"), "_dustin_fused", False):
+        return False  # an enclosing context did it
+    weight, _ = _share_storage((gate, up), undo)
+    down = module.down_proj
+
+    def forward(x):
+        return down(silu_mul(torch.nn.functional.linear(x, weight)))
+
+    return _replace_forward(module, forward, undo)
+
+
+def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
+    """``q_proj``, ``k_proj``, ``v_proj`` of one input as one GEMM over ``[q; k; v]``."""
+    if type(module).__name__ not in _ATTENTION_CLASSES:
+        return False
+    q, k, v = (getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+    if not _plain_linears(q, k, v) or len({m.bias is None for m in (q, k, v)}) != 1:
+        return False
+    if getattr(q.__dict__.get("forward"), "_dustin_fused", False):
+        return False  # an enclosing context did it
+    weight, bias = _share_storage((q, k, v), undo)
+    n_q, n_k = q.out_features, k.out_features
+    last = {}  # the input q_proj last saw and the fused projection of it, until v_proj takes its slice
+
+    def q_forward(x):
+        out = torch.nn.functional.linear(x, weight, bias)
+        last.update(x=x, out=out)
+        return out[..., :n_q]
+
+    def k_forward(x):
+        if last.get("x") is x:
+            return last["out"][..., n_q : n_q + n_k]
+        return torch.nn.functional.linear(x, k.weight, k.bias)
+
+    def v_forward(x):
+        if last.get("x") is x:
+            out = last.pop("out")
+            last.clear()
+            return out[..., n_q + n_k :]
+        return torch.nn.functional.linear(x, v.weight, v.bias)
+
+    for layer, forward in ((q, q_forward), (k, k_forward), (v, v_forward)):
+        _replace_forward(layer, forward, undo)
+    return True
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -190,6 +190,7 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
         with fused_ops(model) as done:
             assert done.norms == norms_per_layer * 2 + 1
             assert done.rotary_modules == (modeling.__name__,)
+            assert (done.mlps, done.qkv) == (2, 2)
             assert modeling.apply_rotary_pos_emb is not original_rotary
             out = model(prompt).logits.float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
@@ -230,17 +231,55 @@ def test_fused_ops_restores_after_an_exception_and_nests():
         with fused_ops(model) as inner:
             assert (inner.norms, inner.rotary_modules) == (0, ())
         assert outer.norms == 5 and modeling_llama.apply_rotary_pos_emb is patched_rotary
-        assert model.model.norm.forward.__func__ is fused._fused_rms_norm_forward
+        assert model.model.norm.forward.func is fused._fused_rms_norm_forward
     _assert_restored(model, modeling_llama, original_rotary)
     with fused_ops(model) as again:
         assert again.norms == 5
     _assert_restored(model, modeling_llama, original_rotary)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_silu_mul_matches_pytorch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (4 * torch.randn(3, 5, 2 * 1100, generator=gen)).to(DEVICE, dtype)  # two column blocks, a ragged one
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = fused.silu_mul(gate_up)
+    assert out.shape == expected.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:  # each rounding as PyTorch's: equal but where the exponential's last fp32 bit decides one
+        assert (out != expected).float().mean() < 1e-3
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_fused_projections_share_storage_inside_and_own_it_after():
+    """Inside the context q/k/v (and gate/up) are views of one tensor, no second copy; outside, their own."""
+    model = tiny_model("qwen2", layers=2, hidden=64, heads=4, kv_heads=2).to(DEVICE)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with fused_ops(model):
+        q, k, v = attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+        x = torch.randn(2, 3, 64, device=DEVICE)
+        other = torch.randn(2, 3, 64, device=DEVICE)
+        with torch.no_grad():  # q on one input, then k and v on another: each computes its own
+            attention.q_proj(x)
+            torch.testing.assert_close(attention.k_proj(other), other @ k.T + attention.k_proj.bias)
+            torch.testing.assert_close(attention.v_proj(other), other @ v.T + attention.v_proj.bias)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    _assert_restored(model, sys.modules[type(model).__module__], HF_ROTARY)
+
+
 def _assert_restored(model, modeling, original_rotary):
     assert modeling.apply_rotary_pos_emb is original_rotary
     for module in model.modules():
         assert "forward" not in module.__dict__, type(module).__name__
+    # every parameter has its own storage again (a save would treat shared storage as tied weights)
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(storages)) == len(storages)
 
 
 def test_accelerate_hooks_keep_wrapping_the_fused_forward():
@@ -258,7 +297,7 @@ def test_accelerate_hooks_keep_wrapping_the_fused_forward():
     x = torch.randn(3, 32, device=DEVICE)
     with fused_ops(norm) as done:
         assert done.norms == 1 and norm.forward is hooked_forward
-        assert norm._old_forward.__func__ is fused._fused_rms_norm_forward
+        assert norm._old_forward.func is fused._fused_rms_norm_forward
         torch.testing.assert_close(norm(x), old_forward(x), rtol=2e-6, atol=1e-6)
     assert seen and norm.forward is hooked_forward and norm._old_forward is old_forward
 
@@ -398,7 +437,7 @@ def test_decoder_with_fused_ops_decodes_like_without():
             outputs.append(result.sequences)
             report = result.cache.stats["fused_ops"]
             # 2 norms per layer and a final one, in both models; one modeling module's rotary
-            assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__]} if fused_on
-                              else {"norms": 0, "rotary": []})
+            assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__], "mlps": 3 + 2,
+                               "qkv": 3 + 2} if fused_on else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0})
     assert torch.equal(outputs[0], outputs[1])
     assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY

@@ -35,12 +35,13 @@ import triton.language as tl
 
 from . import launch_device
 
-__all__ = ["apply_rotary_triton", "rms_norm_triton"]
+__all__ = ["apply_rotary_triton", "rms_norm_triton", "silu_mul_triton"]
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
 _LOOP_BLOCK = 4096
 _ROTARY_TILE = 4096  # (heads x half head dim) elements per rotary tile
+_SILU_MUL_BLOCK = 1024
 
 
 @triton.jit
@@ -275,3 +276,44 @@ def _check_rotary(q, k, cos, sin, dim: int) -> None:
     if len(devices) != 1:
         raise ValueError(f"q, k, cos and sin must be on one device; got {sorted(map(str, devices))}")
 
+
+# ----------------------------------------------------------------------------- SiLU(gate) * up
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = silu(gate) * up`` for one row block, ``gate | up`` the two halves of a ``gate_up`` row, each
+    product rounded as PyTorch's two kernels round it (``silu`` in fp32 to ``DTYPE``, then the product)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _round(gate / (1.0 + tl.exp(-gate)), DTYPE)
+    out = _round(silu * up, DTYPE)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up (..., 2I)`` = ``[gate | up]``: ``(..., I)`` in ``gate_up``'s dtype, one launch.
+
+    Matches ``F.silu(gate) * up`` to the last bit except where the exponential's last fp32 bit decides a
+    rounding (PyTorch's ``expf`` and Triton's ``exp`` may differ there by one fp32 ulp).
+    """
+    if gate_up.dtype not in _DTYPES:
+        raise ValueError(f"silu_mul takes fp16, bf16 or fp32; got {gate_up.dtype}")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even (gate then up); got {tuple(gate_up.shape)}")
+    n_cols = gate_up.shape[-1] // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows = gate_up.reshape(-1, 2 * n_cols)
+    out = torch.empty(*gate_up.shape[:-1], n_cols, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] == 0 or n_cols == 0:
+        return out
+    with launch_device(gate_up):
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, _SILU_MUL_BLOCK))](
+            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK,
+            num_warps=4, enable_fp_fusion=False,
+        )
+    return out
