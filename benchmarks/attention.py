@@ -268,7 +268,8 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
         n_kv_heads = x.k_cache.shape[2]
         n_keys = max_seqlen_k if budget is None else x.indices[budget].shape[1] + n_queries
         config = triton_verify._config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
-                                       triton_verify._sm_count(x.q.device), **overrides)
+                                       triton_verify._sm_count(x.q.device), sparse=budget is not None,
+                                       elem_bytes=x.q.element_size(), **overrides)
     return triton_verify._verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k,
                                                   config=config, **sparse)
 

@@ -30,6 +30,14 @@ Algorithm (flash-decoding):
   writes a normalised partial output (fp32) and its log-sum-exp (base 2), and
   :func:`_merge_splits_kernel` combines the splits of each (row, query, head) by log-sum-exp;
   empty splits get weight ``exp2(-inf) = 0``.
+* **Pipelining.** Triton's software pipeliner overlaps the K/V gathers of later tiles with the
+  current one. In sparse mode it splits ``num_stages`` between the index load and the K/V gathers
+  whose addresses depend on it (Triton 3.6, sm_90, read off the compiled TTGIR and PTX; checked by
+  ``tests/verify_ptx.py``): with 3-4 stages the gathers of tile ``t + 1`` are issued only once tile
+  ``t`` is computed and are waited for right away, so every tile pays a full memory latency; with
+  5-6 the gathers of one tile are in flight while another is computed, with 7-8 two, and the index
+  loads are asynchronous copies issued further ahead. So sparse mode takes 7 stages when the buffers
+  fit (:func:`_num_stages`).
 
 The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
 ``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no
@@ -54,10 +62,13 @@ _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of
 _MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
 _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
 # A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
-# launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs:
-# 21.6 us with 2 splits, 18.2 us unsplit; benchmarks/results/attention_h200_sweep_cudagraph.json).
+# launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
+# two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
+# benchmarks/results/attention_h200_sweep_cudagraph.json).
 _SHORT_RANGE_BLOCKS = 16
 _MAX_BLOCK_M = 128
+_PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
+_SPARSE_STAGES = (7, 5, 3)  # 2, 1, 0 K/V tiles in flight beyond the one computed (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,8 @@ def _config(
     n_keys: int,
     sm_count: int,
     *,
+    sparse: bool = False,
+    elem_bytes: int = 2,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
@@ -108,11 +121,12 @@ def _config(
 ) -> _Config:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
-    ``n_keys`` bounds the key ordinals of every row: ``W + Q`` (sparse) or ``max_seqlen_k`` (dense).
-    Any keyword left ``None`` takes the heuristic value. Splits: none for a short key range (at most
-    ``_SHORT_RANGE_BLOCKS`` tiles) whose programs fill half the SMs already; otherwise enough programs
-    to give every SM about ``programs_per_sm`` of them (floor, so no partial extra wave), but never
-    fewer than ``min_blocks_per_split`` key tiles per split, and at most ``_MAX_SPLITS``.
+    ``n_keys`` bounds the key ordinals of every row: ``W + Q`` (sparse) or ``max_seqlen_k`` (dense);
+    ``elem_bytes`` is the size of one q/k/v element. Any keyword left ``None`` takes the heuristic
+    value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
+    fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
+    them (floor, so no partial extra wave), but never fewer than ``min_blocks_per_split`` key tiles
+    per split, and at most ``_MAX_SPLITS``. Stages: :func:`_num_stages`.
     """
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
@@ -134,8 +148,26 @@ def _config(
     if num_warps is None:
         num_warps = 8 if block_m * block_d >= 128 * 256 else 4
     if num_stages is None:
-        num_stages = 3 if block_n * block_d <= 64 * 128 else 2
+        num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse)
     return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages)
+
+
+def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool) -> int:
+    """Software-pipelining depth: in sparse mode the deepest of ``_SPARSE_STAGES`` that fits.
+
+    Sparse mode needs 2 more stages per K/V tile kept in flight (the index loads take the others;
+    see the module docstring); ``num_stages`` 7 / 5 / 3 keep 4 / 3 / 2 K and V buffers of
+    ``block_n x block_d`` each, which with q's tile must fit in ``_PIPELINE_SMEM_BYTES``. Dense mode
+    has no index load: 3 stages (one K/V tile in flight) for tiles up to 64 x 128, else 2.
+    """
+    if not sparse:
+        return 3 if block_n * block_d <= 64 * 128 else 2
+    tile_bytes = 2 * block_n * block_d * elem_bytes  # one K and one V buffer
+    q_bytes = block_m * block_d * elem_bytes
+    for stages in _SPARSE_STAGES:
+        if (stages + 1) // 2 * tile_bytes + q_bytes <= _PIPELINE_SMEM_BYTES:
+            return stages
+    return _SPARSE_STAGES[-1]
 
 
 @triton.jit
@@ -318,7 +350,8 @@ def _verify_attention_triton(
         indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
     group = n_heads // n_kv_heads
     if config is None:
-        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device))
+        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device), sparse=sparse,
+                         elem_bytes=q.element_size())
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
 
 

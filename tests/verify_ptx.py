@@ -1,0 +1,91 @@
+"""The verification attention kernel compiled for an H100/H200 (sm_90) without a GPU.
+
+Run as a script, without ``TRITON_INTERPRET`` (``tests/test_kernels.py`` does so in a subprocess):
+it calls the Triton verification kernel on meta tensors at the headline point of
+``benchmarks/attention.py`` (Qwen2.5-72B layout, batch 16, 512 selected positions + 5 new tokens,
+bf16) with the heuristic launch config, catches the launch instead of running it, compiles it for
+sm_90 (``kernel_ptx.compile_sm90``) and prints one JSON list: per launch, its config and what its PTX
+says about
+
+* ``max_wait_group``: the most ``cp.async`` groups the main loop leaves in flight while it computes
+  a tile (3 groups per tile: K, V, the index load of a later tile);
+* ``cp_async_16``: 16-byte ``cp.async`` copies (the K/V gathers), ``local``: spill loads/stores.
+
+Values cannot be checked this way, only the schedule, which no CPU test of the values can see.
+Exits 77 where this Triton cannot compile for CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import torch
+
+from kernel_ptx import SKIP, compile_sm90
+
+BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, SM_COUNT = 16, 8, 8, 5, 128, 512, 132
+
+
+def verify_launches() -> list[tuple[str, object, dict, dict]]:
+    """``(label, kernel, arguments by name, launch options)`` of the main kernel at the headline point."""
+    from dustin_hf.kernels import triton_verify
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
+    cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
+    seqlens, indices = empty(BATCH, dtype=torch.int32), empty(BATCH, BUDGET, dtype=torch.int32)
+    configs = {"heuristic": {}}
+    launches, kernel = [], triton_verify._verify_fwd_kernel
+
+    class Catch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                names = [p.name for p in kernel.params]
+                options = {k: v for k, v in kwargs.items() if k not in names}
+                arguments = dict(zip(names, args)) | {k: kwargs[k] for k in names if k in kwargs}
+                launches.append((label, kernel, arguments, options))
+            return launch
+
+    try:
+        triton_verify._verify_fwd_kernel = Catch()
+        for label, overrides in configs.items():
+            config = triton_verify._config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET + N_QUERIES, SM_COUNT,
+                                           sparse=True, elem_bytes=2, **overrides)
+            triton_verify._verify_attention_triton(q, cache, cache, seqlens, softmax_scale=HEAD_DIM**-0.5,
+                                                   indices=indices, num_indices=seqlens, config=config)
+    finally:
+        triton_verify._verify_fwd_kernel = kernel
+    return launches
+
+
+def summary(ptx: str) -> dict:
+    return dict(
+        max_wait_group=max(int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)),
+        cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
+        local=len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+    )
+
+
+def main() -> None:
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        make_backend(GPUTarget("cuda", 90, 32))
+    except Exception as error:  # a Triton without its NVIDIA backend
+        print(f"cannot compile for CUDA here: {error}", file=sys.stderr)
+        sys.exit(SKIP)
+    report = []
+    for label, kernel, args, options in verify_launches():
+        constexprs = {p.name: args[p.name] for p in kernel.params if p.is_constexpr}
+        report.append(dict(label=label, constexprs=constexprs, options=options,
+                           **summary(compile_sm90(kernel, args, options))))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
