@@ -108,6 +108,7 @@ class Case:
     index_dtype: torch.dtype = torch.int32
     num_splits: int | None = None  # Triton launch overrides (None: the heuristic)
     block_n: int | None = None
+    merge: str | None = None  # "ticket" / "kernel" (None: the heuristic, "ticket" up to 8 splits)
     seed: int = 0
 
 
@@ -226,6 +227,20 @@ TRITON_CASES = {
                                  index_dtype=torch.int64, num_splits=2, block_n=16),
     "sparse-slice_t-d80": Case(seqlens=(40, 25), head_dim=80, width=20, short_rows=True, layout="slice_t"),
     "sparse-m-tiles": Case(seqlens=(30, 12), group=32, n_kv_heads=1, head_dim=16, width=16, short_rows=True),
+    # Split merges. The ticket merge runs in the main kernel (the last split of each (row, kv head, row
+    # tile) to finish merges); rows of 0-3 selected positions leave later splits empty (lse = -inf).
+    "sparse-ticket-3-splits": Case(seqlens=(90, 3, 57, 1), group=4, head_dim=32, width=40, short_rows=True,
+                                   num_splits=3, block_n=16, merge="ticket"),
+    "sparse-ticket-5-of-8": Case(seqlens=(80, 75, 0), n_queries=3, group=3, width=70, short_rows=True,
+                                 num_splits=5, block_n=16, merge="ticket"),  # BLOCK_S 8: 3 masked splits
+    "sparse-ticket-m-tiles": Case(seqlens=(40, 22), group=32, n_kv_heads=2, head_dim=16, width=30, short_rows=True,
+                                  num_splits=2, block_n=16, merge="ticket"),  # 160 rows: 2 row tiles
+    "dense-ticket-8-splits": Case(seqlens=(126, 0, 17), n_queries=2, group=8, n_kv_heads=1, head_dim=32,
+                                  num_splits=8, block_n=16, merge="ticket"),
+    "sparse-kernel-merge": Case(seqlens=(90, 3, 57, 1), group=4, head_dim=32, width=40, short_rows=True,
+                                num_splits=3, block_n=16, merge="kernel"),
+    "dense-kernel-merge": Case(seqlens=(100, 0, 33), group=8, n_kv_heads=1, head_dim=128, num_splits=4, block_n=32,
+                               merge="kernel"),
 }
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
@@ -237,7 +252,9 @@ def _run_triton(inputs: Inputs, case: Case) -> torch.Tensor:
     config = triton_verify._config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries, case.head_dim,
                                    n_keys, triton_verify._sm_count(inputs.q.device), sparse=inputs.indices is not None,
                                    elem_bytes=inputs.q.element_size(), num_splits=case.num_splits,
-                                   block_n=case.block_n)
+                                   block_n=case.block_n, merge=case.merge)
+    if case.merge is not None:
+        assert config.merge == case.merge, config
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
     return triton_verify._verify_attention_triton(*args, **inputs.kwargs(), config=config)
 
@@ -252,12 +269,30 @@ def test_triton_matches_oracle(name, dtype):
     _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}]")
 
 
+@needs_triton
+def test_triton_ticket_merge_leaves_its_counters_at_zero():
+    """Every launch hands the ticket counters back at zero; a counter left behind would stop the next
+    launch's merge (no split would draw the last ticket) and leave that output unwritten."""
+    from dustin_hf.kernels import triton_verify
+
+    case = dataclasses.replace(TRITON_CASES["sparse-ticket-3-splits"], seed=3)
+    inputs = _make_inputs(case, torch.float32)
+    first = _run_triton(inputs, case)
+    tickets = triton_verify._TICKET_BUFFERS[inputs.q.device][-1]
+    assert not tickets.any()
+    second = _run_triton(inputs, case)
+    assert not tickets.any()
+    assert torch.equal(first, second)
+    _assert_matches_oracle(second, inputs, "triton[ticket, second launch]")
+
+
 def test_triton_schedule_on_sm90():
     """The kernel at the 72B / batch 16 / budget 512 point compiled for sm_90 without a GPU
     (``verify_ptx.py``, in a subprocess without the interpreter). With the heuristic's 7 stages the
     main loop keeps two K/V tiles in flight (6 cp.async groups) while it computes one; with the 3 stages
     used before, Triton issued each tile's gathers only after the previous tile was done, every tile
-    paid a full memory latency, and the kernel took 18 us on an H200 where its bytes need ~9."""
+    paid a full memory latency, and the kernel took 18 us on an H200 where its bytes need ~9. The
+    ticket merge's partial stores, barrier, atomic, barrier and loads come in that order."""
     script = Path(__file__).with_name("verify_ptx.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
@@ -265,9 +300,12 @@ def test_triton_schedule_on_sm90():
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]
     launches = {launch["label"]: launch for launch in json.loads(done.stdout)}
-    heuristic = launches["heuristic"]
+    heuristic, ticket = launches["heuristic"], launches["ticket"]
     assert heuristic["max_wait_group"] >= 6, heuristic
-    assert heuristic["cp_async_16"] > 0 and heuristic["local"] == 0, heuristic  # 16-byte gathers, no spills
+    assert ticket["max_wait_group"] >= 3, ticket  # 5 stages: one tile in flight
+    for launch in (heuristic, ticket):
+        assert launch["cp_async_16"] > 0 and launch["local"] == 0, launch  # 16-byte gathers, no spills
+    assert ticket["release_order"] and ticket["acquire_order"], ticket
 
 
 @needs_triton
@@ -317,6 +355,22 @@ def test_triton_stages_heuristic():
     assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
 
 
+@needs_triton
+def test_triton_merge_heuristic():
+    from dustin_hf.kernels.triton_verify import _MAX_TICKET_SPLITS, _config
+
+    assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True).merge == "none"  # one split
+    few = _config(1, 8, 8, 5, 128, 517, sm_count=132, sparse=True)
+    assert 1 < few.num_splits <= _MAX_TICKET_SPLITS and few.merge == "ticket"
+    many = _config(1, 8, 8, 5, 128, 32768, sm_count=132)
+    assert many.num_splits > _MAX_TICKET_SPLITS and many.merge == "kernel"
+    assert _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=4, merge="kernel").merge == "kernel"
+    with pytest.raises(ValueError, match="at most"):
+        _config(1, 8, 8, 5, 128, 32768, sm_count=132, merge="ticket")
+    with pytest.raises(ValueError, match="merge"):
+        _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=2, merge="atomic")
+
+
 @needs_cuda
 @needs_triton
 @pytest.mark.gpu
@@ -352,10 +406,39 @@ def test_triton_is_cuda_graph_capturable(sparse):
     for name in ("q", "k_cache", "v_cache", "indices", "num_indices"):
         if getattr(inputs, name) is not None:
             getattr(inputs, name).copy_(getattr(fresh, name))
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured, call(), rtol=0, atol=0)
+    eager = call()
+    for _ in range(3):  # the split merge's counters must be back at zero after every replay
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, eager, rtol=0, atol=0)
     _assert_matches_oracle(captured, inputs, "triton[graph]")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_triton_ticket_merge_under_load(num_splits):
+    """Qwen2.5-72B layout, batch 16, 512 of 4096 positions, 2-6 splits over the whole GPU, 20 launches
+    alternating two inputs: the in-kernel merge equals the merge kernel's. A merge that read a partial
+    before its split's release (or a stale line) would see the other input's or unwritten values."""
+    from dustin_hf.kernels import triton_verify
+
+    cases = [Case(seqlens=(4096,) * 16, group=8, n_kv_heads=8, head_dim=128, width=512, seed=seed) for seed in (1, 2)]
+    sets = [_make_inputs(case, torch.bfloat16) for case in cases]
+
+    def run(x, merge):
+        config = triton_verify._config(16, 8, 8, 5, 128, 512 + 5, triton_verify._sm_count(x.q.device), sparse=True,
+                                       block_n=32, num_splits=num_splits, merge=merge)
+        return triton_verify._verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
+                                                      config=config)
+
+    expected = [run(x, "kernel") for x in sets]
+    for i in range(20):
+        out = run(sets[i % 2], "ticket")
+        torch.testing.assert_close(out, expected[i % 2], rtol=1e-2, atol=1e-2)
+    assert not triton_verify._TICKET_BUFFERS[sets[0].q.device][-1].any()
 
 
 # ----------------------------------------------------------------------------- varlen / flash-attn

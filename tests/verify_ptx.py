@@ -3,13 +3,15 @@
 Run as a script, without ``TRITON_INTERPRET`` (``tests/test_kernels.py`` does so in a subprocess):
 it calls the Triton verification kernel on meta tensors at the headline point of
 ``benchmarks/attention.py`` (Qwen2.5-72B layout, batch 16, 512 selected positions + 5 new tokens,
-bf16) with the heuristic launch config, catches the launch instead of running it, compiles it for
-sm_90 (``kernel_ptx.compile_sm90``) and prints one JSON list: per launch, its config and what its PTX
-says about
+bf16), once with the heuristic launch config and once with two splits merged in the kernel,
+catches each launch instead of running it, compiles it for sm_90 (``kernel_ptx.compile_sm90``) and
+prints one JSON list: per launch, its config and what its PTX says about
 
 * ``max_wait_group``: the most ``cp.async`` groups the main loop leaves in flight while it computes
   a tile (3 groups per tile: K, V, the index load of a later tile);
-* ``cp_async_16``: 16-byte ``cp.async`` copies (the K/V gathers), ``local``: spill loads/stores.
+* ``cp_async_16``: 16-byte ``cp.async`` copies (the K/V gathers), ``local``: spill loads/stores;
+* ``release_order``/``acquire_order``: whether a ``bar.sync`` lies between the partial stores and the
+  ticket ``atom``, and between the ``atom`` and the merge's loads.
 
 Values cannot be checked this way, only the schedule, which no CPU test of the values can see.
 Exits 77 where this Triton cannot compile for CUDA.
@@ -38,7 +40,7 @@ def verify_launches() -> list[tuple[str, object, dict, dict]]:
     q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
     cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
     seqlens, indices = empty(BATCH, dtype=torch.int32), empty(BATCH, BUDGET, dtype=torch.int32)
-    configs = {"heuristic": {}}
+    configs = {"heuristic": {}, "ticket": dict(num_splits=2, num_stages=5, merge="ticket")}
     launches, kernel = [], triton_verify._verify_fwd_kernel
 
     class Catch:
@@ -62,11 +64,25 @@ def verify_launches() -> list[tuple[str, object, dict, dict]]:
     return launches
 
 
+def _ordered(ptx: str, before: str, middle: str, after: str) -> bool | None:
+    """Whether a ``middle`` instruction lies between the last ``before`` preceding the first ``after``
+    and that ``after``; ``None`` if there is no ``after``."""
+    end = ptx.find(after)
+    if end < 0:
+        return None
+    head = ptx[:end]
+    return head.rfind(middle) > head.rfind(before) >= 0
+
+
 def summary(ptx: str) -> dict:
+    atom = "atom.global.gpu.acq_rel"
+    tail = ptx[ptx.find(atom):] if atom in ptx else ""
     return dict(
         max_wait_group=max(int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)),
         cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
         local=len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+        release_order=_ordered(ptx, "st.global", "bar.sync", atom),
+        acquire_order=_ordered(tail, atom, "bar.sync", "ld.global.cg") if tail else None,
     )
 
 

@@ -27,9 +27,15 @@ Algorithm (flash-decoding):
   online softmax in fp32 (exp2, scores pre-multiplied by ``softmax_scale * log2(e)``). A split
   beyond a short row's keys runs zero iterations and writes ``lse = -inf``, ``out = 0``.
 * **Merge.** With one split the program normalises and writes the output directly. Otherwise it
-  writes a normalised partial output (fp32) and its log-sum-exp (base 2), and
-  :func:`_merge_splits_kernel` combines the splits of each (row, query, head) by log-sum-exp;
-  empty splits get weight ``exp2(-inf) = 0``.
+  writes a normalised partial output (fp32) and its log-sum-exp (base 2), and the splits of each
+  (row, query, head) are combined by log-sum-exp (empty splits get weight ``exp2(-inf) = 0``) in one
+  of two ways (``_Config.merge``): ``"ticket"``, in the same launch: each split takes a ticket from
+  an atomic counter per (batch row, kv head, row tile) once its partial is stored, and the last to
+  arrive merges all of them and resets the counter to 0 for the next launch; or ``"kernel"``, a second
+  launch of :func:`_merge_splits_kernel` (one program per output row, better when the splits are many
+  and one program would read them all alone). The counters live in a zeroed buffer per device
+  (:func:`_tickets`), allocated once and left at zero by every launch, so a call captured in a CUDA
+  graph replays correctly; two ticket-merge launches on one device must not run concurrently.
 * **Pipelining.** Triton's software pipeliner overlaps the K/V gathers of later tiles with the
   current one. In sparse mode it splits ``num_stages`` between the index load and the K/V gathers
   whose addresses depend on it (Triton 3.6, sm_90, read off the compiled TTGIR and PTX; checked by
@@ -67,6 +73,9 @@ _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting
 # benchmarks/results/attention_h200_sweep_cudagraph.json).
 _SHORT_RANGE_BLOCKS = 16
 _MAX_BLOCK_M = 128
+# "ticket" merge up to this many splits: the last split reads every partial (splits x BLOCK_M x D fp32)
+# from L2 alone, while the merge kernel spreads that over one program per output row.
+_MAX_TICKET_SPLITS = 8
 _PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
 _SPARSE_STAGES = (7, 5, 3)  # 2, 1, 0 K/V tiles in flight beyond the one computed (module docstring)
 
@@ -82,6 +91,8 @@ class _Config:
         num_splits: programs per (batch row, kv head, row tile) along the keys.
         chunk: key ordinals per split, a multiple of ``block_n``.
         num_warps, num_stages: Triton launch options of the main kernel.
+        merge: how splits are combined: ``"none"`` (one split), ``"ticket"`` (the last split to
+            finish, in the main kernel) or ``"kernel"`` (a second launch).
     """
 
     block_m: int
@@ -91,6 +102,7 @@ class _Config:
     chunk: int
     num_warps: int
     num_stages: int
+    merge: str
 
 
 @functools.cache
@@ -116,6 +128,7 @@ def _config(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge: str | None = None,
     programs_per_sm: int = _PROGRAMS_PER_SM,
     min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
 ) -> _Config:
@@ -126,7 +139,8 @@ def _config(
     value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
     fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
     them (floor, so no partial extra wave), but never fewer than ``min_blocks_per_split`` key tiles
-    per split, and at most ``_MAX_SPLITS``. Stages: :func:`_num_stages`.
+    per split, and at most ``_MAX_SPLITS``. Merge: ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits,
+    else ``"kernel"``. Stages: :func:`_num_stages`.
     """
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
@@ -149,7 +163,14 @@ def _config(
         num_warps = 8 if block_m * block_d >= 128 * 256 else 4
     if num_stages is None:
         num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse)
-    return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages)
+    if num_splits == 1:
+        merge = "none"
+    elif merge is None:
+        merge = "ticket" if num_splits <= _MAX_TICKET_SPLITS else "kernel"
+    elif merge not in ("ticket", "kernel") or (merge == "ticket" and num_splits > _MAX_TICKET_SPLITS):
+        raise ValueError(f"merge must be 'kernel', or 'ticket' with at most {_MAX_TICKET_SPLITS} splits; "
+                         f"got {merge!r} with {num_splits} splits")
+    return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages, merge)
 
 
 def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool) -> int:
@@ -173,7 +194,8 @@ def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, spars
 @triton.jit
 def _verify_fwd_kernel(
     Q, K, V, SEQLENS, INDICES, NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
-    OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT, else the two partial buffers
+    OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT (or by the last split, TICKET_MERGE), else partials
+    TICKETS,  # (B * Hkv * M_TILES,) int32 counters, zero between launches; read iff TICKET_MERGE
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -185,7 +207,8 @@ def _verify_fwd_kernel(
     chunk,  # key ordinals per split (multiple of BLOCK_N)
     N_QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, TICKET_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0) // M_TILES
     m_tile = tl.program_id(0) % M_TILES
@@ -237,14 +260,65 @@ def _verify_fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
     store_mask = row_ok[:, None] & d_ok[None, :]
+    o_ptrs = OUT + b * stride_ob + query[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
     if SINGLE_SPLIT:
-        o_ptrs = OUT + b * stride_ob + query[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=store_mask)
     else:
-        row_part = b * stride_pb + query * stride_pt + head * stride_ph + split * stride_ps  # (BLOCK_M,)
-        tl.store(OUT_PART + row_part[:, None] + d[None, :], out, mask=store_mask)
+        part_rows = b * stride_pb + query * stride_pt + head * stride_ph  # (BLOCK_M,) split 0 of each row
+        lse_rows = b * stride_lb + query * stride_lt + head * stride_lh
+        tl.store(OUT_PART + (part_rows + split * stride_ps)[:, None] + d[None, :], out, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base-2 log-sum-exp
-        tl.store(LSE_PART + b * stride_lb + query * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        tl.store(LSE_PART + lse_rows + split, lse, mask=row_ok)
+        if TICKET_MERGE:
+            group_slot = (b * tl.num_programs(1) + kv_head) * M_TILES + m_tile
+            num_splits = tl.num_programs(0) // M_TILES
+            _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
+                           LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _merge_if_last(
+    ticket, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps, LSE_PART, lse_rows, store_mask, row_ok, d,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Take a ticket; the last of the ``num_splits`` programs of this (row, kv head, row tile) merges.
+
+    ``o_ptrs`` (BLOCK_M, BLOCK_D) are this program's output addresses; ``part_rows``/``lse_rows``
+    (BLOCK_M,) the offsets of split 0 of its rows in OUT_PART (split stride ``stride_ps``, unit d
+    stride) and LSE_PART (unit split stride). ``BLOCK_S >= num_splits`` is a power of two.
+
+    Memory ordering (PTX memory model; the grid-sync pattern of CUDA cooperative groups):
+    * release: every thread stored its share of the partial above; the CTA barrier orders those stores
+      before the atomic, which Triton issues from one thread, and its release at GPU scope is
+      cumulative, so it publishes every store the barrier ordered before it;
+    * acquire: the last arriver's atomic acquires every earlier arriver's release (they all modified
+      the same counter), and the barrier through which Triton hands the atomic's result to all
+      threads orders the merge's loads after it. The loads use ``.cg`` (L2, never an L1 line filled
+      before the acquire).
+    Programs only count; none waits for another, so any schedule of the grid terminates.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")  # tickets taken before this one
+    if arrived == num_splits - 1:
+        # Online log-sum-exp over the splits, as in the main loop: out = sum_s 2^lse_s out_s / sum_s 2^lse_s.
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in tl.static_range(BLOCK_S):  # unrolled, so the loads of all splits can be in flight together
+            s_ok = s < num_splits
+            lse_s = tl.load(LSE_PART + lse_rows + s, mask=row_ok & s_ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(OUT_PART + (part_rows + s * stride_ps)[:, None] + d[None, :], mask=store_mask & s_ok,
+                           other=0.0, cache_modifier=".cg")  # (BLOCK_M, BLOCK_D)
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (split 0 of a real row holds key 0)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse_s - m_safe)  # 0 for an empty split
+            acc = acc * alpha[:, None] + part * w[:, None]
+            w_sum = w_sum * alpha + w
+            m = m_new
+        out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]  # w_sum >= 1 on real rows (the top split's w = 1)
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=store_mask)
+        tl.store(ticket, 0)  # every split has its ticket: nothing reads the counter again in this launch
 
 
 @triton.jit
@@ -317,6 +391,9 @@ def verify_attention_triton(
 
     Returns:
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype (contiguous).
+
+    Calls on one device must not run concurrently (from different streams): a call that splits the
+    keys merges the splits through counters shared by the device's calls (see :func:`_tickets`).
     """
     return _verify_attention_triton(
         q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, indices=indices,
@@ -397,8 +474,27 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+_TICKET_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 ticket counters on ``device``, zero between launches.
+
+    Allocated zeroed on first use and never freed: a CUDA graph captured with a buffer keeps its
+    address, and every launch leaves the counters it used at zero again. A larger request allocates a
+    new buffer and keeps the old one alive for the graphs that hold it. One buffer per device (not per
+    stream: a buffer first made inside a graph capture would put its zeroing into every replay), so
+    two launches on one device must not run at the same time, which holds for launches on one stream
+    and for graphs replayed one after another.
+    """
+    buffers = _TICKET_BUFFERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: _Config):
-    """Run the main kernel (and the merge kernel when ``cfg.num_splits > 1``); returns the output."""
+    """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         _patch_interpreter_for_numpy_2_4()
     batch, n_queries, n_heads, head_dim = q.shape
@@ -407,6 +503,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     m_tiles = triton.cdiv(group * n_queries, cfg.block_m)
     out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
     single = cfg.num_splits == 1
+    ticket = cfg.merge == "ticket"
+    tickets = _tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
     if single:
         out_part = lse_part = out  # unused placeholders
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0, 0)
@@ -417,18 +515,19 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         part_strides, lse_strides = out_part.stride()[:4], lse_part.stride()[:3]
     grid = (cfg.num_splits * m_tiles, n_kv_heads, batch)
     _verify_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part,
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, tickets,
         softmax_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
         *out.stride(), *part_strides, *lse_strides,
         cfg.chunk,
         N_QUERIES=n_queries, GROUP=group, HEAD_DIM=head_dim, M_TILES=m_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-        SPARSE=sparse, SINGLE_SPLIT=single,
+        SPARSE=sparse, SINGLE_SPLIT=single, TICKET_MERGE=ticket,
+        BLOCK_S=triton.next_power_of_2(cfg.num_splits) if ticket else 1,  # constexpr: only where it is used
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not single:
+    if cfg.merge == "kernel":
         _merge_splits_kernel[(batch * n_queries * n_heads,)](
             out_part, lse_part, out, cfg.num_splits,
             HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d,
