@@ -71,8 +71,12 @@ L2_BYTES = 60 * 2**20  # H200; below this working set the inputs rotate among se
 MAX_ROTATION = 8
 COPY_PROBE_BYTES = 2 * 2**30
 WARMUP_MS, REP_MS = 25, 100
-# --sweep-triton: every combination of these _config overrides (None = the heuristic's choice)
-TRITON_SWEEP = dict(block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(2, 3, 4), num_warps=(2, 4, 8))
+# --sweep-triton: every combination of these _config overrides (None = the heuristic's choice); merge is
+# "ticket" (the last split merges, same launch) or "kernel" (a second launch), used only with splits.
+# --sweep replaces TRITON_SWEEPS with one such dict per ';'-separated spec (the union of their products).
+TRITON_SWEEP = dict(block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(3, 5, 7), num_warps=(4, 8),
+                    merge=(None,))
+TRITON_SWEEPS = [TRITON_SWEEP]
 CHECK_ATOL = 2e-2  # outputs vs kernels/reference.py (bf16); larger differences are flagged MISMATCH
 
 SMOKE = dict(contexts=(96, 200), batches=(1, 2), layouts=(Layout("tiny", 4, 2, 16, 2),),
@@ -196,10 +200,11 @@ def sparse_kernels(layout: Layout, budget: int, sweep: bool) -> dict[str, Callab
 
 
 def _triton_variants(scale: float, budget: int | None, sweep: bool) -> dict[str, Callable[[Inputs], torch.Tensor]]:
-    """The Triton kernel with its heuristic config, plus every ``TRITON_SWEEP`` combination if ``sweep``."""
+    """The Triton kernel with its heuristic config, plus every ``TRITON_SWEEPS`` combination if ``sweep``."""
     kernels = {"triton": functools.partial(_triton, scale=scale, budget=budget)}
     if sweep:
-        for values in itertools.product(*TRITON_SWEEP.values()):
+        combinations = [values for spec in TRITON_SWEEPS for values in itertools.product(*spec.values())]
+        for values in dict.fromkeys(combinations):  # first occurrence of each, in order
             overrides = dict(zip(TRITON_SWEEP, values))
             label = ",".join(f"{key.replace('num_', '')}={value or 'auto'}" for key, value in overrides.items())
             kernels[f"triton[{label}]"] = functools.partial(_triton, scale=scale, budget=budget, overrides=overrides)
@@ -512,21 +517,33 @@ def _parse_args(argv=None) -> argparse.Namespace:
                         help="triton.testing.do_bench (L2 flushed per run; default) or do_bench_cudagraph "
                              "(no launch overhead; kernels that sync with the host show as n/a)")
     parser.add_argument("--sweep-triton", action="store_true",
-                        help="also time the Triton kernel under every TRITON_SWEEP combination of block_n, "
-                             "num_splits, num_stages, num_warps (many rows; narrow the sweep with --contexts etc.)")
+                        help="also time the Triton kernel under every TRITON_SWEEP combination of block_n, num_splits, "
+                             "num_stages, num_warps, merge (many rows; narrow the sweep with --contexts etc.)")
     parser.add_argument("--sweep", metavar="SPEC", default=None,
                         help="like --sweep-triton over the given values instead of TRITON_SWEEP, e.g. "
-                             "'block_n=32,64 num_splits=1,2,4 num_stages=3 num_warps=4' (0 = the heuristic)")
+                             "'block_n=32,64 num_splits=1,2,4 num_stages=5,7 num_warps=4 merge=ticket,kernel' "
+                             "(0 or auto = the heuristic, as is a key left out); several specs separated by ';' "
+                             "time the union of their combinations")
     parser.add_argument("--out", help="save a JSON with the command line, GPU, versions, copy bandwidth and all rows")
     args = parser.parse_args(argv)
     if args.sweep:
-        for item in args.sweep.split():
-            key, values = item.split("=")
-            if key not in TRITON_SWEEP:
-                parser.error(f"--sweep: unknown key {key!r}; choose from {list(TRITON_SWEEP)}")
-            TRITON_SWEEP[key] = tuple(int(v) or None for v in values.split(","))
+        TRITON_SWEEPS[:] = []
+        for text in args.sweep.split(";"):
+            spec = dict.fromkeys(TRITON_SWEEP, (None,))
+            for item in text.split():
+                key, values = item.split("=")
+                if key not in TRITON_SWEEP:
+                    parser.error(f"--sweep: unknown key {key!r}; choose from {list(TRITON_SWEEP)}")
+                spec[key] = tuple(_sweep_value(v) for v in values.split(","))
+            TRITON_SWEEPS.append(spec)
         args.sweep_triton = True
     return args
+
+
+def _sweep_value(text: str) -> int | str | None:
+    """One --sweep value: an int, a name (merge=ticket), or None for the heuristic (0 or auto)."""
+    value = int(text) if text.lstrip("-").isdigit() else text
+    return None if value in (0, "auto") else value
 
 
 def main(argv=None) -> None:

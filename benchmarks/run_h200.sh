@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/, as one script per device call.
 #   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
-#   bash benchmarks/run_h200.sh sweep OUT     the Triton kernel's launch configs under CUDA graphs (headline point)
+#   bash benchmarks/run_h200.sh sweep OUT     Triton GPU tests, then its launch configs under CUDA graphs (headline point)
 #   bash benchmarks/run_h200.sh select OUT    selection (PyTorch vs Triton) and scoring per step, headline point
 #   bash benchmarks/run_h200.sh score-sweep OUT  the scoring kernel's launch configs (pass 1/2 GPU us, error), same point
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
@@ -31,10 +31,13 @@ case $what in
       --budgets 512 --out "$out/attention_cudagraph.json" > "$out/attention_cudagraph.txt" 2>&1
     tail -4 "$out/attention_cudagraph.txt" | cut -c1-200 ;;
   sweep)
-    timeout 150 python3 benchmarks/attention.py --timer cudagraph --layouts qwen2.5-72b --contexts 32768 --batches 16 \
-      --budgets 512 --sweep "block_n=32,64 num_splits=0,1,2,4,8 num_stages=3 num_warps=4" \
-      --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
-    grep -E "^qwen" "$out/attention_sweep.txt" | cut -c1-120 | tail -32 ;;
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k triton 2>&1 | tail -4 \
+      | tee "$out/gpu_tests.txt"
+    spec="block_n=32,64,128 num_splits=1 num_stages=5,7,9 num_warps=4;"
+    spec+=" block_n=64 num_splits=2 num_stages=5,7 num_warps=4 merge=ticket,kernel"
+    timeout 240 python3 benchmarks/attention.py --timer cudagraph --layouts qwen2.5-72b --contexts 32768 --batches 16 \
+      --budgets 512 --sweep "$spec" --out "$out/attention_sweep.json" > "$out/attention_sweep.txt" 2>&1
+    grep -E "^qwen" "$out/attention_sweep.txt" | cut -c1-140 | tail -40 ;;
   select)
     timeout 300 python3 benchmarks/select_timing.py > "$out/select_timing.txt" 2>&1
     grep -v '^{' "$out/select_timing.txt" | tail -30; grep '^{' "$out/select_timing.txt" > "$out/select_timing.json" ;;
