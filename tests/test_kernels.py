@@ -288,10 +288,10 @@ def test_triton_ticket_merge_leaves_its_counters_at_zero():
 
 def test_triton_schedule_on_sm90():
     """The kernel at the 72B / batch 16 / budget 512 point compiled for sm_90 without a GPU
-    (``verify_ptx.py``, in a subprocess without the interpreter). With the heuristic's 7 stages the
-    main loop keeps two K/V tiles in flight (6 cp.async groups) while it computes one; with the 3 stages
+    (``verify_ptx.py``, in a subprocess without the interpreter). With the heuristic's 5 stages the
+    main loop keeps a K/V tile in flight (3 cp.async groups) while it computes one; with the 3 stages
     used before, Triton issued each tile's gathers only after the previous tile was done, every tile
-    paid a full memory latency, and the kernel took 18 us on an H200 where its bytes need ~9. The
+    paid a full memory latency, and the kernel took 18 us on an H200 (15.4 us with 5 stages). The
     ticket merge's partial stores, barrier, atomic, barrier and loads come in that order."""
     script = Path(__file__).with_name("verify_ptx.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -301,8 +301,8 @@ def test_triton_schedule_on_sm90():
     assert done.returncode == 0, done.stderr[-3000:]
     launches = {launch["label"]: launch for launch in json.loads(done.stdout)}
     heuristic, ticket = launches["heuristic"], launches["ticket"]
-    assert heuristic["max_wait_group"] >= 6, heuristic
-    assert ticket["max_wait_group"] >= 3, ticket  # 5 stages: one tile in flight
+    for launch in (heuristic, ticket):  # 5 stages: one tile in flight
+        assert launch["max_wait_group"] >= 3, launch
     for launch in (heuristic, ticket):
         assert launch["cp_async_16"] > 0 and launch["local"] == 0, launch  # 16-byte gathers, no spills
     assert ticket["release_order"] and ticket["acquire_order"], ticket
@@ -350,7 +350,7 @@ def test_triton_stages_heuristic():
     from dustin_hf.kernels.triton_verify import _config
 
     headline = _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True)  # 72B layout, batch 16, budget 512
-    assert (headline.num_splits, headline.num_stages) == (1, 7)  # 2 K/V tiles in flight
+    assert (headline.num_splits, headline.num_stages) == (1, 5)  # a K/V tile in flight
     assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True, elem_bytes=4).num_stages == 3  # fp32: smem
     assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
 

@@ -42,8 +42,8 @@ Algorithm (flash-decoding):
   ``tests/verify_ptx.py``): with 3-4 stages the gathers of tile ``t + 1`` are issued only once tile
   ``t`` is computed and are waited for right away, so every tile pays a full memory latency; with
   5-6 the gathers of one tile are in flight while another is computed, with 7-8 two, and the index
-  loads are asynchronous copies issued further ahead. So sparse mode takes 7 stages when the buffers
-  fit (:func:`_num_stages`).
+  loads are asynchronous copies issued further ahead. Sparse mode takes 5 stages when the buffers fit
+  (:func:`_num_stages`): on an H200 7 and 9 stages were slower again.
 
 The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
 ``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no
@@ -77,7 +77,10 @@ _MAX_BLOCK_M = 128
 # from L2 alone, while the merge kernel spreads that over one program per output row.
 _MAX_TICKET_SPLITS = 8
 _PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
-_SPARSE_STAGES = (7, 5, 3)  # 2, 1, 0 K/V tiles in flight beyond the one computed (module docstring)
+# 1 or 0 K/V tiles in flight beyond the one computed (module docstring). Measured on an H200 (72B layout,
+# batch 16, budget 512, CUDA graphs, block_n 64): 5 stages 15.4 us, 7 stages 16.4, 9 stages 16.9, 3 stages
+# 18.1: a second tile in flight costs more (registers, shared memory) than it hides.
+_SPARSE_STAGES = (5, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, spars
     """Software-pipelining depth: in sparse mode the deepest of ``_SPARSE_STAGES`` that fits.
 
     Sparse mode needs 2 more stages per K/V tile kept in flight (the index loads take the others;
-    see the module docstring); ``num_stages`` 7 / 5 / 3 keep 4 / 3 / 2 K and V buffers of
+    see the module docstring); ``num_stages`` 5 / 3 keep 3 / 2 K and V buffers of
     ``block_n x block_d`` each, which with q's tile must fit in ``_PIPELINE_SMEM_BYTES``. Dense mode
     has no index load: 3 stages (one K/V tile in flight) for tiles up to 64 x 128, else 2.
     """
