@@ -546,7 +546,9 @@ class SpeculativeDecoder:
             s_target = target_history_scores(t_cache.history_queries.to(t_keys.device), t_keys,
                                              base.to(t_keys.device), cfg.target_heads, self._t_group, self._t_scale,
                                              span, backend=score_backend).to(base.device)
-        return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=base)
+        # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
+        return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=base,
+                                backend="auto" if score_backend == "triton" else "reference")
 
     # ------------------------------------------------------------------------------------------
     def _history(self, b: int, drafts: list[torch.Tensor]) -> torch.Tensor:
