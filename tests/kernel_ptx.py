@@ -23,10 +23,9 @@ SKIP = 77
 _MEMORY_OP = re.compile(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*|cp\.async\.c[ag][\w.:]*)")
 
 
-def capture_launches(run) -> list[tuple[object, dict, dict]]:
-    """``(kernel, arguments by name, launch options)`` of every scoring kernel launch ``run()`` makes."""
-    from dustin_hf.kernels import triton_score
-
+def capture_launches(module, names: tuple[str, ...], run) -> list[tuple[object, dict, dict]]:
+    """``(kernel, arguments by name, launch options)`` of every launch of ``module``'s kernels ``names``
+    that ``run()`` makes; the launches are caught, not run."""
     launches = []
 
     class Catch:
@@ -41,15 +40,27 @@ def capture_launches(run) -> list[tuple[object, dict, dict]]:
                                  options))
             return launch
 
-    kernels = {name: getattr(triton_score, name) for name in ("_score_pass1_kernel", "_score_pass2_kernel")}
+    kernels = {name: getattr(module, name) for name in names}
     try:
         for name, kernel in kernels.items():
-            setattr(triton_score, name, Catch(kernel))
+            setattr(module, name, Catch(kernel))
         run()
     finally:
         for name, kernel in kernels.items():
-            setattr(triton_score, name, kernel)
+            setattr(module, name, kernel)
     return launches
+
+
+def require_cuda_compiler() -> None:
+    """Exit with ``SKIP`` where this Triton has no NVIDIA backend to compile with."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        make_backend(GPUTarget("cuda", 90, 32))
+    except Exception as error:
+        print(f"cannot compile for CUDA here: {error}", file=sys.stderr)
+        sys.exit(SKIP)
 
 
 def compile_sm90(kernel, args: dict, options: dict) -> str:
@@ -71,6 +82,7 @@ def compile_sm90(kernel, args: dict, options: dict) -> str:
 def scoring_launches() -> list[tuple[object, dict, dict]]:
     """The launches of one step's target and draft scoring at select_timing.py's point, on meta tensors."""
     from dustin_hf import scoring
+    from dustin_hf.kernels import triton_score
 
     batch, context, n_queries, dtype = 16, 32768, 5, torch.bfloat16
 
@@ -86,18 +98,11 @@ def scoring_launches() -> list[tuple[object, dict, dict]]:
                                        [empty(batch, context + n_queries, 2, 64)] * 3, seqlens,
                                        (tuple(range(7)),) * 3, 7, 64**-0.5, context, backend="triton")
 
-    return capture_launches(run)
+    return capture_launches(triton_score, ("_score_pass1_kernel", "_score_pass2_kernel"), run)
 
 
 def main() -> None:
-    try:
-        from triton.compiler import make_backend
-        from triton.backends.compiler import GPUTarget
-
-        make_backend(GPUTarget("cuda", 90, 32))
-    except Exception as error:  # a Triton without its NVIDIA backend
-        print(f"cannot compile for CUDA here: {error}", file=sys.stderr)
-        sys.exit(SKIP)
+    require_cuda_compiler()
     report, seen = [], set()
     for kernel, args, options in scoring_launches():
         constexprs = {p.name: args[p.name] for p in kernel.params if p.is_constexpr}

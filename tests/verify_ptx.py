@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import torch
 
-from kernel_ptx import SKIP, compile_sm90
+from kernel_ptx import capture_launches, compile_sm90, require_cuda_compiler
 
 BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, SM_COUNT = 16, 8, 8, 5, 128, 512, 132
 
@@ -41,27 +40,16 @@ def verify_launches() -> list[tuple[str, object, dict, dict]]:
     cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
     seqlens, indices = empty(BATCH, dtype=torch.int32), empty(BATCH, BUDGET, dtype=torch.int32)
     configs = {"heuristic": {}, "ticket": dict(num_splits=2, num_stages=5, merge="ticket")}
-    launches, kernel = [], triton_verify._verify_fwd_kernel
 
-    class Catch:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                names = [p.name for p in kernel.params]
-                options = {k: v for k, v in kwargs.items() if k not in names}
-                arguments = dict(zip(names, args)) | {k: kwargs[k] for k in names if k in kwargs}
-                launches.append((label, kernel, arguments, options))
-            return launch
-
-    try:
-        triton_verify._verify_fwd_kernel = Catch()
-        for label, overrides in configs.items():
+    def run():
+        for overrides in configs.values():
             config = triton_verify._config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET + N_QUERIES, SM_COUNT,
                                            sparse=True, elem_bytes=2, **overrides)
             triton_verify._verify_attention_triton(q, cache, cache, seqlens, softmax_scale=HEAD_DIM**-0.5,
                                                    indices=indices, num_indices=seqlens, config=config)
-    finally:
-        triton_verify._verify_fwd_kernel = kernel
-    return launches
+
+    launches = capture_launches(triton_verify, ("_verify_fwd_kernel",), run)
+    return [(label, *launch) for label, launch in zip(configs, launches, strict=True)]
 
 
 def _ordered(ptx: str, before: str, middle: str, after: str) -> bool | None:
@@ -87,14 +75,7 @@ def summary(ptx: str) -> dict:
 
 
 def main() -> None:
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-
-        make_backend(GPUTarget("cuda", 90, 32))
-    except Exception as error:  # a Triton without its NVIDIA backend
-        print(f"cannot compile for CUDA here: {error}", file=sys.stderr)
-        sys.exit(SKIP)
+    require_cuda_compiler()
     report = []
     for label, kernel, args, options in verify_launches():
         constexprs = {p.name: args[p.name] for p in kernel.params if p.is_constexpr}
