@@ -52,6 +52,10 @@ def main(argv=None) -> dict:
                         help="where to write the traces (one per context and method, books pooled); '' for none")
     parser.add_argument("--guarded", action="store_true",
                         help="also walk Dustin with the first two and last two target layers dense")
+    parser.add_argument("--refresh", type=int, default=0, metavar="N",
+                        help="also walk Dustin rewriting, every N steps, the K/V of the positions verified since "
+                             "with one dense forward (an experiment beyond the paper)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="METHOD", help="walk only these methods")
     parser.add_argument("--out", default=None, help="save the report JSON here")
     args = parser.parse_args(argv)
 
@@ -67,6 +71,13 @@ def main(argv=None) -> dict:
                "dustin-sparse-draft": resolve(base.replace(sparse_draft=True), t_cfg, d_cfg)}
     if args.guarded:
         methods["dustin-guarded"] = resolve(base.replace(dense_layers=(0, 1, -2, -1)), t_cfg, d_cfg)
+    refresh = {}
+    if args.refresh:
+        methods[f"dustin-refresh{args.refresh}"] = methods["dustin"]
+        refresh[f"dustin-refresh{args.refresh}"] = args.refresh
+    scoring_layer = methods["dustin"].target_layer  # its history query is kept from the prefill
+    if args.only:
+        methods = {name: cfg for name, cfg in methods.items() if name in args.only}
     report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "model_pair": names,
               "profile": str(Path(args.profile).relative_to(ROOT)) if Path(args.profile).is_relative_to(ROOT)
               else args.profile, "budget": args.budget, "gamma": GAMMA, "books": args.books, "results": [],
@@ -77,9 +88,9 @@ def main(argv=None) -> dict:
         for book in args.books:
             window = token_window(pair.tokenizer, book, context + args.tokens, args.offset)
             started = time.perf_counter()
-            state = prefill_pair(pair.target, pair.draft, window[:context], (methods["dustin"].target_layer,))
+            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,))
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
-                                       recovery_every=0, desc=f"walk {book}@{context}")
+                                       recovery_every=0, desc=f"walk {book}@{context}", refresh_every=refresh)
             row = {"book": book, "context": context, "steps": walk.steps, "seconds": time.perf_counter() - started,
                    "tf_accepted_per_step": walk.accepted, "ppl": walk.ppl,
                    "ppl_ratio": {m: walk.ppl[m] / walk.ppl["dense"] for m in methods}}

@@ -101,6 +101,7 @@ def teacher_forced_walk(
     recovery_every: int = 1,
     progress: bool = True,
     desc: str = "walk",
+    refresh_every: dict[str, int] | None = None,
 ) -> WalkResult:
     """Walk ``continuation (N,)`` after ``state``'s prompt in steps of γ+1 teacher-forced tokens.
 
@@ -110,10 +111,16 @@ def teacher_forced_walk(
         recovery_configs: name -> config whose selection, made from the *dense* method's signals,
             is scored for recovery at each recovery step (e.g. ``{"default@512": ...}``).
         recovery_every: measure recovery every this many steps (0: never).
+        refresh_every: name -> N, an experiment beyond the paper: every N steps that method rewrites the
+            keys and values of the positions verified since its last refresh with one dense forward over
+            them, so that error written by sparse steps is not carried further than N steps.
 
     Returns a :class:`WalkResult` over ``(N - 1) // (γ+1)`` steps.
     """
     recovery_configs = recovery_configs or {}
+    refresh_every = refresh_every or {}
+    if unknown := set(refresh_every) - {n for n, c in methods.items() if c is not None}:
+        raise ValueError(f"refresh_every names {sorted(unknown)}, which are not sparse methods")
     device = decoding.model_device(target)
     tokens = torch.cat([state.tokens, continuation.to(device)])
     context = state.tokens.numel()
@@ -191,6 +198,9 @@ def teacher_forced_walk(
                 if cfg is None:
                     dense_next = target_next
                 run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
+                if run.name in refresh_every and (step + 1) % refresh_every[run.name] == 0:
+                    _refresh(run.model, tokens, context + (step + 1 - refresh_every[run.name]) * (gamma + 1),
+                             at + gamma + 1, backend)
                 if cfg is not None:
                     run.history = plan.captured[cfg.target_layer][:, gamma]  # (1, heads, D): the query at L+γ
                     if weights is not None and selection is not None:
@@ -245,6 +255,13 @@ class _DraftScores:
             self._memo[key] = draft_lookahead_scores(queries, keys, self.base.to(keys[0].device), cfg.draft_heads,
                                                      self.group, self.scale, self.span).to(self.base.device)
         return self._memo[key]
+
+
+def _refresh(model: decoding.ModelRunner, tokens: torch.Tensor, start: int, end: int, backend: str) -> None:
+    """Rewrite ``model``'s keys and values at positions ``[start, end)`` with one dense forward over them."""
+    model.cache.rollback([start])  # the positions are written again, by the same tokens
+    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[start], q_len=end - start, backend=backend)
+    model.forward(plan, tokens[start:end][None], keep=1)
 
 
 def _draft_step(draft_model, selection, tokens, at, gamma, backend, d_capture, base, d_group, d_scale):

@@ -156,3 +156,46 @@ def test_position_weights_are_distributions_and_recovery_is_linear():
 def test_token_agreement():
     assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == {"prefix": 2, "agreement": 0.75, "compared": 4, "identical": False}
     assert token_agreement([1, 2], [1, 2])["identical"]
+
+
+def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
+    """After a sparse step, one dense forward over its positions leaves the cache as a dense step would."""
+    from dustin_hf import decoding
+    from dustin_hf.plan import ForwardPlan
+    from dustin_hf.prefilled import dustin_attention_on
+    from dustin_hf.walk import _refresh
+
+    target, draft = pair
+    prefilled, continuation = state
+    tokens = torch.cat([prefilled.tokens, continuation])
+    q = GAMMA + 1
+    runners = {name: decoding.ModelRunner(target, clone_cache(prefilled.target_cache, CONTEXT + q + 1), "reference")
+               for name in ("dense", "sparse")}
+    indices = torch.tensor([[0, 5, 40, 79]], dtype=torch.int32)
+    with torch.no_grad(), dustin_attention_on(target, draft):
+        for name, runner in runners.items():
+            sparse = name == "sparse"
+            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=q, backend="reference",
+                               indices=indices if sparse else None,
+                               num_indices=torch.tensor([4], dtype=torch.int32) if sparse else None)
+            runner.forward(plan, tokens[CONTEXT : CONTEXT + q][None], keep=1)
+        written = [runners["sparse"].cache.layer_buffers(layer)[0][0, : CONTEXT + q].clone() for layer in range(3)]
+        _refresh(runners["sparse"], tokens, CONTEXT, CONTEXT + q, "reference")
+    assert runners["sparse"].cache.seq_lengths == [CONTEXT + q]
+    for layer in range(3):
+        dense_k = runners["dense"].cache.layer_buffers(layer)[0][0, : CONTEXT + q]
+        assert torch.equal(runners["sparse"].cache.layer_buffers(layer)[0][0, : CONTEXT + q], dense_k)
+    assert any(not torch.equal(w, runners["dense"].cache.layer_buffers(l)[0][0, : CONTEXT + q])
+               for l, w in enumerate(written))  # the sparse step had written other values above layer 0
+
+
+def test_refresh_every_names_sparse_methods(pair, state):
+    target, draft = pair
+    prefilled, continuation = state
+    with pytest.raises(ValueError, match="not sparse methods"):
+        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, recovery_every=0,
+                            progress=False, refresh_every={"dense": 2})
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"small": _cfg(target, draft, 24), "refreshed": _cfg(target, draft, 24)},
+                               recovery_every=0, progress=False, refresh_every={"refreshed": 2})
+    assert walk.nll["refreshed"] != walk.nll["small"]  # the same steps, read from rewritten keys and values
