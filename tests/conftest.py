@@ -11,6 +11,10 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
 
 import copy
 import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from transformers import (
@@ -144,3 +148,16 @@ def explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positio
                 n = min(visible, num_positions)
                 out[b, :n] += probs[:n]
     return out
+
+
+def sm90_ptx_report(script: str) -> list[dict]:
+    """Run ``tests/<script>`` (``kernel_ptx.py``, ``verify_ptx.py``: kernels compiled for sm_90 without a GPU)
+    in a subprocess without the Triton interpreter; its JSON report, or a skip where Triton cannot compile
+    for CUDA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode == 77:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +30,7 @@ from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noq
 from dustin_hf.kernels import varlen  # noqa: E402
 from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
 
-from conftest import capture_graph  # noqa: E402
+from conftest import capture_graph, sm90_ptx_report  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
@@ -293,13 +289,7 @@ def test_triton_schedule_on_sm90():
     used before, Triton issued each tile's gathers only after the previous tile was done, every tile
     paid a full memory latency, and the kernel took 18 us on an H200 (15.4 us with 5 stages). The
     ticket merge's partial stores, barrier, atomic, barrier and loads come in that order."""
-    script = Path(__file__).with_name("verify_ptx.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode == 77:
-        pytest.skip(done.stderr.strip())
-    assert done.returncode == 0, done.stderr[-3000:]
-    launches = {launch["label"]: launch for launch in json.loads(done.stdout)}
+    launches = {launch["label"]: launch for launch in sm90_ptx_report("verify_ptx.py")}
     heuristic, ticket = launches["heuristic"], launches["ticket"]
     for launch in (heuristic, ticket):  # 5 stages: one tile in flight
         assert launch["max_wait_group"] >= 3, launch

@@ -14,11 +14,7 @@ splits per row and several tiles per split, which the heuristic would not pick a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +25,7 @@ if not HAS_CUDA:
 
 from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
-from conftest import TRITON_RUNS, capture_graph, explicit_attention_mass  # noqa: E402
+from conftest import TRITON_RUNS, capture_graph, explicit_attention_mass, sm90_ptx_report  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -255,13 +251,7 @@ def test_memory_accesses_are_wide_on_sm90():
     vectors. No value test sees this: with the keys' batch stride left unspecialised, Triton could not
     prove a key row aligned, loaded the keys 2 bytes at a time without pipelining, and pass 1 ran at
     ~1.1 TB/s on an H200 while every test above passed."""
-    script = Path(__file__).with_name("kernel_ptx.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode == 77:
-        pytest.skip(done.stderr.strip())
-    assert done.returncode == 0, done.stderr[-3000:]
-    launches = json.loads(done.stdout)
+    launches = sm90_ptx_report("kernel_ptx.py")
     assert {launch["kernel"] for launch in launches} == {"_score_pass1_kernel", "_score_pass2_kernel"}
     for launch in launches:
         ops, label = launch["ops"], f"{launch['kernel']} {launch['constexprs']}: {launch['ops']}"
