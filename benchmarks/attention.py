@@ -527,21 +527,32 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="save a JSON with the command line, GPU, versions, copy bandwidth and all rows")
     args = parser.parse_args(argv)
     if args.sweep:
-        TRITON_SWEEPS[:] = []
-        for text in args.sweep.split(";"):
-            spec = dict.fromkeys(TRITON_SWEEP, (None,))
-            for item in text.split():
-                key, values = item.split("=")
-                if key not in TRITON_SWEEP:
-                    parser.error(f"--sweep: unknown key {key!r}; choose from {list(TRITON_SWEEP)}")
-                spec[key] = tuple(_sweep_value(v) for v in values.split(","))
-            TRITON_SWEEPS.append(spec)
+        try:
+            specs = parse_sweep(args.sweep, TRITON_SWEEP)
+            TRITON_SWEEPS[:] = [dict.fromkeys(TRITON_SWEEP, (None,)) | spec for spec in specs]
+        except ValueError as error:
+            parser.error(str(error))
         args.sweep_triton = True
     return args
 
 
+def parse_sweep(text: str, keys) -> list[dict[str, tuple]]:
+    """``"key=v1,v2 key2=v3; key=v4"`` -> one ``{key: values}`` per ``;``-separated spec (``keys``: the
+    accepted ones). A value is an int, a name (``merge=ticket``), or ``None`` for the heuristic's (0 or auto)."""
+    specs = []
+    for part in text.split(";"):
+        spec = {}
+        for item in part.split():
+            key, _, values = item.partition("=")
+            if key not in keys or not values:
+                raise ValueError(f"--sweep: {item!r} is not key=v1,v2,... with a key from {list(keys)}")
+            spec[key] = tuple(_sweep_value(v) for v in values.split(","))
+        if spec:
+            specs.append(spec)
+    return specs
+
+
 def _sweep_value(text: str) -> int | str | None:
-    """One --sweep value: an int, a name (merge=ticket), or None for the heuristic (0 or auto)."""
     value = int(text) if text.lstrip("-").isdigit() else text
     return None if value in (0, "auto") else value
 

@@ -40,7 +40,7 @@ import sys
 
 import torch
 
-from attention import DRAFT_LAYOUT, LAYOUTS, SMOKE, ScoringStep, _time_ms, _versions
+from attention import DRAFT_LAYOUT, LAYOUTS, SMOKE, ScoringStep, _time_ms, _versions, parse_sweep
 
 TARGET_LAYOUT = next(lay for lay in LAYOUTS if lay.name == "qwen2.5-72b")
 BATCH, CONTEXT, BUDGET = 16, 32768, 512
@@ -112,21 +112,6 @@ def measure(batch: int, context: int, budget: int, target, draft, device: torch.
 
 
 # ----------------------------------------------------------------------------- --sweep
-
-
-def parse_sweep(spec: str) -> list[dict[str, int]]:
-    """``"key=v1,v2 key2=v3; key=v4"`` -> every combination of each ``;``-separated part, as dicts
-    (0 = the heuristic's value)."""
-    combos = []
-    for part in spec.split(";"):
-        grid = {}
-        for item in part.split():
-            key, _, values = item.partition("=")
-            if key not in SWEEP_KEYS or not values:
-                raise ValueError(f"--sweep: {item!r} is not key=v1,v2,...; keys: {', '.join(SWEEP_KEYS)}")
-            grid[key] = [int(v) for v in values.split(",")]
-        combos += [dict(zip(grid, values)) for values in itertools.product(*grid.values()) if grid]
-    return combos
 
 
 @contextlib.contextmanager
@@ -244,7 +229,8 @@ def main(argv=None) -> None:
                              + ", ".join(SWEEP_KEYS))
     args = parser.parse_args(argv)
     try:
-        combos = parse_sweep(args.sweep) if args.sweep else None
+        combos = [dict(zip(spec, values)) for spec in parse_sweep(args.sweep, SWEEP_KEYS)
+                  for values in itertools.product(*spec.values())] if args.sweep else None
     except ValueError as error:
         parser.error(str(error))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
