@@ -19,12 +19,12 @@ a threshold: Triton takes the lowest tied positions, ``torch.topk`` any of them.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from .config import ResolvedConfig
+from .kernels import available_backends
 
 __all__ = ["Selection", "dense_rows", "select_positions"]
 
@@ -112,7 +112,7 @@ def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill:
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown selection backend {backend!r}; choose 'auto', 'reference' or 'triton'")
     if backend == "auto":
-        if not draft_scores.is_cuda or importlib.util.find_spec("triton") is None:
+        if "triton" not in available_backends(draft_scores.device):
             return "reference"
         from .kernels.triton_select import supports
 
