@@ -35,7 +35,7 @@ from .config import ResolvedConfig
 from .fused import fused_ops, fused_ops_available
 from .graphs import GraphedForward, Pipeline
 from .kernels import resolve_backend
-from .plan import ForwardPlan, select_heads
+from .plan import ForwardPlan, device_tensor, select_heads
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import Selection, dense_rows, select_positions
@@ -243,7 +243,7 @@ class DraftReads:
         if selection.indices.shape[1] != config.budget or any(n != config.budget for n in selection.counts):
             return None
         device = selection.indices.device
-        since = torch.tensor(seqlens, device=device)[:, None] + torch.arange(cls.extra(gamma), device=device)
+        since = device_tensor(seqlens, device)[:, None] + torch.arange(cls.extra(gamma), device=device)
         since = since.clamp_max(capacity - 1).to(torch.int32)
         return cls(torch.cat([selection.indices, since], dim=1), list(seqlens), list(selection.counts))
 
@@ -251,7 +251,7 @@ class DraftReads:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
         extra = self.indices.shape[1] - self.counts[0]
         counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
-        return Selection(self.indices, torch.tensor(counts, dtype=torch.int32, device=self.indices.device), counts)
+        return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
 
 
 class SpeculativeDecoder:
@@ -442,7 +442,7 @@ class SpeculativeDecoder:
         batch = len(self._lens)
         seqlens = [n - 1 for n in self._lens]  # L_b: target-cached positions (the last token is not cached)
         device = self._tokens.device
-        base = torch.tensor(seqlens, device=device)
+        base = device_tensor(seqlens, device)
         sparse = self.dustin is not None and not all(dense_rows(seqlens, self.dustin))
 
         # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two;
@@ -510,7 +510,7 @@ class SpeculativeDecoder:
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
         if self.dustin is not None:
             queries = captured[self.dustin.target_layer]  # (B, γ+1, heads, D)
-            picked = torch.tensor([k - 1 for k in counts], device=queries.device)  # the last committed token
+            picked = device_tensor([k - 1 for k in counts], queries.device)  # the last committed token
             history = queries[torch.arange(batch, device=queries.device), picked]
             target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
         self._clock.mark("commit")
@@ -564,7 +564,7 @@ class SpeculativeDecoder:
         streaming = self.streamer is not None and not self._finished[0]
         starts = list(self._lens)
         # one scatter writes every row's candidates after its end; only the first k_b become committed
-        slots = torch.tensor(starts, device=new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
+        slots = device_tensor(starts, new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
                                                                                       device=new_tokens.device)
         self._tokens.scatter_(1, slots.clamp_max(self._tokens.shape[1] - 1), new_tokens)
         counts = []

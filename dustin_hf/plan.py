@@ -97,7 +97,7 @@ class ForwardPlan:
             if self._on_device:  # copy from a device we already have, rather than from the host again
                 tensors = next(iter(self._on_device.values())).to(device)
             else:
-                seqlens = torch.tensor(self.cache_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+                seqlens = device_tensor(self.cache_seqlens, device, torch.int32)
                 indices = None if self.indices is None else self.indices.to(device, torch.int32, non_blocking=True)
                 num = None if self.num_indices is None else self.num_indices.to(device, torch.int32, non_blocking=True)
                 tensors = DeviceTensors(seqlens, indices, num)
@@ -125,8 +125,28 @@ class ForwardPlan:
 
 
 def select_heads(tensor: torch.Tensor, heads: tuple[int, ...], dim: int = 2) -> torch.Tensor:
-    """``tensor`` restricted to ``heads`` along ``dim``: a view when the heads are consecutive."""
-    first = heads[0]
-    if heads == tuple(range(first, first + len(heads))):
-        return tensor.narrow(dim, first, len(heads))
-    return tensor.index_select(dim, torch.tensor(heads, device=tensor.device))
+    """``tensor`` restricted to ``heads`` along ``dim``: a view when the heads are evenly spaced.
+
+    Other heads are stacked from views rather than gathered by an index tensor: that tensor would be
+    copied from the host, which a CUDA graph capture (the decode loop keeps queries inside its graphs)
+    does not permit.
+    """
+    heads = tuple(heads)
+    step = heads[1] - heads[0] if len(heads) > 1 else 1
+    if step > 0 and heads == tuple(range(heads[0], heads[-1] + 1, step)):
+        index = [slice(None)] * tensor.dim()
+        index[dim] = slice(heads[0], heads[-1] + 1, step)
+        return tensor[tuple(index)]
+    return torch.stack([tensor.select(dim, h) for h in heads], dim=dim)
+
+
+def device_tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device``, without making the host wait for the device.
+
+    ``torch.tensor(values, device=...)`` copies and then synchronises the stream (every copy that is not
+    ``non_blocking`` does): in the decode loop the host would wait there for the work it has queued (a
+    whole draft forward) before it could queue more, and the GPU would idle while it does. From pageable
+    memory a ``non_blocking`` copy is staged by the driver before the call returns, so the host values
+    may go at once.
+    """
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

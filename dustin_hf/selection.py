@@ -25,6 +25,7 @@ import torch
 
 from .config import ResolvedConfig
 from .kernels import available_backends
+from .plan import device_tensor
 
 __all__ = ["Selection", "dense_rows", "select_positions"]
 
@@ -68,9 +69,9 @@ def select_positions(
     width = max(counts)
     if all(dense):
         indices = torch.arange(width, device=device, dtype=torch.int32).expand(batch, width).contiguous()
-        return Selection(indices, torch.tensor(counts, dtype=torch.int32, device=device), counts)
+        return Selection(indices, device_tensor(counts, device, torch.int32), counts)
     if lengths is None:
-        lengths = torch.tensor(seqlens, device=device)
+        lengths = device_tensor(seqlens, device)
     lengths = lengths.to(device)
 
     sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
@@ -89,8 +90,8 @@ def select_positions(
         if width > indices.shape[1]:
             indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
         dense_idx = torch.arange(width, device=device, dtype=torch.int32).expand(batch, width)
-        indices = torch.where(torch.tensor(dense, device=device)[:, None], dense_idx, indices)
-        num_indices = torch.tensor(counts, dtype=torch.int32, device=device)
+        indices = torch.where(device_tensor(dense, device)[:, None], dense_idx, indices)
+        num_indices = device_tensor(counts, device, torch.int32)
     else:
         num_indices = torch.full((batch,), config.budget, dtype=torch.int32, device=device)
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
@@ -103,7 +104,7 @@ def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | No
         return draft_scores
     if all(has_history):
         return target_scores
-    use_target = torch.tensor(has_history, device=draft_scores.device)[:, None]
+    use_target = device_tensor(has_history, draft_scores.device)[:, None]
     return torch.where(use_target, target_scores, draft_scores)
 
 

@@ -77,6 +77,34 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("sparse_draft", [False, True])
+def test_decode_steps_wait_for_the_device_once(sparse_draft):
+    """A step's only host sync is reading the accepted counts: anything else (a host list copied to the device
+    without ``non_blocking``, an ``.item()``) makes the host wait for the work it queued and idles the GPU while
+    it queues more. torch's sync debug mode warns at every synchronising call; count them over a generate()."""
+    import warnings
+
+    target, draft = _pair(dtype=torch.bfloat16)
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
+    ids, mask = left_pad(rows)
+    config = DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
+    with dustin_hf.patch(target, config), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                                  max_new_tokens=160, cache_implementation="dustin", return_dict_in_generate=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    stats = out.past_key_values.stats
+    steps = stats["sparse_steps"] + stats["dense_steps"]
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert stats["sparse_steps"] > 20 and (stats["draft_sparse_forwards"] > 0) == sparse_draft
+    # one per step, plus set-up (prefill, first tokens, graph capture): far below the ~10 per step of a loop
+    # that copied its host lists with blocking copies
+    assert len(syncs) <= steps + 40, (len(syncs), steps, sorted({str(w.message)[:80] for w in syncs}))
+
+
 def test_dense_layers_and_prompt_calibration_under_cuda_graphs():
     """Every layer dense on sparse steps, heads calibrated on the prompts, graphs replayed: still greedy."""
     target, draft = _pair()

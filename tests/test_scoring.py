@@ -44,3 +44,20 @@ def test_draft_lookahead_counts_only_cached_positions():
         want[b, n:] = 0
     torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-6)
     assert bool((scores.sum(1) < gamma * 3).all())
+
+
+def test_select_heads_equals_index_select_without_an_index_tensor():
+    """Heads evenly spaced are a view; any other set is stacked from views (no host->device copy, graph-safe)."""
+    from dustin_hf.plan import select_heads
+
+    x = torch.randn(2, 3, 8, 4)
+    for heads in [(0,), (2, 3, 4), (1, 3, 5), (5, 1), (0, 2, 3), (7,), (6, 4, 2)]:
+        for dim in (1, 2):
+            if max(heads) >= x.shape[dim]:
+                continue
+            picked = select_heads(x, heads, dim)
+            assert torch.equal(picked, x.index_select(dim, torch.tensor(heads))), (heads, dim)
+            evenly = len(heads) == 1 or (heads[1] > heads[0] and heads == tuple(range(heads[0], heads[-1] + 1,
+                                                                                    heads[1] - heads[0])))
+            if evenly:
+                assert picked.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), heads

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import select_heads
 from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["attention_mass_triton"]
@@ -331,7 +332,7 @@ def attention_mass_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     head_offset = 0
     for (kv_head, members), tiles in zip(groups, m_tiles):
-        group_queries = _select_heads(queries, members)  # (B, n_q, n_h, D), a view when members are contiguous
+        group_queries = select_heads(queries, members)  # (B, n_q, n_h, D), a view when members are contiguous
         rows = n_queries * len(members)
         _score_pass1_kernel[(config.num_splits * tiles, batch)](
             group_queries, keys[:, :, kv_head], query_pos, shifted, tile_max, lse_part,
@@ -364,14 +365,6 @@ def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[
     """``[(kv_head, [i for i, h in enumerate(heads) if h // group_size == kv_head])]`` by kv head."""
     return [(kv, [i for i, h in enumerate(heads) if h // group_size == kv])
             for kv in sorted({h // group_size for h in heads})]
-
-
-def _select_heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
-    """``queries[:, :, members]`` without an index tensor (graph-safe): a view when ``members`` are evenly spaced."""
-    step = members[1] - members[0] if len(members) > 1 else 1
-    if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
-        return queries[:, :, members[0] : members[-1] + 1 : step]
-    return torch.stack([queries[:, :, i] for i in members], dim=2)  # tiny: B x n_q x n_h x D
 
 
 def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit) -> None:
