@@ -23,7 +23,9 @@ Decode tokens/s counts the tokens every row commits after the first steps (compi
 graph capture are excluded), over the host-clock time the loop took for them, until the last row has
 its tokens; the steady rate counts only the steps before any row finished (every row committing),
 since rows that finish early leave the batch's later steps partly idle. A profiling pass per
-speculative method splits a step into phases (it synchronises between phases, so it is separate).
+speculative method splits a step into phases: by default from CUDA events on the GPU timeline (an
+undisturbed step, idle stretches where the GPU waited for the host included; the host's own time
+per phase beside it), or ``--profile-mode sync``, synchronising between phases (each phase's own cost).
 The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e_h200.json          # one H200, 7B + 0.5B
@@ -244,7 +246,7 @@ def _random_prefill(dtype):
 
 
 def run_speculative(target, draft, batch: int, context: int, method: str, replay: Replay, dtype,
-                    new_tokens: int = NEW_TOKENS, profile: bool = False, torch_trace: str | None = None) -> dict:
+                    new_tokens: int = NEW_TOKENS, profile: bool | str = False, torch_trace: str | None = None) -> dict:
     from transformers import GenerationConfig
 
     from dustin_hf import DustinConfig
@@ -288,8 +290,13 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
         out["steady_tokens_per_step"] = steady / out["steady_steps"] / batch
     if profile:  # steps after the warm-up ones (the first steps compile kernels and capture graphs)
         timed = stats["phase_seconds"][WARMUP_STEPS:]
-        out["phase_ms_per_step"] = {k: 1e3 * sum(step.get(k, 0.0) for step in timed) / len(timed) for k in timed[0]}
+        out["phase_ms_per_step"] = _mean_ms(timed)
+        out["host_ms_per_step"] = _mean_ms(stats["phase_host_seconds"][WARMUP_STEPS:])
     return out
+
+
+def _mean_ms(steps: list[dict[str, float]]) -> dict[str, float]:
+    return {k: 1e3 * sum(step.get(k, 0.0) for step in steps) / len(steps) for k in steps[0]}
 
 
 def _trace_steps(decoder, path: str, steps: int = 8) -> None:
@@ -401,6 +408,9 @@ def main(argv=None) -> dict:
                              "rows that finished early idle, which weighs less the more tokens each row makes")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
+    parser.add_argument("--profile-mode", choices=("events", "sync"), default="events",
+                        help="phases from CUDA events on the GPU timeline of undisturbed steps (default), or with "
+                             "the device synchronised between phases (each phase's own cost; CPU runs use sync)")
     parser.add_argument("--compile-static", action="store_true",
                         help="let transformers compile hf_static's forward (recompiles per shape; slow)")
     parser.add_argument("--torch-trace", default=None, metavar="DIR",
@@ -428,6 +438,7 @@ def main(argv=None) -> dict:
 
     dustin_hf.patch(target)  # registers the "dustin" attention, as a user's one line does
     copy_gbps = measure_copy_gbps(devices[0]) if devices[0].type == "cuda" else 1.0
+    profile_mode = args.profile_mode if devices[0].type == "cuda" else "sync"
     if (args.trace_dense is None) != (args.trace_dustin is None):
         parser.error("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
     replays = {"spec_dense": Replay.load(args.trace_dense), "dustin": Replay.load(args.trace_dustin)}
@@ -451,8 +462,10 @@ def main(argv=None) -> dict:
                         row["acceptance"] = replay.source
                         if not args.no_profile and batch == max(args.batches):
                             prof = run_speculative(target, draft, batch, context, method, replay, dtype,
-                                                   args.new_tokens, profile=True)
+                                                   args.new_tokens, profile=profile_mode)
                             row["phase_ms_per_step"] = prof["phase_ms_per_step"]
+                            row["host_ms_per_step"] = prof["host_ms_per_step"]
+                            row["phase_mode"] = profile_mode
                         if args.torch_trace and batch == max(args.batches):  # a separate, untimed run
                             Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
                             run_speculative(target, draft, batch, context, method, replay, dtype, args.new_tokens,

@@ -99,30 +99,69 @@ def _synchronize(device: torch.device) -> None:
 
 
 class _PhaseClock:
-    """Wall time per phase of each decode step; when enabled it synchronises the device at every mark."""
+    """Time per phase of each decode step, in one of two modes.
 
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled
-        self.steps: list[dict[str, float]] = []  # one {phase: seconds} per finished step
-        self._current: dict[str, float] = {}
-        self._last = time.perf_counter()
+    ``"sync"`` synchronises the device at every mark and charges the wall time since the previous mark:
+    each phase's own cost with nothing overlapping it, but the step is slower than undisturbed.
+    ``"events"`` (CUDA only) records an event on the device's stream at every mark and charges the GPU
+    timeline between consecutive events: an undisturbed step split where its time goes, including the
+    stretches where the GPU waited for the host; the host's own time between marks is kept beside it
+    (``host_steps``). Nothing synchronises until the times are read.
+    """
+
+    def __init__(self, device: torch.device, mode: str | None):
+        if mode not in (None, "sync", "events"):
+            raise ValueError(f"profile must be False, True/'sync' or 'events', got {mode!r}")
+        if mode == "events" and device.type != "cuda":
+            raise ValueError("profile='events' times the GPU timeline and needs a CUDA device")
+        self.device, self.mode = device, mode
+        self._steps: list[list[tuple[str, object, float]]] = []  # per finished step: (phase, end mark, host time)
+        self._current: list[tuple[str, object, float]] = []
+        self._last: tuple[object, float] = (None, time.perf_counter())
+
+    def _stamp(self):
+        if self.mode != "events":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def restart(self) -> None:
-        self._last = time.perf_counter()
+        self._last = (self._stamp(), time.perf_counter())
 
     def mark(self, phase: str) -> None:
         """Charge the time since the previous mark to ``phase`` of the current step."""
-        if not self.enabled:
+        if self.mode is None:
             return
-        _synchronize(self.device)
-        now = time.perf_counter()
-        self._current[phase] = self._current.get(phase, 0.0) + now - self._last
-        self._last = now
+        if self.mode == "sync":
+            _synchronize(self.device)
+        self._current.append((phase, self._last, (self._stamp(), time.perf_counter())))
+        self._last = self._current[-1][2]
 
     def end_step(self) -> None:
-        if self.enabled:
-            self.steps.append(self._current)
-            self._current = {}
+        if self.mode is not None:
+            self._steps.append(self._current)
+            self._current = []
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        """Seconds per phase, one dict per finished step: wall time (``"sync"``) or GPU timeline (``"events"``)."""
+        if self.mode == "events":
+            _synchronize(self.device)
+            return [self._sum(step, lambda a, b: a[0].elapsed_time(b[0]) / 1e3) for step in self._steps]
+        return self.host_steps
+
+    @property
+    def host_steps(self) -> list[dict[str, float]]:
+        """Host seconds between the marks, one dict per finished step."""
+        return [self._sum(step, lambda a, b: b[1] - a[1]) for step in self._steps]
+
+    @staticmethod
+    def _sum(step, elapsed) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for phase, begin, end in step:
+            out[phase] = out.get(phase, 0.0) + elapsed(begin, end)
+        return out
 
 
 def _all_on_cuda(model) -> bool:
@@ -278,8 +317,11 @@ class SpeculativeDecoder:
             the target's own token follows them.
         prefill: replaces ``ModelRunner.prefill`` (same signature and results); benchmarks and evaluation
             use it to start from a stored prefill.
-        profile: synchronise the device between phases and record each step's phase times in
-            ``stats["phase_seconds"]``; slows decoding, so leave it off when measuring throughput.
+        profile: record each step's time per phase in ``stats["phase_seconds"]`` (and the host's time
+            between the same marks in ``stats["phase_host_seconds"]``): ``True`` or ``"sync"``
+            synchronises the device between phases (each phase's own cost; slows decoding),
+            ``"events"`` reads CUDA events instead (the GPU timeline of undisturbed steps, idle time
+            included). Leave it off when measuring throughput.
 
     After ``generate``, the target cache's ``stats`` also hold ``prefill_seconds``,
     ``decode_seconds``, ``step_end_times`` (host clock, each after the step's device sync) and
@@ -302,7 +344,7 @@ class SpeculativeDecoder:
         fused_ops: bool | None = None,
         accept_override=None,
         prefill=None,
-        profile: bool = False,
+        profile: bool | str = False,
     ):
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -385,7 +427,7 @@ class SpeculativeDecoder:
         self._max_new = max_new
         self._scores = [[] for _ in range(batch)] if self.output_scores else None
         self._raw = [[] for _ in range(batch)] if self.output_logits else None
-        self._clock = _PhaseClock(device, self.profile)
+        self._clock = _PhaseClock(device, {False: None, True: "sync"}.get(self.profile, self.profile))
         started = time.perf_counter()
 
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
@@ -432,7 +474,8 @@ class SpeculativeDecoder:
             generated_tokens=sum(self._generated), step_end_times=[t - decoding for t in step_ends],
             step_tokens=step_tokens,
             cuda_graphs={"target": target.graph_report, "draft": draft.graph_report},
-            **({"phase_seconds": self._clock.steps} if self.profile else {}),
+            **({"phase_seconds": self._clock.steps, "phase_host_seconds": self._clock.host_steps}
+               if self.profile else {}),
         )
         return self._result(input_ids, target.cache, draft.cache)
 
