@@ -340,7 +340,11 @@ def _peak_gib() -> float | None:
 
 # ----------------------------------------------------------------------------- hardware bound
 def param_bytes(model) -> int:
-    seen, total = set(), 0
+    """Bytes of the weights one forward reads: every parameter once, except an input embedding table not
+    tied to the head (a forward gathers a few of its rows, not the table)."""
+    embedding = model.get_input_embeddings().weight
+    skip = {embedding.data_ptr()} - {model.get_output_embeddings().weight.data_ptr()}
+    seen, total = set(skip), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())

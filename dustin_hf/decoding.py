@@ -281,9 +281,8 @@ class DraftReads:
         selection, seqlens = last
         if selection.indices.shape[1] != config.budget or any(n != config.budget for n in selection.counts):
             return None
-        device = selection.indices.device
-        since = device_tensor(seqlens, device)[:, None] + torch.arange(cls.extra(gamma), device=device)
-        since = since.clamp_max(capacity - 1).to(torch.int32)
+        since = [[min(n + i, capacity - 1) for i in range(cls.extra(gamma))] for n in seqlens]  # host: one copy
+        since = device_tensor(since, selection.indices.device, torch.int32)
         return cls(torch.cat([selection.indices, since], dim=1), list(seqlens), list(selection.counts))
 
     def at(self, cached: list[int]) -> Selection:
