@@ -1,7 +1,8 @@
 """Decode-sized GEMMs: cuBLAS (``F.linear``) against :func:`dustin_hf.kernels.triton_gemm.skinny_linear`.
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
-o_proj, gate/up fused, down) and its head. Each call is timed as a CUDA-graph replay of ``--reps``
+o_proj, gate/up fused, down) and its head; ``down_silu`` is the MLP's tail, SiLU·mul then down: the
+baseline runs the SiLU·mul kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph replay of ``--reps``
 back-to-back calls (how the decode loop runs them), so launch cost inside a graph is included and
 Python's is not. ``--sweep`` times the kernel's launch configurations too (``key=v1,v2 ...``, keys:
 block_n, block_k, split_k, num_warps, num_stages). Prints a table and one JSON line; ``--out`` saves it.
@@ -27,9 +28,10 @@ SHAPES = {
     "o_proj": (16, 896, 896, False),
     "gate_up": (16, 9728, 896, False),
     "down": (16, 896, 4864, False),
+    "down_silu": (16, 896, 4864, False),  # silu(gate) * up, then down: silu_mul + cuBLAS vs one skinny launch
     "lm_head": (16, 151936, 896, False),
 }
-SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False)}
+SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "down_silu": (5, 24, 200, False)}
 
 
 def graph_us(fn, reps: int) -> float:
@@ -86,24 +88,37 @@ def main(argv=None) -> dict:
     rows = []
     for name, (m, n, k, has_bias) in shapes.items():
         torch.manual_seed(0)
-        x = torch.randn(m, k, device=device, dtype=dtype)
+        silu = name == "down_silu"
+        x = torch.randn(m, 2 * k if silu else k, device=device, dtype=dtype)
         w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
         b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
-        ref = torch.nn.functional.linear(x, w, b)
+        if silu:
+            from dustin_hf.kernels.triton_fused import silu_mul_triton
+
+            def baseline():
+                return torch.nn.functional.linear(silu_mul_triton(x), w, b)
+        else:
+            def baseline():
+                return torch.nn.functional.linear(x, w, b)
+
+        def kernel(**overrides):
+            return skinny_linear(x, w, b, silu_mul=silu, **overrides)
+
+        ref = baseline()
         cfg = _config(n, k, _sm_count(device), x.element_size())
         row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "weight_mb": n * k * x.element_size() / 1e6,
                "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}
-        out = skinny_linear(x, w, b)
+        out = kernel()
         row["max_err"] = (out.float() - ref.float()).abs().max().item()
         if device.type == "cuda":
-            row["cublas_us"] = graph_us(lambda: torch.nn.functional.linear(x, w, b), args.reps)
-            row["triton_us"] = graph_us(lambda: skinny_linear(x, w, b), args.reps)
+            row["cublas_us"] = graph_us(baseline, args.reps)
+            row["triton_us"] = graph_us(kernel, args.reps)
             row["cublas_tbps"] = row["weight_mb"] / row["cublas_us"] / 1e6
             row["triton_tbps"] = row["weight_mb"] / row["triton_us"] / 1e6
             tried = []
             for overrides in sweep:
                 try:
-                    us = graph_us(lambda: skinny_linear(x, w, b, **overrides), args.reps)
+                    us = graph_us(lambda: kernel(**overrides), args.reps)
                 except Exception as error:  # an invalid combination (shared memory, block sizes) is reported
                     tried.append({"overrides": overrides, "error": f"{type(error).__name__}: {str(error)[:80]}"})
                     continue

@@ -30,12 +30,15 @@ import triton
 import triton.language as tl
 
 from . import launch_device
+from .triton_fused import _DTYPES as _TL_DTYPES
+from .triton_fused import _round
 from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["MAX_ROWS", "skinny_linear"]
 
 MAX_ROWS = 16  # one BLOCK_M tile of rows: the kernel is for decode-sized inputs
-_WAVES = 1  # programs per SM the split count aims for (each streams its weight tiles)
+_WAVES = 2  # programs per SM the split count aims for (each streams its weight tiles)
+_MIN_SPLIT_K_TILES = 16  # K shorter than this many tiles is not split
 _MAX_SPLITS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,21 +55,28 @@ class _Config:
 def _config(n: int, k: int, sm_count: int, elem_bytes: int, *, block_n: int | None = None,
             block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, waves: int = _WAVES) -> _Config:
-    """Tiles of ``block_n x block_k`` weights (16 KB for 16-bit weights), enough splits of ``K`` for the grid to
-    give every SM about ``waves`` programs, each split at least two ``block_k`` tiles long."""
+    """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights) and, for a long ``K`` only, enough
+    splits of it for the grid to give every SM about ``waves`` programs, each split at least two tiles long.
+
+    Measured on an H200 under CUDA graphs (16 rows, bf16, ``benchmarks/results/gemm_h200.json``): 32-wide
+    tiles and 3 stages were best for every 0.5B-draft shape; splitting paid for ``down`` (K = 4864: 8
+    splits 5.5 us, 1 split slower than cuBLAS's 6.3) and cost for K = 896 (o_proj: 3.4 us unsplit, 3.9
+    with 4 splits).
+    """
     if block_k is None:
         block_k = 128 if elem_bytes == 2 else 64
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if block_n is None:
-        block_n = 64
+        block_n = 32
     n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     if split_k is None:
-        split_k = max(1, min((waves * sm_count) // n_tiles, k_tiles // 2, _MAX_SPLITS))
+        split_k = 1 if k_tiles < _MIN_SPLIT_K_TILES else max(1, min((waves * sm_count) // n_tiles, k_tiles // 2,
+                                                                    _MAX_SPLITS))
     split_k = max(1, min(split_k, k_tiles))
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no split without a tile
-    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or 4)
+    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or 3)
 
 
 @triton.jit
@@ -75,6 +85,7 @@ def _skinny_gemm_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SILU_MUL: tl.constexpr, X_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     j = tl.program_id(0)
@@ -89,8 +100,16 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < k_hi
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        x_ptrs = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        if SILU_MUL:  # X rows are [gate | up], each K wide: silu(gate) * up, rounded as silu_mul rounds it
+            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = _round(_round(gate / (1.0 + tl.exp(-gate)), X_DTYPE) * up, X_DTYPE)  # fp32, exact in X's dtype
+            if not UPCAST:
+                x = x.to(X.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         w = tl.load(W + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if UPCAST:  # the interpreter multiplies bf16 as raw bits
@@ -132,15 +151,20 @@ def _workspace(device: torch.device, n_tiles: int, split_k: int, block_n: int) -
     return _workspaces[key]
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **overrides) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  silu_mul: bool = False, **overrides) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)`` with at most :data:`MAX_ROWS` rows, one launch.
 
     ``weight (N, K)`` and ``bias (N,)`` as ``nn.Linear`` holds them (contiguous along ``K``); fp16, bf16 or
-    fp32, all one dtype. ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``,
-    ``num_stages``) are for benchmarks.
+    fp32, all one dtype. With ``silu_mul``, ``x`` is ``(..., 2K)`` = ``[gate | up]`` and the product is
+    taken with ``silu(gate) * up`` rounded exactly as :func:`~dustin_hf.kernels.triton_fused.silu_mul_triton`
+    rounds it (an MLP's down projection without the intermediate tensor and its launch). ``overrides``
+    (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``) are for benchmarks.
     """
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+    if silu_mul and x.shape[-1] != 2 * k:
+        raise ValueError(f"silu_mul needs x's last dimension even ([gate | up]); got {x.shape[-1]}")
+    rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
@@ -168,6 +192,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 m, n, k, k_tiles_per_split * cfg.block_k,
                 rows.stride(0), weight.stride(0), out.stride(0),
                 HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, UPCAST=interpreting and x.dtype == torch.bfloat16,
+                SILU_MUL=silu_mul, X_DTYPE=_TL_DTYPES[x.dtype],
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
