@@ -137,22 +137,17 @@ def draft_lookahead_scores(
 
 def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads, group_size, softmax_scale,
                             num_positions) -> torch.Tensor:
-    """The Triton path of :func:`draft_lookahead_scores`: the layers add into one buffer, and the last
-    one zeroes the draft tokens' own positions in the same pass (no extra elementwise kernels)."""
+    """The Triton path of :func:`draft_lookahead_scores`: one call for all layers (their scores summed in
+    one pass 2, which also zeroes the draft tokens' own positions: no extra elementwise kernels)."""
     from .kernels import launch_device
-    from .kernels.triton_score import attention_mass_triton
+    from .kernels.triton_score import attention_mass_layers_triton
 
     device = draft_queries[0].device
     gamma = draft_queries[0].shape[1]
     query_pos, seqlens = query_pos.to(device), seqlens.to(device)
-    total = None  # the first layer writes a fresh buffer, the others add into it
     with launch_device(draft_queries[0]):
-        for layer, (queries, keys, layer_heads) in enumerate(zip(draft_queries, draft_keys, heads)):
-            last = layer == len(draft_queries) - 1
-            total = attention_mass_triton(queries, keys, query_pos, layer_heads, group_size, softmax_scale,
-                                          num_positions, num_positions + gamma, out=total,
-                                          position_limit=seqlens if last else None)
-    return total
+        return attention_mass_layers_triton(draft_queries, draft_keys, query_pos, heads, group_size, softmax_scale,
+                                            num_positions, num_positions + gamma, position_limit=seqlens)
 
 
 def _check_backend(backend: str) -> None:

@@ -5,8 +5,9 @@ subprocess): it calls :func:`attention_mass_triton` on meta tensors at the scori
 ``benchmarks/select_timing.py`` (Qwen2.5-72B's target layer and the Qwen2.5-0.5B draft, batch 16,
 32k positions), catches each kernel launch instead of running it, compiles it with the
 specialisation Triton's JIT picks for those arguments (its own binder), and prints one JSON list:
-per launch, the kernel, its tile sizes and a count of each global load/store/cp.async instruction
-in the PTX. Values cannot be checked this way, only how the memory is accessed, which no CPU test
+per launch, the kernel, its tile sizes and a count of each global load/store/cp.async/atomic
+instruction in the PTX. The launches are sized for an H200's 132 SMs (as many splits and pass 2
+programs as there). Values cannot be checked this way, only how the memory is accessed, which no CPU test
 of the values can see. Exits 77 where this Triton cannot compile for CUDA.
 """
 
@@ -20,7 +21,8 @@ import sys
 import torch
 
 SKIP = 77
-_MEMORY_OP = re.compile(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*|cp\.async\.c[ag][\w.:]*)")
+H200_SMS = 132
+_MEMORY_OP = re.compile(r"\b(ld\.global[\w.:]*|st\.global[\w.:]*|cp\.async\.c[ag][\w.:]*|atom\.[\w.:]*)")
 
 
 def capture_launches(module, names: tuple[str, ...], run) -> list[tuple[object, dict, dict]]:
@@ -98,7 +100,12 @@ def scoring_launches() -> list[tuple[object, dict, dict]]:
                                        [empty(batch, context + n_queries, 2, 64)] * 3, seqlens,
                                        (tuple(range(7)),) * 3, 7, 64**-0.5, context, backend="triton")
 
-    return capture_launches(triton_score, ("_score_pass1_kernel", "_score_pass2_kernel"), run)
+    sm_count = triton_score._sm_count
+    triton_score._sm_count = lambda device: H200_SMS  # meta tensors: size the launches as on the GPU
+    try:
+        return capture_launches(triton_score, ("_score_pass1_kernel", "_score_pass2_kernel"), run)
+    finally:
+        triton_score._sm_count = sm_count
 
 
 def main() -> None:

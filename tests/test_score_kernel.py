@@ -187,6 +187,71 @@ def test_draft_lookahead_scores_triton():
     assert got[0, 12:].abs().max() == 0 and got[2, 5:].abs().max() == 0
 
 
+def _layers_inputs(seed: int, dtype: torch.dtype = torch.float32):
+    """Three draft-like layers (different heads, one of them over two KV heads), ragged rows, and what
+    ``attention_mass`` sums to over them."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = ((0, 1), (5, 2, 3), (3,))  # group 2: layer 1 reads KV heads 2 and 1
+    keys = [torch.randn(3, 75, 3, 32, generator=gen).to(DEVICE, dtype) for _ in heads]
+    queries = [(1.5 * torch.randn(3, 4, len(h), 32, generator=gen)).to(DEVICE, dtype) for h in heads]
+    query_pos = torch.tensor([[60, 61, 62, 63], [3, 0, 5, 1], [40, 41, 42, 43]], device=DEVICE)
+    return queries, keys, query_pos, heads
+
+
+@pytest.mark.parametrize("launch", [
+    dict(),  # the heuristic
+    dict(block_n=16, num_splits=3, tile=64, block_p=32, block_r=8, num_stages_reduce=1),  # 4 row blocks, 2 tiles a step
+    dict(block_n=16, num_splits=4, tile=48, block_p=16, block_r=4, num_stages_reduce=3),  # 7 row blocks, ragged tiles
+    dict(block_n=32, num_splits=1, tile=64, block_p=64, block_r=32, num_warps_reduce=2),  # one split: no ticket
+])
+def test_layers_in_one_pass_2_equal_the_sum_over_layers(launch):
+    """``attention_mass_layers_triton``: all layers' rows in one set of buffers and one pass 2, with
+    ``out=`` and ``position_limit``, equals ``out`` plus the reference's per-layer masses, limited."""
+    kernel = _kernel()
+    queries, keys, query_pos, heads = _layers_inputs(7)
+    num_positions, span = 56, 64
+    limit = torch.tensor([50, 56, 20], device=DEVICE)
+    start = torch.rand(3, num_positions, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = start + sum(attention_mass(q, k, query_pos, h, 2, 0.2, num_positions, span)
+                       for q, k, h in zip(queries, keys, heads))
+    want = want * (torch.arange(num_positions, device=DEVICE)[None, :] < limit[:, None])
+    rows = query_pos.shape[1] * sum(map(len, heads))
+    config = kernel._config(3, 3, 32, span, num_positions, 1, rows=rows, **launch) if launch else None
+    got = kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, num_positions, span,
+                                              out=start.clone(), position_limit=limit, config=config)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_split_tickets_are_reset_and_a_second_launch_is_identical():
+    """The ticket merge leaves every counter at zero (what a replayed CUDA graph relies on), so the same
+    launch twice, and then another shape, give the same results as before."""
+    kernel = _kernel()
+    from dustin_hf.kernels.triton_verify import _tickets
+
+    queries, keys, query_pos, heads = _layers_inputs(8, torch.float16)
+    config = kernel._config(3, 6, 32, 64, 56, 1, rows=24, block_n=16, num_splits=4)
+    run = lambda: kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, 56, 64,  # noqa: E731
+                                                      config=config)
+    first = run()
+    counters = _tickets(torch.device(DEVICE), 1)
+    assert counters.abs().sum().item() == 0
+    torch.testing.assert_close(run(), first, rtol=0, atol=0)
+    kernel.attention_mass_triton(queries[1], keys[1], query_pos, heads[1], 2, 0.2, 30, 64)  # other splits
+    assert counters.abs().sum().item() == 0
+    torch.testing.assert_close(run(), first, rtol=0, atol=0)
+
+
+def test_layers_must_share_queries_head_dim_and_dtype():
+    queries, keys, query_pos, heads = _layers_inputs(9)
+    mass = _kernel().attention_mass_layers_triton
+    with pytest.raises(ValueError, match="one key dtype"):
+        mass(queries, [keys[0], keys[1].half(), keys[2]], query_pos, heads, 2, 0.2, 56, 64)
+    with pytest.raises(ValueError, match="entry per layer"):
+        mass(queries, keys[:2], query_pos, heads, 2, 0.2, 56, 64)
+    with pytest.raises(ValueError, match="block_p"):
+        _kernel()._config(3, 3, 32, 64, 56, 1, block_n=16, block_p=48)
+
+
 def test_query_that_sees_nothing_adds_nothing():
     """``query_pos = -1`` (an empty row): the kernel adds 0 (the reference's softmax over nothing is NaN)."""
     gen = torch.Generator().manual_seed(5)
@@ -246,20 +311,25 @@ def test_cuda_graph_replay():
 
 def test_memory_accesses_are_wide_on_sm90():
     """How the kernels touch memory at the 72B / 0.5B scoring shapes, compiled for sm_90 without a GPU
-    (``kernel_ptx.py``, in a subprocess without the interpreter): pass 1 streams the keys through
-    16-byte ``cp.async`` copies and stores the scores 16 bytes at a time, pass 2 reads them back in
-    vectors. No value test sees this: with the keys' batch stride left unspecialised, Triton could not
-    prove a key row aligned, loaded the keys 2 bytes at a time without pipelining, and pass 1 ran at
-    ~1.1 TB/s on an H200 while every test above passed."""
+    (``kernel_ptx.py``, in a subprocess without the interpreter, launches sized for 132 SMs): pass 1
+    streams the keys through 16-byte ``cp.async`` copies, stores the scores 16 bytes at a time and
+    merges its splits' log-sum-exps through an acq_rel ticket; pass 2 (one launch for the three draft
+    layers) reads the scores back through 16-byte ``cp.async`` copies, software-pipelined. No value
+    test sees this: with the keys' batch stride left unspecialised, Triton could not prove a key row
+    aligned, loaded the keys 2 bytes at a time without pipelining, and pass 1 ran at ~1.1 TB/s on an
+    H200 while every test above passed."""
     launches = sm90_ptx_report("kernel_ptx.py")
-    assert {launch["kernel"] for launch in launches} == {"_score_pass1_kernel", "_score_pass2_kernel"}
+    assert [launch["kernel"] for launch in launches] == ["_score_pass1_kernel", "_score_pass2_kernel"] * 2
     for launch in launches:
         ops, label = launch["ops"], f"{launch['kernel']} {launch['constexprs']}: {launch['ops']}"
         streamed = [op for op in ops if "evict_first" in op]  # pass 1's keys unpipelined, pass 2's scores
+        assert ops.get("cp.async.cg.shared.global", 0) > 0, f"not loaded through 16-byte cp.async: {label}"
+        assert not streamed, f"streamed by plain loads: {label}"
         if launch["kernel"] == "_score_pass1_kernel":
-            assert ops.get("cp.async.cg.shared.global", 0) > 0, f"keys not loaded through 16-byte cp.async: {label}"
-            assert not streamed, f"keys loaded by plain loads: {label}"
             stores = [op for op in ops if op.startswith("st.global") and "evict_last" in op]
             assert stores and all(".v4." in op for op in stores), f"scores not stored 16 bytes at a time: {label}"
+            assert launch["constexprs"]["BLOCK_S"] > 1, "the H200 launch splits the keys"
+            assert ops.get("atom.global.gpu.acq_rel.add.u32") == 1 and ops.get("ld.global.cg.b32"), \
+                f"no ticket merge of the splits: {label}"
         else:
-            assert streamed and all(".v2." in op or ".v4." in op for op in streamed), f"scores read narrow: {label}"
+            assert not [op for op in ops if op.startswith("ld.global.") and ".b16" in op], f"narrow loads: {label}"

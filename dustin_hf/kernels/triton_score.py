@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import select_heads
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
+from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _tickets
 
-__all__ = ["attention_mass_triton"]
+__all__ = ["attention_mass_layers_triton", "attention_mass_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
@@ -70,7 +71,14 @@ _MIN_BLOCKS_PER_SPLIT = 4  # a split walks at least this many key tiles (amortis
 # (the draft's pass 1 uses ~123 registers a thread, so 4 programs of 4 warps fill an SM's register file).
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 16384  # pass 1: key bytes per tile (block_n * head_dim * key_bytes)
-_PASS2_PROGRAMS_PER_SM = 4
+# Pass 2 streams the scores (no dot; per score a convert, an add, an ex2, a compare, a select, an add).
+# Each loop step loads one block of ~_PASS2_STEP_ELEMENTS scores (16-18 KB at the headline shapes) through
+# cp.async while the previous one is computed (_PASS2_STAGES), so a program keeps one block in flight; at
+# ~120 registers a thread and 8 warps two programs fit an SM, which _PASS2_PROGRAMS_PER_SM fills in one wave.
+_PASS2_PROGRAMS_PER_SM = 2
+_PASS2_STEP_ELEMENTS = 8192  # scores per pass 2 step (rows padded to row blocks x block_p positions)
+_PASS2_BLOCK_R = 32  # rows per row block: 3 draft layers x 28 rows pad to 96, not to 128
+_PASS2_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,18 +89,25 @@ class _Config:
         block_n: key positions per tile (both passes; pass 2 indexes pass 1's per-tile maxima).
         num_splits: pass 1 programs per (batch row, KV head, row tile) along the keys.
         chunk: key positions per split, a multiple of ``block_n``.
-        tile: pass 2 output positions per program, a multiple of ``block_n``.
+        tile: pass 2 output positions per program, a multiple of ``block_p``.
+        block_p: pass 2 positions per loop step, a multiple of ``block_n`` (a power-of-two number of tiles).
+        block_r: pass 2 rows per row block (a power of two; capped at the rows' next power of two).
         num_warps, num_stages: Triton launch options of pass 1.
         num_warps_reduce: ``num_warps`` of pass 2.
+        num_stages_reduce: software-pipelining stages of pass 2's loop (1: none; ``s``: the scores of
+            ``s - 1`` steps are loaded, through ``cp.async``, while one is computed).
     """
 
     block_n: int
     num_splits: int
     chunk: int
     tile: int
+    block_p: int
+    block_r: int
     num_warps: int
     num_stages: int
     num_warps_reduce: int
+    num_stages_reduce: int
 
 
 def _config(
@@ -104,24 +119,30 @@ def _config(
     sm_count: int,
     *,
     key_bytes: int = 2,
+    rows: int = 32,
     programs_per_sm: int = _PROGRAMS_PER_SM,
     tile_bytes: int = _TILE_BYTES,
+    pass2_programs_per_sm: int = _PASS2_PROGRAMS_PER_SM,
     block_n: int | None = None,
     num_splits: int | None = None,
     tile: int | None = None,
+    block_p: int | None = None,
+    block_r: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_warps_reduce: int | None = None,
+    num_stages_reduce: int | None = None,
 ) -> _Config:
     """Tile sizes and split counts from host-known sizes only (no device data, so graph-safe).
 
-    ``pass1_programs_per_split`` is ``B * sum over KV heads of m_tiles``: the pass 1 programs that
-    one split count multiplies; ``key_bytes`` is the keys' element size. Any keyword left ``None``
-    takes the heuristic value: key tiles of about ``tile_bytes`` (``block_n * head_dim * key_bytes``);
-    enough splits to give every SM about ``programs_per_sm`` pass 1 programs, each walking at least
-    ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 tiles sized for about ``_PASS2_PROGRAMS_PER_SM``
-    programs per SM. ``programs_per_sm`` and ``tile_bytes`` exist for benchmarks/select_timing.py's
-    sweep.
+    ``pass1_programs_per_split`` is ``B * m_tiles`` of the largest pass 1 launch: the programs that one
+    split count multiplies; ``key_bytes`` is the keys' element size, ``rows`` pass 2's rows (all
+    layers'). Any keyword left ``None`` takes the heuristic value: key tiles of about ``tile_bytes``
+    (``block_n * head_dim * key_bytes``); enough splits to give every SM about ``programs_per_sm``
+    pass 1 programs, each walking at least ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 steps of about
+    ``_PASS2_STEP_ELEMENTS`` scores (rows padded to row blocks), tiles sized for about
+    ``pass2_programs_per_sm`` programs per SM. ``programs_per_sm``, ``tile_bytes`` and
+    ``pass2_programs_per_sm`` exist for benchmarks/select_timing.py's sweep.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
@@ -134,17 +155,33 @@ def _config(
     num_splits = max(1, min(num_splits, n_blocks, _MAX_SPLITS))
     blocks_per_split = triton.cdiv(n_blocks, num_splits)
     num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
+
+    block_r = block_r or _PASS2_BLOCK_R
+    rows_padded = triton.cdiv(rows, block_r) * block_r if rows > block_r else triton.next_power_of_2(rows)
+    out_blocks = max(1, triton.cdiv(num_positions, block_n))
+    if block_p is None:
+        step_tiles = max(1, _PASS2_STEP_ELEMENTS // (rows_padded * block_n))
+        step_tiles = min(1 << (step_tiles.bit_length() - 1), triton.next_power_of_2(out_blocks))  # a power of two
+        if tile is not None:  # an explicit tile: the largest such step that divides it
+            while tile % (step_tiles * block_n):
+                step_tiles //= 2
+        block_p = max(1, step_tiles) * block_n
+    step_tiles = block_p // block_n
+    if block_p % block_n or step_tiles & (step_tiles - 1):
+        raise ValueError(f"block_p ({block_p}) must be block_n ({block_n}) times a power of two")
     if tile is None:
-        out_blocks = max(1, triton.cdiv(num_positions, block_n))
-        tiles_per_row = max(1, triton.cdiv(_PASS2_PROGRAMS_PER_SM * sm_count, batch))
-        tile = triton.cdiv(out_blocks, min(tiles_per_row, out_blocks)) * block_n
-    if tile % block_n:
-        raise ValueError(f"tile ({tile}) must be a multiple of block_n ({block_n})")
+        out_steps = triton.cdiv(out_blocks, step_tiles)
+        tiles_per_row = max(1, triton.cdiv(pass2_programs_per_sm * sm_count, batch))
+        tile = triton.cdiv(out_steps, min(tiles_per_row, out_steps)) * block_p
+    if tile % block_p:
+        raise ValueError(f"tile ({tile}) must be a multiple of block_p ({block_p}) and block_n ({block_n})")
     return _Config(
-        block_n=block_n, num_splits=num_splits, chunk=blocks_per_split * block_n, tile=tile,
+        block_n=block_n, num_splits=num_splits, chunk=blocks_per_split * block_n, tile=tile, block_p=block_p,
+        block_r=block_r,
         num_warps=num_warps or (8 if key_bytes == 4 else 4),  # fp32: an FMA dot, more registers
         num_stages=num_stages or (3 if block_n * block_d <= 64 * 128 else 2),
-        num_warps_reduce=num_warps_reduce or 4,
+        num_warps_reduce=num_warps_reduce or (8 if rows_padded * block_p > 4096 else 4),
+        num_stages_reduce=num_stages_reduce or _PASS2_STAGES,
     )
 
 
@@ -155,23 +192,26 @@ def _config(
 # ~1.1 TB/s on an H200). The per-call buffers' strides are multiples of BLOCK_N by construction, which
 # tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
 @triton.jit(do_not_specialize=[
-    "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr",
+    "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_lb", "stride_lr",
     "stride_xb", "span", "chunk",
 ])
 def _score_pass1_kernel(
     Q, K, QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
-    SHIFTED, TILE_MAX, LSE_PART,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R, num_splits)
+    SHIFTED, TILE_MAX, LSE,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R) the rows' log-sum-exps
+    LSE_PART, TICKETS,  # (B, R, num_splits) per-split log-sum-exps; (>= B * M_TILES,) int32 zeroed counters
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kd,
     stride_pb, stride_pr,  # SHIFTED, unit stride along positions
     stride_mb, stride_mt,  # TILE_MAX, unit stride along rows (a tile's maxima are one write)
+    stride_eb,  # LSE, unit stride along rows
     stride_lb, stride_lr,  # LSE_PART, unit stride along splits
     stride_xb, stride_xt,  # QPOS
     span, chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
     N_QUERIES: tl.constexpr, N_HEADS: tl.constexpr, ALL_HEADS: tl.constexpr, HEAD_OFFSET: tl.constexpr,
     HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two; 1: one split, which writes LSE itself
 ):
     split = tl.program_id(0) // M_TILES
     m_tile = tl.program_id(0) % M_TILES
@@ -216,54 +256,90 @@ def _score_pass1_kernel(
         tl.store(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + out_row, m_new, mask=row_ok)
 
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))  # base 2
-    tl.store(LSE_PART + b * stride_lb + out_row * stride_lr + split, lse, mask=row_ok)
+    if BLOCK_S == 1:
+        tl.store(LSE + b * stride_eb + out_row, tl.where(l_i == 0.0, 0.0, lse), mask=row_ok)  # finite, as merged
+    else:
+        part_rows = b * stride_lb + out_row * stride_lr  # (BLOCK_M,)
+        tl.store(LSE_PART + part_rows + split, lse, mask=row_ok)
+        _merge_lse_if_last(TICKETS + b * M_TILES + m_tile, tl.num_programs(0) // M_TILES, LSE_PART + part_rows,
+                           LSE + b * stride_eb + out_row, row_ok, BLOCK_S)
+
+
+@triton.jit
+def _merge_lse_if_last(ticket, num_splits, part_ptrs, lse_ptrs, row_ok, BLOCK_S: tl.constexpr):
+    """Take a ticket; the last of the ``num_splits`` programs of this (batch row, row tile) merges the
+    splits' log-sum-exps of its rows (``part_ptrs``: split 0 of each, unit split stride) into ``lse_ptrs``
+    and resets the counter to 0 for the next launch.
+
+    Memory ordering as in :func:`dustin_hf.kernels.triton_verify._merge_if_last` (the grid-sync pattern):
+    the CTA barrier orders every thread's partial store before the atomic, whose release at GPU scope
+    publishes them; the last arriver's acquire sees every earlier release, and its loads go through L2
+    (``.cg``). Programs only count, none waits, so any schedule of the grid terminates.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")  # tickets taken before this one
+    if arrived == num_splits - 1:
+        s = tl.arange(0, BLOCK_S)
+        part = tl.load(part_ptrs[:, None] + s[None, :], mask=row_ok[:, None] & (s[None, :] < num_splits),
+                       other=float("-inf"), cache_modifier=".cg")  # (BLOCK_M, BLOCK_S); empty splits are -inf
+        part_max = tl.max(part, 1)
+        part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
+        total = tl.sum(tl.exp2(part - part_max[:, None]), 1)  # 0 iff the row's query sees nothing
+        lse = part_max + tl.log2(tl.where(total == 0.0, 1.0, total))  # 0 (finite) on a row that sees nothing
+        tl.store(lse_ptrs, lse, mask=row_ok)
+        tl.store(ticket, 0)  # every split has its ticket: nothing reads the counter again in this launch
 
 
 @triton.jit(do_not_specialize=[
-    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_lb", "stride_lr", "stride_xb", "stride_ob",
-    "num_positions", "num_splits", "tile",
+    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_xb", "stride_ob", "num_positions", "tile",
 ])
 def _score_pass2_kernel(
-    SHIFTED, TILE_MAX, LSE_PART, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
-    stride_pb, stride_pr, stride_mb, stride_mt, stride_lb, stride_lr, stride_xb, stride_xt, stride_limit, stride_ob,
-    num_positions, num_splits, tile,
-    N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHIFTED, TILE_MAX, LSE, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
+    stride_pb, stride_pr, stride_mb, stride_mt, stride_eb, stride_xb, stride_xt, stride_limit, stride_ob,
+    num_positions, tile,
+    N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """``out[b, p] (+)= sum_r exp2(x[r, p] + m[r, p // BLOCK_N] - lse[r])`` over rows whose query sees ``p``."""
-    b = tl.program_id(1).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)  # (BLOCK_R,) buffer rows j * ALL_HEADS + k
-    r_ok = r < N_ROWS
-    # Merge the splits' log-sum-exps: lse = max + log2(sum 2^(lse_s - max)); empty splits are -inf.
-    s = tl.arange(0, BLOCK_S)
-    part = tl.load(LSE_PART + b * stride_lb + r[:, None] * stride_lr + s[None, :],
-                   mask=r_ok[:, None] & (s[None, :] < num_splits), other=float("-inf"))  # (BLOCK_R, BLOCK_S)
-    part_max = tl.max(part, 1)
-    part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
-    total = tl.sum(tl.exp2(part - part_max[:, None]), 1)  # (BLOCK_R,); 0 iff the row's query sees nothing
-    lse = part_max + tl.log2(tl.where(total == 0.0, 1.0, total))
-    last = tl.load(QPOS + b * stride_xb + (r // ALL_HEADS) * stride_xt, mask=r_ok, other=-1).to(tl.int32)
+    """``out[b, p] (+)= sum_r exp2(x[r, p] + m[r, p // BLOCK_N] - lse[r])`` over rows whose query sees ``p``.
 
-    lo = tl.multiple_of(tl.program_id(0) * tile, BLOCK_N)  # tile is a multiple of BLOCK_N (host)
+    A step covers ``BLOCK_T`` of pass 1's tiles (``BLOCK_T * BLOCK_N`` positions) of all rows, in
+    ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows: each block's scores are one ``(BLOCK_R, BLOCK_T, BLOCK_N)``
+    load, and the blocks add up elementwise before the one reduction over rows.
+    """
+    b = tl.program_id(1).to(tl.int64)
+    lo = tl.multiple_of(tl.program_id(0) * tile, BLOCK_T * BLOCK_N)  # tile: a multiple of the step (host)
     hi = tl.minimum(lo + tile, num_positions)
+    t = tl.arange(0, BLOCK_T)
     if HAS_LIMIT:
         limit = tl.load(LIMIT + b * stride_limit).to(tl.int32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) positions
+    for start in tl.range(lo, hi, BLOCK_T * BLOCK_N, num_stages=NUM_STAGES):
+        tile_start = start + t * BLOCK_N  # (BLOCK_T,) first position of each of pass 1's tiles
+        n = tile_start[:, None] + tl.arange(0, BLOCK_N)[None, :]  # (BLOCK_T, BLOCK_N) positions
         pos_ok = n < hi
-        # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
-        seen = r_ok[:, None] & (n[None, :] <= last[:, None]) & pos_ok[None, :]  # (BLOCK_R, BLOCK_N)
-        tile_seen = r_ok & (start <= last)  # (BLOCK_R,): pass 1 wrote this row's tile
-        tile_max = tl.load(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + r, mask=tile_seen, other=0.0)
-        offset = tl.where(tile_seen, tile_max - lse, 0.0)  # (BLOCK_R,), <= 0
-        x = tl.load(SHIFTED + tl.multiple_of(b * stride_pb + r * stride_pr, BLOCK_N)[:, None] + n[None, :],
-                    mask=r_ok[:, None],
-                    eviction_policy="evict_first")  # (BLOCK_R, BLOCK_N), whole tiles (vectorised), last use
-        mass = tl.sum(tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, None]), 0.0), 0)  # (BLOCK_N,)
         out_ptrs = OUT + b * stride_ob + n
         if ACCUMULATE:
-            mass += tl.load(out_ptrs, mask=pos_ok, other=0.0)
+            mass = tl.load(out_ptrs, mask=pos_ok, other=0.0)  # issued first: nothing below waits for it
+        else:
+            mass = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        probs = tl.zeros([BLOCK_R, BLOCK_T, BLOCK_N], tl.float32)
+        for rb in tl.static_range(ROW_BLOCKS):
+            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) buffer rows j * ALL_HEADS + k
+            r_ok = r < N_ROWS
+            x = tl.load(SHIFTED + tl.multiple_of(b * stride_pb + r * stride_pr, BLOCK_N)[:, None, None] + n[None, :, :],
+                        mask=r_ok[:, None, None],
+                        eviction_policy="evict_first")  # (BLOCK_R, BLOCK_T, BLOCK_N), whole tiles (vectorised)
+            lse = tl.load(LSE + b * stride_eb + r, mask=r_ok, other=0.0)  # (BLOCK_R,), L1 after the first step
+            last = tl.load(QPOS + b * stride_xb + (r // ALL_HEADS) * stride_xt, mask=r_ok, other=-1).to(tl.int32)
+            # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
+            last = tl.where(r_ok, tl.minimum(last, hi - 1), -1)  # padding rows see nothing, nobody sees >= hi
+            tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile
+            tile_max = tl.load(TILE_MAX + b * stride_mb + (tile_start // BLOCK_N)[None, :] * stride_mt + r[:, None],
+                               mask=tile_seen, other=0.0)
+            offset = tl.where(tile_seen, tile_max - lse[:, None], 0.0)  # (BLOCK_R, BLOCK_T), <= 0
+            seen = n[None, :, :] <= last[:, None, None]  # (BLOCK_R, BLOCK_T, BLOCK_N): one compare a score
+            probs += tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, :, None]), 0.0)
+        mass += tl.sum(probs, 0)  # (BLOCK_T, BLOCK_N)
         if HAS_LIMIT:
             mass = tl.where(n < limit, mass, 0.0)
         tl.store(out_ptrs, mass, mask=pos_ok)
@@ -303,59 +379,111 @@ def attention_mass_triton(
     Returns:
         ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
     """
-    heads = tuple(int(h) for h in heads)
-    _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit)
-    batch, n_queries, _, head_dim = queries.shape
+    return attention_mass_layers_triton([queries], [keys], query_pos, [heads], group_size, softmax_scale,
+                                        num_positions, key_span, out=out, position_limit=position_limit, config=config)
+
+
+def attention_mass_layers_triton(
+    queries: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    query_pos: torch.Tensor,
+    heads: Sequence[tuple[int, ...]],
+    group_size: int,
+    softmax_scale: float,
+    num_positions: int,
+    key_span: int,
+    *,
+    out: torch.Tensor | None = None,
+    position_limit: torch.Tensor | None = None,
+    config: _Config | None = None,
+) -> torch.Tensor:
+    """The sum over layers of :func:`attention_mass_triton`, with one pass 2 for all of them.
+
+    Every layer's rows go into one set of buffers (the rows of all layers' heads, numbered
+    ``j * total_heads + k`` with ``k`` running over the layers' heads in order), so pass 2 sums them
+    in registers and reads and writes the output once, however many layers there are.
+
+    Args:
+        queries: per layer ``(B, n_q, len(heads[l]), D)``; one ``B``, ``n_q`` and ``D`` for all layers.
+        keys: per layer ``(B, capacity_l, kv_heads_l, D)``, one dtype for all layers.
+        query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config: as
+            in :func:`attention_mass_triton`; the queries of every layer sit at ``query_pos``.
+
+    Returns:
+        ``(B, num_positions)`` float32.
+    """
+    heads = [tuple(int(h) for h in layer_heads) for layer_heads in heads]
+    if not queries or not (len(queries) == len(keys) == len(heads)):
+        raise ValueError(f"need one queries, keys and heads entry per layer (at least one); got {len(queries)}, "
+                         f"{len(keys)} and {len(heads)}")
+    for layer_queries, layer_keys, layer_heads in zip(queries, keys, heads):
+        _check_inputs(layer_queries, layer_keys, query_pos, layer_heads, group_size, num_positions, key_span, out,
+                      position_limit)
+        if layer_keys.dtype != keys[0].dtype or layer_keys.device != keys[0].device \
+                or layer_queries.shape[1::2] != queries[0].shape[1::2]:
+            raise ValueError("all layers need one key dtype and device, one number of queries and one head dim; "
+                             "call attention_mass_triton per layer (with out=) otherwise")
+    batch, n_queries, _, head_dim = queries[0].shape
+    device = keys[0].device
     span = max(key_span, num_positions)
     if out is None:
-        out = torch.empty(batch, num_positions, dtype=torch.float32, device=queries.device)
+        out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
         accumulate = False
     else:
         accumulate = True
     if num_positions == 0 or batch == 0:
         return out
-    groups = _kv_groups(heads, group_size)  # [(kv_head, [indices into heads])], sorted by kv head
-    m_tiles = [triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in groups]
-    if config is None:
-        config = _config(batch, batch * sum(m_tiles), head_dim, span, num_positions, _sm_count(queries.device),
-                         key_bytes=keys.element_size())
+    groups = [_kv_groups(layer_heads, group_size) for layer_heads in heads]  # per layer [(kv_head, [indices])]
+    m_tiles = [[triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in layer] for layer in groups]
+    total_heads = sum(len(layer_heads) for layer_heads in heads)
+    n_rows = n_queries * total_heads
+    if config is None:  # pass 1 launches run one after another: size the splits for the largest launch
+        config = _config(batch, batch * max(max(tiles) for tiles in m_tiles), head_dim, span, num_positions,
+                         _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _patch_interpreter_for_numpy_2_4()
 
-    n_rows = n_queries * len(heads)
     n_tiles = triton.cdiv(span, config.block_n)
-    shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16  # scores - running max
+    shifted_dtype = torch.float32 if keys[0].dtype == torch.float32 else torch.float16  # scores - running max
     # rows padded to whole tiles: a row stride divisible by 16 lets Triton vectorise the 16-bit accesses
-    shifted = torch.empty(batch, n_rows, n_tiles * config.block_n, dtype=shifted_dtype, device=keys.device)
-    tile_max = torch.empty(batch, n_tiles, n_rows, dtype=torch.float32, device=keys.device)  # (B, n_tiles, R)
-    lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=keys.device)  # (B, R, S)
+    shifted = torch.empty(batch, n_rows, n_tiles * config.block_n, dtype=shifted_dtype, device=device)
+    tile_max = torch.empty(batch, n_tiles, n_rows, dtype=torch.float32, device=device)  # (B, n_tiles, R)
+    lse = torch.empty(batch, n_rows, dtype=torch.float32, device=device)  # (B, R)
+    split = config.num_splits > 1
+    lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=device) if split else lse
+    tickets = _tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     head_offset = 0
-    for (kv_head, members), tiles in zip(groups, m_tiles):
-        group_queries = select_heads(queries, members)  # (B, n_q, n_h, D), a view when members are contiguous
-        rows = n_queries * len(members)
-        _score_pass1_kernel[(config.num_splits * tiles, batch)](
-            group_queries, keys[:, :, kv_head], query_pos, shifted, tile_max, lse_part,
-            softmax_scale * _LOG2E,
-            *group_queries.stride(), *keys[:, :, kv_head].stride(),
-            *shifted.stride()[:2], *tile_max.stride()[:2], *lse_part.stride()[:2], *query_pos.stride(),
-            span, config.chunk,
-            N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=len(heads), HEAD_OFFSET=head_offset,
-            HEAD_DIM=head_dim, M_TILES=tiles,
-            BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
-            BLOCK_D=block_d, DOT_PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-        head_offset += len(members)
+    for layer_queries, layer_keys, layer_groups, layer_tiles in zip(queries, keys, groups, m_tiles):
+        for (kv_head, members), tiles in zip(layer_groups, layer_tiles):
+            group_queries = select_heads(layer_queries, members)  # (B, n_q, n_h, D), a view if members are even
+            group_keys = layer_keys[:, :, kv_head]  # (B, capacity, D)
+            rows = n_queries * len(members)
+            _score_pass1_kernel[(config.num_splits * tiles, batch)](
+                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, tickets,
+                softmax_scale * _LOG2E,
+                *group_queries.stride(), *group_keys.stride(),
+                *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
+                *query_pos.stride(),
+                span, config.chunk,
+                N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=total_heads, HEAD_OFFSET=head_offset,
+                HEAD_DIM=head_dim, M_TILES=tiles,
+                BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
+                BLOCK_D=block_d, DOT_PRECISION="ieee" if keys[0].dtype == torch.float32 else "tf32",
+                BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+            head_offset += len(members)
     limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
+    block_r = min(config.block_r, triton.next_power_of_2(n_rows))
     _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), batch)](
-        shifted, tile_max, lse_part, query_pos, limit, out,
-        *shifted.stride()[:2], *tile_max.stride()[:2], *lse_part.stride()[:2], *query_pos.stride(), limit.stride(0),
+        shifted, tile_max, lse, query_pos, limit, out,
+        *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), limit.stride(0),
         out.stride(0),
-        num_positions, config.num_splits, config.tile,
-        N_ROWS=n_rows, ALL_HEADS=len(heads),
-        BLOCK_R=max(2, triton.next_power_of_2(n_rows)), BLOCK_S=max(2, triton.next_power_of_2(config.num_splits)),
-        BLOCK_N=config.block_n, ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
+        num_positions, config.tile,
+        N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
+        BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
+        ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
         num_warps=config.num_warps_reduce,
     )
     return out
