@@ -55,11 +55,15 @@ import inspect
 import os
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["FusedOps", "apply_rotary", "fused_ops", "fused_ops_available", "rms_norm", "silu_mul"]
+__all__ = [
+    "FusedOps", "add_rms_norm", "apply_rotary", "fused_decoder_layer", "fused_norm", "fused_ops", "fused_ops_available",
+    "rms_norm", "silu_mul", "static_rotary",
+]
 
 # RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24); each instance is
 # also checked against _StandardRMSNorm.forward's bytecode before it is replaced.
@@ -73,7 +77,22 @@ _ATTENTION_CLASSES = frozenset({
     "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention",
     "Qwen3MoeAttention",
 })
+# Decoder layers whose forward is the standard pre-norm block (5.17 to 5.24, checked by bytecode too).
+_DECODER_LAYER_CLASSES = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3DecoderLayer",
+    "Qwen3MoeDecoderLayer",
+})
+# Rotary modules computing cos/sin position by position from ``inv_freq`` (5.17 to 5.24), and the rope types
+# whose ``inv_freq`` does not depend on the sequence length (transformers' ``dynamic_rope_update`` changes it for
+# "dynamic" and "longrope" ones).
+_ROTARY_CLASSES = frozenset({
+    "LlamaRotaryEmbedding", "MistralRotaryEmbedding", "MixtralRotaryEmbedding", "Qwen2RotaryEmbedding",
+    "Qwen2MoeRotaryEmbedding", "Qwen3RotaryEmbedding", "Qwen3MoeRotaryEmbedding",
+})
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _MISSING = object()
+# Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
+_REGISTERED: weakref.WeakSet = weakref.WeakSet()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +124,23 @@ def apply_rotary(
     return apply_rotary_triton(q, k, cos, sin, unsqueeze_dim)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm after it in one Triton launch: ``(rms_norm(residual + x), residual + x)``.
+
+    ``x, residual (..., N)`` of one dtype (fp16/bf16/fp32) and ``weight (N,)`` on one device. The sum is
+    rounded as PyTorch's add rounds it and the norm is :func:`rms_norm`'s kernel code on the sum, so both
+    outputs equal the two separate calls bit for bit (the tests check it).
+    """
+    _check_device(x)
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}; they must share a device")
+    from .kernels.triton_fused import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, residual, weight, eps)
+
+
 def fused_ops_available(model: torch.nn.Module) -> bool:
     """True when triton is importable and every parameter of ``model`` is on a CUDA device."""
     return importlib.util.find_spec("triton") is not None and all(p.is_cuda for p in model.parameters())
@@ -127,12 +163,18 @@ class FusedOps:
         rotary_modules: modeling modules whose ``apply_rotary_pos_emb`` now calls :func:`apply_rotary`.
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
+        layers: decoder layers :class:`~dustin_hf.graphs.Pipeline` runs submodule by submodule with each
+            residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
+        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.graphs.Pipeline` reads from a
+            table of every cache position (:func:`static_rotary`).
     """
 
     norms: int
     rotary_modules: tuple[str, ...]
     mlps: int = 0
     qkv: int = 0
+    layers: int = 0
+    rotary_tables: int = 0
 
 
 @contextlib.contextmanager
@@ -156,7 +198,9 @@ def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
         mlps = sum(_fuse_mlp(m, undo) for m in modules)
         qkv = sum(_fuse_qkv(m, undo) for m in modules)
-        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv)
+        layers = sum(_register(m, _standard_layer, undo) for m in modules)
+        tables = sum(_register(m, _static_rotary, undo) for m in modules)
+        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, layers=layers, rotary_tables=tables)
     finally:
         for restore in reversed(undo):
             restore()
@@ -361,6 +405,150 @@ def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
 
     for layer, forward in ((q, q_forward), (k, k_forward), (v, v_forward)):
         _replace_forward(layer, forward, undo)
+    return True
+
+
+# ----------------------------------------------------------------------------- decoder layers, rotary tables
+
+
+def fused_decoder_layer(layer: torch.nn.Module) -> bool:
+    """Whether an open :func:`fused_ops` context registered ``layer`` for the fused decoder-layer path.
+
+    A registered layer's forward is transformers' standard pre-norm block (:class:`_StandardDecoderLayer`),
+    so calling its submodules in that order with the arguments it passes them computes what it computes;
+    both its norms are fused RMSNorms (:func:`fused_norm`), so each residual add can run inside the RMSNorm
+    launch after it (:func:`add_rms_norm`). Nothing wraps it that would be skipped: no torch hooks, no
+    replaced forward, no accelerate hook that offloads weights.
+    """
+    return layer in _REGISTERED
+
+
+def static_rotary(module: torch.nn.Module) -> bool:
+    """Whether an open :func:`fused_ops` context registered the rotary ``module`` for a table of cos/sin rows.
+
+    A registered module computes each position's cos/sin from its ``inv_freq`` alone, element by element,
+    and its ``rope_type`` never changes ``inv_freq`` with the sequence length (``_STATIC_ROPE_TYPES``), so
+    the rows of positions ``0..capacity-1``, computed once by the module, are its output for any positions.
+    """
+    return module in _REGISTERED
+
+
+def fused_norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """``(weight, eps)`` of an RMSNorm whose forward an open context replaced with :func:`rms_norm`, else ``None``."""
+    for attr in ("_old_forward", "forward"):
+        forward = module.__dict__.get(attr)
+        if getattr(forward, "func", None) is _fused_rms_norm_forward:
+            return module.weight, module.variance_epsilon
+    return None
+
+
+class _StandardDecoderLayer:
+    """transformers' decoder-layer forward, verbatim (``_DECODER_LAYER_CLASSES``, 5.17 and 5.23; its 5.24 form
+    names the cache ``cache``, :class:`_StandardDecoderLayer524`). No docstring: it would be a constant."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class _StandardDecoderLayer524:
+    """The same forward as transformers 5.24 writes it (the cache argument is ``cache``)."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+def _standard_layer(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    if cls.__name__ not in _DECODER_LAYER_CLASSES or not _runs_as_its_class(module):
+        return False
+    forward = inspect.unwrap(cls.forward)  # 5.24 wraps it in deprecate_kwarg
+    if not any(_same_code(forward, ref.forward) for ref in (_StandardDecoderLayer, _StandardDecoderLayer524)):
+        return False
+    norms = (getattr(module, name, None) for name in ("input_layernorm", "post_attention_layernorm"))
+    return all(norm is not None and fused_norm(norm) is not None for norm in norms)
+
+
+def _static_rotary(module: torch.nn.Module) -> bool:
+    rope_type = getattr(module, "rope_type", None)
+    return (type(module).__name__ in _ROTARY_CLASSES and isinstance(rope_type, str)
+            and rope_type in _STATIC_ROPE_TYPES and _runs_as_its_class(module))
+
+
+def _runs_as_its_class(module: torch.nn.Module) -> bool:
+    """Calling ``module`` runs its class's forward and nothing else: no torch hooks, no forward set on the
+    instance but accelerate's device hook (which only moves inputs) without weight offloading."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if "forward" not in module.__dict__:
+        return True
+    hook, old = getattr(module, "_hf_hook", None), module.__dict__.get("_old_forward")
+    hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
+    return (getattr(old, "__func__", None) is type(module).forward
+            and not any(getattr(h, "offload", False) for h in hooks))
+
+
+def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool], undo: list) -> bool:
+    """Register ``module`` for graphs.Pipeline's fused paths if ``check`` passes (and no enclosing context did)."""
+    if module in _REGISTERED or not check(module):
+        return False
+    _REGISTERED.add(module)
+    undo.append(functools.partial(_REGISTERED.discard, module))
     return True
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused
 from .compat import CACHE_KWARG
 from .plan import DeviceTensors, ForwardPlan
 
@@ -76,25 +77,30 @@ class Pipeline:
             stages[-1][1].append(step)
         self.stages = tuple(Stage(device, tuple(steps)) for device, steps in stages)
         self.devices = tuple(dict.fromkeys(stage.device for stage in self.stages))
+        self._rotary_tables: dict[torch.device, torch.Tensor] = {}  # per device: (2, capacity, D) cos/sin rows
 
     def run(self, stage: Stage, state: dict[str, torch.Tensor], plan: ForwardPlan, cache, keep: int) -> dict:
         """Run ``stage`` on ``state`` (its tensors on ``stage.device``); returns the next state.
 
-        The state holds ``ids`` before the embedding, then ``h`` (hidden states) and, from the rotary
-        step to the final norm, ``cos``/``sin``; after the head only ``logits`` (the last ``keep``
-        positions, float32).
+        The state holds ``ids`` before the embedding, then ``h`` (hidden states: the residual stream) and,
+        from the rotary step to the final norm, ``cos``/``sin``; after a fused decoder layer also ``mlp_out``,
+        its MLP output not yet added to ``h`` (the next layer's input norm or the final norm adds it in the
+        same launch); after the head only ``logits`` (the last ``keep`` positions, float32).
         """
         for step in stage.steps:
             if step == "embed":
                 state = {"h": self.decoder.embed_tokens(state["ids"])}
             elif step == "rotary":
-                cos, sin = self.decoder.rotary_emb(state["h"], plan.write_positions(stage.device))
+                cos, sin = self._position_embeddings(state["h"], plan.write_positions(stage.device), cache)
                 state = {**state, "cos": cos, "sin": sin}
             elif step == "norm":
-                state = {"h": self.decoder.norm(state["h"][:, -keep:])}
+                state = {"h": self._final_norm(state, keep)}
             elif step == "head":
                 state = {"logits": self.head(state["h"]).float()}
+            elif fused.fused_decoder_layer(self.layers[step]) and fused._triton_runs_on(state["h"].device):
+                state = self._fused_layer(self.layers[step], state, plan, cache)
             else:
+                state = _settled(state)
                 hidden = self.layers[step](
                     state["h"], attention_mask=None, position_embeddings=(state["cos"], state["sin"]),
                     position_ids=plan.write_positions(stage.device), use_cache=True, dustin_plan=plan,
@@ -103,12 +109,73 @@ class Pipeline:
                 state = {**state, "h": hidden[0] if isinstance(hidden, tuple) else hidden}
         return state
 
+    def _fused_layer(self, layer, state: dict, plan: ForwardPlan, cache) -> dict:
+        """``layer``'s forward (transformers' standard block, :func:`~dustin_hf.fused.fused_decoder_layer`) from
+        its submodules, each residual add in the RMSNorm launch after it; the MLP output is left pending."""
+        h = state["h"]
+        if "mlp_out" in state:  # the previous layer's residual add, with this layer's input norm
+            normed, h = _add_norm(layer.input_layernorm, state["mlp_out"], h)
+        else:
+            normed = layer.input_layernorm(h)
+        attn, _ = layer.self_attn(  # the arguments the layer's forward passes
+            hidden_states=normed, attention_mask=None, position_ids=plan.write_positions(h.device),
+            **{CACHE_KWARG: cache}, use_cache=True, position_embeddings=(state["cos"], state["sin"]),
+            dustin_plan=plan,
+        )
+        normed, h = _add_norm(layer.post_attention_layernorm, attn, h)
+        return {**state, "h": h, "mlp_out": layer.mlp(normed)}
+
+    def _final_norm(self, state: dict, keep: int) -> torch.Tensor:
+        """The final norm of the last ``keep`` positions, adding a pending MLP output to them first."""
+        h = state["h"][:, -keep:]
+        if "mlp_out" not in state:
+            return self.decoder.norm(h)
+        return _add_norm(self.decoder.norm, state["mlp_out"][:, -keep:], h)[0]
+
+    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary_emb(h, positions)``: with a position-static rotary module inside ``fused_ops``
+        (:func:`~dustin_hf.fused.static_rotary`), rows gathered from a table the module computed once for
+        positions ``0..capacity-1`` (one index launch instead of ~13 kernels), bit for bit its output."""
+        module = self.decoder.rotary_emb
+        if not (fused.static_rotary(module) and fused._triton_runs_on(h.device)):
+            return module(h, positions)
+        capacity = cache.capacity  # every position a forward writes is below it (the cache grew before)
+        table = self._rotary_tables.get(h.device)
+        if table is None or table.shape[1] < capacity or table.dtype != h.dtype:
+            if h.is_cuda and torch.cuda.is_current_stream_capturing():
+                return module(h, positions)  # never build it into a graph's pool (the first, eager call does)
+            with torch.no_grad():
+                cos, sin = module(h, torch.arange(capacity, device=h.device)[None])  # (1, capacity, D)
+            table = self._rotary_tables[h.device] = torch.stack((cos[0], sin[0]))  # (2, capacity, D)
+        both = table[:, positions]  # (2, B, Q, D)
+        return both[0], both[1]
+
     def forward(self, ids: torch.Tensor, plan: ForwardPlan, cache, keep: int) -> torch.Tensor:
         """All stages eagerly, moving the state across devices: the last ``keep`` logits on ``ids``' device."""
         state = {"ids": ids}
         for stage in self.stages:
             state = self.run(stage, {k: v.to(stage.device) for k, v in state.items()}, plan, cache, keep)
         return state["logits"].to(ids.device)
+
+
+def _settled(state: dict) -> dict:
+    """``state`` with a pending MLP output added to ``h`` (before a step that reads ``h`` whole)."""
+    if "mlp_out" not in state:
+        return state
+    state = dict(state)
+    state["h"] = state["h"] + state.pop("mlp_out")  # the layer's ``residual + hidden_states``
+    return state
+
+
+def _add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(residual + x), residual + x)``: one :func:`~dustin_hf.fused.add_rms_norm` launch when ``norm`` is a
+    fused RMSNorm and the two tensors match, else the add and the norm module."""
+    params = fused.fused_norm(norm)
+    if (params is not None and x.dtype == residual.dtype and x.shape == residual.shape
+            and fused._triton_runs_on(x.device)):
+        return fused.add_rms_norm(x, residual, *params)
+    total = residual + x
+    return norm(total), total
 
 
 class GraphedForward:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import launch_device
 
-__all__ = ["apply_rotary_triton", "rms_norm_triton", "silu_mul_triton"]
+__all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "silu_mul_triton"]
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
@@ -62,18 +62,36 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE: tl.constexpr, ADD: tl.constexpr, STORE: tl.constexpr):
+    """A tile of the row to normalise, fp32: ``x``, or with ``ADD`` the sum ``residual + x`` rounded to
+    ``X_DTYPE`` as PyTorch's add rounds it (stored to the new residual when ``STORE``)."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round(r + x, X_DTYPE)
+        if STORE:
+            tl.store(res_row + cols, x.to(res_row.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps,
-    N_COLS: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_out, stride_res, eps,
+    N_COLS: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
 ):
-    """One program per row: ``out = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``."""
+    """One program per row: ``out = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
+
+    With ``ADD`` the row normalised is ``x = residual + x`` (``r_ptr``), also written to ``res_ptr``; the
+    reduction and everything after it is the same code either way."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    res_row = res_ptr + row * stride_res
     out_row = out_ptr + row * stride_out
     if N_COLS <= BLOCK:  # the whole row in registers: x is read once
         cols = tl.arange(0, BLOCK)
         mask = cols < N_COLS
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE, ADD, True)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N_COLS + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = _round(x * rstd, X_DTYPE)  # .to(input_dtype)
@@ -83,13 +101,13 @@ def _rms_norm_kernel(
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N_COLS, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < N_COLS, other=0.0).to(tl.float32)
+            x = _norm_input(x_row, r_row, res_row, cols, cols < N_COLS, X_DTYPE, ADD, True)
             acc += x * x
         rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N_COLS + eps)
         for start in range(0, N_COLS, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N_COLS
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE, ADD, False)  # the same sum again
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             out = _round(w * _round(x * rstd, X_DTYPE), OUT_DTYPE)
             tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -108,28 +126,69 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block:
         ``x.shape``, contiguous, in ``torch.promote_types(weight.dtype, x.dtype)`` (fp32 for a bf16
         ``x`` with an fp32 weight, as in PyTorch).
     """
-    n_cols = x.shape[-1]
+    _check_norm(x, weight)
+    return _rms_norm(x, None, weight, eps, block)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total = residual + x`` and :func:`rms_norm_triton` of it, in one launch: returns ``(normed, total)``.
+
+    Args:
+        x, residual: ``(..., N)``, one shape and dtype (fp16/bf16/fp32), any strides.
+        weight, eps, block: as in :func:`rms_norm_triton`.
+
+    Returns:
+        ``normed``: what :func:`rms_norm_triton` returns for ``total`` (the same kernel code: the sum of
+        squares is reduced alike). ``total``: ``x.shape``, contiguous, in ``x``'s dtype, rounded as
+        PyTorch's ``residual + x`` (the fp32 sum rounded once to the dtype).
+    """
+    _check_norm(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x in shape, dtype and device; got {tuple(residual.shape)} {residual.dtype} "
+            f"{residual.device} for x {tuple(x.shape)} {x.dtype} {x.device}"
+        )
+    return _rms_norm(x, residual, weight, eps, block)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
         raise ValueError(f"rms_norm takes fp16, bf16 or fp32 tensors; got x {x.dtype}, weight {weight.dtype}")
-    if weight.shape != (n_cols,):
-        raise ValueError(f"weight must be ({n_cols},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows = x.reshape(-1, n_cols)  # a view unless the leading dims cannot be flattened
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t (..., N)`` as ``(rows, N)`` with a contiguous last dim (a view unless the leading dims cannot be flattened)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+def _rms_norm(x, residual, weight, eps, block) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of ``_rms_norm_kernel``; with ``residual``, on ``residual + x`` (also returned)."""
+    n_cols = x.shape[-1]
+    rows = _rows(x)
+    res_rows = rows if residual is None else _rows(residual)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    total = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0 or n_cols == 0:
-        return out
+        return out, total
     if block is None:
         block = triton.next_power_of_2(n_cols) if n_cols <= _MAX_ONE_TILE else _LOOP_BLOCK
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    total_rows = out.view(-1, n_cols) if total is None else total.view(-1, n_cols)  # unused without a residual
     with launch_device(x):
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight.contiguous(), out, rows.stride(0), n_cols, float(eps),
+            rows, res_rows, weight.contiguous(), out, total_rows, rows.stride(0), res_rows.stride(0), n_cols,
+            n_cols, float(eps),
             N_COLS=n_cols, X_DTYPE=_DTYPES[x.dtype], OUT_DTYPE=_DTYPES[out_dtype], BLOCK=block,
-            num_warps=num_warps, enable_fp_fusion=False,
+            ADD=residual is not None, num_warps=num_warps, enable_fp_fusion=False,
         )
-    return out
+    return out, total
 
 
 # ----------------------------------------------------------------------------- rotary embedding
