@@ -11,6 +11,15 @@ acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can repla
     python benchmarks/sparse_draft_cpu.py --contexts 4096 8192 --out benchmarks/results/sparse_draft_cpu.json
     python benchmarks/sparse_draft_cpu.py --books alice prideprejudice --contexts 4096 --guarded --traces '' \
         --out benchmarks/results/sparse_draft_cpu_more.json
+    python benchmarks/sparse_draft_cpu.py --books alice --contexts 4096 --tokens 301 --oracle \
+        --only dense dustin oracle-shared oracle-per-layer --traces '' --out benchmarks/results/oracle_cpu.json
+
+``--oracle`` adds two methods that read, at each sparse step, the top ``budget`` positions of the dense
+method's true attention (:mod:`dustin_hf.oracle`): ``oracle-shared`` (one set for all layers, what a
+perfect Dustin scorer would pick) and ``oracle-per-layer`` (each layer its own set); it also measures
+every sparse method's attention recovery at every step; ``--oracle-budgets B ...`` adds both oracles at other
+budgets (``oracle-shared@B``, ``oracle-per-layer@B``). ``--variant NAME:FIELD=VALUE[;FIELD=VALUE]`` adds
+Dustin with config fields changed (values in JSON), e.g. ``--variant 'recent192:recent_tokens=192;draft_share=207'``.
 """
 
 from __future__ import annotations
@@ -55,6 +64,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--refresh", type=int, default=0, metavar="N",
                         help="also walk Dustin rewriting, every N steps, the K/V of the positions verified since "
                              "with one dense forward (an experiment beyond the paper)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also walk oracle-shared and oracle-per-layer: read sets from the true attention "
+                             "(an experiment beyond the paper; measures recovery every step)")
+    parser.add_argument("--oracle-budgets", type=int, nargs="+", default=[], metavar="B",
+                        help="with --oracle: also walk both oracles at these budgets")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[;FIELD=VALUE]",
+                        help="also walk Dustin with these config fields changed (JSON values); repeatable")
     parser.add_argument("--only", nargs="+", default=None, metavar="METHOD", help="walk only these methods")
     parser.add_argument("--out", default=None, help="save the report JSON here")
     args = parser.parse_args(argv)
@@ -75,9 +91,24 @@ def main(argv=None) -> dict:
     if args.refresh:
         methods[f"dustin-refresh{args.refresh}"] = methods["dustin"]
         refresh[f"dustin-refresh{args.refresh}"] = args.refresh
+    for spec in args.variant:
+        name, _, fields = spec.partition(":")
+        changes = {key: json.loads(value) for key, _, value in (f.partition("=") for f in fields.split(";"))}
+        methods[name] = resolve(base.replace(**changes), t_cfg, d_cfg)
+    oracle = {}
+    if args.oracle:
+        for kind in ("shared", "per-layer"):
+            methods[f"oracle-{kind}"] = methods["dustin"]
+            oracle[f"oracle-{kind}"] = kind
+            for budget in args.oracle_budgets:
+                other = config_for_budget(config, fraction, budget).replace(min_context=1024)
+                methods[f"oracle-{kind}@{budget}"] = resolve(other, t_cfg, d_cfg)
+                oracle[f"oracle-{kind}@{budget}"] = kind
     scoring_layer = methods["dustin"].target_layer  # its history query is kept from the prefill
     if args.only:
         methods = {name: cfg for name, cfg in methods.items() if name in args.only}
+        oracle = {name: kind for name, kind in oracle.items() if name in methods}
+        refresh = {name: n for name, n in refresh.items() if name in methods}
     report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "model_pair": names,
               "profile": str(Path(args.profile).relative_to(ROOT)) if Path(args.profile).is_relative_to(ROOT)
               else args.profile, "budget": args.budget, "gamma": GAMMA, "books": args.books, "results": [],
@@ -90,10 +121,14 @@ def main(argv=None) -> dict:
             started = time.perf_counter()
             state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,))
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
-                                       recovery_every=0, desc=f"walk {book}@{context}", refresh_every=refresh)
+                                       recovery_every=1 if oracle else 0, desc=f"walk {book}@{context}",
+                                       refresh_every=refresh, oracle=oracle)
             row = {"book": book, "context": context, "steps": walk.steps, "seconds": time.perf_counter() - started,
                    "tf_accepted_per_step": walk.accepted, "ppl": walk.ppl,
                    "ppl_ratio": {m: walk.ppl[m] / walk.ppl["dense"] for m in methods}}
+            if oracle:
+                row.update(recovery=walk.recovery, recovery_per_layer=walk.recovery_per_layer,
+                           top1_agreement_with_dense=walk.top1_agreement_with_dense)
             report["results"].append(row)
             print(json.dumps(row), flush=True)
             for name in methods:

@@ -26,6 +26,10 @@ and keys at the same step: for the selection each budget actually used, and for 
 from the dense method's signals by any number of extra configurations (e.g. the default heads),
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
 selection, so no set of that size captures more).
+
+An ``oracle`` method (an experiment, :mod:`dustin_hf.oracle`) verifies, at each step, with read sets taken
+from that reference attention instead of its own signals: one set shared by all layers, or one per layer.
+Its gap to dense is the loss a perfect scorer would still have with sets of that shape and size.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from tqdm.auto import tqdm
 from . import decoding
 from .config import ResolvedConfig
 from .kernels import resolve_backend
+from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
 from .plan import ForwardPlan, select_heads
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
 from .recovery import position_weights, selection_recovery
 from .scoring import draft_lookahead_scores, target_history_scores
-from .selection import dense_rows, select_positions
+from .selection import Selection, dense_rows, select_positions
 
 __all__ = ["WalkResult", "teacher_forced_walk"]
 
@@ -102,6 +107,7 @@ def teacher_forced_walk(
     progress: bool = True,
     desc: str = "walk",
     refresh_every: dict[str, int] | None = None,
+    oracle: dict[str, str] | None = None,
 ) -> WalkResult:
     """Walk ``continuation (N,)`` after ``state``'s prompt in steps of γ+1 teacher-forced tokens.
 
@@ -114,13 +120,23 @@ def teacher_forced_walk(
         refresh_every: name -> N, an experiment beyond the paper: every N steps that method rewrites the
             keys and values of the positions verified since its last refresh with one dense forward over
             them, so that error written by sparse steps is not carried further than N steps.
+        oracle: name -> ``"shared"`` or ``"per-layer"``, an experiment: on its sparse steps that method reads
+            the top ``budget`` positions of the dense method's true attention at the step (over all layers, or
+            each layer its own; :mod:`dustin_hf.oracle`) instead of its own selection. Its config still decides
+            when a step is sparse and which layers read densely. Needs a dense method; recovery is then
+            measured every step.
 
     Returns a :class:`WalkResult` over ``(N - 1) // (γ+1)`` steps.
     """
     recovery_configs = recovery_configs or {}
-    refresh_every = refresh_every or {}
-    if unknown := set(refresh_every) - {n for n, c in methods.items() if c is not None}:
+    refresh_every, oracle = refresh_every or {}, oracle or {}
+    sparse_names = {n for n, c in methods.items() if c is not None}
+    if unknown := set(refresh_every) - sparse_names:
         raise ValueError(f"refresh_every names {sorted(unknown)}, which are not sparse methods")
+    if unknown := set(oracle) - sparse_names:
+        raise ValueError(f"oracle names {sorted(unknown)}, which are not sparse methods")
+    if unknown := set(oracle.values()) - set(ORACLES):
+        raise ValueError(f"unknown oracle kinds {sorted(unknown)}; choose from {ORACLES}")
     device = decoding.model_device(target)
     tokens = torch.cat([state.tokens, continuation.to(device)])
     context = state.tokens.numel()
@@ -128,8 +144,8 @@ def teacher_forced_walk(
     if steps < 1:
         raise ValueError(f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}")
     dense_name = next((n for n, c in methods.items() if c is None), None)
-    if (recovery_every or recovery_configs) and dense_name is None:
-        raise ValueError("measuring recovery needs a dense method (a name mapped to None) in methods")
+    if (recovery_every or recovery_configs or oracle) and dense_name is None:
+        raise ValueError("measuring recovery and oracles need a dense method (a name mapped to None) in methods")
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
     t_group, d_group = decoding.group_size(t_cfg), decoding.group_size(d_cfg)
     t_scale, d_scale = decoding.attention_scale(target, t_cfg), decoding.attention_scale(draft, d_cfg)
@@ -160,7 +176,7 @@ def teacher_forced_walk(
             draft_next, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
                                               d_scale)
             dense_next = None
-            measure = bool(recovery_every) and step % recovery_every == 0
+            measure = bool(oracle) or (bool(recovery_every) and step % recovery_every == 0)
             verify_in = tokens[at : at + gamma + 1][None]
             labels = tokens[at + 1 : at + gamma + 2]
             weights = None
@@ -173,7 +189,11 @@ def teacher_forced_walk(
                     run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
                                                               tokens, at, gamma, backend, d_capture, base, d_group,
                                                               d_scale)
-                if cfg is not None and not all(dense_rows([at], cfg)):
+                layer_indices = None
+                if cfg is not None and not all(dense_rows([at], cfg)) and run.name in oracle:
+                    selection, layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
+                    run.sparse_steps += 1
+                elif cfg is not None and not all(dense_rows([at], cfg)):
                     selection = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
                     run.sparse_steps += 1
                 if run.draft is not None:
@@ -183,12 +203,16 @@ def teacher_forced_walk(
                     capture = {layer: all_t_heads for layer in range(t_cfg.num_hidden_layers)}
                 elif cfg is None:
                     capture = {layer: all_t_heads for layer in dense_history}
-                plan = ForwardPlan(
+                plan_kwargs = dict(
                     rows=slice(0, 1), cache_seqlens=[at], q_len=gamma + 1, backend=backend,
                     indices=None if selection is None else selection.indices,
                     num_indices=None if selection is None else selection.num_indices, capture=capture,
                     dense_layers=() if cfg is None else cfg.dense_layers,
                 )
+                if layer_indices is None:
+                    plan = ForwardPlan(**plan_kwargs)
+                else:  # per-layer read sets: the plain-PyTorch path
+                    plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=layer_indices)
                 logits = run.model.forward(plan, verify_in, keep=gamma + 1)[0]  # (γ+1, V)
                 run.nll += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
                 target_next = logits.argmax(dim=-1)  # (γ+1,)
@@ -203,7 +227,9 @@ def teacher_forced_walk(
                              at + gamma + 1, backend)
                 if cfg is not None:
                     run.history = plan.captured[cfg.target_layer][:, gamma]  # (1, heads, D): the query at L+γ
-                    if weights is not None and selection is not None:
+                    if weights is not None and layer_indices is not None:
+                        run.recovery.append(oracle_recovery(weights, torch.cat(list(layer_indices.values()))))
+                    elif weights is not None and selection is not None:
                         run.recovery.append(selection_recovery(weights, selection.indices[0], selection.counts[0]))
                     continue
                 if measure:  # dense: the reference attention of this step, then selections from dense signals
@@ -280,6 +306,15 @@ def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
     s_target = target_history_scores(run.history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
                                      t_group, t_scale, at).to(base.device)
     return select_positions([at], s_draft(cfg), s_target, [True], cfg)
+
+
+def _oracle_selection(weights, cfg, kind):
+    """The oracle's :class:`Selection` and, for ``"per-layer"``, each layer's own indices ``{layer: (1, budget)}``."""
+    indices = oracle_indices(weights, cfg.budget, kind)  # (1 or n_layers, budget) int32
+    count = torch.tensor([cfg.budget], dtype=torch.int32)
+    selection = Selection(indices[:1], count, [cfg.budget])  # per-layer: layer 0's set stands for the base plan
+    per_layer = None if kind == "shared" else {layer: row[None] for layer, row in enumerate(indices)}
+    return selection, per_layer
 
 
 def _select_from(cfg, history_all_heads, model, s_draft, base, t_group, t_scale, at):

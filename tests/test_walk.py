@@ -199,3 +199,89 @@ def test_refresh_every_names_sparse_methods(pair, state):
                                {"small": _cfg(target, draft, 24), "refreshed": _cfg(target, draft, 24)},
                                recovery_every=0, progress=False, refresh_every={"refreshed": 2})
     assert walk.nll["refreshed"] != walk.nll["small"]  # the same steps, read from rewritten keys and values
+
+
+def _logits(runner_cache, target, draft, tokens, plan):
+    from dustin_hf import decoding
+    from dustin_hf.prefilled import dustin_attention_on
+
+    runner = decoding.ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
+    with torch.no_grad(), dustin_attention_on(target, draft):
+        return runner.forward(plan, tokens[CONTEXT : CONTEXT + GAMMA + 1][None], keep=GAMMA + 1)
+
+
+def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
+    """Layer 0 reading every cached position through its own indices, the others a small set S, equals a plain
+    plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
+    layer's set changes the output."""
+    from dustin_hf.oracle import LayerwisePlan
+    from dustin_hf.plan import ForwardPlan
+
+    target, draft = pair
+    prefilled, continuation = state
+    tokens = torch.cat([prefilled.tokens, continuation])
+    small = torch.tensor([[0, 3, 17, 40, 66, 79]], dtype=torch.int32)
+    other = torch.tensor([[1, 2, 30, 50, 70, 78]], dtype=torch.int32)
+    everything = torch.arange(CONTEXT, dtype=torch.int32)[None]
+
+    def plan(cls=ForwardPlan, **kw):
+        return cls(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=GAMMA + 1, backend="reference", indices=small,
+                   num_indices=torch.tensor([small.shape[1]], dtype=torch.int32), **kw)
+
+    def run(p):
+        return _logits(prefilled.target_cache, target, draft, tokens, p)
+
+    plain = run(plan())
+    torch.testing.assert_close(run(plan(LayerwisePlan, layer_indices={0: everything})), run(plan(dense_layers=(0,))),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(plan(LayerwisePlan, layer_indices={l: small for l in range(3)})), plain)
+    assert not torch.allclose(run(plan(LayerwisePlan, layer_indices={1: other})), plain)
+    with pytest.raises(ValueError, match="reference"):
+        LayerwisePlan(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=1, backend="triton", indices=small,
+                      num_indices=torch.tensor([6], dtype=torch.int32))
+
+
+def test_oracle_indices_are_the_top_positions_of_the_true_attention():
+    from dustin_hf.oracle import oracle_indices, oracle_recovery
+
+    torch.manual_seed(0)
+    weights = torch.rand(3, 40).softmax(dim=-1)
+    shared, per_layer = oracle_indices(weights, 8, "shared"), oracle_indices(weights, 8, "per-layer")
+    assert shared.shape == (1, 8) and per_layer.shape == (3, 8) and shared.dtype == torch.int32
+    assert set(shared[0].tolist()) == set(weights.sum(0).topk(8).indices.tolist())
+    for layer in range(3):
+        assert set(per_layer[layer].tolist()) == set(weights[layer].topk(8).indices.tolist())
+    torch.testing.assert_close(oracle_recovery(weights, per_layer), weights.topk(8, dim=1).values.sum(1))
+    assert (oracle_recovery(weights, per_layer) >= oracle_recovery(weights, shared)).all()
+    with pytest.raises(ValueError, match="unknown oracle"):
+        oracle_indices(weights, 8, "per-head")
+
+
+def test_oracle_methods_in_the_walk(pair, state):
+    """The oracles read the best sets of the dense method's attention: the shared one captures what the
+    ``oracle@budget`` bound says and at least Dustin's selection does, the per-layer one at least as much per
+    layer; with every layer dense, or a budget covering the context, they score exactly like dense."""
+    target, draft = pair
+    prefilled, continuation = state
+    small, full = _cfg(target, draft, 24), _cfg(target, draft, 4096)
+    all_dense = _cfg(target, draft, 24, dense_layers=(0, 1, 2))
+    methods = {"dense": None, "small": small, "shared": small, "per-layer": small, "shared-full": full,
+               "per-layer-full": full, "shared-all-dense": all_dense, "per-layer-all-dense": all_dense}
+    oracle = {"shared": "shared", "per-layer": "per-layer", "shared-full": "shared", "per-layer-full": "per-layer",
+              "shared-all-dense": "shared", "per-layer-all-dense": "per-layer"}
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, methods, recovery_configs={"small": small},
+                               recovery_every=0, progress=False, oracle=oracle)
+    assert walk.sparse_steps["shared"] == walk.sparse_steps["per-layer"] == walk.steps
+    assert walk.recovery["shared"] == pytest.approx(walk.recovery_dense_signals["oracle@24"], rel=1e-5)
+    assert walk.recovery["shared"] >= walk.recovery["small"] and walk.recovery["shared"] < 1.0
+    assert all(p >= s for p, s in zip(walk.recovery_per_layer["per-layer"], walk.recovery_per_layer["shared"]))
+    assert walk.recovery["per-layer"] > walk.recovery["shared"]
+    assert len({walk.nll["dense"], walk.nll["small"], walk.nll["shared"], walk.nll["per-layer"]}) == 4
+    for name in ("shared-full", "per-layer-full", "shared-all-dense", "per-layer-all-dense"):
+        assert walk.nll[name] == walk.nll["dense"], name
+    with pytest.raises(ValueError, match="not sparse methods"):
+        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, progress=False,
+                            oracle={"dense": "shared"})
+    with pytest.raises(ValueError, match="unknown oracle"):
+        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, "s": small}, progress=False,
+                            oracle={"s": "per-head"})
