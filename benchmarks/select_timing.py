@@ -17,7 +17,8 @@ Times are medians under CUDA graphs (``triton.testing.do_bench_cudagraph``), as 
 
 ``--sweep SPEC`` instead times the scoring kernel under every combination of launch overrides
 (``triton_score._config`` keywords, 0 = the heuristic's value), after the heuristic itself: per row the
-GPU microseconds of pass 1 and pass 2 per step (``torch.profiler``, both scoring calls), pass 1's key
+GPU microseconds of pass 1 and pass 2 per step (``torch.profiler``, both scoring calls: every launch of
+``_score_pass1_kernel``, which also merges its splits, and of ``_score_pass2_kernel``), pass 1's key
 GB/s, and the max abs error against an fp32 oracle (the PyTorch reference on fp32 copies of the same
 inputs), flagged ``ERR`` where it exceeds twice the error of the PyTorch reference in the inputs'
 dtype + 1e-5 (the tests' rule). The heuristic and the fastest passing row are then timed end to end
@@ -26,6 +27,7 @@ under CUDA graphs.
     python benchmarks/select_timing.py                  # the point above (CUDA)
     python benchmarks/select_timing.py --smoke          # tiny sizes on CPU (reference + Triton interpreter)
     python benchmarks/select_timing.py --sweep "programs_per_sm=2,4,8 num_stages=2,3,4 num_warps=4,8; tile_bytes=8192,32768"
+    python benchmarks/select_timing.py --sweep "num_stages_reduce=1,2,3 pass2_programs_per_sm=1,2,4; layers_per_pass2=1"
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ TARGET_LAYOUT = next(lay for lay in LAYOUTS if lay.name == "qwen2.5-72b")
 BATCH, CONTEXT, BUDGET = 16, 32768, 512
 PROFILED_CALLS = 20
 # --sweep keys: keywords of dustin_hf.kernels.triton_score._config
-SWEEP_KEYS = ("programs_per_sm", "tile_bytes", "block_n", "num_splits", "num_stages", "num_warps", "num_warps_reduce")
+SWEEP_KEYS = ("programs_per_sm", "tile_bytes", "block_n", "num_splits", "num_stages", "num_warps",  # pass 1
+              "pass2_programs_per_sm", "tile", "block_p", "block_r", "num_warps_reduce", "num_stages_reduce",  # 2
+              "layers_per_pass2")
 
 
 def _timed(fn, device: torch.device, timer: str) -> float | str:
@@ -147,7 +151,9 @@ def _max_err(got, want) -> float:
 
 
 def _short(config) -> str:
-    return f"n{config.block_n}/s{config.num_splits}/w{config.num_warps}/st{config.num_stages}"
+    return (f"n{config.block_n}/s{config.num_splits}/w{config.num_warps}/st{config.num_stages}"
+            f"|t{config.tile}/p{config.block_p}/r{config.block_r}/w{config.num_warps_reduce}"
+            f"/st{config.num_stages_reduce}/l{config.layers_per_pass2}")
 
 
 def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: str) -> dict:
@@ -187,17 +193,19 @@ def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: st
 def _print_sweep(result: dict) -> None:
     print(f"key bytes {result['scoring_key_bytes'] / 1e6:.0f} MB; PyTorch reference (inputs' dtype) max err "
           f"{result['reference_max_err']:.3g}")
-    print(f"{'overrides':<44}{'d<D>: tile n/splits s/warps w/stages st':<41}{'pass1 us':>9}{'pass2 us':>9}"
+    print("configs per head dim: pass 1 tile n/splits s/warps w/stages st | pass 2 tile t/step p/row block r/"
+          "warps w/stages st/layers per launch l (0: all)")
+    print(f"{'overrides':<44}{'configs':<100}{'pass1 us':>9}{'pass2 us':>9}"
           f"{'key GB/s':>9}{'max err':>10}  status")
     for row in result["sweep"]:
         label = row["overrides"] if isinstance(row["overrides"], str) else " ".join(
             f"{k}={v}" for k, v in row["overrides"].items())
         if "pass1_us" not in row:
-            print(f"{label:<44}{'':<41}{'':>37}  {row['status']}")
+            print(f"{label:<44}{'':<100}{'':>37}  {row['status']}")
             continue
         configs = " ".join(f"{k}:{v}" for k, v in row["configs"].items())
         gbps = f"{row['pass1_key_gbps']:>9.0f}" if row["pass1_key_gbps"] else f"{'n/a':>9}"
-        print(f"{label:<44}{configs:<41}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
+        print(f"{label:<44}{configs:<100}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
               f"{row['max_err']:>10.2e}  {row['status']}")
     print(f"CUDA-graph ms per step (target + draft scoring): {result['scoring_ms_triton_graph']}")
 

@@ -203,6 +203,7 @@ def _layers_inputs(seed: int, dtype: torch.dtype = torch.float32):
     dict(block_n=16, num_splits=3, tile=64, block_p=32, block_r=8, num_stages_reduce=1),  # 4 row blocks, 2 tiles a step
     dict(block_n=16, num_splits=4, tile=48, block_p=16, block_r=4, num_stages_reduce=3),  # 7 row blocks, ragged tiles
     dict(block_n=32, num_splits=1, tile=64, block_p=64, block_r=32, num_warps_reduce=2),  # one split: no ticket
+    dict(block_n=16, num_splits=2, layers_per_pass2=2),  # two pass 2s (layers 0-1, then 2), adding up
 ])
 def test_layers_in_one_pass_2_equal_the_sum_over_layers(launch):
     """``attention_mass_layers_triton``: all layers' rows in one set of buffers and one pass 2, with

@@ -14,22 +14,31 @@ Algorithm (one softmax per packed row, normalised across programs by log-sum-exp
   ``M = n_q * n_h`` rows of one program (row ``r`` is query ``r // n_h``, head slot ``r % n_h``),
   padded to ``BLOCK_M >= 16`` for ``tl.dot``; the KV head's key tile is loaded once for all of
   them. Heads of several KV heads run as one launch per KV head. In the buffers below, all rows of
-  all heads share one numbering ``j * len(heads) + k`` (``k``: the head's place among the heads,
-  grouped by KV head), so the second pass needs no notion of KV heads.
+  all heads share one numbering ``j * H + k`` (``k``: the head's place among the ``H`` heads,
+  grouped by KV head), so the second pass needs no notion of KV heads. Several layers whose queries
+  sit at the same positions (the draft's scoring layers, :func:`attention_mass_layers_triton`) share
+  one numbering too, ``H`` counting every layer's heads: pass 1 runs per (layer, KV head) into the
+  same buffers, and one pass 2 sums all layers.
 * **Pass 1** (:func:`_score_pass1_kernel`), grid ``(num_splits * m_tiles, B)``: split ``s`` owns
   key positions ``[s * chunk, (s + 1) * chunk)``, stopping at the last position any of the row's
   queries sees (ragged rows skip the tail). It walks them in ``BLOCK_N`` tiles with an online
   softmax in fp32 (base 2, ``log2(e)`` folded into the scale) and, per tile, writes the shifted
   scores ``x = s - m`` (``m``: the running max including this tile, so ``x <= 0``; ``-inf`` where
   the query does not see the key; fp16 for 16-bit keys, fp32 for fp32 keys) and ``m`` itself per
-  (tile, row); at its end it writes the split's log-sum-exp per row. The probability is then
-  ``exp2(x + (m - lse))``: one offset per (row, tile). Storing ``x`` rather than ``exp2(x)`` keeps
-  the large probabilities (``x`` near 0, where fp16 is finest) about 3x more accurate.
-* **Pass 2** (:func:`_score_pass2_kernel`), grid ``(tiles, B)``: each program merges the per-split
-  log-sum-exps of all rows of its batch row (a few hundred floats), then walks its positions in
-  ``BLOCK_N`` tiles and writes ``sum_r exp2(x[r, p] + m[r, tile] - lse[r])`` over the rows whose
-  query sees ``p``, optionally added to what the output holds (the draft layers accumulate into one
-  buffer) and zeroed past a per-row limit. One program owns each output element: no atomics.
+  (tile, row). At its end it stores the split's log-sum-exp per row and takes a ticket from a
+  counter per (batch row, row tile); the last split to arrive merges all splits' log-sum-exps into
+  the row's ``lse`` and resets the counter to 0 (the ticket pattern of
+  :mod:`dustin_hf.kernels.triton_verify`, sharing its zeroed counters, so a captured graph replays
+  correctly; one split writes ``lse`` directly). The probability is then ``exp2(x + (m - lse))``:
+  one offset per (row, tile). Storing ``x`` rather than ``exp2(x)`` keeps the large probabilities
+  (``x`` near 0, where fp16 is finest) about 3x more accurate.
+* **Pass 2** (:func:`_score_pass2_kernel`), grid ``(tiles, B)``: each program walks its positions
+  in steps of ``block_p`` (a power-of-two number of pass 1 tiles); a step loads every row's scores
+  in row blocks of ``block_r`` rows, adds up ``exp2(x[r, p] + m[r, tile] - lse[r])`` over the rows
+  whose query sees ``p`` elementwise across the blocks, reduces once over rows, optionally adds what
+  the output holds, zeroes past a per-row limit and stores. The loop is software-pipelined: the
+  scores of the next step arrive through 16-byte ``cp.async`` copies while one step is computed.
+  One program owns each output element: no atomics.
 
 Bytes per scored position and KV head: the keys (``D`` elements) once, plus ``M`` 16-bit shifted
 scores written and read back. For Qwen2.5-72B's target layer (``D = 128``, one query x 8 heads)
@@ -38,8 +47,14 @@ that is ``256 + 2 * 16`` bytes, where re-reading the keys in pass 2 would cost `
 streams the keys in 16-byte ``cp.async`` copies, ``num_stages - 1`` tiles ahead (Triton drops their
 ``evict_first`` hint there), and stores the scores 16 bytes at a time with ``evict_last``, so pass 2
 may find them in L2 when they fit (B = 16, 32k positions: 8 MB for the target, 29 MB per draft
-layer). At that point one step's pass 1 reads 134 MB of target and 201 MB of draft keys and writes
-8 + 88 MB of scores: ~430 MB, ~100 us at an H200's ~4.2 TB/s copy bandwidth.
+layer, 88 MB for the three together). At that point one step's pass 1 reads 134 MB of target and
+201 MB of draft keys and writes 8 + 88 MB of scores: ~430 MB, ~100 us at an H200's ~4.2 TB/s copy
+bandwidth. Pass 2 reads those 96 MB of scores back (+ 1.6 MB of tile maxima) and writes the two
+2 MB fp32 outputs once each: ~25 us of bandwidth; its ex2s (16 x 32k x (8 + 88) rows, 50 M) take
+~12 us of an H200's special-function units, under the loads. Before this layout (issue #4) pass 2
+took 117 us there: every program re-merged all splits' log-sum-exps (up to 33 x 28 per row), each
+draft layer ran its own pass 2 re-reading and re-writing the output, and each loop step loaded
+1 KB (target) or 7 KB (a draft layer) and waited for it before computing, with nothing else in flight.
 
 Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``heads``,
 ``key_span``, the SM count), so the call makes no host sync and can be captured in a CUDA graph.
@@ -72,13 +87,16 @@ _MIN_BLOCKS_PER_SPLIT = 4  # a split walks at least this many key tiles (amortis
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 16384  # pass 1: key bytes per tile (block_n * head_dim * key_bytes)
 # Pass 2 streams the scores (no dot; per score a convert, an add, an ex2, a compare, a select, an add).
-# Each loop step loads one block of ~_PASS2_STEP_ELEMENTS scores (16-18 KB at the headline shapes) through
-# cp.async while the previous one is computed (_PASS2_STAGES), so a program keeps one block in flight; at
-# ~120 registers a thread and 8 warps two programs fit an SM, which _PASS2_PROGRAMS_PER_SM fills in one wave.
-_PASS2_PROGRAMS_PER_SM = 2
-_PASS2_STEP_ELEMENTS = 8192  # scores per pass 2 step (rows padded to row blocks x block_p positions)
-_PASS2_BLOCK_R = 32  # rows per row block: 3 draft layers x 28 rows pad to 96, not to 128
-_PASS2_STAGES = 2
+# Each loop step loads one block of about _PASS2_STEP_ELEMENTS scores (rows padded to row blocks of
+# _PASS2_BLOCK_R) through cp.async, _PASS2_STAGES - 1 steps ahead of the one computed; programs are sized to
+# _PASS2_WARPS_PER_SM warps an SM, in one wave. Compiled for sm_90 (tests/kernel_ptx.py) at the headline
+# shapes, on 4 warps: the target's 8 rows x 512 positions take 127 registers and 21 KB of shared memory,
+# the three draft layers' 84 (88) rows x 128 positions 95 registers and 50 KB, no spills, so 4 programs
+# fit an SM; 3 stages leave one step in flight while one is computed (2 wait for each step's loads).
+_PASS2_STEP_ELEMENTS = 4096
+_PASS2_BLOCK_R = 8
+_PASS2_STAGES = 3
+_PASS2_WARPS_PER_SM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +114,8 @@ class _Config:
         num_warps_reduce: ``num_warps`` of pass 2.
         num_stages_reduce: software-pipelining stages of pass 2's loop (1: none; ``s``: the scores of
             ``s - 1`` steps are loaded, through ``cp.async``, while one is computed).
+        layers_per_pass2: layers whose rows share one set of buffers and one pass 2 in
+            :func:`attention_mass_layers_triton` (0: all of them).
     """
 
     block_n: int
@@ -108,6 +128,7 @@ class _Config:
     num_stages: int
     num_warps_reduce: int
     num_stages_reduce: int
+    layers_per_pass2: int = 0
 
 
 def _config(
@@ -122,7 +143,7 @@ def _config(
     rows: int = 32,
     programs_per_sm: int = _PROGRAMS_PER_SM,
     tile_bytes: int = _TILE_BYTES,
-    pass2_programs_per_sm: int = _PASS2_PROGRAMS_PER_SM,
+    pass2_programs_per_sm: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     tile: int | None = None,
@@ -132,6 +153,7 @@ def _config(
     num_stages: int | None = None,
     num_warps_reduce: int | None = None,
     num_stages_reduce: int | None = None,
+    layers_per_pass2: int | None = None,
 ) -> _Config:
     """Tile sizes and split counts from host-known sizes only (no device data, so graph-safe).
 
@@ -140,8 +162,8 @@ def _config(
     layers'). Any keyword left ``None`` takes the heuristic value: key tiles of about ``tile_bytes``
     (``block_n * head_dim * key_bytes``); enough splits to give every SM about ``programs_per_sm``
     pass 1 programs, each walking at least ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 steps of about
-    ``_PASS2_STEP_ELEMENTS`` scores (rows padded to row blocks), tiles sized for about
-    ``pass2_programs_per_sm`` programs per SM. ``programs_per_sm``, ``tile_bytes`` and
+    ``_PASS2_STEP_ELEMENTS`` scores (rows padded to row blocks; at least one tile) on 4 warps, tiles
+    sized for ``pass2_programs_per_sm`` programs per SM (``_PASS2_WARPS_PER_SM`` warps). ``programs_per_sm``, ``tile_bytes`` and
     ``pass2_programs_per_sm`` exist for benchmarks/select_timing.py's sweep.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -169,8 +191,10 @@ def _config(
     step_tiles = block_p // block_n
     if block_p % block_n or step_tiles & (step_tiles - 1):
         raise ValueError(f"block_p ({block_p}) must be block_n ({block_n}) times a power of two")
+    num_warps_reduce = num_warps_reduce or 4  # a row block of 8 rows x 128 fp16 scores: 16 bytes a thread
     if tile is None:
         out_steps = triton.cdiv(out_blocks, step_tiles)
+        pass2_programs_per_sm = pass2_programs_per_sm or max(1, _PASS2_WARPS_PER_SM // num_warps_reduce)
         tiles_per_row = max(1, triton.cdiv(pass2_programs_per_sm * sm_count, batch))
         tile = triton.cdiv(out_steps, min(tiles_per_row, out_steps)) * block_p
     if tile % block_p:
@@ -180,8 +204,8 @@ def _config(
         block_r=block_r,
         num_warps=num_warps or (8 if key_bytes == 4 else 4),  # fp32: an FMA dot, more registers
         num_stages=num_stages or (3 if block_n * block_d <= 64 * 128 else 2),
-        num_warps_reduce=num_warps_reduce or (8 if rows_padded * block_p > 4096 else 4),
-        num_stages_reduce=num_stages_reduce or _PASS2_STAGES,
+        num_warps_reduce=num_warps_reduce,
+        num_stages_reduce=num_stages_reduce or _PASS2_STAGES, layers_per_pass2=layers_per_pass2 or 0,
     )
 
 
@@ -334,8 +358,9 @@ def _score_pass2_kernel(
             # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
             last = tl.where(r_ok, tl.minimum(last, hi - 1), -1)  # padding rows see nothing, nobody sees >= hi
             tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile
+            # masked by what the buffer holds, not by `tile_seen`: no load waits for another inside the loop
             tile_max = tl.load(TILE_MAX + b * stride_mb + (tile_start // BLOCK_N)[None, :] * stride_mt + r[:, None],
-                               mask=tile_seen, other=0.0)
+                               mask=r_ok[:, None] & (tile_start < hi)[None, :], other=0.0)
             offset = tl.where(tile_seen, tile_max - lse[:, None], 0.0)  # (BLOCK_R, BLOCK_T), <= 0
             seen = n[None, :, :] <= last[:, None, None]  # (BLOCK_R, BLOCK_T, BLOCK_N): one compare a score
             probs += tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, :, None]), 0.0)
@@ -426,20 +451,30 @@ def attention_mass_layers_triton(
     batch, n_queries, _, head_dim = queries[0].shape
     device = keys[0].device
     span = max(key_span, num_positions)
+    if num_positions == 0 or batch == 0:
+        return out if out is not None else torch.empty(batch, num_positions, dtype=torch.float32, device=device)
+    groups = [_kv_groups(layer_heads, group_size) for layer_heads in heads]  # per layer [(kv_head, [indices])]
+    m_tiles = [[triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in layer] for layer in groups]
+    total_heads = sum(len(layer_heads) for layer_heads in heads)
+    n_rows = n_queries * total_heads
+    given = config
+    if config is None:  # pass 1 launches run one after another: size the splits for the largest launch
+        config = _config(batch, batch * max(max(tiles) for tiles in m_tiles), head_dim, span, num_positions,
+                         _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
+    if 0 < config.layers_per_pass2 < len(queries):  # several pass 2s, each adding into the output
+        step = config.layers_per_pass2
+        for first in range(0, len(queries), step):
+            last = first + step >= len(queries)
+            out = attention_mass_layers_triton(queries[first:first + step], keys[first:first + step], query_pos,
+                                               heads[first:first + step], group_size, softmax_scale, num_positions,
+                                               key_span, out=out, position_limit=position_limit if last else None,
+                                               config=given)  # None: each group of layers sizes its own pass 2
+        return out
     if out is None:
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
         accumulate = False
     else:
         accumulate = True
-    if num_positions == 0 or batch == 0:
-        return out
-    groups = [_kv_groups(layer_heads, group_size) for layer_heads in heads]  # per layer [(kv_head, [indices])]
-    m_tiles = [[triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in layer] for layer in groups]
-    total_heads = sum(len(layer_heads) for layer_heads in heads)
-    n_rows = n_queries * total_heads
-    if config is None:  # pass 1 launches run one after another: size the splits for the largest launch
-        config = _config(batch, batch * max(max(tiles) for tiles in m_tiles), head_dim, span, num_positions,
-                         _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _patch_interpreter_for_numpy_2_4()
 
