@@ -310,6 +310,28 @@ def test_cuda_graph_replay():
     assert err <= 2 * baseline + 1e-5, f"graph replay: {err:.3g} > 2 x {baseline:.3g} + 1e-5"
 
 
+@needs_cuda
+def test_draft_layers_cuda_graph_replay():
+    """The three draft layers in one pass 2, captured once and replayed twice on new keys: the split
+    tickets are back at zero after every replay, so each replay equals the reference."""
+    gen = torch.Generator().manual_seed(11)
+    gamma, heads = 4, ((0, 1, 2, 3, 4, 5, 6),) * 3
+    seqlens = torch.tensor([3000, 4093, 17], device=DEVICE)
+    keys = [torch.randn(3, 4200, 2, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in heads]
+    queries = [torch.randn(3, gamma, 7, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in heads]
+    run = lambda: draft_lookahead_scores(queries, keys, seqlens, heads, 7, 0.125, 4093,  # noqa: E731
+                                         backend="triton")
+    graph, out = capture_graph(run)
+    for _ in range(2):
+        for k in keys:
+            k.copy_(torch.randn(k.shape, generator=gen).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = draft_lookahead_scores([q.float() for q in queries], [k.float() for k in keys], seqlens, heads, 7,
+                                      0.125, 4093)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-4)
+
+
 def test_memory_accesses_are_wide_on_sm90():
     """How the kernels touch memory at the 72B / 0.5B scoring shapes, compiled for sm_90 without a GPU
     (``kernel_ptx.py``, in a subprocess without the interpreter, launches sized for 132 SMs): pass 1
