@@ -195,17 +195,17 @@ def _print_sweep(result: dict) -> None:
           f"{result['reference_max_err']:.3g}")
     print("configs per head dim: pass 1 tile n/splits s/warps w/stages st | pass 2 tile t/step p/row block r/"
           "warps w/stages st/layers per launch l (0: all)")
-    print(f"{'overrides':<44}{'configs':<100}{'pass1 us':>9}{'pass2 us':>9}"
+    print(f"{'overrides':<56}{'configs':<100}{'pass1 us':>9}{'pass2 us':>9}"
           f"{'key GB/s':>9}{'max err':>10}  status")
     for row in result["sweep"]:
         label = row["overrides"] if isinstance(row["overrides"], str) else " ".join(
             f"{k}={v}" for k, v in row["overrides"].items())
         if "pass1_us" not in row:
-            print(f"{label:<44}{'':<100}{'':>37}  {row['status']}")
+            print(f"{label:<56}{'':<100}{'':>37}  {row['status']}")
             continue
         configs = " ".join(f"{k}:{v}" for k, v in row["configs"].items())
         gbps = f"{row['pass1_key_gbps']:>9.0f}" if row["pass1_key_gbps"] else f"{'n/a':>9}"
-        print(f"{label:<44}{configs:<100}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
+        print(f"{label:<56}{configs:<100}{row['pass1_us']:>9.1f}{row['pass2_us']:>9.1f}{gbps}"
               f"{row['max_err']:>10.2e}  {row['status']}")
     print(f"CUDA-graph ms per step (target + draft scoring): {result['scoring_ms_triton_graph']}")
 

@@ -157,8 +157,8 @@ def _config(
 ) -> _Config:
     """Tile sizes and split counts from host-known sizes only (no device data, so graph-safe).
 
-    ``pass1_programs_per_split`` is ``B * m_tiles`` of the largest pass 1 launch: the programs that one
-    split count multiplies; ``key_bytes`` is the keys' element size, ``rows`` pass 2's rows (all
+    ``pass1_programs_per_split`` is ``B * sum over KV heads of m_tiles`` (of the largest layer): the
+    pass 1 programs that one split count multiplies; ``key_bytes`` is the keys' element size, ``rows`` pass 2's rows (all
     layers'). Any keyword left ``None`` takes the heuristic value: key tiles of about ``tile_bytes``
     (``block_n * head_dim * key_bytes``); enough splits to give every SM about ``programs_per_sm``
     pass 1 programs, each walking at least ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 steps of about
@@ -458,8 +458,8 @@ def attention_mass_layers_triton(
     total_heads = sum(len(layer_heads) for layer_heads in heads)
     n_rows = n_queries * total_heads
     given = config
-    if config is None:  # pass 1 launches run one after another: size the splits for the largest launch
-        config = _config(batch, batch * max(max(tiles) for tiles in m_tiles), head_dim, span, num_positions,
+    if config is None:  # splits sized per layer as for one layer alone (the largest layer's)
+        config = _config(batch, batch * max(sum(tiles) for tiles in m_tiles), head_dim, span, num_positions,
                          _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
     if 0 < config.layers_per_pass2 < len(queries):  # several pass 2s, each adding into the output
         step = config.layers_per_pass2
