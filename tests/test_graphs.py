@@ -4,19 +4,26 @@
 device at a time. These tests run it eagerly on CPU against the model's own forward: same logits,
 same cache writes, for each supported family, dense and sparse, in one stage and split into several
 (the hand-over of hidden states and rotary table between stages is what a split model relies on).
+
+Inside ``fused_ops`` the pipeline runs standard decoder layers submodule by submodule, each residual add
+inside the RMSNorm launch after it, and gathers cos/sin from a table: the logits must equal the model's own
+forward inside the same context bit for bit (same add, same norm kernel), in float32 and bf16.
 """
 
 import pytest
 import torch
 
 import dustin_hf
+from dustin_hf import fused
 from dustin_hf.cache import DustinCache
 from dustin_hf.decoding import ModelRunner
 from dustin_hf.generate import attention_routed
 from dustin_hf.graphs import Pipeline, Stage
 from dustin_hf.plan import ForwardPlan
 
-from conftest import random_prompt, tiny_model
+from conftest import TRITON_RUNS, random_prompt, tiny_model
+
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
 
 
 def _prefilled_runner(model, prompt: torch.Tensor) -> ModelRunner:
@@ -81,3 +88,137 @@ def test_pipeline_names_what_a_model_lacks():
     del model.model.rotary_emb
     with pytest.raises(ValueError, match="missing: rotary_emb.*cuda_graphs=False"):
         Pipeline(model)
+
+
+# ----------------------------------------------------------------------------- inside fused_ops
+
+
+def _staged_and_expected(model, cuts, sparse=False, keep=2):
+    """Logits of the pipeline (cut after step indices ``cuts``) and of the model's own forward, both inside
+    ``fused_ops``; each from its own prefilled cache. Returns ``(logits, expected, pipeline, FusedOps)``."""
+    prompt = random_prompt(20, batch=2, seed=1)
+    step_ids = random_prompt(3, batch=2, seed=2)
+    indices = torch.tensor([[0, 3, 7, 19], [1, 2, 15, 18]], dtype=torch.int32) if sparse else None
+    num = torch.tensor([4, 3], dtype=torch.int32) if sparse else None
+
+    def plan():
+        return ForwardPlan(rows=slice(0, 2), cache_seqlens=[20, 20], q_len=3, backend="reference",
+                           indices=indices, num_indices=num, capture={1: (0, 3)})
+
+    with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
+        reference, staged = _prefilled_runner(model, prompt), _prefilled_runner(model, prompt)  # unfused: faster
+        with fused.fused_ops(model) as done:
+            expected = reference.forward(plan(), step_ids, keep=keep)
+            pipeline = _split(Pipeline(model), cuts) if cuts else Pipeline(model)
+            staged_plan = plan()
+            with staged.cache.forward_plan(staged_plan):
+                logits = pipeline.forward(step_ids, staged_plan, staged.cache, keep=keep)
+    return logits, expected, pipeline, done
+
+
+def _count_add_norms(monkeypatch) -> list:
+    calls = []
+    real = fused.add_rms_norm
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(fused, "add_rms_norm", counted)
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("cuts", [[], [3, 4]], ids=["one-stage", "mid-layers"])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_pipeline_matches_the_model_forward_bit_for_bit(family, cuts, sparse, dtype, monkeypatch):
+    """Residual adds fused into the norms, the MLP output pending across a stage boundary (``mid-layers``
+    cuts between layers 0, 1 and 2), the final add on the kept positions only, cos/sin from the table."""
+    calls = _count_add_norms(monkeypatch)
+    model = tiny_model(family, layers=3).to(dtype)
+    logits, expected, pipeline, done = _staged_and_expected(model, cuts, sparse)
+    assert done.layers == 3 and done.rotary_tables == 1
+    # per layer the post-attention norm, layers 1 and 2 their input norm, then the final norm (kept rows only)
+    assert calls == [(2, 3, 64)] * 5 + [(2, 2, 64)]
+    head_dim = getattr(model.config, "head_dim", None) or 64 // 4
+    assert pipeline._rotary_tables[torch.device("cpu")].shape == (2, 64, head_dim)
+    assert torch.equal(logits, expected)
+
+
+@needs_triton
+def test_fused_pipeline_falls_back_per_layer():
+    """A layer that is not plain (here: a forward hook someone registered) runs its own forward: the pending
+    MLP output of the layer before is added first, and the layer after resumes the fused path."""
+    model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda *args: seen.append(True))
+    logits, expected, _, done = _staged_and_expected(model, [])
+    assert done.layers == 2 and len(seen) == 4  # two prefills, the model's step, the pipeline's
+    assert torch.equal(logits, expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("mistake", ["norm-before-add", "stale-residual", "final-add-skipped"])
+def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
+    """The bit-for-bit comparison above is sensitive to the order of add and norm: a pipeline that normalises
+    the residual before adding, keeps the old residual, or drops the last MLP output, gets other logits."""
+    import dustin_hf.graphs as graphs
+
+    real = graphs._add_norm
+
+    def wrong(norm, x, residual):
+        if mistake == "norm-before-add":
+            return norm(residual), residual + x
+        if mistake == "stale-residual":
+            return real(norm, x, residual)[0], residual
+        return norm(residual), residual  # final-add-skipped: applied to the final norm only, below
+
+    if mistake == "final-add-skipped":
+        monkeypatch.setattr(graphs.Pipeline, "_final_norm", lambda self, state, keep: wrong(
+            self.decoder.norm, state["mlp_out"][:, -keep:], state["h"][:, -keep:])[0])
+    else:
+        monkeypatch.setattr(graphs, "_add_norm", wrong)
+    logits, expected, _, _ = _staged_and_expected(tiny_model("llama", layers=3), [])
+    assert not torch.equal(logits, expected)
+
+
+_ROPES = {
+    "default": {},
+    "linear": dict(rope_type="linear", factor=2.0),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096),
+    "dynamic": dict(rope_type="dynamic", factor=2.0),
+}
+
+
+class _Cache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+
+@needs_triton
+@pytest.mark.parametrize("rope", list(_ROPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_table_rows_equal_the_module(rope, dtype):
+    """Gathered rows equal the module's cos/sin bit for bit; the table grows with the capacity; a dynamic rope
+    type (its frequencies depend on the longest position) keeps the module."""
+    model = tiny_model("llama", layers=1, rope_parameters={"rope_theta": 10000.0, **_ROPES[rope]}).to(dtype)
+    module, pipeline = model.model.rotary_emb, Pipeline(model)
+    h = torch.zeros(3, 4, 64, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad(), fused.fused_ops(model) as done:
+        assert done.rotary_tables == (rope != "dynamic")
+        for capacity in (300, 300, 5000):
+            positions = torch.randint(0, capacity - 4, (3, 1), generator=gen) + torch.arange(4)
+            positions[0] = torch.arange(capacity - 4, capacity)  # the last rows of the table
+            cos, sin = pipeline._position_embeddings(h, positions, _Cache(capacity))
+            want_cos, want_sin = module(h, positions)
+            assert cos.dtype == want_cos.dtype == dtype and cos.shape == want_cos.shape == (3, 4, 16)
+            assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+            tables = pipeline._rotary_tables
+            assert (tables[torch.device("cpu")].shape[1] == capacity) if rope != "dynamic" else not tables
+    cos, _ = pipeline._position_embeddings(h, positions, _Cache(capacity))  # outside the context: the module
+    assert torch.equal(cos, module(h, positions)[0])
