@@ -33,7 +33,7 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 from dustin_hf import fused  # noqa: E402
-from dustin_hf.fused import apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
+from dustin_hf.fused import add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
 
 from conftest import capture_graph, random_prompt, tiny_model  # noqa: E402
 
@@ -175,6 +175,38 @@ def test_rms_norm_long_rows_loop_and_strided_input():
     torch.testing.assert_close(rms_norm(rows, norm.weight, 1e-6), norm(rows), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32], ids=["weight-same", "weight-fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, weight_dtype):
+    """``(rms_norm(residual + x), residual + x)`` bit for bit: the sum rounded as PyTorch's add, the norm the
+    same kernel code; in one tile, in the looped path, and on strided inputs."""
+    from dustin_hf.kernels.triton_fused import add_rms_norm_triton, rms_norm_triton
+
+    gen = torch.Generator().manual_seed(0)
+    norm = _norm(200, weight_dtype or dtype)
+    x = (torch.randn(3, 5, 200, generator=gen) * 3).to(DEVICE, dtype)
+    residual = (torch.randn(3, 5, 200, generator=gen) * 30).to(DEVICE, dtype)  # sums that round
+    for block in (None, 64):
+        normed, total = add_rms_norm_triton(x, residual, norm.weight, norm.variance_epsilon, block=block)
+        assert total.dtype == dtype and torch.equal(total, residual + x)
+        assert normed.dtype == torch.promote_types(norm.weight.dtype, dtype)
+        assert torch.equal(normed, rms_norm_triton(residual + x, norm.weight, norm.variance_epsilon, block=block))
+    strided_x, strided_r = x[:, 1:4], residual.transpose(0, 1)[1:4].transpose(0, 1)  # (3, 3, 200), not contiguous
+    normed, total = add_rms_norm(strided_x, strided_r, norm.weight, norm.variance_epsilon)
+    assert torch.equal(total, strided_r + strided_x)
+    assert torch.equal(normed, rms_norm(strided_r + strided_x, norm.weight, norm.variance_epsilon))
+
+
+def test_add_rms_norm_rejects_mismatched_inputs():
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm(x, x.to(torch.bfloat16), torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm(x, x[:1], torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        add_rms_norm(x, x, torch.ones(31, device=DEVICE), 1e-6)
+
+
 # ----------------------------------------------------------------------------- fused_ops
 
 
@@ -190,7 +222,9 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
         with fused_ops(model) as done:
             assert done.norms == norms_per_layer * 2 + 1
             assert done.rotary_modules == (modeling.__name__,)
-            assert (done.mlps, done.qkv) == (2, 2)
+            assert (done.mlps, done.qkv, done.layers, done.rotary_tables) == (2, 2, 2, 1)
+            assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
+            assert fused.static_rotary(model.model.rotary_emb)
             assert modeling.apply_rotary_pos_emb is not original_rotary
             out = model(prompt).logits.float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
@@ -229,8 +263,9 @@ def test_fused_ops_restores_after_an_exception_and_nests():
     with fused_ops(model, model) as outer:  # a model given twice is patched once
         patched_rotary = modeling_llama.apply_rotary_pos_emb
         with fused_ops(model) as inner:
-            assert (inner.norms, inner.rotary_modules) == (0, ())
+            assert (inner.norms, inner.rotary_modules, inner.layers, inner.rotary_tables) == (0, (), 0, 0)
         assert outer.norms == 5 and modeling_llama.apply_rotary_pos_emb is patched_rotary
+        assert outer.layers == 2 and fused.fused_decoder_layer(model.model.layers[0])  # the inner exit kept it
         assert model.model.norm.forward.func is fused._fused_rms_norm_forward
     _assert_restored(model, modeling_llama, original_rotary)
     with fused_ops(model) as again:
@@ -275,6 +310,7 @@ def test_fused_projections_share_storage_inside_and_own_it_after():
 
 def _assert_restored(model, modeling, original_rotary):
     assert modeling.apply_rotary_pos_emb is original_rotary
+    assert not any(fused.fused_decoder_layer(m) or fused.static_rotary(m) for m in model.modules())
     for module in model.modules():
         assert "forward" not in module.__dict__, type(module).__name__
     # every parameter has its own storage again (a save would treat shared storage as tied weights)
@@ -331,6 +367,28 @@ def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
     assert fake.apply_rotary_pos_emb is HF_ROTARY
 
 
+def test_only_plain_standard_layers_and_static_rotaries_are_registered():
+    """A decoder layer is run submodule by submodule only if calling it would run nothing else (a torch hook,
+    a replaced forward, an offloading accelerate hook) and its forward is the standard block; a rotary module's
+    table only for rope types whose frequencies do not depend on the sequence length."""
+    from accelerate.hooks import AlignDevicesHook
+
+    model = tiny_model("llama", layers=5, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic",
+                                                           "factor": 2.0}).to(DEVICE)
+    layers = model.model.layers
+    layers[0].register_forward_pre_hook(lambda *args: None)
+    layers[1].forward = layers[1].forward  # an instance attribute: whatever it is, not the class's forward
+    add_hook_to_module(layers[2], AlignDevicesHook(offload=True))
+    add_hook_to_module(layers[3], AlignDevicesHook(execution_device=DEVICE))  # moves inputs only: fine
+    with fused_ops(model) as done:
+        assert [fused.fused_decoder_layer(layer) for layer in layers] == [False, False, False, True, True]
+        assert done.layers == 2 and done.rotary_tables == 0 and not fused.static_rotary(model.model.rotary_emb)
+    model = tiny_model("llama", layers=1).to(DEVICE)
+    model.model.layers[0].forward = types.MethodType(lambda self, h, **kwargs: h, model.model.layers[0])
+    with fused_ops(model) as done:
+        assert done.layers == 0
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="CPU without the interpreter")
 def test_cpu_models_need_the_interpreter(monkeypatch):
     model = tiny_model("qwen2", layers=1, hidden=32)
@@ -370,6 +428,19 @@ def test_rms_norm_and_rotary_on_gpu_at_qwen_sizes():
             else:
                 torch.testing.assert_close(out, expected, rtol=2.0 ** -7, atol=0)
             assert float((out != expected).float().mean()) < 1e-3
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_add_rms_norm_on_gpu_is_the_add_then_the_norm():
+    """Compiled, the fused kernel must still reduce exactly as rms_norm's (Qwen2.5 hidden sizes, bf16, 80 rows)."""
+    for hidden in (896, 3584, 20000):
+        norm = _norm(hidden, torch.bfloat16)
+        x = torch.randn(80, hidden, device="cuda").to(torch.bfloat16)
+        residual = (torch.randn(80, hidden, device="cuda") * 10).to(torch.bfloat16)
+        normed, total = add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+        assert torch.equal(total, residual + x)
+        assert torch.equal(normed, rms_norm(residual + x, norm.weight, norm.variance_epsilon))
 
 
 @needs_cuda
@@ -424,9 +495,9 @@ def test_decoder_with_fused_ops_decodes_like_without():
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
-    target, draft = tiny_model("qwen2", seed=1), tiny_model("qwen2", layers=2, seed=2)
+    target, draft = tiny_model("qwen2", seed=1).to(DEVICE), tiny_model("qwen2", layers=2, seed=2).to(DEVICE)
     forwards = [m.forward for m in target.modules()]
-    ids = random_prompt(23, batch=2, seed=3)
+    ids = random_prompt(23, batch=2, seed=3).to(DEVICE)  # on CUDA the kernels run compiled (no interpreter there)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 12, pad_token_id=0)
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
