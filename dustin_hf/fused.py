@@ -1,4 +1,5 @@
-"""Fused RMSNorm, rotary embedding and projections for transformers' Llama, Mistral and Qwen families, as a context.
+"""Fused RMSNorm (with the residual add before it), rotary embedding and projections for transformers' Llama,
+Mistral and Qwen families, as a context.
 
     if fused_ops_available(target) and fused_ops_available(draft):
         with fused_ops(target, draft):
@@ -39,6 +40,16 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   context is open, and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does;
   a fused GEMM may reduce in another order than the separate ones (cuBLAS picks its kernel by shape),
   so its outputs can differ in the last bits.
+
+* **Decoder layers and rotary tables** (for :class:`dustin_hf.graphs.Pipeline`, the staged forward the
+  decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,
+  :func:`static_rotary`) the decoder layers (``_DECODER_LAYER_CLASSES``) whose forward compiles to
+  transformers' standard pre-norm block (:class:`_StandardDecoderLayer`, both of its 5.17-5.24 spellings)
+  with fused norms, called plainly (no hooks, no replaced forward, no offloading), and the rotary modules
+  (``_ROTARY_CLASSES``) of a position-static rope type (``_STATIC_ROPE_TYPES``). The pipeline then runs
+  such a layer submodule by submodule with each residual add inside the next norm's launch
+  (:func:`add_rms_norm`: the add rounds as PyTorch's, the norm is :func:`rms_norm`'s kernel code, so the
+  logits are the same bits), and gathers cos/sin rows from a table the module computed once.
 
 Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
 enclosing context already replaced is left to it. Enter the context before capturing CUDA graphs:

@@ -17,6 +17,22 @@ forward as one *stage* per run of consecutive modules on the same device (embedd
 table, decoder layers, final norm, head), and each stage is captured in its own graph on its own
 device. Between replays the few tensors that cross a device boundary (hidden states, the rotary
 table) are copied into the next stage's input buffers. A model on one GPU is one stage.
+
+Inside :func:`~dustin_hf.fused.fused_ops` the pipeline launches fewer kernels than the model's forward
+would, computing the same bits (``tests/test_graphs.py`` compares them exactly, fp32 and bf16):
+
+* a decoder layer registered by the context (transformers' standard pre-norm block, see
+  :func:`~dustin_hf.fused.fused_decoder_layer`) runs submodule by submodule: each residual add happens
+  inside the launch of the RMSNorm after it (:func:`~dustin_hf.fused.add_rms_norm`): the attention's add
+  in the post-attention norm, the MLP's in the next layer's input norm or, after the last layer, in the
+  final norm (on the kept positions only: only they are normalised and read). Two launches fewer per
+  layer, and the last layer's add costs none either. The MLP output waits in the state as ``mlp_out``
+  and crosses a stage boundary like ``h``; a layer that is not registered first adds it, then runs its
+  own forward.
+* a rotary module whose cos/sin do not depend on the sequence length (:func:`~dustin_hf.fused.static_rotary`)
+  is run once per device for positions ``0..capacity-1`` (rebuilt when the cache grows; graphs are
+  recaptured then anyway); each forward gathers its rows in one index launch instead of the module's
+  ~13 kernels.
 """
 
 from __future__ import annotations
@@ -132,7 +148,7 @@ class Pipeline:
             return self.decoder.norm(h)
         return _add_norm(self.decoder.norm, state["mlp_out"][:, -keep:], h)[0]
 
-    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor, cache) -> tuple[torch.Tensor, ...]:
         """``rotary_emb(h, positions)``: with a position-static rotary module inside ``fused_ops``
         (:func:`~dustin_hf.fused.static_rotary`), rows gathered from a table the module computed once for
         positions ``0..capacity-1`` (one index launch instead of ~13 kernels), bit for bit its output."""

@@ -1,4 +1,5 @@
-"""Triton kernels for RMSNorm and rotary embedding, one launch each, rounding exactly where PyTorch does.
+"""Triton kernels for RMSNorm (alone or after a residual add) and rotary embedding, one launch each, rounding
+exactly where PyTorch does.
 
 :func:`dustin_hf.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
 
@@ -15,6 +16,9 @@ bit; so does every fp32 op, since the kernels are compiled with ``enable_fp_fusi
 multiply-add is contracted into one FMA, which rounds once where PyTorch rounds twice).
 
 * Rotary: ``q * cos + rotate_half(q) * sin`` is bit-exact to PyTorch for every dtype.
+* Add + RMSNorm (:func:`add_rms_norm_triton`): the residual stream's ``residual + x`` (rounded once, as
+  PyTorch's add) is normalised in the same launch by the same kernel code as :func:`rms_norm_triton`
+  (a constexpr flag adds the load, add and store), so both outputs equal the two separate launches.
 * RMSNorm: ``mean(x**2)`` sums in another order than PyTorch's reduction (and ``rsqrt`` may differ
   by an ulp on the GPU), so the fp32 ``rsqrt(var + eps)`` can differ in its last bits, and the
   16-bit ``y = x * rsqrt(...)`` can round one ulp the other way: 2 to 5 elements per million on an
@@ -161,7 +165,7 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t (..., N)`` as ``(rows, N)`` with a contiguous last dim (a view unless the leading dims cannot be flattened)."""
+    """``t (..., N)`` as ``(rows, N)``, last dim contiguous (a view unless the leading dims cannot be flattened)."""
     if t.stride(-1) != 1:
         t = t.contiguous()
     return t.reshape(-1, t.shape[-1])
