@@ -110,14 +110,21 @@ class _PhaseClock:
     """
 
     def __init__(self, device: torch.device, mode: str | None):
+        self.device, self.mode = device, self.mode_of(mode, device)
+        # a mark is (CUDA event or None, host time); per finished step: (phase, mark before, mark after) per phase
+        self._steps: list[list[tuple[str, tuple, tuple]]] = []
+        self._current: list[tuple[str, tuple, tuple]] = []
+        self._last: tuple[object, float] = (None, time.perf_counter())
+
+    @staticmethod
+    def mode_of(profile, device: torch.device) -> str | None:
+        """The mode a decoder's ``profile`` argument asks for (``False``/``None``: off, ``True``: ``"sync"``)."""
+        mode = "sync" if profile is True else None if profile is False or profile is None else profile
         if mode not in (None, "sync", "events"):
-            raise ValueError(f"profile must be False, True/'sync' or 'events', got {mode!r}")
+            raise ValueError(f"profile must be False, True/'sync' or 'events', got {profile!r}")
         if mode == "events" and device.type != "cuda":
             raise ValueError("profile='events' times the GPU timeline and needs a CUDA device")
-        self.device, self.mode = device, mode
-        self._steps: list[list[tuple[str, object, float]]] = []  # per finished step: (phase, end mark, host time)
-        self._current: list[tuple[str, object, float]] = []
-        self._last: tuple[object, float] = (None, time.perf_counter())
+        return mode
 
     def _stamp(self):
         if self.mode != "events":
@@ -368,7 +375,7 @@ class SpeculativeDecoder:
         self._sparse_draft = dustin is not None and dustin.sparse_draft
         self.accept_override = accept_override
         self.prefill = prefill or ModelRunner.prefill
-        self.profile = profile
+        self.profile = _PhaseClock.mode_of(profile, model_device(target))  # None, "sync" or "events"
         self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
         self.pad = pad[0] if pad else (self.eos[0] if self.eos else 0)
@@ -426,7 +433,7 @@ class SpeculativeDecoder:
         self._max_new = max_new
         self._scores = [[] for _ in range(batch)] if self.output_scores else None
         self._raw = [[] for _ in range(batch)] if self.output_logits else None
-        self._clock = _PhaseClock(device, {False: None, True: "sync"}.get(self.profile, self.profile))
+        self._clock = _PhaseClock(device, self.profile)
         started = time.perf_counter()
 
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096

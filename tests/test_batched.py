@@ -111,3 +111,29 @@ def test_bad_batches_raise_clear_errors():
         holes[1, -3] = 0
         with pytest.raises(ValueError, match="holes"):
             target.generate(ids, attention_mask=holes, **kwargs)
+
+
+def test_profile_records_each_steps_phases():
+    """profile=True: per step, wall and host seconds per phase; 'events' needs CUDA; anything else is refused."""
+    from transformers import GenerationConfig
+
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target = tiny_model("qwen2", seed=1)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids = random_prompt(20, batch=2, seed=3)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 10, pad_token_id=0)
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile=True)
+        stats = decoder.generate(ids).cache.stats
+    phases = ["draft", "score_select", "verify", "accept", "commit", "bookkeeping"]
+    steps = stats["dense_steps"] + stats["sparse_steps"]
+    for key in ("phase_seconds", "phase_host_seconds"):
+        assert len(stats[key]) == steps and all(list(step) == phases for step in stats[key])
+        assert all(t >= 0 for step in stats[key] for t in step.values())
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile="events")
+    with pytest.raises(ValueError, match="profile must be"):
+        SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile="wall")
