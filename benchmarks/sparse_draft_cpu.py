@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
                 oracle[f"oracle-{kind}@{budget}"] = kind
     scoring_layer = methods["dustin"].target_layer  # its history query is kept from the prefill
     if args.only:
+        unknown = sorted(set(args.only) - set(methods))
+        if unknown:
+            parser.error(f"--only: no method named {', '.join(unknown)}; the methods here are {', '.join(methods)}")
         methods = {name: cfg for name, cfg in methods.items() if name in args.only}
         oracle = {name: kind for name, kind in oracle.items() if name in methods}
         refresh = {name: n for name, n in refresh.items() if name in methods}
