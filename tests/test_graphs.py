@@ -46,11 +46,9 @@ def _split(pipeline: Pipeline, cuts: list[int]) -> Pipeline:
     return pipeline
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
-@pytest.mark.parametrize("cuts", [[], [1], [3, 4]], ids=["one-stage", "after-embed", "mid-layers"])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_pipeline_matches_the_model_forward(family, cuts, sparse):
-    model = tiny_model(family, layers=3)
+def _step_inputs(sparse: bool):
+    """A 20-token prompt of 2 rows, 3 new tokens per row, and a factory of fresh plans for that step (a
+    sparse one reads 4 and 3 selected positions) keeping layer 1's queries of heads 0 and 3."""
     prompt = random_prompt(20, batch=2, seed=1)
     step_ids = random_prompt(3, batch=2, seed=2)
     indices = torch.tensor([[0, 3, 7, 19], [1, 2, 15, 18]], dtype=torch.int32) if sparse else None
@@ -59,6 +57,16 @@ def test_pipeline_matches_the_model_forward(family, cuts, sparse):
     def plan():
         return ForwardPlan(rows=slice(0, 2), cache_seqlens=[20, 20], q_len=3, backend="reference",
                            indices=indices, num_indices=num, capture={1: (0, 3)})
+
+    return prompt, step_ids, plan
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("cuts", [[], [1], [3, 4]], ids=["one-stage", "after-embed", "mid-layers"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_pipeline_matches_the_model_forward(family, cuts, sparse):
+    model = tiny_model(family, layers=3)
+    prompt, step_ids, plan = _step_inputs(sparse)
 
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
         reference = _prefilled_runner(model, prompt)
@@ -100,14 +108,7 @@ def test_pipeline_names_what_a_model_lacks():
 def _staged_and_expected(model, cuts, sparse=False, keep=2):
     """Logits of the pipeline (cut after step indices ``cuts``) and of the model's own forward, both inside
     ``fused_ops``; each from its own prefilled cache. Returns ``(logits, expected, pipeline, FusedOps)``."""
-    prompt = random_prompt(20, batch=2, seed=1)
-    step_ids = random_prompt(3, batch=2, seed=2)
-    indices = torch.tensor([[0, 3, 7, 19], [1, 2, 15, 18]], dtype=torch.int32) if sparse else None
-    num = torch.tensor([4, 3], dtype=torch.int32) if sparse else None
-
-    def plan():
-        return ForwardPlan(rows=slice(0, 2), cache_seqlens=[20, 20], q_len=3, backend="reference",
-                           indices=indices, num_indices=num, capture={1: (0, 3)})
+    prompt, step_ids, plan = _step_inputs(sparse)
 
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
         reference, staged = _prefilled_runner(model, prompt), _prefilled_runner(model, prompt)  # unfused: faster
