@@ -50,6 +50,7 @@ import torch
 from transformers import StoppingCriteria
 
 from dustin_hf.compat import CACHE_KWARG
+from dustin_hf.plan import device_tensor
 
 # ----------------------------------------------------------------------------- sweep constants
 CONTEXTS = (8192, 16384, 32768)
@@ -175,7 +176,7 @@ class Replay:
             batch, n = n_accepted.shape[0], len(self.counts)
             values = [self.counts[(b * n // batch + step[0]) % n] for b in range(batch)]
             step[0] += 1
-            return torch.tensor(values, device=n_accepted.device)
+            return device_tensor(values, n_accepted.device)  # no host sync: the loop's own stays the only one
 
         return accept
 

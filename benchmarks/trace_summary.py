@@ -71,8 +71,9 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--steps", type=int, default=8, help="decode steps the trace covers (e2e.py records 8)")
+    parser.add_argument("--top", type=int, default=12, help="list this many of the most expensive kernels")
     args = parser.parse_args(argv)
-    results = [summarise(path, args.steps) for path in args.traces]
+    results = [summarise(path, args.steps, args.top) for path in args.traces]
     print(json.dumps(results))
 
 

@@ -37,6 +37,7 @@ class DustinStats:
     accepted_tokens: int = 0  # draft tokens the target kept
     steps: int = 0  # verification forwards
     draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
+    draft_forwards_ahead: int = 0  # first draft forwards queued by the step before, ahead of its sync
     trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
     extra: dict = field(default_factory=dict)
 
@@ -52,6 +53,7 @@ class DustinStats:
             "acceptance_rate": self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0,
             "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
             "draft_sparse_forwards": self.draft_sparse_forwards,
+            "draft_forwards_ahead": self.draft_forwards_ahead,
             **self.extra,
         }
 

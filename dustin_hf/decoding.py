@@ -225,7 +225,7 @@ class ModelRunner:
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
             )
             return self.forward(plan, input_ids, keep), plan.captured
-        key = (input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last)
+        key = _graph_key(input_ids, width, keep, capture, capture_last)
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture,
@@ -233,6 +233,19 @@ class ModelRunner:
         if selection is None:
             return graphed(input_ids, seqlens)
         return graphed(input_ids, seqlens, selection.indices, selection.num_indices)
+
+    def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
+                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None):
+        """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
+        the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
+        queued: run :meth:`step` once the lengths are known)."""
+        width = 0 if indices is None else indices.shape[1]
+        if self._graphs is None or width not in (0, self.graph_width):
+            return None
+        graphed = self._graphs.get(_graph_key(input_ids, width, keep, capture, capture_last))
+        if graphed is None or not graphed.replayable:
+            return None
+        return graphed(input_ids, seqlens, indices, num_indices)
 
     @property
     def graph_report(self) -> dict:
@@ -257,6 +270,20 @@ class ModelRunner:
             last_logits.append(logits)
             kept.append(captured)
         return last_logits, kept
+
+
+@dataclass(frozen=True)
+class _QueuedDraft:
+    """A step's first draft forward, queued by the step before (:meth:`SpeculativeDecoder._queue_first_draft`)."""
+
+    logits: torch.Tensor  # (B, 1, Vd) float32
+    captured: dict  # kept scoring queries
+    sparse: bool  # the step it was queued for was expected to be sparse
+    reads: "DraftReads | None"  # what it read (sparse draft); the step's later forwards read the same
+
+
+def _graph_key(input_ids: torch.Tensor, width: int, keep: int, capture: dict, capture_last: bool) -> tuple:
+    return input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
 
 
 @dataclass(frozen=True)
@@ -297,6 +324,11 @@ class DraftReads:
         extra = self.indices.shape[1] - self.counts[0]
         counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
         return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
+
+    def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
+        """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""
+        extra = self.indices.shape[1] - self.counts[0]
+        return device_tensor(self.counts, beyond.device, torch.int32) + beyond.clamp(0, extra).to(torch.int32)
 
 
 class SpeculativeDecoder:
@@ -418,6 +450,7 @@ class SpeculativeDecoder:
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             self.graphs["draft"], graph_width=draft_width)
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
+        self._ahead: _QueuedDraft | None = None  # the next step's first draft forward, already queued
         self._t_group, self._d_group = group_size(t_cfg), group_size(d_cfg)
         self._t_layers = t_cfg.num_hidden_layers
         self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
@@ -448,6 +481,7 @@ class SpeculativeDecoder:
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
         first_scores = self.process(first_raw, lambda b, i: tokens[b : b + 1, : self._lens[b]])
         first = pick_tokens(first_scores[:, 0], self.do_sample)
+        self._write_candidates(first[:, None])
         self._commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * batch)
         self.prefill(draft, [p[:-1] for p in prompts], chunk, {})
         if calibrate:
@@ -497,16 +531,23 @@ class SpeculativeDecoder:
         # 1. Draft γ tokens. The first forward feeds [tokens[L-1], tokens[L]] so that every row feeds two;
         #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With sparse_draft
         #    the draft reads the last selection plus the positions written since (DraftReads).
-        d_capture = dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
-        reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
-            if sparse and self._sparse_draft else None
-        feed = self._tokens.gather(1, base[:, None] - 1 + torch.arange(2, device=device))  # (B, 2)
-        feed = feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
+        d_capture = self._draft_capture(sparse)
+        ahead, self._ahead = self._ahead, None  # the first forward, queued by the last step before its sync
+        assert ahead is None or ahead.sparse == sparse  # rows only grow: a sparse step is followed by sparse ones
+        if ahead is not None:
+            reads, feed = ahead.reads, None
+        else:
+            reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
+                if sparse and self._sparse_draft else None
+            feed = self._draft_feed(base - 1)
         drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
         for i in range(self.gamma):
             at = [n - 1 + i + (1 if i else 0) for n in seqlens]
-            raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
-                                       selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
+            if i == 0 and ahead is not None:
+                raw, captured = ahead.logits, ahead.captured
+            else:
+                raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
+                                           selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
             scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
             token = pick_tokens(scores[:, 0], self.do_sample).to(device)
             drafts.append(token)
@@ -550,13 +591,19 @@ class SpeculativeDecoder:
         # 5. Commit: k_b tokens per row (the kept drafts + the target's token, cut at EOS / length).
         new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, γ+1): d_1..d_n, next, garbage
+        self._write_candidates(new_tokens)
         active = [b for b in range(batch) if not self._finished[b]]
         self._clock.mark("accept")
+        self._ahead = self._queue_first_draft(draft, base, n_accepted, sparse, selection, seqlens)
+        self._clock.mark("draft")
         host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
         accepted = [row[0] for row in host]
         counts = self._commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
+        if self._ahead is not None:  # the queued forward wrote the next two slots of every row
+            draft.cache.advance(slice(0, batch), [2] * batch)
+            target.cache.counters.draft_forwards_ahead += 1
         if self.dustin is not None:
             queries = captured[self.dustin.target_layer]  # (B, γ+1, heads, D)
             picked = device_tensor([k - 1 for k in counts], queries.device)  # the last committed token
@@ -578,6 +625,39 @@ class SpeculativeDecoder:
             stats.dense_steps += 1
         self._clock.mark("bookkeeping")
         self._clock.end_step()
+
+    def _draft_capture(self, sparse: bool) -> dict:
+        """The draft's scoring queries to keep on a step: its scoring layers' heads when the step is sparse."""
+        return dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
+
+    def _draft_feed(self, before: torch.Tensor) -> torch.Tensor:
+        """``(B, 2)``: each row's committed tokens at ``before`` and ``before + 1`` (the draft's first input)."""
+        feed = self._tokens.gather(1, before[:, None] + torch.arange(2, device=before.device))
+        return feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
+
+    def _queue_first_draft(self, draft: ModelRunner, base, n_accepted, sparse: bool, selection, seqlens):
+        """Queue the next step's first draft forward before this step's one sync, from device values alone.
+
+        After the sync the host does its bookkeeping while the GPU runs this forward, instead of idling until
+        the host has queued more. A row that commits ``k = n + 1`` tokens (``n`` drafts accepted) holds
+        ``L + k - 1`` draft positions next step and feeds its tokens at ``L + k - 1`` and ``L + k``; a row
+        finished before this step commits ``k = 0``. The host cuts ``k`` further only for rows that finish on
+        this step (EOS, length, a stopping criterion), whose later drafts are never used, and whose slots stay
+        below the cache capacity (``L + γ + 1``). Queued only when the next step reads what this one did (a
+        sparse step stays sparse; a dense Dustin step may turn sparse) and the forward's graph is captured;
+        else ``None`` and the next step runs it.
+        """
+        if self.dustin is not None and selection is None:
+            return None
+        finished = device_tensor(self._finished, base.device)
+        before = base + torch.where(finished, -1, n_accepted)  # L + k - 1
+        reads = DraftReads.after((selection, seqlens), self.dustin, self.gamma, draft.cache.capacity) \
+            if sparse and self._sparse_draft else None
+        queued = draft.step_ahead(self._draft_feed(before), before.to(torch.int32), keep=1,
+                                  capture=self._draft_capture(sparse), capture_last=True,
+                                  indices=None if reads is None else reads.indices,
+                                  num_indices=None if reads is None else reads.ahead(n_accepted))
+        return None if queued is None else _QueuedDraft(*queued, sparse=sparse, reads=reads)
 
     def _select(self, target: ModelRunner, draft: ModelRunner, seqlens, base, kept_queries):
         cfg = self.dustin
@@ -607,15 +687,19 @@ class SpeculativeDecoder:
             return committed
         return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
 
+    def _write_candidates(self, new_tokens: torch.Tensor) -> None:
+        """Write every row's candidates ``(B, n)`` after its committed tokens (one scatter; :meth:`_commit`
+        then makes the first ``k_b`` of them committed)."""
+        slots = device_tensor(self._lens, new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
+                                                                                     device=new_tokens.device)
+        self._tokens.scatter_(1, slots.clamp_max(self._tokens.shape[1] - 1), new_tokens)
+
     def _commit(self, new_tokens, host_tokens: list[list[int]], raw, scores, proposed: list[int]) -> list[int]:
-        """Append up to ``proposed[b]`` of ``new_tokens[b]`` to each unfinished row, cut at EOS, length and
-        stopping criteria; return the counts appended (0 for rows already finished)."""
+        """Append up to ``proposed[b]`` of ``new_tokens[b]`` (already written by :meth:`_write_candidates`) to
+        each unfinished row, cut at EOS, length and stopping criteria; return the counts appended (0 for rows
+        already finished)."""
         streaming = self.streamer is not None and not self._finished[0]
         starts = list(self._lens)
-        # one scatter writes every row's candidates after its end; only the first k_b become committed
-        slots = device_tensor(starts, new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
-                                                                                      device=new_tokens.device)
-        self._tokens.scatter_(1, slots.clamp_max(self._tokens.shape[1] - 1), new_tokens)
         counts = []
         for b, k in enumerate(proposed):
             if self._finished[b]:

@@ -227,19 +227,32 @@ class GraphedForward:
         self._capacity = runner.cache.capacity
         self.failed: str | None = None  # why capture failed; this shape then runs eagerly
 
-    def __call__(self, input_ids: torch.Tensor, seqlens: list[int], indices=None, num_indices=None):
-        """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller."""
+    @property
+    def replayable(self) -> bool:
+        """Captured, and the cache buffers the graphs point into are still the current ones."""
+        return self.graphs is not None and self._capacity == self.runner.cache.capacity
+
+    def __call__(self, input_ids: torch.Tensor, seqlens: list[int] | torch.Tensor, indices=None, num_indices=None):
+        """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller.
+
+        ``seqlens`` is a host list, or (only once :attr:`replayable`) a device tensor: then nothing is read
+        from the host, so the replay can be queued before the host knows where the rows stand.
+        """
+        on_device = isinstance(seqlens, torch.Tensor)
+        if on_device and not self.replayable:
+            raise RuntimeError("device-side seqlens need a captured graph (the eager pass reads them on the host)")
         self.input_ids.copy_(input_ids, non_blocking=True)
-        host_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+        source = seqlens if on_device else torch.tensor(seqlens, dtype=torch.int32)
         for tensors in self.tensors:
-            tensors.cache_seqlens.copy_(host_seqlens, non_blocking=True)
+            tensors.cache_seqlens.copy_(source, non_blocking=True)
             if tensors.indices is not None:
                 tensors.indices.copy_(indices, non_blocking=True)
                 tensors.num_indices.copy_(num_indices, non_blocking=True)
-        self.plan.cache_seqlens = list(seqlens)
+        if not on_device:
+            self.plan.cache_seqlens = list(seqlens)
         cache = self.runner.cache
-        if self.graphs is not None and self._capacity != cache.capacity:
-            self.graphs = None  # the buffers were reallocated: the recorded pointers are stale
+        if not self.replayable:
+            self.graphs = None  # the buffers were reallocated (or nothing was captured yet)
         if self.graphs is None:
             logits = self._eager()
             captured = dict(self.plan.captured)

@@ -81,6 +81,64 @@ def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
         assert torch.equal(got, alone.sequences[0, common.numel():])
 
 
+def _eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None):
+    """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly: the rows' lengths come from the
+    device values (a replay reads nothing else; the host's lengths are only settled after the step's sync)."""
+    from dustin_hf.selection import Selection
+
+    self.cache.seq_lengths = seqlens.tolist()
+    selection = None if indices is None else Selection(indices, num_indices, num_indices.tolist())
+    return self.step(input_ids, seqlens.tolist(), keep, capture, capture_last, selection=selection)
+
+
+@pytest.mark.parametrize("mode", ["dense", "dustin", "sparse_draft", "sampled"])
+def test_first_draft_queued_ahead_changes_nothing(mode, monkeypatch):
+    """The next step's first draft forward, queued from device values before the step's sync (CUDA graphs
+    only; run eagerly here), gives the same tokens as running it after the sync, with rows finishing at EOS
+    and at their length on different steps."""
+    from dustin_hf.decoding import ModelRunner
+
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target), 3)
+    rows = [random_prompt(n, seed=20 + n)[0] for n in (700, 420, 560)]
+    ids, mask = left_pad(rows)
+    alone = [_alone(target, row, max_new_tokens=24) for row in rows]
+    others = set(torch.cat([alone[0], alone[2]]).tolist())
+    eos = next(int(t) for t in alone[1][2:12] if int(t) not in others)  # row 1 ends early, the others do not
+    config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=mode == "sparse_draft")
+    kwargs = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, do_sample=mode == "sampled",
+                  cache_implementation="dustin" if mode != "dense" else None, return_dict_in_generate=True)
+    assert draft.generation_config.num_assistant_tokens == 3
+    outputs, logits = [], []
+    def keep(module, args, out):
+        if out.shape[0] == len(rows):  # decode steps (prefill runs row by row)
+            logits[-1].append(out.clone())
+
+    hook = draft.lm_head.register_forward_hook(keep)
+    with dustin_hf.patch(target, config if mode != "dense" else None):
+        for ahead in (False, True):
+            if ahead:
+                monkeypatch.setattr(ModelRunner, "step_ahead", _eager_step_ahead)
+            torch.manual_seed(0)
+            logits.append([])
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs)
+            outputs.append(out.sequences)
+            stats = out.past_key_values.stats
+            assert (stats["draft_forwards_ahead"] > 0) == ahead
+            assert stats["sparse_steps"] > 0 if mode != "dense" else stats["sparse_steps"] == 0
+            assert (stats["draft_sparse_forwards"] > 0) == (mode == "sparse_draft")
+            trace = out.past_key_values.counters.trace  # per step: (γ, accepted per row; -1 once finished)
+    hook.remove()
+    assert torch.equal(outputs[0], outputs[1])
+    assert (outputs[0][1, ids.shape[1]:] == PAD).any()  # row 1 stopped while the others went on
+    # every draft forward the same, bit for bit, for the rows still active on its step (the queued run has one
+    # more, after the last step; a row that has finished drafts from other slots, never used)
+    assert len(logits[1]) == len(logits[0]) + 1 == 3 * len(trace) + 1
+    for i, (a, b) in enumerate(zip(*logits)):
+        active = [r for r, n in enumerate(trace[i // 3][1]) if n >= 0]
+        assert torch.equal(a[active], b[active]), (i, active)
+
+
 def test_right_padding_is_read_from_the_mask(caplog):
     target = tiny_model("qwen2", layers=2)
     draft = set_gamma(noisy_copy(target), 3)

@@ -71,6 +71,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
+            assert (result.cache.stats["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
             if dustin:
                 assert result.cache.stats["sparse_steps"] > 0
                 assert (result.cache.stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
