@@ -47,7 +47,7 @@ from . import fused
 from .compat import CACHE_KWARG
 from .plan import DeviceTensors, ForwardPlan
 
-__all__ = ["GraphedForward", "Pipeline"]
+__all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
 
 _Step = str | int  # "embed", "rotary", a decoder layer's index, "norm", "head"
 
@@ -315,3 +315,51 @@ class GraphedForward:
         finally:
             gc.enable()
         self.graphs, self.inputs, self.outputs = graphs, inputs, outputs
+
+
+class GraphedCall:
+    """A function of device tensors captured once and replayed: the decode loop's scoring and selection.
+
+    ``fn(*tensors)`` must read nothing from the host that changes between calls (sizes from host ints
+    fixed for the decoder's life, such as the cache capacity) and return a tuple of tensors. The first
+    call runs eagerly (a real call, which also compiles the kernels) and captures; later calls copy their
+    arguments into the captured buffers, replay, and return the captured outputs, which the next replay
+    overwrites (copy what must outlive it). Capture failing (an op that syncs with the host) leaves the
+    function eager, with a warning naming the reason (:attr:`failed`).
+    """
+
+    def __init__(self, fn, device: torch.device, pool):
+        self.fn, self.device, self.pool = fn, device, pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.failed: str | None = None
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.graph is None:
+            outputs = self.fn(*tensors)
+            if not self.failed:
+                self._capture(tensors)
+            return outputs
+        for buffer, tensor in zip(self.inputs, tensors):
+            buffer.copy_(tensor, non_blocking=True)
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+        return self.outputs
+
+    def _capture(self, tensors) -> None:
+        inputs = tuple(t.clone() for t in tensors)
+        graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        gc.disable()  # see GraphedForward._capture
+        try:
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*inputs)
+        except RuntimeError as error:
+            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            warnings.warn(f"CUDA graph capture failed, running this call eagerly: {self.failed}", stacklevel=2)
+            torch.cuda.synchronize(self.device)
+            return
+        finally:
+            gc.enable()
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs

@@ -72,6 +72,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
             assert (result.cache.stats["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
+            assert result.cache.stats["cuda_graphs"]["select"] == {"captured": int(graphs and bool(dustin)), "failed": []}
             if dustin:
                 assert result.cache.stats["sparse_steps"] > 0
                 assert (result.cache.stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
