@@ -675,7 +675,8 @@ class SpeculativeDecoder:
         d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
         has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
         triton = self.backend == "triton"
-        span = t_cache.capacity if triton else max(seqlens)
+        # every row's L is at most capacity - γ - 2, and the draft queries see up to L + γ - 1
+        span = t_cache.capacity - self.gamma if triton else max(seqlens)
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
         t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
         history = t_cache.history_queries if any(has_history) else None
