@@ -169,3 +169,25 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     for b, row in enumerate(rows):  # the whole context in budget: plain greedy decoding of the split model
         alone = target.generate(row[None], max_new_tokens=40, do_sample=False)[0, row.numel():]
         assert torch.equal(outputs["full"][b, ids.shape[1]:], alone.to(outputs["full"].device)), f"row {b}"
+
+
+def test_decoding_prefers_cublaslt_and_restores_the_setting():
+    """The loop's GEMMs go through cuBLASLt (fewer split-K launches, dustin_hf.decoding._prefer_cublaslt), and
+    the process-wide setting is back to the user's after generate()."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    seen = []
+
+    class Probe(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(torch.backends.cuda.preferred_blas_library())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    target, draft = _pair()
+    ids = random_prompt(40, seed=3)[0].cuda()[None]
+    before = torch.backends.cuda.preferred_blas_library()
+    with dustin_hf.patch(target):
+        target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=8, cache_implementation="dustin",
+                        stopping_criteria=StoppingCriteriaList([Probe()]))
+    assert seen and all(library == torch._C._BlasBackend.Cublaslt for library in seen)
+    assert torch.backends.cuda.preferred_blas_library() == before
