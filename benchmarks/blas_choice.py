@@ -80,9 +80,10 @@ def main(argv=None) -> None:
                     F.linear(x, w)
 
             row = dict(shape=name, m=m, k=k, n=n)
-            for library in ("cublas", "cublaslt"):
+            for library in ("cublas", "cublaslt", "cublas", "cublaslt"):  # twice, alternating: the best of both
                 torch.backends.cuda.preferred_blas_library(library)
-                row[library] = dict(us=graph_us(fn, copies), kernels=kernels(lambda: F.linear(x, weights[0])))
+                us = min(graph_us(fn, copies), row[library]["us"] if library in row else float("inf"))
+                row[library] = dict(us=us, kernels=kernels(lambda: F.linear(x, weights[0])))
             row["lt_speedup"] = row["cublas"]["us"] / row["cublaslt"]["us"]
             rows.append(row)
             print(f"{name:<14} M={m:<3} K={k:<6} N={n:<7} cublas {row['cublas']['us']:8.2f} us  "

@@ -177,10 +177,11 @@ def _prefer_cublaslt(device: torch.device):
     """Route PyTorch's GEMMs through cuBLASLt while decoding (restored after; CUDA only).
 
     PyTorch's default, the cuBLAS API, runs the skinny down projections of decoding as split-K with a
-    reduction launch where cuBLASLt picks one kernel without: on an H200, bf16, 44.1 -> 38.6 us for
-    Qwen2.5-7B's at 80 rows, 125 -> 114 us for 72B's at 40 rows, 8.2 -> 7.4 us for the 0.5B draft's at
-    16 rows; the other projections run the same kernels (``benchmarks/blas_choice.py``,
-    ``benchmarks/results/blas_h200.json``). The setting is process-wide while ``generate`` runs.
+    reduction launch where cuBLASLt picks one kernel without: on an H200, bf16, 43.3 -> 38.1 us for
+    Qwen2.5-7B's at 80 rows, 124.5 -> 113.6 us for 72B's at 40 rows; the other projections (and the 0.5B
+    draft's down projection at 16 rows, split-K in both) run the same kernels either way
+    (``benchmarks/blas_choice.py``, ``benchmarks/results/blas_h200.json``). The setting is process-wide
+    while ``generate`` runs.
     """
     if device.type != "cuda":
         yield
