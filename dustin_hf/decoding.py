@@ -692,14 +692,14 @@ class SpeculativeDecoder:
         With the Triton backend the scores span the cache capacity, a size fixed for the whole generation
         (each row's kernels stop at its own length), so the steady step (every row sparse, every row with a
         history, one device) is captured once as a CUDA graph and replayed, and the eager calls before it
-        run the very same kernels and splits. The graph saves the host ~1.8 ms of launches a step (7B +
-        0.5B, batch 16), which otherwise left the GPU waiting before verification.
+        run the very same kernels and splits. The graph saves the host 0.8-1.6 ms of launches a step (7B +
+        0.5B, batch 16, H200 hosts), which could leave the GPU waiting before verification.
         """
         cfg, t_cache = self.dustin, target.cache
         d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
         has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
         triton = self.backend == "triton"
-        # every row's L is at most capacity - γ - 2, and the draft queries see up to L + γ - 1
+        # every row's L is below capacity - γ - 2 (see _generate), and the draft queries see up to L + γ - 1
         span = t_cache.capacity - self.gamma if triton else max(seqlens)
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
         t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
