@@ -621,7 +621,7 @@ class SpeculativeDecoder:
         self._write_candidates(new_tokens)
         active = [b for b in range(batch) if not self._finished[b]]
         self._clock.mark("accept")
-        self._ahead = self._queue_first_draft(draft, base, n_accepted, sparse, selection, seqlens)
+        self._ahead = self._queue_first_draft(draft, base, n_accepted, selection, seqlens)
         self._clock.mark("draft")
         host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
         accepted = [row[0] for row in host]
@@ -662,7 +662,7 @@ class SpeculativeDecoder:
         feed = self._tokens.gather(1, before[:, None] + torch.arange(2, device=before.device))
         return feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
 
-    def _queue_first_draft(self, draft: ModelRunner, base, n_accepted, sparse: bool, selection, seqlens):
+    def _queue_first_draft(self, draft: ModelRunner, base, n_accepted, selection, seqlens):
         """Queue the next step's first draft forward before this step's one sync, from device values alone.
 
         After the sync the host does its bookkeeping while the GPU runs this forward, instead of idling until
@@ -676,8 +676,11 @@ class SpeculativeDecoder:
         """
         if self.dustin is not None and selection is None:
             return None
-        finished = device_tensor(self._finished, base.device)
-        before = base + torch.where(finished, -1, n_accepted)  # L + k - 1
+        sparse = selection is not None
+        kept = n_accepted  # k - 1
+        if any(self._finished):
+            kept = torch.where(device_tensor(self._finished, base.device), -1, n_accepted)
+        before = base + kept  # L + k - 1
         reads = DraftReads.after((selection, seqlens), self.dustin, self.gamma, draft.cache.capacity) \
             if sparse and self._sparse_draft else None
         queued = draft.step_ahead(self._draft_feed(before), before.to(torch.int32), keep=1,

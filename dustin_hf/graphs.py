@@ -289,10 +289,8 @@ class GraphedForward:
         self.plan._slots.clear()  # recompute slots inside the graphs, from the static seqlens
         graphs, inputs, outputs = [], [], []
         state = {"ids": self.input_ids}
-        # No garbage collection while capturing: freeing an unreachable graph (an old decoder's) then is not
-        # permitted and would invalidate this capture.
         gc.collect()
-        gc.disable()
+        gc.disable()  # see _capture_failed
         try:
             with cache.forward_plan(self.plan):
                 for i, stage in enumerate(pipeline.stages):
@@ -306,10 +304,7 @@ class GraphedForward:
                     inputs.append(static)
                     outputs.append(state)
         except RuntimeError as error:  # e.g. an op that syncs with the host: run this shape eagerly, say so
-            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-            warnings.warn(f"CUDA graph capture failed, running this forward eagerly: {self.failed}", stacklevel=2)
-            for device in pipeline.devices:
-                torch.cuda.synchronize(device)
+            self.failed = _capture_failed(error, "forward", pipeline.devices)
             self.plan._slots.clear()
             return
         finally:
@@ -351,15 +346,26 @@ class GraphedCall:
         inputs = tuple(t.clone() for t in tensors)
         graph = torch.cuda.CUDAGraph()
         gc.collect()
-        gc.disable()  # see GraphedForward._capture
+        gc.disable()  # see _capture_failed
         try:
             with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
                 outputs = self.fn(*inputs)
         except RuntimeError as error:
-            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-            warnings.warn(f"CUDA graph capture failed, running this call eagerly: {self.failed}", stacklevel=2)
-            torch.cuda.synchronize(self.device)
+            self.failed = _capture_failed(error, "call", (self.device,))
             return
         finally:
             gc.enable()
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+
+def _capture_failed(error: RuntimeError, what: str, devices) -> str:
+    """Warn that a capture failed (what then runs eagerly), wait for the devices it left work on; the reason.
+
+    Captures run with Python's garbage collection off: freeing an unreachable graph (an old decoder's)
+    during a capture is not permitted and would invalidate it.
+    """
+    reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    warnings.warn(f"CUDA graph capture failed, running this {what} eagerly: {reason}", stacklevel=3)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return reason
