@@ -206,8 +206,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
-                 dense_layers: tuple[int, ...] = ()):
+                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False):
         self.model, self.cache, self.backend = model, cache, backend
+        self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
         self.dense_layers = dense_layers  # read in full even on sparse steps
         self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
         self.device = model_device(model)
@@ -237,7 +238,8 @@ class ModelRunner:
 
     def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
              selection=None) -> tuple[torch.Tensor, dict]:
-        """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits, kept queries)``."""
+        """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
+        or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
         width = 0 if selection is None else selection.indices.shape[1]
         if self._graphs is None or width not in (0, self.graph_width):  # a rare width: not worth a graph
             plan = ForwardPlan(
@@ -247,7 +249,8 @@ class ModelRunner:
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
             )
-            return self.forward(plan, input_ids, keep), plan.captured
+            logits = self.forward(plan, input_ids, keep)
+            return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
         key = _graph_key(input_ids, width, keep, capture, capture_last)
         graphed = self._graphs.get(key)
         if graphed is None:
@@ -299,7 +302,7 @@ class ModelRunner:
 class _QueuedDraft:
     """A step's first draft forward, queued by the step before (:meth:`SpeculativeDecoder._queue_first_draft`)."""
 
-    logits: torch.Tensor  # (B, 1, Vd) float32
+    logits: torch.Tensor  # (B, 1, Vd) float32, or (B, 1) tokens from a tokens_only runner
     captured: dict  # kept scoring queries
     sparse: bool  # the step it was queued for was expected to be sparse
     reads: "DraftReads | None"  # what it read (sparse draft); the step's later forwards read the same
@@ -443,6 +446,9 @@ class SpeculativeDecoder:
                 self.row_criteria.append(criterion)  # evaluated per row and token (handled natively: EOS, length)
         self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        # greedy, unprocessed and nothing returned but tokens: the forwards hand out their logits' argmax only
+        self._tokens_only = not (self.do_sample or self.threshold is not None or self.process.processors
+                                 or self.output_scores or self.output_logits)
 
     # ------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
@@ -469,10 +475,11 @@ class SpeculativeDecoder:
         width = self.dustin.budget if self.dustin is not None else 0
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
                              self.graphs["target"], graph_width=width,
-                             dense_layers=self.dustin.dense_layers if self.dustin is not None else ())
+                             dense_layers=self.dustin.dense_layers if self.dustin is not None else (),
+                             tokens_only=self._tokens_only)
         draft_width = self.dustin.budget + DraftReads.extra(self.gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                            self.graphs["draft"], graph_width=draft_width)
+                            self.graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self._ahead: _QueuedDraft | None = None  # the next step's first draft forward, already queued
         self._select_graphs: dict[tuple, GraphedCall] = {}  # scoring + selection of the steady step, per γ
@@ -575,8 +582,11 @@ class SpeculativeDecoder:
             else:
                 raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
                                            selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
-            scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
-            token = pick_tokens(scores[:, 0], self.do_sample).to(device)
+            if self._tokens_only:
+                token = raw[:, 0].to(device)
+            else:
+                scores = self.process(raw, lambda b, _, i=i: self._history(b, drafts[:i]))
+                token = pick_tokens(scores[:, 0], self.do_sample).to(device)
             drafts.append(token)
             if self.do_sample or self.threshold is not None:
                 draft_probs.append(scores[:, 0].softmax(dim=-1))
@@ -603,17 +613,20 @@ class SpeculativeDecoder:
         verify_in = torch.cat([self._tokens.gather(1, base[:, None]), draft_tokens], dim=1)  # (B, γ+1)
         raw, captured = target.step(verify_in, seqlens, keep=gamma + 1, capture=t_capture, capture_last=False,
                                     selection=selection)  # (B, γ+1, V)
-        scores = self.process(raw, lambda b, i: self._history(b, drafts[:i]))
+        scores = None if self._tokens_only else self.process(raw, lambda b, i: self._history(b, drafts[:i]))
         self._clock.mark("verify")
 
         # 4. Accept: greedy keeps the agreeing prefix; sampling applies the speculative rejection rule.
+        target_tokens = raw if self._tokens_only else None  # (B, γ+1), the target's argmax
         if self.do_sample:
             n_accepted, next_token = accept_sampled(draft_tokens, torch.stack(draft_probs, dim=1), scores)
         else:
-            n_accepted, next_token = accept_greedy(draft_tokens, scores)
+            target_tokens = scores.argmax(dim=-1) if target_tokens is None else target_tokens
+            n_accepted, next_token = accept_greedy(draft_tokens, target_tokens)
         if self.accept_override is not None:  # benchmarks: a recorded acceptance, the target's own next token
             n_accepted = self.accept_override(n_accepted).clamp(0, gamma).to(device)
-            next_token = scores.argmax(dim=-1).gather(1, n_accepted[:, None]).squeeze(1)
+            target_tokens = scores.argmax(dim=-1) if target_tokens is None else target_tokens
+            next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
 
         # 5. Commit: k_b tokens per row (the kept drafts + the target's token, cut at EOS / length).
         new_tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)

@@ -70,19 +70,19 @@ def pick_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification.
 
     Args:
         draft_tokens: ``(B, γ)`` proposed tokens.
-        target_scores: ``(B, γ+1, V)`` processed target scores; position i predicts the token after
-            the i-th verified input (position 0: after the last committed token).
+        target_tokens: ``(B, γ+1)`` the target's argmax of its processed scores at each verified
+            position; position i predicts the token after the i-th verified input (position 0: after
+            the last committed token).
 
     Returns:
-        ``n_accepted (B,)``: leading drafts equal to the target's argmax; ``next_token (B,)``: the
-        target's argmax right after them (the correction, or the bonus if all γ were kept).
+        ``n_accepted (B,)``: leading drafts equal to the target's tokens; ``next_token (B,)``: the
+        target's token right after them (the correction, or the bonus if all γ were kept).
     """
-    target_tokens = target_scores.argmax(dim=-1)  # (B, γ+1)
     agree = (draft_tokens == target_tokens[:, :-1]).long()
     n_accepted = agree.cumprod(dim=1).sum(dim=1)  # length of the agreeing prefix
     next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)

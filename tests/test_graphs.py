@@ -88,6 +88,23 @@ def test_pipeline_matches_the_model_forward(family, cuts, sparse):
             torch.testing.assert_close(got[:, :23], want[:, :23], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
+    """Greedy decoding runs the head's argmax inside the graph (on 16-bit logits, no fp32 copy): the same
+    tokens as the argmax of the fp32 logits the pipeline hands out otherwise."""
+    model = tiny_model("qwen2", layers=3).to(dtype)
+    prompt, step_ids, plan = _step_inputs(sparse=False)
+    outputs = []
+    with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
+        for tokens in (False, True):
+            runner, step_plan = _prefilled_runner(model, prompt), plan()
+            with runner.cache.forward_plan(step_plan):
+                outputs.append(Pipeline(model).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens))
+    logits, tokens = outputs
+    assert logits.dtype == torch.float32 and tokens.dtype == torch.long and tokens.shape == (2, 2)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_pipeline_stages_follow_the_devices_of_the_modules():
     model = tiny_model("qwen2", layers=3)
     pipeline = Pipeline(model)
