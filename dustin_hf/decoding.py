@@ -300,10 +300,10 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class _QueuedDraft:
-    """A step's first draft forward, queued by the step before (:meth:`SpeculativeDecoder._queue_first_draft`)."""
+    """A step's first draft forwards, queued by the step before (:meth:`SpeculativeDecoder._queue_drafts`)."""
 
-    logits: torch.Tensor  # (B, 1, Vd) float32, or (B, 1) tokens from a tokens_only runner
-    captured: dict  # kept scoring queries
+    outputs: tuple[tuple[torch.Tensor, dict], ...]  # per forward: logits (B, 1, Vd) float32 (or, from a
+    # tokens_only runner, tokens (B, 1)) and the kept scoring queries
     sparse: bool  # the step it was queued for was expected to be sparse
     reads: "DraftReads | None"  # what it read (sparse draft); the step's later forwards read the same
 
@@ -566,8 +566,9 @@ class SpeculativeDecoder:
         #    the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With sparse_draft
         #    the draft reads the last selection plus the positions written since (DraftReads).
         d_capture = self._draft_capture(sparse)
-        ahead, self._ahead = self._ahead, None  # the first forward, queued by the last step before its sync
+        ahead, self._ahead = self._ahead, None  # the first forwards, queued by the last step before its sync
         assert ahead is None or ahead.sparse == sparse  # rows only grow: a sparse step is followed by sparse ones
+        queued = ahead.outputs if ahead is not None else ()
         if ahead is not None:
             reads, feed = ahead.reads, None
         else:
@@ -577,8 +578,8 @@ class SpeculativeDecoder:
         drafts, draft_probs, kept_queries = [], [], {layer: [] for layer in d_capture}
         for i in range(self.gamma):
             at = [n - 1 + i + (1 if i else 0) for n in seqlens]
-            if i == 0 and ahead is not None:
-                raw, captured = ahead.logits, ahead.captured
+            if i < len(queued):
+                raw, captured = queued[i]
             else:
                 raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
                                            selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
@@ -634,16 +635,17 @@ class SpeculativeDecoder:
         self._write_candidates(new_tokens)
         active = [b for b in range(batch) if not self._finished[b]]
         self._clock.mark("accept")
-        self._ahead = self._queue_first_draft(draft, base, n_accepted, selection, seqlens)
+        self._ahead = self._queue_drafts(draft, base, n_accepted, selection, seqlens)
         self._clock.mark("draft")
         host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
         accepted = [row[0] for row in host]
         counts = self._commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
-        if self._ahead is not None:  # the queued forward wrote the next two slots of every row
-            draft.cache.advance(slice(0, batch), [2] * batch)
-            target.cache.counters.draft_forwards_ahead += 1
+        if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
+            queued = len(self._ahead.outputs)
+            draft.cache.advance(slice(0, batch), [queued + 1] * batch)
+            target.cache.counters.draft_forwards_ahead += queued
         if self.dustin is not None:
             queries = captured[self.dustin.target_layer]  # (B, γ+1, heads, D)
             picked = device_tensor([k - 1 for k in counts], queries.device)  # the last committed token
@@ -675,17 +677,21 @@ class SpeculativeDecoder:
         feed = self._tokens.gather(1, before[:, None] + torch.arange(2, device=before.device))
         return feed.clamp_max(self._draft_vocab - 1)  # the target's padding ids, which the draft cannot embed
 
-    def _queue_first_draft(self, draft: ModelRunner, base, n_accepted, selection, seqlens):
-        """Queue the next step's first draft forward before this step's one sync, from device values alone.
+    def _queue_drafts(self, draft: ModelRunner, base, n_accepted, selection, seqlens) -> "_QueuedDraft | None":
+        """Queue the next step's first draft forward before this step's one sync, from device values alone;
+        when the forwards hand out tokens (:attr:`_tokens_only`: nothing on the host between them) all γ.
 
-        After the sync the host does its bookkeeping while the GPU runs this forward, instead of idling until
-        the host has queued more. A row that commits ``k = n + 1`` tokens (``n`` drafts accepted) holds
-        ``L + k - 1`` draft positions next step and feeds its tokens at ``L + k - 1`` and ``L + k``; a row
-        finished before this step commits ``k = 0``. The host cuts ``k`` further only for rows that finish on
-        this step (EOS, length, a stopping criterion), whose later drafts are never used, and whose slots stay
-        below the cache capacity (``L + γ + 1``). Queued only when the next step reads what this one did (a
-        sparse step stays sparse; a dense Dustin step may turn sparse) and the forward's graph is captured;
-        else ``None`` and the next step runs it.
+        After the sync the host does its bookkeeping and queues the rest of the next step while the GPU runs
+        these forwards, instead of idling until the host has queued more (on a host half as fast as usual,
+        one queued forward hid too little of it). A row that commits ``k = n + 1`` tokens (``n`` drafts
+        accepted) holds ``L + k - 1`` draft positions next step, feeds its tokens at ``L + k - 1`` and
+        ``L + k``, then its drafts; a row finished before this step commits ``k = 0``. The host cuts ``k``
+        further only for rows that finish on this step (EOS, length, a stopping criterion), whose drafts are
+        never used: their positions are capped so that the slots written stay inside the cache (a row still
+        running next step is never capped: it holds fewer than ``capacity - γ - 1`` positions). Queued only
+        when the next step reads what this one did (a sparse step stays sparse; a dense Dustin step may turn
+        sparse) and the forwards' graphs are captured; else ``None`` (or fewer forwards) and the next step
+        runs the rest.
         """
         if self.dustin is not None and selection is None:
             return None
@@ -693,14 +699,20 @@ class SpeculativeDecoder:
         kept = n_accepted  # k - 1
         if any(self._finished):
             kept = torch.where(device_tensor(self._finished, base.device), -1, n_accepted)
-        before = base + kept  # L + k - 1
+        before = (base + kept).clamp_max(draft.cache.capacity - 1 - self.gamma)  # L + k - 1
         reads = DraftReads.after((selection, seqlens), self.dustin, self.gamma, draft.cache.capacity) \
             if sparse and self._sparse_draft else None
-        queued = draft.step_ahead(self._draft_feed(before), before.to(torch.int32), keep=1,
-                                  capture=self._draft_capture(sparse), capture_last=True,
-                                  indices=None if reads is None else reads.indices,
-                                  num_indices=None if reads is None else reads.ahead(n_accepted))
-        return None if queued is None else _QueuedDraft(*queued, sparse=sparse, reads=reads)
+        capture, feed, outputs = self._draft_capture(sparse), self._draft_feed(before), []
+        for i in range(self.gamma if self._tokens_only else 1):
+            cached = before if i == 0 else before + 1 + i  # the forward's rows hold this many positions
+            out = draft.step_ahead(feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
+                                   indices=None if reads is None else reads.indices,
+                                   num_indices=None if reads is None else reads.ahead(cached - base))
+            if out is None:  # this shape has no graph yet
+                break
+            outputs.append(out)
+            feed = out[0]  # (B, 1) tokens
+        return _QueuedDraft(tuple(outputs), sparse=sparse, reads=reads) if outputs else None
 
     def _select(self, target: ModelRunner, draft: ModelRunner, seqlens, base, kept_queries) -> Selection:
         """Score every cached position (draft lookahead + target history) and choose each row's read set.

@@ -92,10 +92,10 @@ def _eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, ind
 
 
 @pytest.mark.parametrize("mode", ["dense", "dustin", "sparse_draft", "sampled"])
-def test_first_draft_queued_ahead_changes_nothing(mode, monkeypatch):
-    """The next step's first draft forward, queued from device values before the step's sync (CUDA graphs
-    only; run eagerly here), gives the same tokens as running it after the sync, with rows finishing at EOS
-    and at their length on different steps."""
+def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
+    """The next step's first draft forwards (all γ when greedy: tokens only), queued from device values before
+    the step's sync (CUDA graphs only; run eagerly here), give the same tokens as running them after the
+    sync, with rows finishing at EOS and at their length on different steps."""
     from dustin_hf.decoding import ModelRunner
 
     target = tiny_model("qwen2", layers=2, hidden=32)
@@ -131,9 +131,11 @@ def test_first_draft_queued_ahead_changes_nothing(mode, monkeypatch):
     hook.remove()
     assert torch.equal(outputs[0], outputs[1])
     assert (outputs[0][1, ids.shape[1]:] == PAD).any()  # row 1 stopped while the others went on
-    # every draft forward the same, bit for bit, for the rows still active on its step (the queued run has one
-    # more, after the last step; a row that has finished drafts from other slots, never used)
-    assert len(logits[1]) == len(logits[0]) + 1 == 3 * len(trace) + 1
+    # every draft forward the same, bit for bit, for the rows still active on its step (the queued run has the
+    # next step's queued ones more, after the last step; a row that has finished drafts from other slots, never used)
+    queued = 1 if mode == "sampled" else 3
+    assert stats["draft_forwards_ahead"] == queued * len(trace)  # the last step queues them too
+    assert len(logits[1]) == len(logits[0]) + queued == 3 * len(trace) + queued
     for i, (a, b) in enumerate(zip(*logits)):
         active = [r for r, n in enumerate(trace[i // 3][1]) if n >= 0]
         assert torch.equal(a[active], b[active]), (i, active)
