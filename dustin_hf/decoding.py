@@ -36,7 +36,7 @@ from .config import ResolvedConfig
 from .fused import fused_ops, fused_ops_available
 from .graphs import GraphedCall, GraphedForward, Pipeline
 from .kernels import resolve_backend
-from .plan import ForwardPlan, device_tensor, select_heads
+from .plan import ForwardPlan, HostCopy, device_tensor, select_heads
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import Selection, dense_rows, select_positions
@@ -635,9 +635,10 @@ class SpeculativeDecoder:
         self._write_candidates(new_tokens)
         active = [b for b in range(batch) if not self._finished[b]]
         self._clock.mark("accept")
+        host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))  # queued before the next drafts
         self._ahead = self._queue_drafts(draft, base, n_accepted, selection, seqlens)
         self._clock.mark("draft")
-        host = torch.cat([n_accepted[:, None], new_tokens], dim=1).tolist()  # the step's one device->host sync
+        host = host.tolist()  # the step's one device->host sync: it waits for the copy, not for those drafts
         accepted = [row[0] for row in host]
         counts = self._commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
@@ -681,9 +682,9 @@ class SpeculativeDecoder:
         """Queue the next step's first draft forward before this step's one sync, from device values alone;
         when the forwards hand out tokens (:attr:`_tokens_only`: nothing on the host between them) all γ.
 
-        After the sync the host does its bookkeeping and queues the rest of the next step while the GPU runs
-        these forwards, instead of idling until the host has queued more (on a host half as fast as usual,
-        one queued forward hid too little of it). A row that commits ``k = n + 1`` tokens (``n`` drafts
+        The step's copy to the host is queued before them and the host waits for that copy alone
+        (:class:`~dustin_hf.plan.HostCopy`), so it does its bookkeeping and queues the rest of the next step
+        while the GPU runs these forwards, instead of the GPU idling until the host has queued more. A row that commits ``k = n + 1`` tokens (``n`` drafts
         accepted) holds ``L + k - 1`` draft positions next step, feeds its tokens at ``L + k - 1`` and
         ``L + k``, then its drafts; a row finished before this step commits ``k = 0``. The host cuts ``k``
         further only for rows that finish on this step (EOS, length, a stopping criterion), whose drafts are

@@ -140,6 +140,32 @@ def select_heads(tensor: torch.Tensor, heads: tuple[int, ...], dim: int = 2) -> 
     return torch.stack([tensor.select(dim, h) for h in heads], dim=dim)
 
 
+class HostCopy:
+    """``t.tolist()``, waiting only for ``t``: the copy to pinned host memory is queued at construction and
+    :meth:`tolist` waits on an event recorded right after it, not on the stream.
+
+    ``t.tolist()`` on a CUDA tensor synchronises the stream, so the host also waits for everything queued
+    after ``t`` was computed (in the decode loop: the next step's draft forwards, queued so that the GPU has
+    work while the host does its bookkeeping), and the GPU then idles until the host queues more.
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self._event = None
+        if not t.is_cuda:
+            self._host = t
+            return
+        with torch.cuda.device(t.device):
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def device_tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype)`` on ``device``, without making the host wait for the device.
 
