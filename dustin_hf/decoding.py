@@ -815,7 +815,8 @@ class SpeculativeDecoder:
                 self._raw[b].extend(raw[b, :k])
             counts.append(k)
         if streaming:
-            self.streamer.put(new_tokens[0, : counts[0]].cpu())
+            # from the host copy: new_tokens.cpu() would wait for the draft forwards queued after it
+            self.streamer.put(torch.tensor(host_tokens[0][: counts[0]], dtype=new_tokens.dtype))
         return counts
 
     def _apply_row_criteria(self, b: int, start: int, k: int) -> int:

@@ -141,6 +141,36 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
         assert torch.equal(a[active], b[active]), (i, active)
 
 
+@pytest.mark.parametrize("cache_implementation", [None, "dustin"])
+def test_streamer_is_handed_each_steps_tokens(cache_implementation):
+    """Batch 1 with a streamer: the tokens it is handed, step by step, are the generated ones (after the prompt,
+    where transformers hands that over), then end() is called."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    target = tiny_model("qwen2", layers=2)
+    draft = set_gamma(noisy_copy(target), 3)
+    prompt = random_prompt(300, seed=8)
+    recorder = Recorder()
+    config = DustinConfig(budget=48, min_context=128, sink_tokens=2, recent_tokens=6)
+    with dustin_hf.patch(target, config):
+        out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, pad_token_id=PAD,
+                              cache_implementation=cache_implementation, streamer=recorder)
+    generated = out[0, prompt.shape[1]:].tolist()
+    streamed = [t for put in recorder.puts for t in put]
+    assert recorder.ended and len(recorder.puts) > 2  # one put per step, not one at the end
+    assert streamed in (generated, prompt[0].tolist() + generated)
+
+
 def test_right_padding_is_read_from_the_mask(caplog):
     target = tiny_model("qwen2", layers=2)
     draft = set_gamma(noisy_copy(target), 3)
