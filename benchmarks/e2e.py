@@ -565,9 +565,14 @@ def _print_row(row: dict) -> None:
     print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
           f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
           f"({100 * row['fraction_of_bound']:.0f}%)  steady {row.get('steady_tokens_per_s', float('nan')):9.1f} tok/s  "
-          f"peak {row['peak_gib'] or 0:.1f} GiB"
-          + (f"  median of {', '.join(f'{r:.1f}' for r in row['runs_tokens_per_s'])}" if "runs_tokens_per_s" in row else ""),
-          flush=True)
+          f"peak {row['peak_gib'] or 0:.1f} GiB" + _runs(row), flush=True)
+
+
+def _runs(row: dict) -> str:
+    """The rates of a repeated baseline's runs, for its printed row."""
+    if "runs_tokens_per_s" not in row:
+        return ""
+    return "  median of " + ", ".join(f"{rate:.1f}" for rate in row["runs_tokens_per_s"])
 
 
 def _summary(rows: list[dict]) -> list[dict]:

@@ -481,7 +481,7 @@ class SpeculativeDecoder:
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             self.graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
-        self._ahead: _QueuedDraft | None = None  # the next step's first draft forward, already queued
+        self._ahead: _QueuedDraft | None = None  # the next step's first draft forwards, already queued
         self._select_graphs: dict[tuple, GraphedCall] = {}  # scoring + selection of the steady step, per γ
         self._t_group, self._d_group = group_size(t_cfg), group_size(d_cfg)
         self._t_layers = t_cfg.num_hidden_layers
@@ -684,9 +684,10 @@ class SpeculativeDecoder:
 
         The step's copy to the host is queued before them and the host waits for that copy alone
         (:class:`~dustin_hf.plan.HostCopy`), so it does its bookkeeping and queues the rest of the next step
-        while the GPU runs these forwards, instead of the GPU idling until the host has queued more. A row that commits ``k = n + 1`` tokens (``n`` drafts
-        accepted) holds ``L + k - 1`` draft positions next step, feeds its tokens at ``L + k - 1`` and
-        ``L + k``, then its drafts; a row finished before this step commits ``k = 0``. The host cuts ``k``
+        while the GPU runs these forwards, instead of the GPU idling until the host has queued more. A row
+        that commits ``k = n + 1`` tokens (``n`` drafts accepted) holds ``L + k - 1`` draft positions next
+        step, feeds its tokens at ``L + k - 1`` and ``L + k``, then its drafts; a row finished before this
+        step commits ``k = 0``. The host cuts ``k``
         further only for rows that finish on this step (EOS, length, a stopping criterion), whose drafts are
         never used: their positions are capped so that the slots written stay inside the cache (a row still
         running next step is never capped: it holds fewer than ``capacity - γ - 1`` positions). Queued only

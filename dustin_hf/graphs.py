@@ -318,7 +318,8 @@ class GraphedForward:
                     pool, stream = self.runner.graph_pools[stage.device]
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        state = pipeline.run(stage, static or state, self.plan, cache, self.keep, self.runner.tokens_only)
+                        state = pipeline.run(stage, static or state, self.plan, cache, self.keep,
+                                             self.runner.tokens_only)
                     graphs.append(graph)
                     inputs.append(static)
                     outputs.append(state)
