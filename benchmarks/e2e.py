@@ -23,8 +23,8 @@ Decode tokens/s counts the tokens every row commits after the first steps (compi
 graph capture are excluded), over the host-clock time the loop took for them, until the last row has
 its tokens; the steady rate counts only the steps before any row finished (every row committing),
 since rows that finish early leave the batch's later steps partly idle. Plain ``generate()`` runs
-``--baseline-runs`` times (default 3) and is rated by its median run (every run's rate is kept). A profiling pass per
-speculative method splits a step into phases: by default from CUDA events on the GPU timeline (an
+``--baseline-runs`` times (default 3) and is rated by its median run (every run's rate is kept). A
+profiling pass per speculative method splits a step into phases: by default from CUDA events on the GPU timeline (an
 undisturbed step, idle stretches where the GPU waited for the host included; the host's own time
 per phase beside it), or ``--profile-mode sync``, synchronising between phases (each phase's own cost).
 The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth.

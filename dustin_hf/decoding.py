@@ -240,38 +240,40 @@ class ModelRunner:
              selection=None) -> tuple[torch.Tensor, dict]:
         """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
         or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
-        width = 0 if selection is None else selection.indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width):  # a rare width: not worth a graph
+        indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True)
+        if graphed is None:  # no graphs, or a rare width: not worth a graph
             plan = ForwardPlan(
                 rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
-                indices=None if selection is None else selection.indices,
-                num_indices=None if selection is None else selection.num_indices,
+                indices=indices, num_indices=num_indices,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
-        key = _graph_key(input_ids, width, keep, capture, capture_last)
-        graphed = self._graphs.get(key)
-        if graphed is None:
-            graphed = self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture,
-                                                         capture_last)
-        if selection is None:
-            return graphed(input_ids, seqlens)
-        return graphed(input_ids, seqlens, selection.indices, selection.num_indices)
+        return graphed(input_ids, seqlens, indices, num_indices)
 
     def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
                    indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None):
         """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
         the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
         queued: run :meth:`step` once the lengths are known)."""
-        width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width):
-            return None
-        graphed = self._graphs.get(_graph_key(input_ids, width, keep, capture, capture_last))
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False)
         if graphed is None or not graphed.replayable:
             return None
         return graphed(input_ids, seqlens, indices, num_indices)
+
+    def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
+                 create: bool) -> GraphedForward | None:
+        """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
+        than :attr:`graph_width` (rare, not worth a graph)."""
+        width = 0 if indices is None else indices.shape[1]
+        if self._graphs is None or width not in (0, self.graph_width):
+            return None
+        key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
+        if key not in self._graphs and create:
+            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last)
+        return self._graphs.get(key)
 
     @property
     def graph_report(self) -> dict:
@@ -306,10 +308,6 @@ class _QueuedDraft:
     # tokens_only runner, tokens (B, 1)) and the kept scoring queries
     sparse: bool  # the step it was queued for was expected to be sparse
     reads: "DraftReads | None"  # what it read (sparse draft); the step's later forwards read the same
-
-
-def _graph_key(input_ids: torch.Tensor, width: int, keep: int, capture: dict, capture_last: bool) -> tuple:
-    return input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
 
 
 @dataclass(frozen=True)
@@ -347,14 +345,18 @@ class DraftReads:
 
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
-        extra = self.indices.shape[1] - self.counts[0]
+        extra = self._extra
         counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
         return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
 
     def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
         """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""
-        extra = self.indices.shape[1] - self.counts[0]
-        return device_tensor(self.counts, beyond.device, torch.int32) + beyond.clamp(0, extra).to(torch.int32)
+        return device_tensor(self.counts, beyond.device, torch.int32) + beyond.clamp(0, self._extra).to(torch.int32)
+
+    @property
+    def _extra(self) -> int:
+        """Positions past the last selection a row may read (written since it)."""
+        return self.indices.shape[1] - self.counts[0]
 
 
 class SpeculativeDecoder:
@@ -568,10 +570,10 @@ class SpeculativeDecoder:
         d_capture = self._draft_capture(sparse)
         ahead, self._ahead = self._ahead, None  # the first forwards, queued by the last step before its sync
         assert ahead is None or ahead.sparse == sparse  # rows only grow: a sparse step is followed by sparse ones
-        queued = ahead.outputs if ahead is not None else ()
         if ahead is not None:
-            reads, feed = ahead.reads, None
+            queued, reads, feed = ahead.outputs, ahead.reads, None
         else:
+            queued = ()
             reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
                 if sparse and self._sparse_draft else None
             feed = self._draft_feed(base - 1)
@@ -618,15 +620,16 @@ class SpeculativeDecoder:
         self._clock.mark("verify")
 
         # 4. Accept: greedy keeps the agreeing prefix; sampling applies the speculative rejection rule.
-        target_tokens = raw if self._tokens_only else None  # (B, γ+1), the target's argmax
+        if self._tokens_only:
+            target_tokens = raw  # (B, γ+1), the target's argmax
+        elif not self.do_sample or self.accept_override is not None:
+            target_tokens = scores.argmax(dim=-1)
         if self.do_sample:
             n_accepted, next_token = accept_sampled(draft_tokens, torch.stack(draft_probs, dim=1), scores)
         else:
-            target_tokens = scores.argmax(dim=-1) if target_tokens is None else target_tokens
             n_accepted, next_token = accept_greedy(draft_tokens, target_tokens)
         if self.accept_override is not None:  # benchmarks: a recorded acceptance, the target's own next token
             n_accepted = self.accept_override(n_accepted).clamp(0, gamma).to(device)
-            target_tokens = scores.argmax(dim=-1) if target_tokens is None else target_tokens
             next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
 
         # 5. Commit: k_b tokens per row (the kept drafts + the target's token, cut at EOS / length).
@@ -687,13 +690,12 @@ class SpeculativeDecoder:
         while the GPU runs these forwards, instead of the GPU idling until the host has queued more. A row
         that commits ``k = n + 1`` tokens (``n`` drafts accepted) holds ``L + k - 1`` draft positions next
         step, feeds its tokens at ``L + k - 1`` and ``L + k``, then its drafts; a row finished before this
-        step commits ``k = 0``. The host cuts ``k``
-        further only for rows that finish on this step (EOS, length, a stopping criterion), whose drafts are
-        never used: their positions are capped so that the slots written stay inside the cache (a row still
-        running next step is never capped: it holds fewer than ``capacity - γ - 1`` positions). Queued only
-        when the next step reads what this one did (a sparse step stays sparse; a dense Dustin step may turn
-        sparse) and the forwards' graphs are captured; else ``None`` (or fewer forwards) and the next step
-        runs the rest.
+        step commits ``k = 0``. The host cuts ``k`` further only for rows that finish on this step (EOS,
+        length, a stopping criterion), whose drafts are never used: their positions are capped so that the
+        slots written stay inside the cache (a row still running next step is never capped: it holds fewer
+        than ``capacity - γ - 1`` positions). Queued only when the next step reads what this one did (a
+        sparse step stays sparse; a dense Dustin step may turn sparse) and the forwards' graphs are captured;
+        else ``None`` (or fewer forwards) and the next step runs the rest.
         """
         if self.dustin is not None and selection is None:
             return None
