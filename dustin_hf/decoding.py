@@ -459,7 +459,8 @@ class SpeculativeDecoder:
         with fused_ops(*fused) as report, _prefer_cublaslt(model_device(self.target)):
             result = self._generate(input_ids, attention_mask)
         result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
-                                                     "mlps": report.mlps, "qkv": report.qkv}
+                                                     "mlps": report.mlps, "qkv": report.qkv,
+                                                     "attentions": report.attentions}
         return result
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:

@@ -32,7 +32,8 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
-  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`; an attention's
+  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`, and its down projection,
+  for at most 16 rows, as :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
   ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they
   are called on the same input, as every listed family's attention does: ``q_proj`` computes all three
   and ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). The weights
@@ -49,7 +50,10 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   (``_ROTARY_CLASSES``) of a position-static rope type (``_STATIC_ROPE_TYPES``). The pipeline then runs
   such a layer submodule by submodule with each residual add inside the next norm's launch
   (:func:`add_rms_norm`: the add rounds as PyTorch's, the norm is :func:`rms_norm`'s kernel code, so the
-  logits are the same bits), and gathers cos/sin rows from a table the module computed once.
+  logits are the same bits), and gathers cos/sin rows from a table the module computed once. It also registers
+  Qwen2 attention modules whose forward compiles to transformers' (:func:`fused_attention`): the pipeline runs
+  their projections, then the rotary embedding and the cache's K/V write in one launch
+  (:func:`rotary_write_kv`), then the attention function and ``o_proj`` (the same values, one launch fewer).
 
 Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
 enclosing context already replaced is left to it. Enter the context before capturing CUDA graphs:
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import functools
 import importlib.util
 import inspect
@@ -71,9 +76,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention524
+
 __all__ = [
-    "FusedOps", "add_rms_norm", "apply_rotary", "fused_decoder_layer", "fused_norm", "fused_ops", "fused_ops_available",
-    "rms_norm", "silu_mul", "static_rotary",
+    "FusedOps", "add_rms_norm", "apply_rotary", "fused_attention", "fused_decoder_layer", "fused_norm", "fused_ops",
+    "fused_ops_available", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear", "static_rotary",
 ]
 
 # RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24); each instance is
@@ -101,6 +108,9 @@ _ROTARY_CLASSES = frozenset({
     "Qwen2MoeRotaryEmbedding", "Qwen3RotaryEmbedding", "Qwen3MoeRotaryEmbedding",
 })
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# An MLP's down projection of at most this many rows (a draft's decode step) runs as skinny_linear: cuBLAS(Lt)
+# runs the 0.5B draft's (K = 4864) as split-K plus a reduction launch (5.6 + 1.8 us on an H200 at 16 rows).
+_SKINNY_ROWS = 16
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
@@ -157,6 +167,15 @@ def fused_ops_available(model: torch.nn.Module) -> bool:
     return importlib.util.find_spec("triton") is not None and all(p.is_cuda for p in model.parameters())
 
 
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for at most ``_SKINNY_ROWS`` rows in one Triton launch
+    (:func:`dustin_hf.kernels.triton_gemm.skinny_linear`)."""
+    _check_device(x)
+    from .kernels.triton_gemm import skinny_linear as skinny
+
+    return skinny(x, weight, bias)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension, in one Triton launch."""
     _check_device(gate_up)
@@ -178,6 +197,8 @@ class FusedOps:
             residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
         rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.graphs.Pipeline` reads from a
             table of every cache position (:func:`static_rotary`).
+        attentions: attention modules :class:`~dustin_hf.graphs.Pipeline` runs from their projections, with
+            the rotary embedding and the K/V write in one launch (:func:`fused_attention`).
     """
 
     norms: int
@@ -186,6 +207,7 @@ class FusedOps:
     qkv: int = 0
     layers: int = 0
     rotary_tables: int = 0
+    attentions: int = 0
 
 
 @contextlib.contextmanager
@@ -211,7 +233,9 @@ def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
         qkv = sum(_fuse_qkv(m, undo) for m in modules)
         layers = sum(_register(m, _standard_layer, undo) for m in modules)
         tables = sum(_register(m, _static_rotary, undo) for m in modules)
-        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, layers=layers, rotary_tables=tables)
+        attentions = sum(_register(m, _standard_attention, undo) for m in modules)
+        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, layers=layers, rotary_tables=tables,
+                       attentions=attentions)
     finally:
         for restore in reversed(undo):
             restore()
@@ -379,7 +403,10 @@ def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
     down = module.down_proj
 
     def forward(x):
-        return down(silu_mul(torch.nn.functional.linear(x, weight)))
+        hidden = silu_mul(torch.nn.functional.linear(x, weight))
+        if hidden.numel() <= _SKINNY_ROWS * hidden.shape[-1]:  # decode-sized: no split-K + reduction launch
+            return skinny_linear(hidden, down.weight, down.bias)
+        return down(hidden)
 
     return _replace_forward(module, forward, undo)
 
@@ -432,6 +459,29 @@ def fused_decoder_layer(layer: torch.nn.Module) -> bool:
     replaced forward, no accelerate hook that offloads weights.
     """
     return layer in _REGISTERED
+
+
+def fused_attention(module: torch.nn.Module) -> bool:
+    """Whether an open :func:`fused_ops` context registered the attention ``module`` for the pipeline's own path.
+
+    A registered module's forward is transformers' Qwen2 attention
+    (:class:`~dustin_hf._attention_reference.StandardQwen2Attention`, both spellings): projections, ``apply_rotary_pos_emb``, the cache's ``update``, the attention function
+    registered for the model, ``o_proj``; nothing wraps it. So the pipeline may call those pieces itself,
+    with :func:`rotary_write_kv` doing the rotary embedding and the K/V write in one launch. Llama and
+    Mistral attentions (another call of the attention function) and Qwen3's (norms on q and k) are not
+    registered and run their own forward.
+    """
+    return module in _REGISTERED
+
+
+def rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, row0: int) -> torch.Tensor:
+    """:func:`apply_rotary` of ``q, k (B, T, H, D)`` and the cache write of the rotated keys and ``v`` at ``slots``
+    (rows ``row0..``), in one launch; returns ``q_embed (B, T, Hq, D)``
+    (:func:`dustin_hf.kernels.triton_fused.rotary_write_kv_triton`)."""
+    _check_device(q)
+    from .kernels.triton_fused import rotary_write_kv_triton
+
+    return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, row0)
 
 
 def static_rotary(module: torch.nn.Module) -> bool:
@@ -535,6 +585,13 @@ def _standard_layer(module: torch.nn.Module) -> bool:
     return all(norm is not None and fused_norm(norm) is not None for norm in norms)
 
 
+def _standard_attention(module: torch.nn.Module) -> bool:
+    if type(module).__name__ != "Qwen2Attention" or not _runs_as_its_class(module):
+        return False
+    forward = inspect.unwrap(type(module).forward)  # 5.24 wraps it in deprecate_kwarg
+    return any(_same_code(forward, ref.forward) for ref in (StandardQwen2Attention, StandardQwen2Attention524))
+
+
 def _static_rotary(module: torch.nn.Module) -> bool:
     rope_type = getattr(module, "rope_type", None)
     return (type(module).__name__ in _ROTARY_CLASSES and isinstance(rope_type, str)
@@ -567,7 +624,12 @@ def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool],
 
 
 def _same_code(fn, reference) -> bool:
-    """Whether ``fn`` compiles to ``reference``'s bytecode, names and constants (docstrings' text aside)."""
+    """Whether ``fn`` compiles to ``reference``'s instructions, names and constants (docstrings' text aside).
+
+    Instructions are compared by operation and argument, with two differences a compiler makes for the same
+    source ignored: the method-call form of an attribute load (CPython 3.11 patch releases differ in when they
+    emit ``LOAD_METHOD`` for a call written over several lines, and a wheel's bytecode may come from another
+    one) and, with it, the byte offsets jumps land on."""
     code, ref = getattr(fn, "__code__", None), reference.__code__
     if code is None:
         return False
@@ -575,8 +637,13 @@ def _same_code(fn, reference) -> bool:
     def consts(c):
         return tuple("<str>" if isinstance(x, str) else x for x in c.co_consts)
 
-    return (code.co_code, code.co_names, code.co_varnames, consts(code)) == (
-        ref.co_code, ref.co_names, ref.co_varnames, consts(ref)
+    def instructions(c):
+        jumps = set(dis.hasjrel) | set(dis.hasjabs)
+        return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, None if i.opcode in jumps else i.argval)
+                for i in dis.get_instructions(c)]
+
+    return (instructions(code), code.co_names, code.co_varnames, consts(code)) == (
+        instructions(ref), ref.co_names, ref.co_varnames, consts(ref)
     )
 
 

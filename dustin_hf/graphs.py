@@ -38,6 +38,7 @@ would, computing the same bits (``tests/test_graphs.py`` compares them exactly, 
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -137,13 +138,40 @@ class Pipeline:
             normed, h = _add_norm(layer.input_layernorm, state["mlp_out"], h)
         else:
             normed = layer.input_layernorm(h)
-        attn, _ = layer.self_attn(  # the arguments the layer's forward passes
-            hidden_states=normed, attention_mask=None, position_ids=plan.write_positions(h.device),
-            **{CACHE_KWARG: cache}, use_cache=True, position_embeddings=(state["cos"], state["sin"]),
-            dustin_plan=plan,
-        )
+        if fused.fused_attention(layer.self_attn) and cache.layers[layer.self_attn.layer_idx].is_initialized:
+            attn = self._attention(layer.self_attn, normed, state, plan, cache)
+        else:
+            attn, _ = layer.self_attn(  # the arguments the layer's forward passes
+                hidden_states=normed, attention_mask=None, position_ids=plan.write_positions(h.device),
+                **{CACHE_KWARG: cache}, use_cache=True, position_embeddings=(state["cos"], state["sin"]),
+                dustin_plan=plan,
+            )
         normed, h = _add_norm(layer.post_attention_layernorm, attn, h)
         return {**state, "h": h, "mlp_out": layer.mlp(normed)}
+
+    def _attention(self, module, x: torch.Tensor, state: dict, plan: ForwardPlan, cache) -> torch.Tensor:
+        """``module``'s forward (transformers' Qwen2 attention, :func:`~dustin_hf.fused.fused_attention`) from
+        its pieces, the rotary embedding and the cache's K/V write in one launch
+        (:func:`~dustin_hf.fused.rotary_write_kv`): the same projections, the same rotated q and written
+        cache, the same attention call, so the same output."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        hidden_shape = (*x.shape[:-1], -1, module.head_dim)
+        q = module.q_proj(x).view(hidden_shape)  # (B, T, H, D): transformers transposes these to (B, H, T, D)
+        k = module.k_proj(x).view(hidden_shape)
+        v = module.v_proj(x).view(hidden_shape)
+        layer = cache.layers[module.layer_idx]
+        keys, values = layer.buffers()
+        q = fused.rotary_write_kv(q, k, v, state["cos"], state["sin"], keys, values, plan.write_positions(x.device),
+                                  plan.rows.start)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            module.config._attn_implementation, sys.modules[type(module).__module__].eager_attention_forward)
+        out, _ = interface(  # what the cache's update returns: (B', H, capacity, D) views of the covered rows
+            module, q.transpose(1, 2), layer.keys[plan.rows], layer.values[plan.rows], None,
+            dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
+            sliding_window=module.sliding_window, dustin_plan=plan,
+        )
+        return module.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
     def _final_norm(self, state: dict, keep: int) -> torch.Tensor:
         """The final norm of the last ``keep`` positions, adding a pending MLP output to them first."""

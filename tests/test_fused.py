@@ -102,6 +102,33 @@ def test_rotary_other_layouts_and_dtypes(case):
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
 
 
+@pytest.mark.parametrize("case", ["bf16", "fp32", "head_dim_80_batch_1_cos", "fp32_cos"])
+def test_rotary_write_kv_is_the_rotary_then_the_cache_write(case):
+    """One launch for a decode step's rotary and K/V write: q_embed, and the caches at the rows' slots, equal
+    transformers' apply_rotary_pos_emb and the index write bit for bit; every other slot is untouched."""
+    from dustin_hf.kernels.triton_fused import rotary_write_kv_triton
+
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    q, k, cos, sin = _rotary_inputs(head_dim=80 if "80" in case else 64, dtype=dtype, seq=3, q_heads=6, k_heads=2)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, T, H, D): views of one projection, as the pipeline has them
+    v = torch.randn_like(k)
+    if "batch_1_cos" in case:
+        cos, sin = cos[:1], sin[:1]
+    if case == "fp32_cos":
+        cos, sin = cos.float(), sin.float()
+    q_ref, k_ref = HF_ROTARY(q, k, cos, sin, unsqueeze_dim=2)
+    batch, seq, heads, head_dim = k.shape
+    caches = [torch.randn(batch + 2, 16, heads, head_dim, dtype=k_ref.dtype, device=DEVICE) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    slots = torch.tensor([[4, 5, 6], [9, 10, 11]], device=DEVICE)
+    for b in range(batch):  # rows 1 and 2 of the cache
+        expected[0][1 + b, slots[b]] = k_ref[b]
+        expected[1][1 + b, slots[b]] = v[b].to(k_ref.dtype)
+    q_out = rotary_write_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, row0=1)
+    assert q_out.dtype == q_ref.dtype and torch.equal(q_out, q_ref)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 def test_rotary_rotates_each_pair_by_its_angle():
     """An oracle independent of transformers: dims ``(i, i + D/2)`` form a pair rotated by the angle of ``i``,
     ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``. Swapped halves or a wrong sign fail here."""
@@ -387,6 +414,13 @@ def test_only_plain_standard_layers_and_static_rotaries_are_registered():
     model.model.layers[0].forward = types.MethodType(lambda self, h, **kwargs: h, model.model.layers[0])
     with fused_ops(model) as done:
         assert done.layers == 0
+    # attention from its pieces: Qwen2's standard forward, called plainly; not Llama's (another attention call)
+    model = tiny_model("qwen2", layers=3).to(DEVICE)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    attentions[0].register_forward_hook(lambda *args: None)
+    attentions[1].forward = types.MethodType(lambda self, *args, **kwargs: None, attentions[1])
+    with fused_ops(model, tiny_model("llama", layers=1).to(DEVICE)) as done:
+        assert [fused.fused_attention(a) for a in attentions] == [False, False, True] and done.attentions == 1
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU without the interpreter")
@@ -509,6 +543,7 @@ def test_decoder_with_fused_ops_decodes_like_without():
             report = result.cache.stats["fused_ops"]
             # 2 norms per layer and a final one, in both models; one modeling module's rotary
             assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__], "mlps": 3 + 2,
-                               "qkv": 3 + 2} if fused_on else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0})
+                               "qkv": 3 + 2, "attentions": 3 + 2} if fused_on
+                              else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "attentions": 0})
     assert torch.equal(outputs[0], outputs[1])
     assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY

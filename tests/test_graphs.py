@@ -122,9 +122,10 @@ def test_pipeline_names_what_a_model_lacks():
 # ----------------------------------------------------------------------------- inside fused_ops
 
 
-def _staged_and_expected(model, cuts, sparse=False, keep=2):
+def _staged_and_expected(model, cuts, sparse=False, keep=2, caches=False):
     """Logits of the pipeline (cut after step indices ``cuts``) and of the model's own forward, both inside
-    ``fused_ops``; each from its own prefilled cache. Returns ``(logits, expected, pipeline, FusedOps)``."""
+    ``fused_ops``; each from its own prefilled cache. Returns ``(logits, expected, pipeline, FusedOps)``, and
+    with ``caches`` also the two caches."""
     prompt, step_ids, plan = _step_inputs(sparse)
 
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
@@ -135,6 +136,8 @@ def _staged_and_expected(model, cuts, sparse=False, keep=2):
             staged_plan = plan()
             with staged.cache.forward_plan(staged_plan):
                 logits = pipeline.forward(step_ids, staged_plan, staged.cache, keep=keep)
+    if caches:
+        return logits, expected, pipeline, done, (staged.cache, reference.cache)
     return logits, expected, pipeline, done
 
 
@@ -157,11 +160,16 @@ def _count_add_norms(monkeypatch) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fused_pipeline_matches_the_model_forward_bit_for_bit(family, cuts, sparse, dtype, monkeypatch):
     """Residual adds fused into the norms, the MLP output pending across a stage boundary (``mid-layers``
-    cuts between layers 0, 1 and 2), the final add on the kept positions only, cos/sin from the table."""
+    cuts between layers 0, 1 and 2), the final add on the kept positions only, cos/sin from the table; Qwen2's
+    attention from its pieces, the rotary embedding and the K/V write in one launch (the same cache)."""
     calls = _count_add_norms(monkeypatch)
     model = tiny_model(family, layers=3).to(dtype)
-    logits, expected, pipeline, done = _staged_and_expected(model, cuts, sparse)
+    logits, expected, pipeline, done, (staged, reference) = _staged_and_expected(model, cuts, sparse, caches=True)
     assert done.layers == 3 and done.rotary_tables == 1
+    assert done.attentions == (3 if family == "qwen2" else 0)
+    for layer in range(3):
+        for got, want in zip(staged.layer_buffers(layer), reference.layer_buffers(layer)):
+            assert torch.equal(got, want)
     # per layer the post-attention norm, layers 1 and 2 their input norm, then the final norm (kept rows only)
     assert calls == [(2, 3, 64)] * 5 + [(2, 2, 64)]
     head_dim = getattr(model.config, "head_dim", None) or 64 // 4

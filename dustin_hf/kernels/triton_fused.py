@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import launch_device
 
-__all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "silu_mul_triton"]
+__all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "rotary_write_kv_triton", "silu_mul_triton"]
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
@@ -224,20 +224,43 @@ def _rotate_heads(
 
 
 @triton.jit
+def _copy_heads(src, dst, stride_h, dst_stride_h, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy the heads of one (batch row, position), unit stride along the head dim, casting to ``dst``'s dtype."""
+    d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, N_HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < N_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        x = tl.load(src + h[:, None] * stride_h + d[None, :], mask=mask)
+        tl.store(dst + h[:, None] * dst_stride_h + d[None, :], x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq_len,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
     sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
     sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+    v_ptr, v_out_ptr, slots_ptr, row0, sv_b, sv_h, sv_t, svo_b, svo_h, svo_t,  # read iff TO_CACHE
     N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     Q_COS_DTYPE: tl.constexpr, Q_SIN_DTYPE: tl.constexpr, Q_OUT_DTYPE: tl.constexpr,
     K_COS_DTYPE: tl.constexpr, K_SIN_DTYPE: tl.constexpr, K_OUT_DTYPE: tl.constexpr,
+    TO_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (batch row, position): loads its cos/sin once, rotates every q head, then every k head."""
+    """One program per (batch row, position): loads its cos/sin once, rotates every q head, then every k head.
+
+    With ``TO_CACHE`` the rotated keys and the values go straight into the caches (``k_out``/``v_out``, rows
+    ``row0 + b``, slot ``slots[b, t]``) instead of a new key tensor: the K/V write of a decode step, in the
+    same launch."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
     t = pid % seq_len
+    if TO_CACHE:
+        slot = tl.load(slots_ptr + pid)
+        k_out_row = k_out_ptr + (row0 + b) * sko_b + slot * sko_t
+    else:
+        k_out_row = k_out_ptr + b * sko_b + t * sko_t
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < HALF
     cos_row = cos_ptr + b * sc_b + t * sc_t
@@ -251,9 +274,12 @@ def _rotary_kernel(
         cos1, cos2, sin1, sin2, d, d_mask, N_Q_HEADS, HALF, BLOCK_H, Q_COS_DTYPE, Q_SIN_DTYPE, Q_OUT_DTYPE,
     )
     _rotate_heads(
-        k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
+        k_ptr + b * sk_b + t * sk_t, k_out_row, sk_h, sk_d, sko_h, sko_d,
         cos1, cos2, sin1, sin2, d, d_mask, N_K_HEADS, HALF, BLOCK_H, K_COS_DTYPE, K_SIN_DTYPE, K_OUT_DTYPE,
     )
+    if TO_CACHE:
+        _copy_heads(v_ptr + b * sv_b + t * sv_t, v_out_ptr + (row0 + b) * svo_b + slot * svo_t, sv_h, svo_h,
+                    N_K_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
 
 
 def apply_rotary_triton(
@@ -297,12 +323,72 @@ def apply_rotary_triton(
             qv, kv, cos4, sin4, qov, kov, seq_len,
             *qv.stride(), *kv.stride(), *qov.stride(), *kov.stride(),
             cos4.stride(0), cos4.stride(2), cos4.stride(3), sin4.stride(0), sin4.stride(2), sin4.stride(3),
+            qv, qv, qv, 0, 0, 0, 0, 0, 0, 0,  # no cache write
             N_Q_HEADS=n_q_heads, N_K_HEADS=kv.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
             Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
             K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
+            TO_CACHE=False, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=4, enable_fp_fusion=False,
         )
     return q_out, k_out
+
+
+def rotary_write_kv_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, row0: int,
+) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` of ``q`` and ``k`` and the cache write of the rotated keys and the values, in one
+    launch: returns ``q_embed``; ``k_cache[row0 + b, slots[b, t]] = k_embed[b, t]`` and likewise ``v``.
+
+    Args:
+        q: ``(B, T, Hq, D)``; k, v: ``(B, T, Hk, D)`` (the layout of a projection's ``view``, before
+            transformers' ``transpose(1, 2)``); any strides with a unit last stride.
+        cos, sin: ``(B, T, D)`` (``B`` may be 1).
+        k_cache, v_cache: ``(B_cache, capacity, Hk, D)``, unit last stride.
+        slots: ``(B, T)`` contiguous int64 cache slots; row0: the cache row of ``b = 0``.
+
+    Returns:
+        ``q_embed (B, T, Hq, D)``, contiguous. Every value is what :func:`apply_rotary_triton` and the cache's
+        write give (the same rotation code; the write is a copy, cast to the cache's dtype).
+    """
+    _check_rotary(q, k, cos, sin, 2)
+    if v.shape != k.shape:
+        raise ValueError(f"v must be shaped like k {tuple(k.shape)}; got {tuple(v.shape)}")
+    batch, seq_len, n_q_heads, head_dim = q.shape
+    n_k_heads = k.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (n_k_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit keys {tuple(k.shape)}")
+    if slots.shape != (batch, seq_len) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slots must be a contiguous ({batch}, {seq_len}) int64 tensor; got {tuple(slots.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
+        raise ValueError("q, k, v and the caches need a unit stride along the head dimension")
+    if not (0 <= row0 and row0 + batch <= k_cache.shape[0]):
+        raise ValueError(f"rows {row0}..{row0 + batch - 1} are outside the cache's {k_cache.shape[0]}")
+    q_out = torch.empty(q.shape, dtype=_rotary_dtypes(q, cos, sin)[2], device=q.device)
+    if batch * seq_len == 0:
+        return q_out
+    cos3, sin3 = cos.expand(batch, seq_len, head_dim), sin.expand(batch, seq_len, head_dim)
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), max(1, _ROTARY_TILE // block_half))
+    q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
+    k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
+    with launch_device(q):
+        _rotary_kernel[(batch * seq_len,)](
+            q, k, cos3, sin3, q_out, k_cache, seq_len,
+            q.stride(0), q.stride(2), q.stride(1), 1, k.stride(0), k.stride(2), k.stride(1), 1,
+            q_out.stride(0), q_out.stride(2), q_out.stride(1), 1,
+            k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), 1,
+            cos3.stride(0), cos3.stride(1), cos3.stride(2), sin3.stride(0), sin3.stride(1), sin3.stride(2),
+            v, v_cache, slots, row0, v.stride(0), v.stride(2), v.stride(1),
+            v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
+            N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
+            K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
+            TO_CACHE=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=4, enable_fp_fusion=False,
+        )
+    return q_out
 
 
 def _rotary_dtypes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, ...]:

@@ -1,0 +1,153 @@
+"""Decode-sized GEMMs: cuBLAS (``F.linear``) against :func:`dustin_hf.kernels.triton_gemm.skinny_linear`.
+
+The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
+o_proj, gate/up fused, down) and its head; ``down_silu`` is the MLP's tail, SiLU·mul then down: the
+baseline runs the SiLU·mul kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph replay of ``--reps``
+back-to-back calls (how the decode loop runs them), so launch cost inside a graph is included and
+Python's is not. ``--sweep`` times the kernel's launch configurations too (``key=v1,v2 ...``, keys:
+block_n, block_k, split_k, num_warps, num_stages). Prints a table and one JSON line; ``--out`` saves it.
+
+    python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
+    python benchmarks/gemm_timing.py --sweep "split_k=1,2,4,8 block_n=32,64,128"
+    python benchmarks/gemm_timing.py --smoke      # CPU, Triton interpreter, tiny shapes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+# name: (M, N, K, bias) of the 0.5B draft (hidden 896, intermediate 4864, 14 q / 2 kv heads of 64, vocab 151936)
+SHAPES = {
+    "qkv": (16, 1152, 896, True),
+    "o_proj": (16, 896, 896, False),
+    "gate_up": (16, 9728, 896, False),
+    "down": (16, 896, 4864, False),
+    "down_silu": (16, 896, 4864, False),  # silu(gate) * up, then down: silu_mul + cuBLAS vs one skinny launch
+    "lm_head": (16, 151936, 896, False),
+}
+SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "down_silu": (5, 24, 200, False)}
+
+
+def graph_us(fn, reps: int) -> float:
+    """Microseconds per call, timed as replays of one CUDA graph holding ``reps`` calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+def parse_sweep(spec: str) -> list[dict]:
+    """``"split_k=1,2 block_n=64,128"`` -> every combination as keyword overrides."""
+    keys, values = [], []
+    for part in spec.split():
+        key, _, vals = part.partition("=")
+        keys.append(key)
+        values.append([int(v) for v in vals.split(",")])
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--reps", type=int, default=50, help="calls per timed graph")
+    parser.add_argument("--sweep", default="", help="kernel launch configurations to time as well")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from dustin_hf.kernels.triton_gemm import _config, _sm_count, skinny_linear
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (or --smoke)")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    sweep = parse_sweep(args.sweep) if args.sweep else []
+    rows = []
+    for name, (m, n, k, has_bias) in shapes.items():
+        torch.manual_seed(0)
+        silu = name == "down_silu"
+        x = torch.randn(m, 2 * k if silu else k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
+        if silu:
+            from dustin_hf.kernels.triton_fused import silu_mul_triton
+
+            def baseline():
+                return torch.nn.functional.linear(silu_mul_triton(x), w, b)
+        else:
+            def baseline():
+                return torch.nn.functional.linear(x, w, b)
+
+        def kernel(**overrides):
+            return skinny_linear(x, w, b, silu_mul=silu, **overrides)
+
+        ref = baseline()
+        cfg = _config(n, k, _sm_count(device), x.element_size())
+        row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "weight_mb": n * k * x.element_size() / 1e6,
+               "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}
+        out = kernel()
+        row["max_err"] = (out.float() - ref.float()).abs().max().item()
+        if device.type == "cuda":
+            row["cublas_us"] = graph_us(baseline, args.reps)
+            row["triton_us"] = graph_us(kernel, args.reps)
+            row["cublas_tbps"] = row["weight_mb"] / row["cublas_us"] / 1e6
+            row["triton_tbps"] = row["weight_mb"] / row["triton_us"] / 1e6
+            tried = []
+            for overrides in sweep:
+                try:
+                    us = graph_us(lambda: kernel(**overrides), args.reps)
+                except Exception as error:  # an invalid combination (shared memory, block sizes) is reported
+                    tried.append({"overrides": overrides, "error": f"{type(error).__name__}: {str(error)[:80]}"})
+                    continue
+                tried.append({"overrides": overrides, "us": us})
+            if tried:
+                row["sweep"] = tried
+                timed = [t for t in tried if "us" in t]
+                if timed:
+                    row["best"] = min(timed, key=lambda t: t["us"])
+        rows.append(row)
+        best = f"  best {row['best']['us']:.2f} us {row['best']['overrides']}" if "best" in row else ""
+        timing = (f"cuBLAS {row['cublas_us']:6.2f} us  Triton {row['triton_us']:6.2f} us ({row['heuristic']})"
+                  if "cublas_us" in row else "(not timed)")
+        print(f"{name:<8} {m}x{n}x{k}  {row['weight_mb']:7.2f} MB  {timing}  err {row['max_err']:.2e}{best}")
+    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "rows": rows,
+              "dtype": str(dtype), "reps": args.reps}
+    if device.type == "cuda":
+        import triton
+        import transformers
+
+        result["gpu"] = torch.cuda.get_device_name(device)
+        result["versions"] = {"torch": torch.__version__, "triton": triton.__version__,
+                              "transformers": transformers.__version__}
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""A Triton GEMM for decode-sized inputs: ``x (M, K) @ weight (N, K)^T (+ bias)`` with few rows ``M``.
+
+Why: in a decode step the draft's projections see one token per row (``M`` = batch, 16 at most here),
+so each GEMM reads its weight once and does almost no arithmetic; its time is the weight read plus
+launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CUDA graphs), cuBLAS took
+4.8 us for the 2 MB q/k/v weight, 4.1 us for o_proj (1.6 MB), 7.7 us for gate/up (17 MB) and 6.4 + 1.7 us
+(a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best.
+
+Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
+of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
+``BLOCK_N x BLOCK_K`` weight tiles (contiguous along ``K``: ``nn.Linear`` stores ``(out, in)``). With one
+split it adds the bias and stores. With several, each split stores its fp32 partial and takes a ticket
+(an atomic counter per tile); the last to arrive sums every split's partial in split order (so the
+result does not depend on which split finished last: replays are bit-identical), adds the bias, stores
+the tile, and resets the counter for the next launch (CUDA-graph replay safe). The split count is
+chosen so the grid covers the SMs about ``_WAVES`` times. Rounding: fp32 accumulation, one rounding to
+the output dtype after the bias, as cuBLAS's bias epilogue; the reduction order differs from cuBLAS's,
+so results may differ from ``F.linear`` in the last bits.
+
+All sizes come from host ints, so a call makes no host sync and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch_device
+from .triton_fused import _DTYPES as _TL_DTYPES
+from .triton_fused import _round
+from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
+
+__all__ = ["MAX_ROWS", "skinny_linear"]
+
+MAX_ROWS = 16  # one BLOCK_M tile of rows: the kernel is for decode-sized inputs
+_WAVES = 2  # programs per SM the split count aims for (each streams its weight tiles)
+_MIN_SPLIT_K_TILES = 16  # K shorter than this many tiles is not split
+_MAX_SPLITS = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _config(n: int, k: int, sm_count: int, elem_bytes: int, *, block_n: int | None = None,
+            block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+            num_stages: int | None = None, waves: int = _WAVES) -> _Config:
+    """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights) and, for a long ``K`` only, enough
+    splits of it for the grid to give every SM about ``waves`` programs, each split at least two tiles long.
+
+    Measured on an H200 under CUDA graphs (16 rows, bf16, ``benchmarks/results/gemm_h200.json``): 32-wide
+    tiles and 3 stages were best for every 0.5B-draft shape; splitting paid for ``down`` (K = 4864: 8
+    splits 5.5 us, 1 split slower than cuBLAS's 6.3) and cost for K = 896 (o_proj: 3.4 us unsplit, 3.9
+    with 4 splits).
+    """
+    if block_k is None:
+        block_k = 128 if elem_bytes == 2 else 64
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if block_n is None:
+        block_n = 32
+    n_tiles = triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = 1 if k_tiles < _MIN_SPLIT_K_TILES else max(1, min((waves * sm_count) // n_tiles, k_tiles // 2,
+                                                                    _MAX_SPLITS))
+    split_k = max(1, min(split_k, k_tiles))
+    per_split = triton.cdiv(k_tiles, split_k)
+    split_k = triton.cdiv(k_tiles, per_split)  # no split without a tile
+    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or 3)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    X, W, BIAS, OUT, PART, TICKETS,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SILU_MUL: tl.constexpr, X_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    j = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + kk) < k_hi
+        x_ptrs = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        if SILU_MUL:  # X rows are [gate | up], each K wide: silu(gate) * up, rounded as silu_mul rounds it
+            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = _round(_round(gate / (1.0 + tl.exp(-gate)), X_DTYPE) * up, X_DTYPE)  # fp32, exact in X's dtype
+            if not UPCAST:
+                x = x.to(X.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        w = tl.load(W + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if UPCAST:  # the interpreter multiplies bf16 as raw bits
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    out_ptrs = OUT + rows[:, None] * stride_om + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
+    else:
+        part = PART + (j * SPLIT_K * BLOCK_M + rows[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part + s * BLOCK_M * BLOCK_N, acc)
+        # release the partial before the ticket; the last arrival acquires every other split's partial
+        ticket = tl.atomic_add(TICKETS + j, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for t in range(SPLIT_K):  # split order: the sum does not depend on arrival order
+                total += tl.load(part + t * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(OUT.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(TICKETS + j, 0)  # ready for the next launch (graph replays reuse the counters)
+
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_tiles: int, split_k: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the
+    tickets return to zero at the end of every launch, so a graph captured with them stays valid. Two
+    launches of one shape must not run concurrently on different streams."""
+    key = (device, n_tiles, split_k, block_n)
+    if key not in _workspaces:
+        part = torch.empty(n_tiles * split_k * MAX_ROWS * block_n, dtype=torch.float32, device=device)
+        _workspaces[key] = (part, torch.zeros(n_tiles, dtype=torch.int32, device=device))
+    return _workspaces[key]
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  silu_mul: bool = False, **overrides) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x (..., K)`` with at most :data:`MAX_ROWS` rows, one launch.
+
+    ``weight (N, K)`` and ``bias (N,)`` as ``nn.Linear`` holds them (contiguous along ``K``); fp16, bf16 or
+    fp32, all one dtype. With ``silu_mul``, ``x`` is ``(..., 2K)`` = ``[gate | up]`` and the product is
+    taken with ``silu(gate) * up`` rounded exactly as :func:`~dustin_hf.kernels.triton_fused.silu_mul_triton`
+    rounds it (an MLP's down projection without the intermediate tensor and its launch). ``overrides``
+    (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``) are for benchmarks.
+    """
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+    if silu_mul and x.shape[-1] != 2 * k:
+        raise ValueError(f"silu_mul needs x's last dimension even ([gate | up]); got {x.shape[-1]}")
+    rows = x.reshape(-1, x.shape[-1])
+    m, n = rows.shape[0], weight.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight must be (N, {k}), got {tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one of {_DTYPES}; got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("weight must be contiguous along its input dimension")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreting:
+        _patch_interpreter_for_numpy_2_4()
+    if m and n:
+        cfg = _config(n, k, _sm_count(x.device), x.element_size(), **overrides)
+        n_tiles = triton.cdiv(n, cfg.block_n)
+        k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
+        part, tickets = _workspace(x.device, n_tiles, cfg.split_k, cfg.block_n) if cfg.split_k > 1 else (out, out)
+        with launch_device(x):
+            _skinny_gemm_kernel[(n_tiles, cfg.split_k)](
+                rows, weight, bias if bias is not None else weight, out, part, tickets,
+                m, n, k, k_tiles_per_split * cfg.block_k,
+                rows.stride(0), weight.stride(0), out.stride(0),
+                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, UPCAST=interpreting and x.dtype == torch.bfloat16,
+                SILU_MUL=silu_mul, X_DTYPE=_TL_DTYPES[x.dtype],
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+    return out.reshape(*x.shape[:-1], n)
+

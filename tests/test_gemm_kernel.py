@@ -1,0 +1,77 @@
+"""The decode-sized GEMM kernel against F.linear (interpreter on CPU, compiled on CUDA)."""
+
+import pytest
+import torch
+
+from conftest import TRITON_RUNS
+
+pytestmark = pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m, n, k, bias, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m,n,k,bias,overrides", [
+    (1, 40, 24, False, {}),  # one row, one partial tile each way
+    (16, 96, 200, True, {}),  # K not a multiple of the tile
+    (5, 70, 300, True, {"split_k": 3, "block_k": 64}),  # ticket merge over three splits, ragged last split
+    (9, 130, 520, True, {"split_k": 4, "block_k": 32, "block_n": 32}),
+    (16, 64, 256, False, {"split_k": 1}),
+])
+def test_skinny_linear_matches_f_linear_in_float32(m, n, k, bias, overrides):
+    from dustin_hf.kernels.triton_gemm import skinny_linear
+
+    x, w, b = _operands(m, n, k, bias, torch.float32)
+    out = skinny_linear(x, w, b, **overrides)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, skinny_linear(x, w, b, **overrides)), "a repeated launch must give the same bits"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_skinny_linear_in_16_bits_and_batched_shapes(dtype):
+    from dustin_hf.kernels.triton_gemm import skinny_linear
+
+    x, w, b = _operands(12, 72, 160, True, dtype, seed=1)
+    x = x.reshape(3, 4, 160)  # (..., K) inputs keep their leading shape
+    out = skinny_linear(x, w, b, split_k=2, block_k=32)
+    ref = (x.float() @ w.float().t() + b.float())  # exact, then one rounding: within one ulp of the output
+    assert out.shape == (3, 4, 72) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)
+
+
+def test_skinny_linear_rejects_what_it_cannot_compute():
+    from dustin_hf.kernels.triton_gemm import MAX_ROWS, skinny_linear
+
+    x, w, _ = _operands(MAX_ROWS + 1, 8, 16, False, torch.float32)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(x, w)
+    with pytest.raises(ValueError, match="weight must be"):
+        skinny_linear(x[:2], w[:, :8])
+    with pytest.raises(ValueError, match="share one of"):
+        skinny_linear(x[:2], w.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overrides", [{}, {"split_k": 3, "block_k": 32}])
+def test_silu_mul_prologue_equals_silu_mul_then_linear(dtype, overrides):
+    """The down projection reading [gate | up] computes on exactly silu_mul's output (same rounding)."""
+    from dustin_hf.kernels.triton_fused import silu_mul_triton
+    from dustin_hf.kernels.triton_gemm import skinny_linear
+
+    gate_up, w, _ = _operands(7, 40, 2 * 96, False, dtype, seed=2)
+    gate_up = gate_up * 3  # reach SiLU's curved part and negative tail
+    w = w[:, :96].contiguous()
+    out = skinny_linear(gate_up, w, silu_mul=True, **overrides)
+    expected = skinny_linear(silu_mul_triton(gate_up), w, **overrides)
+    assert torch.equal(out, expected)
+    ref = torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:], w)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    with pytest.raises(ValueError, match="even"):
+        skinny_linear(gate_up[:, :-1], w, silu_mul=True)
