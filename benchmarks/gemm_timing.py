@@ -1,10 +1,12 @@
 """Decode-sized GEMMs: cuBLAS (``F.linear``) against :func:`dustin_hf.kernels.triton_gemm.skinny_linear`.
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
-o_proj, gate/up fused, down) and its head; ``down_silu`` is the MLP's tail, SiLU·mul then down: the
+o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
+(``7b_*``); ``down_silu`` is the MLP's tail, SiLU·mul then down: the
 baseline runs the SiLU·mul kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph replay of ``--reps``
 back-to-back calls (how the decode loop runs them), so launch cost inside a graph is included and
-Python's is not. ``--sweep`` times the kernel's launch configurations too (``key=v1,v2 ...``, keys:
+Python's is not; the calls rotate among copies of the weight filling twice the L2, so each reads its
+weight from HBM as a decode step does. ``--sweep`` times the kernel's launch configurations too (``key=v1,v2 ...``, keys:
 block_n, block_k, split_k, num_warps, num_stages). Prints a table and one JSON line; ``--out`` saves it.
 
     python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
@@ -30,7 +32,13 @@ SHAPES = {
     "down": (16, 896, 4864, False),
     "down_silu": (16, 896, 4864, False),  # silu(gate) * up, then down: silu_mul + cuBLAS vs one skinny launch
     "lm_head": (16, 151936, 896, False),
+    # the 7B target's verification projections: 16 rows x 5 queries (hidden 3584, intermediate 18944, 28 q / 4 kv)
+    "7b_qkv": (80, 4608, 3584, True),
+    "7b_o_proj": (80, 3584, 3584, False),
+    "7b_gate_up": (80, 37888, 3584, False),
+    "7b_down": (80, 3584, 18944, False),
 }
+L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each reads its weight from HBM
 SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "down_silu": (5, 24, 200, False)}
 
 
@@ -90,25 +98,30 @@ def main(argv=None) -> dict:
         torch.manual_seed(0)
         silu = name == "down_silu"
         x = torch.randn(m, 2 * k if silu else k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        copies = 1 if args.smoke else -(-2 * L2_BYTES // (n * k * x.element_size()))
+        weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
         b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
+        turn = iter(range(1 << 62))
+
+        def weight():  # the next copy: a graph captures the calls' rotation
+            return weights[next(turn) % copies]
         if silu:
             from dustin_hf.kernels.triton_fused import silu_mul_triton
 
-            def baseline():
-                return torch.nn.functional.linear(silu_mul_triton(x), w, b)
+            def baseline(w=None):
+                return torch.nn.functional.linear(silu_mul_triton(x), weight() if w is None else w, b)
         else:
-            def baseline():
-                return torch.nn.functional.linear(x, w, b)
+            def baseline(w=None):
+                return torch.nn.functional.linear(x, weight() if w is None else w, b)
 
-        def kernel(**overrides):
-            return skinny_linear(x, w, b, silu_mul=silu, **overrides)
+        def kernel(w=None, **overrides):
+            return skinny_linear(x, weight() if w is None else w, b, silu_mul=silu, **overrides)
 
-        ref = baseline()
+        ref = baseline(weights[0])
         cfg = _config(n, k, _sm_count(device), x.element_size())
         row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "weight_mb": n * k * x.element_size() / 1e6,
                "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}
-        out = kernel()
+        out = kernel(weights[0])
         row["max_err"] = (out.float() - ref.float()).abs().max().item()
         if device.type == "cuda":
             row["cublas_us"] = graph_us(baseline, args.reps)

@@ -23,6 +23,8 @@ def _operands(m, n, k, bias, dtype, seed=0):
     (5, 70, 300, True, {"split_k": 3, "block_k": 64}),  # ticket merge over three splits, ragged last split
     (9, 130, 520, True, {"split_k": 4, "block_k": 32, "block_n": 32}),
     (16, 64, 256, False, {"split_k": 1}),
+    (80, 40, 96, True, {}),  # 16 rows x 5 verified tokens: a 128-row tile, rows past 80 masked
+    (33, 50, 160, False, {"split_k": 2, "block_k": 32}),  # a 64-row tile, split
 ])
 def test_skinny_linear_matches_f_linear_in_float32(m, n, k, bias, overrides):
     from dustin_hf.kernels.triton_gemm import skinny_linear

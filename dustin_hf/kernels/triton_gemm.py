@@ -4,7 +4,9 @@ Why: in a decode step the draft's projections see one token per row (``M`` = bat
 so each GEMM reads its weight once and does almost no arithmetic; its time is the weight read plus
 launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CUDA graphs), cuBLAS took
 4.8 us for the 2 MB q/k/v weight, 4.1 us for o_proj (1.6 MB), 7.7 us for gate/up (17 MB) and 6.4 + 1.7 us
-(a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best.
+(a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best. It takes up to
+:data:`MAX_ROWS` rows, but past 16 cuBLAS wins: at 80 rows (the 7B target verifying 16 rows x 5 tokens,
+``benchmarks/results/gemm_h200_7b_verify.json``) its best launch configs took 1.2-1.7x cuBLAS's time.
 
 Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
 of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
@@ -36,7 +38,7 @@ from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["MAX_ROWS", "skinny_linear"]
 
-MAX_ROWS = 16  # one BLOCK_M tile of rows: the kernel is for decode-sized inputs
+MAX_ROWS = 128  # one BLOCK_M tile of rows (a power of two >= 16 covering M): the kernel is for decode-sized inputs
 _WAVES = 2  # programs per SM the split count aims for (each streams its weight tiles)
 _MIN_SPLIT_K_TILES = 16  # K shorter than this many tiles is not split
 _MAX_SPLITS = 16
@@ -140,13 +142,14 @@ def _skinny_gemm_kernel(
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, n_tiles: int, split_k: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, n_tiles: int, split_k: int, block_m: int,
+               block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the
     tickets return to zero at the end of every launch, so a graph captured with them stays valid. Two
     launches of one shape must not run concurrently on different streams."""
-    key = (device, n_tiles, split_k, block_n)
+    key = (device, n_tiles, split_k, block_m, block_n)
     if key not in _workspaces:
-        part = torch.empty(n_tiles * split_k * MAX_ROWS * block_n, dtype=torch.float32, device=device)
+        part = torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device)
         _workspaces[key] = (part, torch.zeros(n_tiles, dtype=torch.int32, device=device))
     return _workspaces[key]
 
@@ -185,7 +188,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cfg = _config(n, k, _sm_count(x.device), x.element_size(), **overrides)
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-        part, tickets = _workspace(x.device, n_tiles, cfg.split_k, cfg.block_n) if cfg.split_k > 1 else (out, out)
+        block_m = max(16, triton.next_power_of_2(m))
+        part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
+                         else (out, out))
         with launch_device(x):
             _skinny_gemm_kernel[(n_tiles, cfg.split_k)](
                 rows, weight, bias if bias is not None else weight, out, part, tickets,
@@ -194,7 +199,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, UPCAST=interpreting and x.dtype == torch.bfloat16,
                 SILU_MUL=silu_mul, X_DTYPE=_TL_DTYPES[x.dtype],
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
     return out.reshape(*x.shape[:-1], n)
