@@ -231,9 +231,9 @@ def run_hf_repeated(target, batch: int, context: int, static: bool, dtype, runs:
 
     The first ``generate()`` at a shape is not a fair baseline: on the H200 (7B, batch 16) it ran at 212
     tok/s at 32k where the two after it read 508 and 509, and at 288 at 16k after the 8k runs (then 784),
-    so the warm-up run is timed but not rated (its rate is kept as ``warmup_tokens_per_s``). Later runs with the default dynamic cache still vary with the
-    allocator's state (the cache re-concatenates every layer's K/V each token); the speedups use the
-    median run.
+    so the warm-up run is timed but not rated (its rate is kept as ``warmup_tokens_per_s``). Later runs
+    with the default dynamic cache still vary with the allocator's state (the cache re-concatenates
+    every layer's K/V each token); the speedups use the median run.
     """
     warmup = run_hf(target, batch, context, static, dtype)
     results = sorted((run_hf(target, batch, context, static, dtype) for _ in range(runs)),

@@ -2,12 +2,13 @@
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
 o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
-(``7b_*``); ``down_silu`` is the MLP's tail, SiLU·mul then down: the
-baseline runs the SiLU·mul kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph replay of ``--reps``
-back-to-back calls (how the decode loop runs them), so launch cost inside a graph is included and
-Python's is not; the calls rotate among copies of the weight filling twice the L2, so each reads its
-weight from HBM as a decode step does. ``--sweep`` times the kernel's launch configurations too (``key=v1,v2 ...``, keys:
-block_n, block_k, split_k, num_warps, num_stages). Prints a table and one JSON line; ``--out`` saves it.
+(``7b_*``); ``down_silu`` is the MLP's tail, SiLU·mul then down: the baseline runs the SiLU·mul
+kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph
+replay of ``--reps`` back-to-back calls (how the decode loop runs them), so launch cost inside a graph
+is included and Python's is not; the calls rotate among copies of the weight filling twice the L2, so
+each reads its weight from HBM as a decode step does. ``--sweep`` times the kernel's launch
+configurations too (``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages). Prints
+a table and one JSON line; ``--out`` saves it.
 
     python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
     python benchmarks/gemm_timing.py --sweep "split_k=1,2,4,8 block_n=32,64,128"

@@ -32,15 +32,15 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
-  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`, and its down projection,
-  for at most 16 rows, as :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
-  ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they
-  are called on the same input, as every listed family's attention does: ``q_proj`` computes all three
-  and ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). The weights
-  are not copied: each projection's weight (and bias) becomes a view of the fused tensor while the
-  context is open, and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does;
-  a fused GEMM may reduce in another order than the separate ones (cuBLAS picks its kernel by shape),
-  so its outputs can differ in the last bits.
+  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`, and its down
+  projection, for at most 16 rows, as :func:`skinny_linear` (one launch where cuBLAS splits K and reduces
+  in a second); an attention's ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM
+  over ``[q; k; v]`` when they are called on the same input, as every listed family's attention does:
+  ``q_proj`` computes all three and ``k_proj``/``v_proj`` hand out their slices (on any other input each
+  runs its own). The weights are not copied: each projection's weight (and bias) becomes a view of the
+  fused tensor while the context is open, and gets its own storage back on exit. Numerics: SiLU·mul
+  rounds as PyTorch does; a fused GEMM (and the skinny down projection) may reduce in another order than
+  the separate ones (cuBLAS picks its kernel by shape), so its outputs can differ in the last bits.
 
 * **Decoder layers and rotary tables** (for :class:`dustin_hf.graphs.Pipeline`, the staged forward the
   decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,
@@ -465,8 +465,9 @@ def fused_attention(module: torch.nn.Module) -> bool:
     """Whether an open :func:`fused_ops` context registered the attention ``module`` for the pipeline's own path.
 
     A registered module's forward is transformers' Qwen2 attention
-    (:class:`~dustin_hf._attention_reference.StandardQwen2Attention`, both spellings): projections, ``apply_rotary_pos_emb``, the cache's ``update``, the attention function
-    registered for the model, ``o_proj``; nothing wraps it. So the pipeline may call those pieces itself,
+    (:class:`~dustin_hf._attention_reference.StandardQwen2Attention`, both spellings): projections,
+    ``apply_rotary_pos_emb``, the cache's ``update``, the attention function registered for the model,
+    ``o_proj``; nothing wraps it. So the pipeline may call those pieces itself,
     with :func:`rotary_write_kv` doing the rotary embedding and the K/V write in one launch. Llama and
     Mistral attentions (another call of the attention function) and Qwen3's (norms on q and k) are not
     registered and run their own forward.
