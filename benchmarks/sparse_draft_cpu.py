@@ -18,8 +18,10 @@ acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can repla
 method's true attention (:mod:`dustin_hf.oracle`): ``oracle-shared`` (one set for all layers, what a
 perfect Dustin scorer would pick) and ``oracle-per-layer`` (each layer its own set); it also measures
 every sparse method's attention recovery at every step; ``--oracle-budgets B ...`` adds both oracles at other
-budgets (``oracle-shared@B``, ``oracle-per-layer@B``). ``--variant NAME:FIELD=VALUE[;FIELD=VALUE]`` adds
-Dustin with config fields changed (values in JSON), e.g. ``--variant 'recent192:recent_tokens=192;draft_share=207'``.
+budgets (``oracle-shared@B``, ``oracle-per-layer@B``); with ``--guarded`` too, both oracles also walk
+with the guarded method's dense layers (``oracle-shared-guarded``, ``oracle-per-layer-guarded``).
+``--variant NAME:FIELD=VALUE[;FIELD=VALUE]`` adds Dustin with config fields changed (values in JSON),
+e.g. ``--variant 'recent192:recent_tokens=192;draft_share=207'``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"),
                         help="where to write the traces (one per context and method, books pooled); '' for none")
     parser.add_argument("--guarded", action="store_true",
-                        help="also walk Dustin with the first two and last two target layers dense")
+                        help="also walk Dustin with the first two and last two target layers dense (and, with "
+                             "--oracle, both oracles with those layers dense)")
     parser.add_argument("--refresh", type=int, default=0, metavar="N",
                         help="also walk Dustin rewriting, every N steps, the K/V of the positions verified since "
                              "with one dense forward (an experiment beyond the paper)")
@@ -104,6 +107,9 @@ def main(argv=None) -> dict:
                 other = config_for_budget(config, fraction, budget).replace(min_context=1024)
                 methods[f"oracle-{kind}@{budget}"] = resolve(other, t_cfg, d_cfg)
                 oracle[f"oracle-{kind}@{budget}"] = kind
+            if args.guarded:  # the oracle's read sets with the guarded method's dense layers
+                methods[f"oracle-{kind}-guarded"] = methods["dustin-guarded"]
+                oracle[f"oracle-{kind}-guarded"] = kind
     scoring_layer = methods["dustin"].target_layer  # its history query is kept from the prefill
     if args.only:
         unknown = sorted(set(args.only) - set(methods))
