@@ -308,28 +308,7 @@ def apply_rotary_triton(
     if dim == 2:  # one (B, H, T, D) indexing for both layouts
         views = [v.transpose(1, 2) for v in views]
     qv, kv, qov, kov, cos4, sin4 = views
-    batch, n_q_heads, seq_len, head_dim = qv.shape
-    cos4 = cos4.expand(batch, 1, seq_len, head_dim)  # broadcast axes get stride 0
-    sin4 = sin4.expand(batch, 1, seq_len, head_dim)
-    if batch * seq_len == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(n_q_heads, kv.shape[1])), max(1, _ROTARY_TILE // block_half))
-    q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
-    k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
-    with launch_device(q):
-        _rotary_kernel[(batch * seq_len,)](
-            qv, kv, cos4, sin4, qov, kov, seq_len,
-            *qv.stride(), *kv.stride(), *qov.stride(), *kov.stride(),
-            cos4.stride(0), cos4.stride(2), cos4.stride(3), sin4.stride(0), sin4.stride(2), sin4.stride(3),
-            qv, qv, qv, 0, 0, 0, 0, 0, 0, 0,  # no cache write
-            N_Q_HEADS=n_q_heads, N_K_HEADS=kv.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-            Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
-            K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
-            TO_CACHE=False, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            num_warps=4, enable_fp_fusion=False,
-        )
+    _launch_rotary(qv, kv, cos4, sin4, qov, kov)
     return q_out, k_out
 
 
@@ -365,30 +344,44 @@ def rotary_write_kv_triton(
     if not (0 <= row0 and row0 + batch <= k_cache.shape[0]):
         raise ValueError(f"rows {row0}..{row0 + batch - 1} are outside the cache's {k_cache.shape[0]}")
     q_out = torch.empty(q.shape, dtype=_rotary_dtypes(q, cos, sin)[2], device=q.device)
+    heads_first = [t.transpose(1, 2) for t in (q, k, q_out, k_cache, v, v_cache)]  # (B, H, T, D) indexing
+    _launch_rotary(*heads_first[:2], cos.unsqueeze(1), sin.unsqueeze(1), *heads_first[2:4],
+                   cache=(*heads_first[4:], slots, row0))
+    return q_out
+
+
+def _launch_rotary(q, k, cos, sin, q_out, k_out, *, cache=None) -> None:
+    """One :func:`_rotary_kernel` launch over ``(B, H, T, D)``-indexed views (``cos``/``sin`` ``(B or 1, 1, T, D)``).
+
+    With ``cache = (v, v_out, slots, row0)`` (``v``/``v_out`` indexed like ``k``/``k_out``) the rotated keys go to
+    ``k_out[row0 + b, :, slots[b, t]]`` and the values to ``v_out`` alike, instead of ``k_out[b, :, t]``."""
+    batch, n_q_heads, seq_len, head_dim = q.shape
     if batch * seq_len == 0:
-        return q_out
-    cos3, sin3 = cos.expand(batch, seq_len, head_dim), sin.expand(batch, seq_len, head_dim)
+        return
+    cos = cos.expand(batch, 1, seq_len, head_dim)  # broadcast axes get stride 0
+    sin = sin.expand(batch, 1, seq_len, head_dim)
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), max(1, _ROTARY_TILE // block_half))
+    block_h = min(triton.next_power_of_2(max(n_q_heads, k.shape[1])), max(1, _ROTARY_TILE // block_half))
     q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
     k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
+    if cache is None:
+        cache_args = (q, q, q, 0, 0, 0, 0, 0, 0, 0)  # unused without a cache write
+    else:
+        v, v_out, slots, row0 = cache
+        cache_args = (v, v_out, slots, row0, *v.stride()[:3], *v_out.stride()[:3])
     with launch_device(q):
         _rotary_kernel[(batch * seq_len,)](
-            q, k, cos3, sin3, q_out, k_cache, seq_len,
-            q.stride(0), q.stride(2), q.stride(1), 1, k.stride(0), k.stride(2), k.stride(1), 1,
-            q_out.stride(0), q_out.stride(2), q_out.stride(1), 1,
-            k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), 1,
-            cos3.stride(0), cos3.stride(1), cos3.stride(2), sin3.stride(0), sin3.stride(1), sin3.stride(2),
-            v, v_cache, slots, row0, v.stride(0), v.stride(2), v.stride(1),
-            v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
-            N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            q, k, cos, sin, q_out, k_out, seq_len,
+            *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
+            cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+            *cache_args,
+            N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
             Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
             K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
-            TO_CACHE=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            TO_CACHE=cache is not None, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=4, enable_fp_fusion=False,
         )
-    return q_out
 
 
 def _rotary_dtypes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, ...]:
