@@ -4,9 +4,9 @@ The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token p
 o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
 (``7b_*``); ``down_silu`` is the MLP's tail, SiLU·mul then down: the baseline runs the SiLU·mul
 kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph
-replay of ``--reps`` back-to-back calls (how the decode loop runs them), so launch cost inside a graph
-is included and Python's is not; the calls rotate among copies of the weight filling twice the L2, so
-each reads its weight from HBM as a decode step does. ``--sweep`` times the kernel's launch
+replay of about ``--reps`` back-to-back calls (how the decode loop runs them; the timer of
+``blas_choice.py``), so launch cost inside a graph is included and Python's is not; the calls rotate
+among copies of the weight filling twice the L2, so each reads its weight from HBM as a decode step does. ``--sweep`` times the kernel's launch
 configurations too (``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages). Prints
 a table and one JSON line; ``--out`` saves it.
 
@@ -18,12 +18,15 @@ a table and one JSON line; ``--out`` saves it.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import sys
 
 import torch
+
+from blas_choice import graph_us  # benchmarks/ is the script's directory
 
 # name: (M, N, K, bias) of the 0.5B draft (hidden 896, intermediate 4864, 14 q / 2 kv heads of 64, vocab 151936)
 SHAPES = {
@@ -43,28 +46,6 @@ L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each
 SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "down_silu": (5, 24, 200, False)}
 
 
-def graph_us(fn, reps: int) -> float:
-    """Microseconds per call, timed as replays of one CUDA graph holding ``reps`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
-
-
 def parse_sweep(spec: str) -> list[dict]:
     """``"split_k=1,2 block_n=64,128"`` -> every combination as keyword overrides."""
     keys, values = [], []
@@ -78,7 +59,7 @@ def parse_sweep(spec: str) -> list[dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--reps", type=int, default=50, help="calls per timed graph")
+    parser.add_argument("--reps", type=int, default=50, help="calls per timed graph (whole rotations over the weight copies, at least one)")
     parser.add_argument("--sweep", default="", help="kernel launch configurations to time as well")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing")
@@ -102,21 +83,24 @@ def main(argv=None) -> dict:
         copies = 1 if args.smoke else -(-2 * L2_BYTES // (n * k * x.element_size()))
         weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
         b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
-        turn = iter(range(1 << 62))
 
-        def weight():  # the next copy: a graph captures the calls' rotation
-            return weights[next(turn) % copies]
+        def timed_us(call) -> float:  # one call per weight copy, so each reads its weight from HBM
+            def rotation():
+                for w in weights:
+                    call(w)
+            return graph_us(rotation, copies, reps=max(1, args.reps // copies))
+
         if silu:
             from dustin_hf.kernels.triton_fused import silu_mul_triton
 
-            def baseline(w=None):
-                return torch.nn.functional.linear(silu_mul_triton(x), weight() if w is None else w, b)
+            def baseline(w):
+                return torch.nn.functional.linear(silu_mul_triton(x), w, b)
         else:
-            def baseline(w=None):
-                return torch.nn.functional.linear(x, weight() if w is None else w, b)
+            def baseline(w):
+                return torch.nn.functional.linear(x, w, b)
 
-        def kernel(w=None, **overrides):
-            return skinny_linear(x, weight() if w is None else w, b, silu_mul=silu, **overrides)
+        def kernel(w, **overrides):
+            return skinny_linear(x, w, b, silu_mul=silu, **overrides)
 
         ref = baseline(weights[0])
         cfg = _config(n, k, _sm_count(device), x.element_size())
@@ -125,14 +109,14 @@ def main(argv=None) -> dict:
         out = kernel(weights[0])
         row["max_err"] = (out.float() - ref.float()).abs().max().item()
         if device.type == "cuda":
-            row["cublas_us"] = graph_us(baseline, args.reps)
-            row["triton_us"] = graph_us(kernel, args.reps)
+            row["cublas_us"] = timed_us(baseline)
+            row["triton_us"] = timed_us(kernel)
             row["cublas_tbps"] = row["weight_mb"] / row["cublas_us"] / 1e6
             row["triton_tbps"] = row["weight_mb"] / row["triton_us"] / 1e6
             tried = []
             for overrides in sweep:
                 try:
-                    us = graph_us(lambda: kernel(**overrides), args.reps)
+                    us = timed_us(functools.partial(kernel, **overrides))
                 except Exception as error:  # an invalid combination (shared memory, block sizes) is reported
                     tried.append({"overrides": overrides, "error": f"{type(error).__name__}: {str(error)[:80]}"})
                     continue
