@@ -5,8 +5,9 @@ so each GEMM reads its weight once and does almost no arithmetic; its time is th
 launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CUDA graphs), cuBLAS took
 4.8 us for the 2 MB q/k/v weight, 4.1 us for o_proj (1.6 MB), 7.7 us for gate/up (17 MB) and 6.4 + 1.7 us
 (a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best. It takes up to
-:data:`MAX_ROWS` rows, but past 16 cuBLAS wins: at 80 rows (the 7B target verifying 16 rows x 5 tokens,
-``benchmarks/results/gemm_h200_7b_verify.json``) its best launch configs took 1.2-1.7x cuBLAS's time.
+:data:`MAX_ROWS` rows; at 32 (a draft's first forward of a step) it still edges cuBLAS, but at 80 rows
+(the 7B target verifying 16 rows x 5 tokens, ``benchmarks/results/gemm_h200_7b_verify.json``) its best
+launch configs took 1.2-1.7x cuBLAS's time.
 
 Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
 of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
