@@ -2,13 +2,12 @@
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
 o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
-(``7b_*``); ``down_silu`` is the MLP's tail, SiLU·mul then down: the baseline runs the SiLU·mul
-kernel and cuBLAS, the kernel reads ``[gate | up]`` in one launch. Each call is timed as a CUDA-graph
-replay of about ``--reps`` back-to-back calls (how the decode loop runs them; the timer of
-``blas_choice.py``), so launch cost inside a graph is included and Python's is not; the calls rotate
-among copies of the weight filling twice the L2, so each reads its weight from HBM as a decode step does. ``--sweep`` times the kernel's launch
-configurations too (``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages). Prints
-a table and one JSON line; ``--out`` saves it.
+(``7b_*``). Each call is timed as a CUDA-graph replay of about ``--reps`` back-to-back calls (how the
+decode loop runs them; the timer of ``blas_choice.py``), so launch cost inside a graph is included and
+Python's is not; the calls rotate among copies of the weight filling twice the L2, so each reads its
+weight from HBM as a decode step does. ``--sweep`` times the kernel's launch configurations too
+(``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages). Prints a table and one
+JSON line; ``--out`` saves it.
 
     python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
     python benchmarks/gemm_timing.py --sweep "split_k=1,2,4,8 block_n=32,64,128"
@@ -34,7 +33,6 @@ SHAPES = {
     "o_proj": (16, 896, 896, False),
     "gate_up": (16, 9728, 896, False),
     "down": (16, 896, 4864, False),
-    "down_silu": (16, 896, 4864, False),  # silu(gate) * up, then down: silu_mul + cuBLAS vs one skinny launch
     "lm_head": (16, 151936, 896, False),
     # the 7B target's verification projections: 16 rows x 5 queries (hidden 3584, intermediate 18944, 28 q / 4 kv)
     "7b_qkv": (80, 4608, 3584, True),
@@ -43,7 +41,7 @@ SHAPES = {
     "7b_down": (80, 3584, 18944, False),
 }
 L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each reads its weight from HBM
-SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "down_silu": (5, 24, 200, False)}
+SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False)}
 
 
 def parse_sweep(spec: str) -> list[dict]:
@@ -78,8 +76,7 @@ def main(argv=None) -> dict:
     rows = []
     for name, (m, n, k, has_bias) in shapes.items():
         torch.manual_seed(0)
-        silu = name == "down_silu"
-        x = torch.randn(m, 2 * k if silu else k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype)
         copies = 1 if args.smoke else -(-2 * L2_BYTES // (n * k * x.element_size()))
         weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
         b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
@@ -90,17 +87,11 @@ def main(argv=None) -> dict:
                     call(w)
             return graph_us(rotation, copies, reps=max(1, args.reps // copies))
 
-        if silu:
-            from dustin_hf.kernels.triton_fused import silu_mul_triton
-
-            def baseline(w):
-                return torch.nn.functional.linear(silu_mul_triton(x), w, b)
-        else:
-            def baseline(w):
-                return torch.nn.functional.linear(x, w, b)
+        def baseline(w):
+            return torch.nn.functional.linear(x, w, b)
 
         def kernel(w, **overrides):
-            return skinny_linear(x, w, b, silu_mul=silu, **overrides)
+            return skinny_linear(x, w, b, **overrides)
 
         ref = baseline(weights[0])
         cfg = _config(n, k, _sm_count(device), x.element_size())

@@ -7,7 +7,9 @@ launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CU
 (a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best. It takes up to
 :data:`MAX_ROWS` rows; at 32 (a draft's first forward of a step) it still edges cuBLAS, but at 80 rows
 (the 7B target verifying 16 rows x 5 tokens, ``benchmarks/results/gemm_h200_7b_verify.json``) its best
-launch configs took 1.2-1.7x cuBLAS's time.
+launch configs took 1.2-1.7x cuBLAS's time. A variant with SiLU·mul as its prologue (the down projection
+reading ``[gate | up]``) took 24.0 us against 7.6 for ``silu_mul`` + cuBLAS (``gemm_h200.json``, code of
+9789029) and was dropped.
 
 Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
 of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
@@ -33,8 +35,6 @@ import triton
 import triton.language as tl
 
 from . import launch_device
-from .triton_fused import _DTYPES as _TL_DTYPES
-from .triton_fused import _round
 from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["MAX_ROWS", "skinny_linear"]
@@ -88,7 +88,6 @@ def _skinny_gemm_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SILU_MUL: tl.constexpr, X_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     j = tl.program_id(0)
@@ -103,16 +102,8 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < k_hi
-        x_ptrs = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
-        x_mask = row_ok[:, None] & k_ok[None, :]
-        if SILU_MUL:  # X rows are [gate | up], each K wide: silu(gate) * up, rounded as silu_mul rounds it
-            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = _round(_round(gate / (1.0 + tl.exp(-gate)), X_DTYPE) * up, X_DTYPE)  # fp32, exact in X's dtype
-            if not UPCAST:
-                x = x.to(X.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         w = tl.load(W + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if UPCAST:  # the interpreter multiplies bf16 as raw bits
@@ -155,20 +146,16 @@ def _workspace(device: torch.device, n_tiles: int, split_k: int, block_m: int,
     return _workspaces[key]
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  silu_mul: bool = False, **overrides) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  **overrides) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)`` with at most :data:`MAX_ROWS` rows, one launch.
 
     ``weight (N, K)`` and ``bias (N,)`` as ``nn.Linear`` holds them (contiguous along ``K``); fp16, bf16 or
-    fp32, all one dtype. With ``silu_mul``, ``x`` is ``(..., 2K)`` = ``[gate | up]`` and the product is
-    taken with ``silu(gate) * up`` rounded exactly as :func:`~dustin_hf.kernels.triton_fused.silu_mul_triton`
-    rounds it (an MLP's down projection without the intermediate tensor and its launch). ``overrides``
-    (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``) are for benchmarks.
+    fp32, all one dtype. ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``)
+    are for benchmarks.
     """
-    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
-    if silu_mul and x.shape[-1] != 2 * k:
-        raise ValueError(f"silu_mul needs x's last dimension even ([gate | up]); got {x.shape[-1]}")
-    rows = x.reshape(-1, x.shape[-1])
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
     m, n = rows.shape[0], weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
@@ -198,7 +185,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 m, n, k, k_tiles_per_split * cfg.block_k,
                 rows.stride(0), weight.stride(0), out.stride(0),
                 HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, UPCAST=interpreting and x.dtype == torch.bfloat16,
-                SILU_MUL=silu_mul, X_DTYPE=_TL_DTYPES[x.dtype],
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
