@@ -67,6 +67,14 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
 _MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
 _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
+# Sparse mode: one program per SM. Its programs hold 3 K/V tiles of shared memory (5 stages), so a second
+# one per SM waits for the first, and a split costs its merge. H200, CUDA graphs, 32k, budget 512
+# (benchmarks/results/attention_h200_7b_splits_cudagraph.json, attention_h200_72b_b8_sweep_cudagraph.json):
+# Qwen2.5-7B layout, batch 16 (64 programs unsplit), 2 splits 12.5 us against 13.3 with 3 (the old choice);
+# 72B layout, batch 8, 2 splits 11.9 us against 12.8 with 4. End to end (7B + 0.5B sparse draft, batch 16,
+# same process alternating, e2e_h200_ab_sparse_programs_per_sm.json): 3207.1 / 3207.9 tok/s against 3189.2 /
+# 3193.8. The draft's 32 programs keep their 3 splits (3 tiles of 64 keys each).
+_SPARSE_PROGRAMS_PER_SM = 1
 # A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
 # launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
 # two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
@@ -132,7 +140,7 @@ def _config(
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge: str | None = None,
-    programs_per_sm: int = _PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
     min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
 ) -> _Config:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
@@ -141,7 +149,8 @@ def _config(
     ``elem_bytes`` is the size of one q/k/v element. Any keyword left ``None`` takes the heuristic
     value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
     fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
-    them (floor, so no partial extra wave), but never fewer than ``min_blocks_per_split`` key tiles
+    them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
+    extra wave), but never fewer than ``min_blocks_per_split`` key tiles
     per split, and at most ``_MAX_SPLITS``. Merge: ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits,
     else ``"kernel"``. Stages: :func:`_num_stages`.
     """
@@ -156,6 +165,7 @@ def _config(
     if num_splits is None and n_blocks <= _SHORT_RANGE_BLOCKS and 2 * programs >= sm_count:
         num_splits = 1
     if num_splits is None:
+        programs_per_sm = programs_per_sm or (_SPARSE_PROGRAMS_PER_SM if sparse else _PROGRAMS_PER_SM)
         by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, programs))
         by_work = max(1, n_blocks // min_blocks_per_split)
         num_splits = min(by_occupancy, by_work, _MAX_SPLITS)

@@ -1,0 +1,88 @@
+"""Same-process A/B of one module attribute on the end-to-end decoding benchmark.
+
+Builds the 7B + 0.5B models of ``e2e.py`` once (random bf16 weights, one GPU), then runs the speculative
+method ``--method`` at ``--context`` and ``--batch`` once per value of the attribute, alternating the values
+for ``--rounds`` rounds, so every value sees the same models, allocator state and clocks. Small changes
+(~0.5%) sit below the run-to-run spread of separate runs (and far below the spread between machines),
+which is why a launch heuristic is judged this way. Acceptance is replayed from the teacher-forced
+sparse-draft traces (as ``run_h200.sh e2e``); all compute is real.
+
+The attribute must be read when the decoder runs (a module global a function looks up at call time, not a
+default argument bound at import): each run captures its CUDA graphs afresh, so a new value takes effect.
+
+    python benchmarks/ab_toggle.py dustin_hf.kernels.triton_verify._SPARSE_PROGRAMS_PER_SM 1 2 --rounds 2
+    python benchmarks/ab_toggle.py dustin_hf.fused._SKINNY_ROWS 16 32 --out ab.json
+
+Prints one line per run and a final JSON line (tokens/s per value, in run order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import e2e
+
+TRACE = ("benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_teacher-forced_ctx{}_g4_"
+         "dustin-sparse-draft_b512.json")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("attribute", help="module.path.NAME, e.g. dustin_hf.fused._SKINNY_ROWS")
+    parser.add_argument("values", nargs="+", help="Python literals to alternate, e.g. 16 32")
+    parser.add_argument("--rounds", type=int, default=2, help="times each value runs (default 2)")
+    parser.add_argument("--method", default="dustin_sparse_draft", choices=[m for m in e2e.METHODS
+                                                                             if not m.startswith("hf")])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", help="save the runs as JSON (with command, GPU and versions)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    module_name, _, name = args.attribute.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise SystemExit(f"{module_name} has no attribute {name!r}")
+    try:
+        values = {text: ast.literal_eval(text) for text in args.values}
+    except (ValueError, SyntaxError) as error:
+        raise SystemExit(f"values must be Python literals: {error}") from None
+    original = getattr(module, name)
+
+    replay = e2e.Replay.load([TRACE.format(4096), TRACE.format(8192)])
+    devices = [torch.device("cuda:0")]
+    target = e2e.build_model("7b", devices, torch.bfloat16)
+    draft = e2e.build_model("0.5b", devices, torch.bfloat16)
+    import dustin_hf
+
+    dustin_hf.patch(target)
+    runs: dict[str, list[float]] = {}
+    try:
+        for _ in range(args.rounds):
+            for text, value in values.items():
+                setattr(module, name, value)
+                row = e2e.run_speculative(target, draft, args.batch, args.context, args.method, replay, torch.bfloat16)
+                runs.setdefault(text, []).append(round(row["tokens_per_s"], 1))
+                print(f"{args.attribute} = {text}: {row['tokens_per_s']:.1f} tok/s "
+                      f"(steady {row.get('steady_tokens_per_s', float('nan')):.1f})", flush=True)
+    finally:
+        setattr(module, name, original)
+    result = dict(command=" ".join(["python3", *sys.argv]), gpu=torch.cuda.get_device_name(0),
+                  versions=e2e._versions(), method=args.method, context=args.context, batch=args.batch,
+                  pair="7b + 0.5b", acceptance=replay.source, tokens_per_s=runs)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(runs))
+    return result
+
+
+if __name__ == "__main__":
+    main()
