@@ -6,8 +6,8 @@ o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 row
 decode loop runs them; the timer of ``blas_choice.py``), so launch cost inside a graph is included and
 Python's is not; the calls rotate among copies of the weight filling twice the L2, so each reads its
 weight from HBM as a decode step does. ``--sweep`` times the kernel's launch configurations too
-(``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages). Prints a table and one
-JSON line; ``--out`` saves it.
+(``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages; ``;`` between specs).
+Prints a table and one JSON line; ``--out`` saves it.
 
     python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
     python benchmarks/gemm_timing.py --sweep "split_k=1,2,4,8 block_n=32,64,128"
@@ -25,7 +25,8 @@ import sys
 
 import torch
 
-from blas_choice import graph_us  # benchmarks/ is the script's directory
+import attention  # benchmarks/ is the script's directory
+from blas_choice import graph_us
 
 # name: (M, N, K, bias) of the 0.5B draft (hidden 896, intermediate 4864, 14 q / 2 kv heads of 64, vocab 151936)
 SHAPES = {
@@ -44,20 +45,21 @@ L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each
 SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False)}
 
 
+SWEEP_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # keywords of triton_gemm._config
+
+
 def parse_sweep(spec: str) -> list[dict]:
-    """``"split_k=1,2 block_n=64,128"`` -> every combination as keyword overrides."""
-    keys, values = [], []
-    for part in spec.split():
-        key, _, vals = part.partition("=")
-        keys.append(key)
-        values.append([int(v) for v in vals.split(",")])
-    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+    """``"split_k=1,2 block_n=64,128"`` (``;`` separates specs, 0 or auto is the heuristic's value; the syntax
+    of ``attention.py --sweep``) -> every combination of each spec as keyword overrides."""
+    return [dict(zip(keys, combo)) for keys in attention.parse_sweep(spec, SWEEP_KEYS)
+            for combo in itertools.product(*keys.values())]
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--reps", type=int, default=50, help="calls per timed graph (whole rotations over the weight copies, at least one)")
+    parser.add_argument("--reps", type=int, default=50,
+                        help="calls per timed graph (whole rotations over the weight copies, at least one)")
     parser.add_argument("--sweep", default="", help="kernel launch configurations to time as well")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing")
