@@ -34,6 +34,8 @@ def attention_mass(
     num_positions: int,
     key_span: int,
     backend: str = "reference",
+    query_offset: int = 0,
+    query_step: int = 0,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -44,9 +46,12 @@ def attention_mass(
         heads: query head ids; head h reads KV head ``h // group_size``.
         softmax_scale: the model's attention scale.
         num_positions: how many leading key positions to score (host int).
-        key_span: ``max(query_pos) + 1`` (host int): every key any query sees lies below it.
+        key_span: one past the last position any query sees (host int): every key it sees lies below.
         backend: ``"reference"`` (PyTorch) or ``"triton"`` (the fused kernel; CUDA, or the Triton
             interpreter on CPU).
+        query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j *
+            query_step`` (host ints); lets callers pass a stride-0 view of per-row lengths (the Triton
+            path then launches nothing to make the positions).
 
     Returns:
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
@@ -57,10 +62,11 @@ def attention_mass(
         from .kernels.triton_score import attention_mass_triton
 
         with launch_device(queries):
-            return attention_mass_triton(queries, keys, query_pos, heads, group_size, softmax_scale, num_positions,
-                                         key_span)
+            return attention_mass_triton(queries, keys, query_pos.to(keys.device), heads, group_size, softmax_scale,
+                                         num_positions, key_span, query_offset=query_offset, query_step=query_step)
     _check_backend(backend)
     batch, n_q = queries.shape[:2]
+    query_pos = query_pos.long() + query_offset + query_step * torch.arange(n_q, device=query_pos.device)
     span = max(key_span, num_positions)
     total = torch.zeros(batch, num_positions, dtype=torch.float32, device=queries.device)
     # each query's softmax runs over everything it sees, which can reach past `num_positions`
@@ -91,10 +97,9 @@ def target_history_scores(
 
     ``num_positions`` is ``max(seqlens)`` (host int); ``backend`` as in :func:`attention_mass`.
     """
-    query_pos = (seqlens.long() - 1)[:, None]  # (B, 1)
-    return attention_mass(
-        history_queries[:, None], keys, query_pos, heads, group_size, softmax_scale, num_positions, num_positions,
-        backend=backend,
+    return attention_mass(  # the query sits at L_b - 1: a view of the lengths and an offset, nothing computed
+        history_queries[:, None], keys, seqlens[:, None], heads, group_size, softmax_scale, num_positions,
+        num_positions, backend=backend, query_offset=-1,
     )
 
 
@@ -118,11 +123,11 @@ def draft_lookahead_scores(
         backend: as in :func:`attention_mass`.
     """
     gamma = draft_queries[0].shape[1]
-    query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
     if backend == "triton" and len({q.device for q in draft_queries}) == 1:
-        return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads, group_size,
-                                       softmax_scale, num_positions)
+        return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
+                                       num_positions)
     _check_backend(backend)
+    query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
     total = None
     for queries, keys, layer_heads in zip(draft_queries, draft_keys, heads):
         mass = attention_mass(
@@ -135,19 +140,20 @@ def draft_lookahead_scores(
     return total * cached
 
 
-def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, query_pos, heads, group_size, softmax_scale,
+def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
                             num_positions) -> torch.Tensor:
     """The Triton path of :func:`draft_lookahead_scores`: one call for all layers (their scores summed in
-    one pass 2, which also zeroes the draft tokens' own positions: no extra elementwise kernels)."""
+    one pass 2, which also zeroes the draft tokens' own positions), the positions ``L_b + i`` taken from a
+    view of the lengths: no elementwise kernels."""
     from .kernels import launch_device
     from .kernels.triton_score import attention_mass_layers_triton
 
-    device = draft_queries[0].device
     gamma = draft_queries[0].shape[1]
-    query_pos, seqlens = query_pos.to(device), seqlens.to(device)
+    seqlens = seqlens.to(draft_queries[0].device)
     with launch_device(draft_queries[0]):
-        return attention_mass_layers_triton(draft_queries, draft_keys, query_pos, heads, group_size, softmax_scale,
-                                            num_positions, num_positions + gamma, position_limit=seqlens)
+        return attention_mass_layers_triton(draft_queries, draft_keys, seqlens[:, None].expand(-1, gamma), heads,
+                                            group_size, softmax_scale, num_positions, num_positions + gamma,
+                                            position_limit=seqlens, query_step=1)
 
 
 def _check_backend(backend: str) -> None:

@@ -231,6 +231,7 @@ def _score_pass1_kernel(
     stride_eb,  # LSE, unit stride along rows
     stride_lb, stride_lr,  # LSE_PART, unit stride along splits
     stride_xb, stride_xt,  # QPOS
+    query_offset, query_step,  # query j of row b sits at QPOS[b, j] + query_offset + j * query_step
     span, chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
     N_QUERIES: tl.constexpr, N_HEADS: tl.constexpr, ALL_HEADS: tl.constexpr, HEAD_OFFSET: tl.constexpr,
     HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
@@ -252,7 +253,8 @@ def _score_pass1_kernel(
     q_ptrs = Q + b * stride_qb + query[:, None] * stride_qt + slot[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     q = q.to(K.dtype.element_ty)  # as the reference: queries meet the keys in the keys' dtype
-    last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=row_ok, other=-1).to(tl.int32)  # (BLOCK_M,)
+    last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=row_ok, other=0).to(tl.int32)
+    last = tl.where(row_ok, last + query_offset + query * query_step, -1)  # (BLOCK_M,)
 
     lo = tl.multiple_of(split * chunk, BLOCK_N)  # chunk is a multiple of BLOCK_N (host)
     hi = tl.minimum(tl.minimum(lo + chunk, span), tl.max(last, 0) + 1)  # nothing past the last visible key
@@ -320,10 +322,12 @@ def _merge_lse_if_last(ticket, num_splits, part_ptrs, lse_ptrs, row_ok, BLOCK_S:
 def _score_pass2_kernel(
     SHIFTED, TILE_MAX, LSE, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
     stride_pb, stride_pr, stride_mb, stride_mt, stride_eb, stride_xb, stride_xt, stride_limit, stride_ob,
+    query_offset, query_step,  # as in pass 1
     num_positions, tile,
     N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    SHARED_POS: tl.constexpr,  # every query of a row reads QPOS[b, 0] (a stride-0 view, or one query)
 ):
     """``out[b, p] (+)= sum_r exp2(x[r, p] + m[r, p // BLOCK_N] - lse[r])`` over rows whose query sees ``p``.
 
@@ -337,6 +341,8 @@ def _score_pass2_kernel(
     t = tl.arange(0, BLOCK_T)
     if HAS_LIMIT:
         limit = tl.load(LIMIT + b * stride_limit).to(tl.int32)
+    if SHARED_POS:
+        first_pos = tl.load(QPOS + b * stride_xb).to(tl.int32)
     for start in tl.range(lo, hi, BLOCK_T * BLOCK_N, num_stages=NUM_STAGES):
         tile_start = start + t * BLOCK_N  # (BLOCK_T,) first position of each of pass 1's tiles
         n = tile_start[:, None] + tl.arange(0, BLOCK_N)[None, :]  # (BLOCK_T, BLOCK_N) positions
@@ -354,7 +360,12 @@ def _score_pass2_kernel(
                         mask=r_ok[:, None, None],
                         eviction_policy="evict_first")  # (BLOCK_R, BLOCK_T, BLOCK_N), whole tiles (vectorised)
             lse = tl.load(LSE + b * stride_eb + r, mask=r_ok, other=0.0)  # (BLOCK_R,), L1 after the first step
-            last = tl.load(QPOS + b * stride_xb + (r // ALL_HEADS) * stride_xt, mask=r_ok, other=-1).to(tl.int32)
+            query = r // ALL_HEADS
+            if SHARED_POS:  # no load in the loop: every query's position derives from the row's one
+                last = first_pos + query_offset + query * query_step
+            else:
+                last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=r_ok, other=0).to(tl.int32)
+                last = last + query_offset + query * query_step
             # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
             last = tl.where(r_ok, tl.minimum(last, hi - 1), -1)  # padding rows see nothing, nobody sees >= hi
             tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile
@@ -383,6 +394,8 @@ def attention_mass_triton(
     out: torch.Tensor | None = None,
     position_limit: torch.Tensor | None = None,
     config: _Config | None = None,
+    query_offset: int = 0,
+    query_step: int = 0,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -396,16 +409,21 @@ def attention_mass_triton(
         heads: query head ids; head h reads KV head ``h // group_size``.
         softmax_scale: the model's attention scale.
         num_positions: how many leading key positions to score (host int).
-        key_span: ``max(query_pos) + 1`` (host int), at most ``capacity``.
+        key_span: one past the last position any query sees (host int; ``max(query_pos) + 1`` when
+            ``query_offset`` and ``query_step`` are 0), at most ``capacity``.
         out: ``(B, num_positions)`` fp32, contiguous rows, to add into instead of a fresh tensor.
         position_limit: ``(B,)`` int; zeroes ``out[b, p]`` for ``p >= position_limit[b]`` after the addition.
         config: overrides the launch heuristic.
+        query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j * query_step``
+            instead (host ints), so positions derived from a per-row length (the draft's ``L_b + j``, the
+            target's ``L_b - 1``) can be passed as a stride-0 view of the lengths, with no kernel to make them.
 
     Returns:
         ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
     """
     return attention_mass_layers_triton([queries], [keys], query_pos, [heads], group_size, softmax_scale,
-                                        num_positions, key_span, out=out, position_limit=position_limit, config=config)
+                                        num_positions, key_span, out=out, position_limit=position_limit, config=config,
+                                        query_offset=query_offset, query_step=query_step)
 
 
 def attention_mass_layers_triton(
@@ -421,6 +439,8 @@ def attention_mass_layers_triton(
     out: torch.Tensor | None = None,
     position_limit: torch.Tensor | None = None,
     config: _Config | None = None,
+    query_offset: int = 0,
+    query_step: int = 0,
 ) -> torch.Tensor:
     """The sum over layers of :func:`attention_mass_triton`, with one pass 2 for all of them.
 
@@ -431,8 +451,9 @@ def attention_mass_layers_triton(
     Args:
         queries: per layer ``(B, n_q, len(heads[l]), D)``; one ``B``, ``n_q`` and ``D`` for all layers.
         keys: per layer ``(B, capacity_l, kv_heads_l, D)``, one dtype for all layers.
-        query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config: as
-            in :func:`attention_mass_triton`; the queries of every layer sit at ``query_pos``.
+        query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config,
+            query_offset, query_step: as in :func:`attention_mass_triton`; the queries of every layer sit
+            at the same positions.
 
     Returns:
         ``(B, num_positions)`` float32.
@@ -468,7 +489,8 @@ def attention_mass_layers_triton(
             out = attention_mass_layers_triton(queries[first:first + step], keys[first:first + step], query_pos,
                                                heads[first:first + step], group_size, softmax_scale, num_positions,
                                                key_span, out=out, position_limit=position_limit if last else None,
-                                               config=given)  # None: each group of layers sizes its own pass 2
+                                               config=given,  # None: each group of layers sizes its own pass 2
+                                               query_offset=query_offset, query_step=query_step)
         return out
     if out is None:
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
@@ -499,7 +521,7 @@ def attention_mass_layers_triton(
                 softmax_scale * _LOG2E,
                 *group_queries.stride(), *group_keys.stride(),
                 *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
-                *query_pos.stride(),
+                *query_pos.stride(), query_offset, query_step,
                 span, config.chunk,
                 N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=total_heads, HEAD_OFFSET=head_offset,
                 HEAD_DIM=head_dim, M_TILES=tiles,
@@ -514,11 +536,12 @@ def attention_mass_layers_triton(
     _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), batch)](
         shifted, tile_max, lse, query_pos, limit, out,
         *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), limit.stride(0),
-        out.stride(0),
+        out.stride(0), query_offset, query_step,
         num_positions, config.tile,
         N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
         BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
         ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
+        SHARED_POS=n_queries == 1 or query_pos.stride(1) == 0,
         num_warps=config.num_warps_reduce,
     )
     return out
