@@ -15,9 +15,13 @@ Algorithm (flash-decoding):
   ``n < n_cached`` is cached position ``indices[b, n]`` (sparse) or ``n`` (dense, where
   ``n_cached = cache_seqlens[b]``); ordinal ``n >= n_cached`` is the new token slot
   ``cache_seqlens[b] + (n - n_cached)``. Query ``i`` sees ordinal ``n`` iff ``n - n_cached <= i``,
-  which is always true for cached keys and is the causal mask ``j <= i`` for the new tokens. So the
-  new tokens are just the tail of the key sequence and are processed exactly once, by whichever
-  split owns that tail.
+  which is always true for cached keys and is the causal mask ``j <= i`` for the new tokens. In dense
+  mode (and sparse with one query) the new tokens are just the tail of the key sequence, processed
+  once by whichever split owns it. In sparse mode with several queries they are not in the loop:
+  split 0 attends to them first, in a tile of ``BLOCK_T >= Q`` keys of their own, and the splits
+  divide the ``W`` selected ordinals only. A budget of 512 is then 8 tiles of 64, not 8 and a ninth
+  holding 5 keys, which cost about as much as a full one (each tile waits for its gathers); the
+  separate tile costs less than half that (``_TAIL_FIRST``).
 * **GQA packing.** The ``G = Hq / Hkv`` query heads sharing one KV head and the ``Q`` queries are
   packed into one ``M = G * Q`` row block (row ``r`` is query ``r // G``, head ``r % G`` of the
   group), padded to ``BLOCK_M >= 16`` for ``tl.dot``. Each K/V tile is loaded once per group.
@@ -75,6 +79,13 @@ _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting
 # same process alternating, e2e_h200_ab_sparse_programs_per_sm.json): 3207.1 / 3207.9 tok/s against 3189.2 /
 # 3193.8. The draft's 32 programs keep their 3 splits (3 tiles of 64 keys each).
 _SPARSE_PROGRAMS_PER_SM = 1
+# Sparse mode with several queries: split 0 attends to the new tokens first, in a tile of their own
+# (module docstring). H200, CUDA graphs, 32k, budget 512: 72B layout batch 16 14.0 us against 14.4, 7B
+# batch 16 11.9 against 12.3, 0.5B draft (5 queries) 7.0 against 7.4; with one query (the draft's decode)
+# it cost 0.7% end to end (7B + 0.5B sparse draft, batch 16, same-process A/B, e2e_h200_ab_tail_variants.json),
+# so one query keeps its new token in the loop (e2e_h200_ab_tail_first.json: this rule against none).
+# Read at call time (benchmarks/ab_toggle.py can flip it).
+_TAIL_FIRST = True
 # A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
 # launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
 # two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
@@ -145,7 +156,8 @@ def _config(
 ) -> _Config:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
-    ``n_keys`` bounds the key ordinals of every row: ``W + Q`` (sparse) or ``max_seqlen_k`` (dense);
+    ``n_keys`` bounds the key ordinals the splits divide: ``W`` (sparse, several queries: the new tokens
+    are attended to apart), ``W + Q`` (sparse, one query) or ``max_seqlen_k`` (dense);
     ``elem_bytes`` is the size of one q/k/v element. Any keyword left ``None`` takes the heuristic
     value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
     fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
@@ -221,7 +233,7 @@ def _verify_fwd_kernel(
     N_QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, TICKET_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     split = tl.program_id(0) // M_TILES
     m_tile = tl.program_id(0) % M_TILES
@@ -245,30 +257,35 @@ def _verify_fwd_kernel(
     else:
         n_cached = cached_len
     lo = split * chunk
-    hi = tl.minimum(lo + chunk, n_cached + N_QUERIES)  # hi <= lo: this split owns no key of row b
+    if TAIL_FIRST:  # the loop walks the selected positions only
+        hi = tl.minimum(lo + chunk, n_cached)
+    else:  # ... or those and the new tokens
+        hi = tl.minimum(lo + chunk, n_cached + N_QUERIES)
+    # hi <= lo: this split owns no key of row b
 
     k_base = K + b * stride_kb + kv_head * stride_kh + d[None, :] * stride_kd  # (1, BLOCK_D)
     v_base = V + b * stride_vb + kv_head * stride_vh + d[None, :] * stride_vd
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of p @ v
+    if TAIL_FIRST:  # the new tokens, on split 0, before the loop (a 5-key tile in the loop costs a whole tile)
+        t = tl.arange(0, BLOCK_T)
+        t_ok = (t < N_QUERIES) & (split == 0)
+        t_mask = t_ok[:, None] & d_ok[None, :]
+        t_pos = (cached_len + t).to(tl.int64)
+        k_t = tl.load(k_base + t_pos[:, None] * stride_kt, mask=t_mask, other=0.0)  # (BLOCK_T, BLOCK_D)
+        v_t = tl.load(v_base + t_pos[:, None] * stride_vt, mask=t_mask, other=0.0)
+        t_visible = t_ok[None, :] & (t[None, :] <= query[:, None])
+        m_i, l_i, acc = _attend_tile(q, k_t, v_t, t_visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
         key_ok = n < hi
         pos = _key_positions(INDICES + b * stride_ib, stride_in, n, n_cached, cached_len, SPARSE)  # (BLOCK_N,) int64
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + pos[:, None] * stride_kt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
-        visible = key_ok[None, :] & ((n[None, :] - n_cached) <= query[:, None])  # causal on the new tail
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales the old state
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + pos[:, None] * stride_vt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = key_ok[None, :] & ((n[None, :] - n_cached) <= query[:, None])  # causal on the new tail
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
@@ -287,6 +304,21 @@ def _verify_fwd_kernel(
             num_splits = tl.num_programs(0) // M_TILES
             _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
                            LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: the rows ``q`` (BLOCK_M, D) over a key tile ``k``/``v`` (N, D), ``visible``
+    (BLOCK_M, N) masking scores; returns the updated running max, sum and output accumulator."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, N) fp32
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales the old state
+    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -432,7 +464,7 @@ def _verify_attention_triton(
     _check_inputs(q, k_cache, v_cache, cache_seqlens, indices)
     sparse = indices is not None
     if sparse:
-        n_keys = indices.shape[1] + n_queries
+        n_keys = indices.shape[1] + (0 if _tail_first(n_queries) else n_queries)  # the loop's key ordinals
         if num_indices is None:
             num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
     else:
@@ -443,6 +475,11 @@ def _verify_attention_triton(
         config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device), sparse=sparse,
                          elem_bytes=q.element_size())
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
+
+
+def _tail_first(n_queries: int) -> bool:
+    """Whether a sparse call attends to its new tokens before the key loop (see ``_TAIL_FIRST``)."""
+    return _TAIL_FIRST and n_queries > 1
 
 
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
@@ -538,6 +575,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         SPARSE=sparse, SINGLE_SPLIT=single, TICKET_MERGE=ticket,
         BLOCK_S=triton.next_power_of_2(cfg.num_splits) if ticket else 1,  # constexpr: only where it is used
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
+        TAIL_FIRST=sparse and _tail_first(n_queries), BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.merge == "kernel":
