@@ -281,8 +281,8 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
     if overrides:
         batch, n_queries, n_heads, head_dim = x.q.shape
         n_kv_heads = x.k_cache.shape[2]
-        n_keys = max_seqlen_k if budget is None else (  # the ordinals the splits divide, as the kernel counts them
-            x.indices[budget].shape[1] + (0 if triton_verify._tail_first(n_queries) else n_queries))
+        n_keys = max_seqlen_k if budget is None else triton_verify._sparse_loop_keys(x.indices[budget].shape[1],
+                                                                                    n_queries)
         config = triton_verify._config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
                                        triton_verify._sm_count(x.q.device), sparse=budget is not None,
                                        elem_bytes=x.q.element_size(), **overrides)

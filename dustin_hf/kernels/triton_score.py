@@ -362,10 +362,10 @@ def _score_pass2_kernel(
             lse = tl.load(LSE + b * stride_eb + r, mask=r_ok, other=0.0)  # (BLOCK_R,), L1 after the first step
             query = r // ALL_HEADS
             if SHARED_POS:  # no load in the loop: every query's position derives from the row's one
-                last = first_pos + query_offset + query * query_step
+                last = first_pos
             else:
                 last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=r_ok, other=0).to(tl.int32)
-                last = last + query_offset + query * query_step
+            last = last + query_offset + query * query_step
             # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
             last = tl.where(r_ok, tl.minimum(last, hi - 1), -1)  # padding rows see nothing, nobody sees >= hi
             tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile

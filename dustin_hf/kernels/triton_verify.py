@@ -465,7 +465,7 @@ def _verify_attention_triton(
     _check_inputs(q, k_cache, v_cache, cache_seqlens, indices)
     sparse = indices is not None
     if sparse:
-        n_keys = indices.shape[1] + (0 if _tail_first(n_queries) else n_queries)  # the loop's key ordinals
+        n_keys = _sparse_loop_keys(indices.shape[1], n_queries)
         if num_indices is None:
             num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
     else:
@@ -481,6 +481,12 @@ def _verify_attention_triton(
 def _tail_first(n_queries: int) -> bool:
     """Whether a sparse call attends to its new tokens before the key loop (see ``_TAIL_FIRST``)."""
     return _TAIL_FIRST and n_queries > 1
+
+
+def _sparse_loop_keys(width: int, n_queries: int) -> int:
+    """Key ordinals a sparse call's splits divide (``n_keys`` of :func:`_config`): the ``width`` selected
+    ones, plus the new tokens unless they are attended to before the loop."""
+    return width + (0 if _tail_first(n_queries) else n_queries)
 
 
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
