@@ -100,7 +100,9 @@ class Case:
     head_dim: int = 64
     width: int | None = None
     short_rows: bool = False  # some rows have num_indices < min(W, L), garbage after
-    layout: str = "contiguous"  # "slice_t": buf[:, :T]; "slice_b": buf[1:1+B]; "strided_d": buf[..., ::2]
+    # "slice_t": buf[:, :T]; "slice_b": buf[1:1+B]; "strided_d": buf[..., ::2]; "v_wide": V = buf[..., :D] of a
+    # buffer twice as wide (K and V with different slot strides)
+    layout: str = "contiguous"
     index_dtype: torch.dtype = torch.int32
     num_splits: int | None = None  # Triton launch overrides (None: the heuristic)
     block_n: int | None = None
@@ -145,7 +147,10 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str = DEVICE) -> Inputs
     else:
         buffer_shape, view = shape, lambda t: t
     k_cache = view(torch.randn(buffer_shape, generator=gen).to(device, dtype))
-    v_cache = view(torch.randn(buffer_shape, generator=gen).to(device, dtype))
+    if case.layout == "v_wide":
+        v_cache = torch.randn(batch, capacity, n_kv, 2 * d, generator=gen).to(device, dtype)[..., :d]
+    else:
+        v_cache = view(torch.randn(buffer_shape, generator=gen).to(device, dtype))
     assert k_cache.shape == shape
     q = torch.randn(batch, n_q, n_kv * case.group, d, generator=gen).to(device, dtype)
     cache_seqlens = torch.tensor(case.seqlens, dtype=case.index_dtype, device=device)
@@ -222,6 +227,11 @@ TRITON_CASES = {
     "sparse-slice_b-int64": Case(seqlens=(33, 60), n_queries=1, group=8, n_kv_heads=1, width=30, layout="slice_b",
                                  index_dtype=torch.int64, num_splits=2, block_n=16),
     "sparse-slice_t-d80": Case(seqlens=(40, 25), head_dim=80, width=20, short_rows=True, layout="slice_t"),
+    "sparse-v_wide": Case(seqlens=(40, 25), width=20, short_rows=True, layout="v_wide", block_n=16),
+    # One query: its new token is the key ordinal after the row's selected ones, inside a tile here.
+    "sparse-q1-short-splits": Case(seqlens=(45, 0, 80), n_queries=1, width=24, short_rows=True, num_splits=2,
+                                   block_n=16),
+    "dense-q1-splits": Case(seqlens=(37, 0, 64), n_queries=1, group=4, num_splits=3, block_n=16, layout="v_wide"),
     "sparse-m-tiles": Case(seqlens=(30, 12), group=32, n_kv_heads=1, head_dim=16, width=16, short_rows=True),
     # Split merges. The ticket merge runs in the main kernel (the last split of each (row, kv head, row
     # tile) to finish merges); rows of 0-3 selected positions leave later splits empty (lse = -inf).
@@ -277,6 +287,19 @@ def test_triton_new_tokens_in_the_key_loop(name, monkeypatch):
     assert case.n_queries > 1
     inputs = _make_inputs(case, torch.float32)
     _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, new tokens in the loop]")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"])
+def test_triton_int64_slot_offsets(name, monkeypatch):
+    """The loop over keys every row sees computes slot offsets in int32 where the cache allows it; the
+    int64 path (a cache of more than 2^31 elements per batch row) gives the same result."""
+    from dustin_hf.kernels import triton_verify
+
+    monkeypatch.setattr(triton_verify, "_offsets_fit_int32", lambda cache: False)
+    case = dataclasses.replace(TRITON_CASES[name], seed=11)
+    inputs = _make_inputs(case, torch.float32)
+    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, int64 offsets]")
 
 
 @needs_triton
