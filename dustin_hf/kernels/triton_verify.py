@@ -358,9 +358,9 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 
 @triton.jit
 def _attend_open_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """:func:`_attend_tile` for a tile that every row sees wholly, but for the keys ``bias`` (N,) sets to
-    ``-inf``, at least one of which it leaves at 0: the running max is then finite after the tile, so
-    the scale and mask are one multiply-add and no row needs the all-masked guard."""
+    """:func:`_attend_tile` for a tile every row sees, except the keys that ``bias`` (N,) sets to ``-inf``.
+    At least one key keeps a bias of 0, so the running max is finite after the tile: the scale and the
+    mask are one multiply-add, and no row needs the all-masked guard."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]  # (BLOCK_M, N) fp32
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)  # 0 where nothing was seen before (m_i = -inf)
