@@ -108,7 +108,8 @@ _MAX_TICKET_SPLITS = 8
 _PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
 # 1 or 0 K/V tiles in flight beyond the one computed (module docstring). Measured on an H200 (72B layout,
 # batch 16, budget 512, CUDA graphs, block_n 64): 5 stages 15.4 us, 7 stages 16.4, 9 stages 16.9, 3 stages
-# 18.1: a second tile in flight costs more (registers, shared memory) than it hides.
+# 18.1: a second tile in flight costs more (registers, shared memory) than it hides. With the lean key loop
+# (attention_h200_sweep6_cudagraph.json) 5 and 7 stages are equal: 10.9 and 11.0 us.
 _SPARSE_STAGES = (5, 3)
 
 
