@@ -350,10 +350,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-    alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales the old state
-    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, N)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i, acc = _accumulate(s, m_safe, v, m_i, l_i, acc, DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -364,11 +361,20 @@ def _attend_open_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.
     mask are one multiply-add, and no row needs the all-masked guard."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]  # (BLOCK_M, N) fp32
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)  # 0 where nothing was seen before (m_i = -inf)
-    p = tl.exp2(s - m_new[:, None])
+    l_i, acc = _accumulate(s, m_new, v, m_i, l_i, acc, DOT_PRECISION)  # alpha 0 where nothing was seen before
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _accumulate(s, m_ref, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """The online-softmax update both tile steps share: rescale the running sum and accumulator from the old
+    max ``m_i`` to the finite reference ``m_ref`` (BLOCK_M,), then add the tile's ``exp2(s - m_ref)`` and its
+    product with ``v``; returns the new sum and accumulator."""
+    alpha = tl.exp2(m_i - m_ref)  # (BLOCK_M,) rescales the old state
+    p = tl.exp2(s - m_ref[:, None])  # (BLOCK_M, N)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return l_i, acc
 
 
 @triton.jit
@@ -647,6 +653,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         lse_part = torch.empty(part_shape, dtype=torch.float32, device=q.device)  # (B, Q, Hq, S)
         part_strides, lse_strides = out_part.stride()[:4], lse_part.stride()[:3]
     grid = (cfg.num_splits * m_tiles, n_kv_heads, batch)
+    tail_first = sparse and _tail_first(n_queries)
     _verify_fwd_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, tickets,
         softmax_scale * _LOG2E,
@@ -658,8 +665,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         SPARSE=sparse, SINGLE_SPLIT=single, TICKET_MERGE=ticket,
         BLOCK_S=triton.next_power_of_2(cfg.num_splits) if ticket else 1,  # constexpr: only where it is used
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
-        TAIL_FIRST=sparse and _tail_first(n_queries), BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
-        OPEN_LOOP=(sparse and _tail_first(n_queries)) or n_queries == 1,
+        TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
+        OPEN_LOOP=tail_first or n_queries == 1,
         OFFSETS_32=_offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
         SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
