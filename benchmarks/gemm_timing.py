@@ -1,4 +1,5 @@
-"""Decode-sized GEMMs: cuBLAS (``F.linear``) against :func:`dustin_hf.kernels.triton_gemm.skinny_linear`.
+"""Decode-sized GEMMs: cuBLAS (``F.linear``) against :func:`dustin_hf.kernels.triton_gemm.skinny_linear`;
+``*_silu`` shapes: cuBLAS + ``silu_mul`` (two launches) against :func:`~dustin_hf.kernels.triton_gemm.gated_linear`.
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
 o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
@@ -40,9 +41,12 @@ SHAPES = {
     "7b_o_proj": (80, 3584, 3584, False),
     "7b_gate_up": (80, 37888, 3584, False),
     "7b_down": (80, 3584, 18944, False),
+    # gated: N output columns from a [gate; up] weight of 2N rows
+    "gate_up_silu": (16, 4864, 896, False, "gated"),
+    "gate_up_silu_32": (32, 4864, 896, False, "gated"),
 }
 L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each reads its weight from HBM
-SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False)}
+SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "gate_up_silu": (4, 24, 40, False, "gated")}
 
 
 SWEEP_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # keywords of triton_gemm._config
@@ -67,7 +71,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-    from dustin_hf.kernels.triton_gemm import _config, _sm_count, skinny_linear
+    from dustin_hf.fused import silu_mul
+    from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, _sm_count, gated_linear, skinny_linear
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -76,11 +81,13 @@ def main(argv=None) -> dict:
     shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
     sweep = parse_sweep(args.sweep) if args.sweep else []
     rows = []
-    for name, (m, n, k, has_bias) in shapes.items():
+    for name, (m, n, k, has_bias, *kind) in shapes.items():
+        gated = kind == ["gated"]
+        rows_w = 2 * n if gated else n
         torch.manual_seed(0)
         x = torch.randn(m, k, device=device, dtype=dtype)
-        copies = 1 if args.smoke else -(-2 * L2_BYTES // (n * k * x.element_size()))
-        weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+        copies = 1 if args.smoke else -(-2 * L2_BYTES // (rows_w * k * x.element_size()))
+        weights = [torch.randn(rows_w, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
         b = torch.randn(n, device=device, dtype=dtype) if has_bias else None
 
         def timed_us(call) -> float:  # one call per weight copy, so each reads its weight from HBM
@@ -90,14 +97,16 @@ def main(argv=None) -> dict:
             return graph_us(rotation, copies, reps=max(1, args.reps // copies))
 
         def baseline(w):
-            return torch.nn.functional.linear(x, w, b)
+            out = torch.nn.functional.linear(x, w, b)
+            return silu_mul(out) if gated else out
 
         def kernel(w, **overrides):
-            return skinny_linear(x, w, b, **overrides)
+            return gated_linear(x, w, **overrides) if gated else skinny_linear(x, w, b, **overrides)
 
         ref = baseline(weights[0])
-        cfg = _config(n, k, _sm_count(device), x.element_size())
-        row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "weight_mb": n * k * x.element_size() / 1e6,
+        cfg = _config(n, k, _sm_count(device), x.element_size(), **({**_GATED_CONFIG, "split_k": 1} if gated else {}))
+        row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "gated": gated,
+               "weight_mb": rows_w * k * x.element_size() / 1e6,
                "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}
         out = kernel(weights[0])
         row["max_err"] = (out.float() - ref.float()).abs().max().item()
@@ -123,7 +132,7 @@ def main(argv=None) -> dict:
         best = f"  best {row['best']['us']:.2f} us {row['best']['overrides']}" if "best" in row else ""
         timing = (f"cuBLAS {row['cublas_us']:6.2f} us  Triton {row['triton_us']:6.2f} us ({row['heuristic']})"
                   if "cublas_us" in row else "(not timed)")
-        print(f"{name:<8} {m}x{n}x{k}  {row['weight_mb']:7.2f} MB  {timing}  err {row['max_err']:.2e}{best}")
+        print(f"{name:<15} {m}x{n}x{k}  {row['weight_mb']:7.2f} MB  {timing}  err {row['max_err']:.2e}{best}")
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "rows": rows,
               "dtype": str(dtype), "reps": args.reps}
     if device.type == "cuda":

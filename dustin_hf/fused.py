@@ -32,10 +32,10 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
-  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul`, and its down
-  projection, for at most 32 rows, as :func:`skinny_linear` (one launch where cuBLAS splits K and reduces
-  in a second); an attention's ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM
-  over ``[q; k; v]`` when they are called on the same input, as every listed family's attention does:
+  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (for at most 32 rows and
+  32 MB of weight, both in one :func:`gated_linear` launch), and its down projection, for at most 32 rows, as
+  :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
+  ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are called on the same input, as every listed family's attention does:
   ``q_proj`` computes all three and ``k_proj``/``v_proj`` hand out their slices (on any other input each
   runs its own). The weights are not copied: each projection's weight (and bias) becomes a view of the
   fused tensor while the context is open, and gets its own storage back on exit. Numerics: SiLU·mul
@@ -80,7 +80,7 @@ from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention
 
 __all__ = [
     "FusedOps", "add_rms_norm", "apply_rotary", "fused_attention", "fused_decoder_layer", "fused_norm", "fused_ops",
-    "fused_ops_available", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear", "static_rotary",
+    "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear", "static_rotary",
 ]
 
 # RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24); each instance is
@@ -113,6 +113,9 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # reduction launch (5.6 + 1.8 us on an H200 at 16 rows). Raising this from 16 to 32 measured +0.15% end to end
 # (7B + 0.5B sparse draft, 32k, batch 16, one process alternating: 3217.6 / 3218.3 -> 3221.2 / 3224.9 tok/s).
 _SKINNY_ROWS = 32
+# ... and, with at most this many bytes of [gate; up] weight, its gate/up GEMM and SiLU-mul as one gated_linear
+# launch (a latency-bound GEMM: the 0.5B draft's 17 MB). Larger weights keep cuBLAS, unmeasured with the kernel.
+_GATED_MAX_BYTES = 32 * 2**20
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
@@ -176,6 +179,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     from .kernels.triton_gemm import skinny_linear as skinny
 
     return skinny(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(F.linear(x, weight))`` for ``weight = [gate; up]`` and at most ``_SKINNY_ROWS`` rows, in one
+    Triton launch (:func:`dustin_hf.kernels.triton_gemm.gated_linear`)."""
+    _check_device(x)
+    from .kernels.triton_gemm import gated_linear as gated
+
+    return gated(x, weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -403,9 +415,13 @@ def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
         return False  # an enclosing context did it
     weight, _ = _share_storage((gate, up), undo)
     down = module.down_proj
+    small = weight.numel() * weight.element_size() <= _GATED_MAX_BYTES
 
     def forward(x):
-        hidden = silu_mul(torch.nn.functional.linear(x, weight))
+        if small and x.numel() <= _SKINNY_ROWS * x.shape[-1]:  # decode-sized: one launch, no gate_up tensor
+            hidden = gated_linear(x, weight)
+        else:
+            hidden = silu_mul(torch.nn.functional.linear(x, weight))
         if hidden.numel() <= _SKINNY_ROWS * hidden.shape[-1]:  # decode-sized: no split-K + reduction launch
             return skinny_linear(hidden, down.weight, down.bias)
         return down(hidden)

@@ -280,6 +280,33 @@ def test_fused_ops_calls_the_kernels(monkeypatch):
     assert calls == {"rms_norm": 5, "apply_rotary": 2}
 
 
+def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows(monkeypatch):
+    """At most 32 rows (a decode step) the MLP's gate/up GEMM and SiLU-mul are one gated_linear launch; more
+    rows, or a [gate; up] weight over the size limit, keep the GEMM and silu_mul. Outputs match the MLP's."""
+    calls = {"gated_linear": 0, "silu_mul": 0}
+    for name in calls:
+        real = getattr(fused, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fused, name, counted)
+    mlp = tiny_model("qwen2", layers=1, hidden=64).to(DEVICE).model.layers[0].mlp
+    few, many = torch.randn(2, 16, 64, device=DEVICE), torch.randn(3, 11, 64, device=DEVICE)
+    with torch.no_grad():
+        expected = [mlp(few), mlp(many)]
+        with fused_ops(mlp):
+            got = [mlp(few), mlp(many)]
+        assert calls == {"gated_linear": 1, "silu_mul": 1}
+        monkeypatch.setattr(fused, "_GATED_MAX_BYTES", 0)
+        with fused_ops(mlp):
+            mlp(few)
+        assert calls == {"gated_linear": 1, "silu_mul": 2}
+    for out, want in zip(got, expected):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_ops_restores_after_an_exception_and_nests():
     model = tiny_model("llama", layers=2, hidden=32).to(DEVICE)
     original_rotary = modeling_llama.apply_rotary_pos_emb

@@ -57,3 +57,51 @@ def test_skinny_linear_rejects_what_it_cannot_compute():
         skinny_linear(x[:2], w[:, :8])
     with pytest.raises(ValueError, match="share one of"):
         skinny_linear(x[:2], w.half())
+
+
+@pytest.mark.parametrize("m,n,k,overrides", [
+    (1, 40, 24, {}),  # one row, partial tiles
+    (16, 70, 200, {"block_n": 32, "block_k": 64}),  # K and N not multiples of the tiles
+    (32, 64, 96, {"block_n": 16}),
+])
+def test_gated_linear_is_silu_of_gate_times_up(m, n, k, overrides):
+    """fp32: the SiLU-product of the two projections; the up rows are the second half of the weight."""
+    from dustin_hf.kernels.triton_gemm import gated_linear
+
+    x, w, _ = _operands(m, 2 * n, k, False, torch.float32, seed=m)
+    out = gated_linear(x, w, **overrides)
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, torch.nn.functional.silu(up) * gate, atol=1e-3)  # halves told apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gated_linear_rounds_as_silu_mul(dtype):
+    """16 bits: the projections rounded once to the dtype, then ``F.silu(gate) * up`` in PyTorch's roundings.
+    The kernel's fp32 sums differ from exact ones in their last bits, which rarely moves a rounding: nearly
+    every element is equal, none is off by more than two ulps."""
+    from dustin_hf.kernels.triton_gemm import gated_linear
+
+    x, w, _ = _operands(12, 2 * 48, 160, False, dtype, seed=5)
+    x = x.reshape(3, 4, 160)
+    out = gated_linear(x, w)
+    assert out.shape == (3, 4, 48) and out.dtype == dtype
+    gate, up = (x.double() @ w.double().t()).to(dtype).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(out, want, rtol=2 ** -6 if dtype == torch.bfloat16 else 2 ** -9, atol=1e-3)
+    assert (out == want).float().mean() > 0.95
+
+
+def test_gated_linear_rejects_what_it_cannot_compute():
+    from dustin_hf.kernels.triton_gemm import MAX_ROWS, gated_linear
+
+    x, w, _ = _operands(4, 8, 16, False, torch.float32)
+    with pytest.raises(ValueError, match=r"\[gate; up\]"):
+        gated_linear(x, w[:7])
+    with pytest.raises(ValueError, match="does not split"):
+        gated_linear(x, w, split_k=2)
+    with pytest.raises(ValueError, match="at most"):
+        gated_linear(torch.zeros(MAX_ROWS + 1, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="weight must be"):
+        gated_linear(x, w[:, :8])
