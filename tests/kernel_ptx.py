@@ -67,18 +67,23 @@ def require_cuda_compiler() -> None:
 
 def compile_sm90(kernel, args: dict, options: dict) -> str:
     """PTX of ``kernel`` for sm_90, specialised on ``args`` as Triton's JIT would at launch."""
+    return compile_for(kernel, args, options, 90).asm["ptx"]
+
+
+def compile_for(kernel, args: dict, options: dict, capability: int):
+    """``kernel`` compiled for compute capability ``capability`` (90: sm_90), specialised on ``args`` as Triton's
+    JIT would at launch: the compiled kernel (``.asm``, ``.metadata``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    target = GPUTarget("cuda", 90, 32)
+    target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, parsed = binder(**args, **options)
     parsed, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, parsed)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=parsed.__dict__).asm["ptx"]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=parsed.__dict__)
 
 
 def scoring_launches() -> list[tuple[object, dict, dict]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -333,6 +334,53 @@ def test_triton_schedule_on_sm90():
     for launch in (heuristic, ticket):
         assert launch["cp_async_16"] > 0 and launch["local"] == 0, launch  # 16-byte gathers, no spills
     assert ticket["release_order"] and ticket["acquire_order"], ticket
+
+
+def test_triton_fits_the_shared_memory_of_smaller_gpus():
+    """Compiled for sm_80 (A100) and sm_86 (RTX 30xx/40xx, A10, L4) without a GPU (``smem_report.py``): every
+    heuristic launch under that GPU's per-block limit fits it, and ``_shared_bytes`` bounds what the compiler
+    allocates. fp32 with head dim 128 needed 115,200 bytes sparse and 180,480 dense, over sm_86's 101,376
+    (and dense over an A100's 166,912): those now take fewer stages or 32-key tiles there."""
+    report = sm90_ptx_report("smem_report.py")
+    assert len(report) == 32
+    for row in report:
+        assert row["shared"] <= row["estimate"] <= row["limit"], row
+    narrowed = {(r["cc"], r["head_dim"], r["n_queries"], r["sparse"]) for r in report if r["block_n"] < 64}
+    assert narrowed == {(86, 128, 5, True), (86, 128, 5, False)}  # fp32 only: 16-bit launches keep 64 keys
+
+
+def test_shared_memory_limit_changes_nothing_on_an_h100():
+    """Under an H100/H200's 227 KiB per block the heuristic configs are the ones chosen without a limit
+    (the benchmarks' launches are unchanged); under 99 KiB fp32 head dim 128 changes, 16 bits do not."""
+    from dustin_hf.kernels.triton_verify import _config
+
+    sm90, sm86 = 232448, 101376
+    for elem_bytes, head_dim, n_queries, sparse, batch in itertools.product(
+            (2, 4), (64, 128), (1, 5), (True, False), (1, 16)):
+        args = (batch, 8, 8, n_queries, head_dim, 517 if sparse else 32773, 132)
+        free = _config(*args, sparse=sparse, elem_bytes=elem_bytes)
+        assert _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
+        small = _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm86)
+        over = elem_bytes == 4 and head_dim == 128 and not (sparse and n_queries == 1)  # one query sparse: 77 KiB
+        assert (small != free) == over, (elem_bytes, head_dim, n_queries, sparse, batch)
+    with pytest.raises(ValueError, match="shared memory"):
+        _config(1, 8, 8, 5, 512, 32773, 132, elem_bytes=4, smem_limit=sm86)  # head dim 512 in fp32: nothing fits
+    kept = _config(1, 8, 8, 5, 128, 32773, 132, elem_bytes=4, smem_limit=sm86, block_n=64, num_stages=3)
+    assert (kept.block_n, kept.num_stages) == (64, 3)  # explicit choices are the caller's
+
+
+def test_triton_launch_takes_the_device_shared_memory_limit(monkeypatch):
+    """A call asks its device for the per-block limit (here faked as sm_86's) and launches the config fitted to it."""
+    from dustin_hf.kernels import triton_verify
+
+    launched = []
+    monkeypatch.setattr(triton_verify, "_smem_limit", lambda device: 101376)
+    monkeypatch.setattr(triton_verify, "_launch", lambda *args: launched.append(args[-1]))
+    q = torch.zeros(2, 5, 16, 128)
+    cache = torch.zeros(2, 40, 2, 128)
+    triton_verify._verify_attention_triton(q, cache, cache, torch.tensor([30, 30], dtype=torch.int32),
+                                           softmax_scale=0.1, max_seqlen_k=35)
+    assert launched[0].block_n == 32 and launched[0].num_stages == 2  # fp32, head dim 128, 40 query rows
 
 
 @needs_triton

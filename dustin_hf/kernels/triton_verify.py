@@ -146,6 +146,38 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _smem_limit(device: torch.device) -> int | None:
+    """Shared memory one block of ``device`` may use (opt-in maximum), ``None`` off CUDA (no limit)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool) -> int:
+    """An upper bound of the shared memory Triton 3.6 gives the main kernel: the K and V tiles kept in flight
+    (sparse: ``(stages - 1) // 2`` of each, the index loads take the other stages; dense: ``stages - 1``, at
+    least one), q's tile, the probabilities' tile and 1 KiB. Compiled for sm_80 and sm_86 it bounds every
+    configuration ``tests/smem_report.py`` compiles (bf16 and fp32, head dim 64 and 128, one and five queries,
+    sparse and dense), by 0.5 to 9 KiB."""
+    in_flight = max(1, (num_stages - 1) // 2 if sparse else num_stages - 1)
+    return (in_flight * 2 * block_n * block_d + block_m * (block_d + block_n)) * elem_bytes + 1024
+
+
+def _fit_shared(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool,
+                limit: int) -> tuple[int, int]:
+    """``(block_n, num_stages)``: the given ones if :func:`_shared_bytes` fits ``limit``, else fewer stages
+    (sparse 3, dense 2), then narrower key tiles (down to 16). fp32 inputs with head dim 128 need this on
+    GPUs with less shared memory than an H100's (99 KiB a block on sm_86/89, 163 KiB on an A100)."""
+    for n in (block_n, block_n // 2, block_n // 4):
+        if n < 16:
+            break
+        for stages in dict.fromkeys((num_stages, 3 if sparse else 2)):
+            if stages <= num_stages and _shared_bytes(block_m, n, block_d, elem_bytes, stages, sparse) <= limit:
+                return n, stages
+    raise ValueError(f"no launch configuration of the verification kernel fits {limit} bytes of shared memory "
+                     f"(block_m {block_m}, head dim {block_d}, {elem_bytes}-byte elements); use 16-bit inputs")
+
+
 def _config(
     batch: int,
     n_kv_heads: int,
@@ -164,6 +196,7 @@ def _config(
     merge: str | None = None,
     programs_per_sm: int | None = None,
     min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
+    smem_limit: int | None = None,
 ) -> _Config:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
@@ -175,12 +208,18 @@ def _config(
     them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
     extra wave), but never fewer than ``min_blocks_per_split`` key tiles
     per split, and at most ``_MAX_SPLITS``. Merge: ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits,
-    else ``"kernel"``. Stages: :func:`_num_stages`.
+    else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a block may use): a heuristic
+    key-tile width and stage count that would not fit are reduced (:func:`_fit_shared`); given ones are kept.
     """
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_stages is None and block_n is None and smem_limit is not None:
+        default_n = 64 if block_d <= 128 else 32
+        block_n, num_stages = _fit_shared(block_m, default_n, block_d, elem_bytes,
+                                          _num_stages(block_m, default_n, block_d, elem_bytes, sparse), sparse,
+                                          smem_limit)
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
@@ -550,7 +589,7 @@ def _verify_attention_triton(
     group = n_heads // n_kv_heads
     if config is None:
         config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device), sparse=sparse,
-                         elem_bytes=q.element_size())
+                         elem_bytes=q.element_size(), smem_limit=_smem_limit(q.device))
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
 
 

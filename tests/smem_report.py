@@ -1,0 +1,62 @@
+"""The verification kernel's shared memory, compiled for an A100 (sm_80) and an RTX A6000/L4-class GPU (sm_86)
+without a GPU.
+
+Run as a script, without ``TRITON_INTERPRET`` (``tests/test_kernels.py`` does so in a subprocess): for each
+point of a grid (bf16 and fp32, head dim 64 and 128, one and five queries of a 7-query-head group, sparse and
+dense) it builds the heuristic launch config under that GPU's per-block limit (``_config(smem_limit=...)``),
+catches the launch on meta tensors, compiles it for the GPU's architecture and prints one JSON list: per
+point the config, the shared memory the compiled kernel declares, ``_shared_bytes``' estimate and the limit.
+A kernel over the limit fails to launch there (``OutOfResources``), which no CPU test of values can see.
+Exits 77 where this Triton cannot compile for CUDA.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from kernel_ptx import capture_launches, compile_for, require_cuda_compiler
+
+LIMITS = {80: 166912, 86: 101376}  # opt-in shared memory per block: A100; sm_86/sm_89 (RTX 30xx/40xx, A10, L4)
+BATCH, N_KV_HEADS, GROUP, BUDGET, CONTEXT = 4, 2, 7, 512, 4096
+
+
+def main() -> None:
+    require_cuda_compiler()
+    from dustin_hf.kernels import triton_verify
+
+    report, compiled = [], {}
+    for cc, dtype, head_dim, n_queries, sparse in itertools.product(
+            LIMITS, (torch.bfloat16, torch.float32), (64, 128), (1, 5), (True, False)):
+        q = torch.empty(BATCH, n_queries, N_KV_HEADS * GROUP, head_dim, device="meta", dtype=dtype)
+        cache = torch.empty(BATCH, CONTEXT + n_queries, N_KV_HEADS, head_dim, device="meta", dtype=dtype)
+        seqlens = torch.empty(BATCH, device="meta", dtype=torch.int32)
+        indices = torch.empty(BATCH, BUDGET, device="meta", dtype=torch.int32) if sparse else None
+        n_keys = triton_verify._sparse_loop_keys(BUDGET, n_queries) if sparse else CONTEXT + n_queries
+        config = triton_verify._config(BATCH, N_KV_HEADS, GROUP, n_queries, head_dim, n_keys, 132, sparse=sparse,
+                                       elem_bytes=q.element_size(), smem_limit=LIMITS[cc])
+
+        def run():
+            triton_verify._verify_attention_triton(
+                q, cache, cache, seqlens, softmax_scale=head_dim**-0.5, indices=indices,
+                num_indices=seqlens if sparse else None, max_seqlen_k=None if sparse else CONTEXT + n_queries,
+                config=config)
+
+        launches = capture_launches(triton_verify, ("_verify_fwd_kernel", "_merge_splits_kernel"), run)
+        kernel, args, options = launches[0]  # the main kernel (a merge launch, if any, comes after it)
+        key = (cc, repr(sorted((k, v) for k, v in args.items() if not isinstance(v, torch.Tensor))), repr(options))
+        if key not in compiled:
+            compiled[key] = compile_for(kernel, args, options, cc).metadata.shared
+        report.append(dict(
+            cc=cc, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, n_queries=n_queries, sparse=sparse,
+            block_m=config.block_m, block_n=config.block_n, num_stages=config.num_stages, shared=compiled[key],
+            estimate=triton_verify._shared_bytes(config.block_m, config.block_n, config.block_d, q.element_size(),
+                                                 config.num_stages, sparse),
+            limit=LIMITS[cc]))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
