@@ -93,6 +93,25 @@ def test_gated_linear_rounds_as_silu_mul(dtype):
     assert (out == want).float().mean() > 0.95
 
 
+def test_gemm_launch_fits_the_device_shared_memory(monkeypatch):
+    """A launch asks its device for the per-block limit (faked here) and drops stages, then tile width, to fit it;
+    what the caller chose explicitly is kept, and a limit nothing fits is a clear error."""
+    from dustin_hf.kernels import triton_gemm
+
+    launched = []
+    monkeypatch.setattr(triton_gemm, "_skinny_gemm_kernel", type("Catch", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kw: launched.append((kw["BLOCK_N"], kw["num_stages"]))})())
+    x, w, _ = _operands(16, 2 * 64, 896, False, torch.bfloat16)
+    for limit in (None, 101376, 60000):
+        monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device, limit=limit: limit)
+        triton_gemm.gated_linear(x, w)
+    triton_gemm.gated_linear(x, w, num_stages=4)  # explicit stages kept: the tiles narrow instead
+    assert launched == [(64, 4), (64, 3), (64, 2), (16, 4)]
+    monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device: 1000)
+    with pytest.raises(ValueError, match="shared memory"):
+        triton_gemm.gated_linear(x, w)
+
+
 def test_gated_linear_rejects_what_it_cannot_compute():
     from dustin_hf.kernels.triton_gemm import MAX_ROWS, gated_linear
 

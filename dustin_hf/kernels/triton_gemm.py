@@ -40,7 +40,7 @@ import triton.language as tl
 from . import launch_device
 from .triton_fused import _DTYPES as _TL_DTYPES
 from .triton_fused import _round
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
+from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _smem_limit
 
 __all__ = ["MAX_ROWS", "gated_linear", "skinny_linear"]
 
@@ -51,7 +51,8 @@ _MAX_SPLITS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # gated_linear's tiles: 64 columns of gate and of up, 4 stages. H200, CUDA graphs, bf16, the 0.5B draft's [gate; up]
 # (K = 896, 2 x 4864 rows; benchmarks/results/gemm_gated_h200.json): 7.3 us at 16 rows and 7.8 at 32, against
-# 7.9 / 11.0 with skinny_linear's 32 x 128 tiles and 3 stages, and 8.8 / 8.9 for cuBLAS + silu_mul.
+# 7.9 / 11.0 with skinny_linear's 32 x 128 tiles and 3 stages, and 8.8 / 8.9 for cuBLAS + silu_mul. On a GPU whose
+# blocks have less shared memory (sm_86/89: 99 KiB) _fit_shared drops to 3 stages.
 _GATED_CONFIG = {"block_n": 64, "num_stages": 4}
 
 
@@ -153,6 +154,31 @@ def _skinny_gemm_kernel(
             tl.atomic_xchg(TICKETS + j, 0)  # ready for the next launch (graph replays reuse the counters)
 
 
+def _shared_bytes(block_m: int, block_n: int, block_k: int, elem_bytes: int, num_stages: int, gated: bool) -> int:
+    """Shared memory Triton 3.6 gives the kernel: ``num_stages - 1`` buffers of the x tile and the weight tile (two
+    weight tiles gated). Exact for every launch ``tests/smem_report.py`` compiles for sm_80 and sm_86."""
+    return (num_stages - 1) * (block_m + (2 if gated else 1) * block_n) * block_k * elem_bytes
+
+
+def _fit_shared(cfg: _Config, block_m: int, elem_bytes: int, gated: bool, limit: int | None, *,
+                explicit: set[str]) -> _Config:
+    """``cfg`` with fewer stages (down to 2), then narrower tiles (down to 16), where its shared memory would
+    exceed ``limit`` (bytes a block may use; ``None``: no limit); what the caller gave (``explicit``) is kept.
+    ``gated_linear``'s 4 stages of 64-wide tiles need 110,592 bytes at 16 rows, more than an sm_86/89 block may
+    use (101,376)."""
+    if limit is None or _shared_bytes(block_m, cfg.block_n, cfg.block_k, elem_bytes, cfg.num_stages, gated) <= limit:
+        return cfg
+    widths = [cfg.block_n] if "block_n" in explicit else [w for w in (cfg.block_n, cfg.block_n // 2, cfg.block_n // 4)
+                                                         if w >= 16]
+    stages = [cfg.num_stages] if "num_stages" in explicit else range(cfg.num_stages, 1, -1)
+    for block_n in widths:
+        for num_stages in stages:
+            if _shared_bytes(block_m, block_n, cfg.block_k, elem_bytes, num_stages, gated) <= limit:
+                return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages)
+    raise ValueError(f"no launch configuration of the decode GEMM fits {limit} bytes of shared memory "
+                     f"({block_m} rows, {cfg.block_k}-wide K tiles, {elem_bytes}-byte elements)")
+
+
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -176,7 +202,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     fp32, all one dtype. ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``)
     are for benchmarks.
     """
-    return _skinny(x, weight, bias, False, overrides)
+    return _skinny(x, weight, bias, False, overrides, explicit=set(overrides))
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
@@ -192,11 +218,11 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Te
         raise ValueError(f"weight must be [gate; up], (2I, K); got {tuple(weight.shape)}")
     if overrides.get("split_k", 1) != 1:
         raise ValueError("gated_linear does not split K")
-    return _skinny(x, weight, None, True, {**_GATED_CONFIG, **overrides, "split_k": 1})
+    return _skinny(x, weight, None, True, {**_GATED_CONFIG, **overrides, "split_k": 1}, explicit=set(overrides))
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            overrides: dict) -> torch.Tensor:
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, overrides: dict, *,
+            explicit: set[str]) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m, n = rows.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]
@@ -216,10 +242,11 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     if interpreting:
         _patch_interpreter_for_numpy_2_4()
     if m and n:
+        block_m = max(16, triton.next_power_of_2(m))
         cfg = _config(n, k, _sm_count(x.device), x.element_size(), **overrides)
+        cfg = _fit_shared(cfg, block_m, x.element_size(), gated, _smem_limit(x.device), explicit=explicit)
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-        block_m = max(16, triton.next_power_of_2(m))
         part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
                          else (out, out))
         with launch_device(x):
