@@ -215,13 +215,13 @@ def _config(
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if num_stages is None and block_n is None and smem_limit is not None:
-        default_n = 64 if block_d <= 128 else 32
-        block_n, num_stages = _fit_shared(block_m, default_n, block_d, elem_bytes,
-                                          _num_stages(block_m, default_n, block_d, elem_bytes, sparse), sparse,
-                                          smem_limit)
+    fit = smem_limit is not None and block_n is None and num_stages is None
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
+    if fit:
+        block_n, num_stages = _fit_shared(block_m, block_n, block_d, elem_bytes,
+                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse), sparse,
+                                          smem_limit)
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
     programs = batch * n_kv_heads * m_tiles
     if num_splits is None and n_blocks <= _SHORT_RANGE_BLOCKS and 2 * programs >= sm_count:
