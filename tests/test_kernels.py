@@ -376,6 +376,22 @@ def test_shared_memory_limit_changes_nothing_on_an_h100():
     assert (kept.block_n, kept.num_stages) == (64, 3)  # explicit choices are the caller's
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_memory_limit_is_the_one_triton_checks_launches_against():
+    """On a GPU the limit is the opt-in per-block maximum Triton's launcher compares a kernel's shared memory with
+    (227 KiB on an H100/H200), not PyTorch's 48 KiB default."""
+    from triton.compiler.compiler import max_shared_mem
+
+    from dustin_hf.kernels.triton_verify import _smem_limit
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _smem_limit(device) == _smem_limit(torch.device("cuda")) == max_shared_mem(device.index)
+    assert _smem_limit(device) > torch.cuda.get_device_properties(device).shared_memory_per_block
+    if torch.cuda.get_device_capability(device) == (9, 0):
+        assert _smem_limit(device) == 227 * 1024
+
+
 def test_triton_launch_takes_the_device_shared_memory_limit(monkeypatch):
     """A call asks its device for the per-block limit (here faked as sm_86's) and launches the config fitted to it."""
     from dustin_hf.kernels import triton_verify

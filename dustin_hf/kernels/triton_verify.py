@@ -147,10 +147,19 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _smem_limit(device: torch.device) -> int | None:
-    """Shared memory one block of ``device`` may use (opt-in maximum), ``None`` off CUDA (no limit)."""
+    """Shared memory one block of ``device`` may use, ``None`` off CUDA (no limit): the opt-in maximum Triton's
+    driver reports, the number its launcher checks a compiled kernel against (``OutOfResources``). PyTorch's
+    device properties only give the 48 KiB default."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _cuda_smem_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_smem_limit(index: int) -> int:
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool) -> int:
