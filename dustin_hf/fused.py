@@ -35,8 +35,8 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (for at most 32 rows and
   32 MB of weight, both in one :func:`gated_linear` launch), and its down projection, for at most 32 rows, as
   :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
-  ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are called on the same input, as every listed family's attention does:
-  ``q_proj`` computes all three and ``k_proj``/``v_proj`` hand out their slices (on any other input each
+  ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are
+  called on the same input, as every listed family's attention does: ``q_proj`` computes all three and ``k_proj``/``v_proj`` hand out their slices (on any other input each
   runs its own). The weights are not copied: each projection's weight (and bias) becomes a view of the
   fused tensor while the context is open, and gets its own storage back on exit. Numerics: SiLU·mul
   rounds as PyTorch does; a fused GEMM (and the skinny down projection) may reduce in another order than

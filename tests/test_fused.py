@@ -259,10 +259,10 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
     _assert_restored(model, modeling, original_rotary)
 
 
-def test_fused_ops_calls_the_kernels(monkeypatch):
-    """Inside the context the model's norms and rotary run the fused functions (counted), outside they do not."""
-    calls = {"rms_norm": 0, "apply_rotary": 0}
-    for name in calls:
+def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
+    """Replace ``fused.<name>`` for each name with a wrapper counting its calls; returns the live counts."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
         real = getattr(fused, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -270,6 +270,12 @@ def test_fused_ops_calls_the_kernels(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(fused, name, counted)
+    return calls
+
+
+def test_fused_ops_calls_the_kernels(monkeypatch):
+    """Inside the context the model's norms and rotary run the fused functions (counted), outside they do not."""
+    calls = _count_calls(monkeypatch, "rms_norm", "apply_rotary")
     model = tiny_model("qwen2", layers=2, hidden=32).to(DEVICE)
     prompt = random_prompt(3).to(DEVICE)
     with torch.no_grad(), fused_ops(model):
@@ -283,15 +289,7 @@ def test_fused_ops_calls_the_kernels(monkeypatch):
 def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows(monkeypatch):
     """At most 32 rows (a decode step) the MLP's gate/up GEMM and SiLU-mul are one gated_linear launch; more
     rows, or a [gate; up] weight over the size limit, keep the GEMM and silu_mul. Outputs match the MLP's."""
-    calls = {"gated_linear": 0, "silu_mul": 0}
-    for name in calls:
-        real = getattr(fused, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(fused, name, counted)
+    calls = _count_calls(monkeypatch, "gated_linear", "silu_mul")
     mlp = tiny_model("qwen2", layers=1, hidden=64).to(DEVICE).model.layers[0].mlp
     few, many = torch.randn(2, 16, 64, device=DEVICE), torch.randn(3, 11, 64, device=DEVICE)
     with torch.no_grad():
