@@ -71,8 +71,10 @@ def main(argv=None) -> dict:
                 setattr(module, name, value)
                 row = e2e.run_speculative(target, draft, args.batch, args.context, args.method, replay, torch.bfloat16)
                 runs.setdefault(text, []).append(round(row["tokens_per_s"], 1))
+                failed = {part: graphs["failed"] for part, graphs in row.get("graphs", {}).items() if graphs["failed"]}
                 print(f"{args.attribute} = {text}: {row['tokens_per_s']:.1f} tok/s "
-                      f"(steady {row.get('steady_tokens_per_s', float('nan')):.1f})", flush=True)
+                      f"(steady {row.get('steady_tokens_per_s', float('nan')):.1f})"
+                      + (f"; CUDA graphs that failed to capture: {failed}" if failed else ""), flush=True)
     finally:
         setattr(module, name, original)
     result = dict(command=" ".join(["python3", *sys.argv]), gpu=torch.cuda.get_device_name(0),

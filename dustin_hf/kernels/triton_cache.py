@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import await_producers, dependent_launch
+
 __all__ = ["write_kv_triton"]
 
 
@@ -22,8 +24,9 @@ def _write_kv_kernel(
     row0, n_queries,
     sk_b, sk_h, sk_q, sv_b, sv_h, sv_q,
     dk_b, dk_t, dk_h, dv_b, dv_t, dv_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producers(PDL)
     pid = tl.program_id(0)  # one program per (row, new token); all heads
     head = tl.program_id(1)
     b = pid // n_queries
@@ -55,9 +58,10 @@ def write_kv_triton(keys: torch.Tensor, values: torch.Tensor, k_cache: torch.Ten
         raise ValueError(f"slots must be a contiguous ({batch}, {n_queries}) tensor; got {tuple(slots.shape)}")
     if 1 != keys.stride(-1) or 1 != values.stride(-1) or 1 != k_cache.stride(-1) or 1 != v_cache.stride(-1):
         raise ValueError("states and caches need a unit stride along the head dimension")
+    pdl = dependent_launch(keys)
     _write_kv_kernel[(batch * n_queries, heads)](
         keys, values, k_cache, v_cache, slots, row0, n_queries,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1, launch_pdl=pdl,
     )

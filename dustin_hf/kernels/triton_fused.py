@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import launch_device
+from .triton_launch import await_producers, dependent_launch
 
 __all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "rotary_write_kv_triton", "silu_mul_triton"]
 
@@ -82,11 +83,13 @@ def _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE: tl.constexpr, ADD: t
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_out, stride_res, eps,
     N_COLS: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: ``out = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
 
     With ``ADD`` the row normalised is ``x = residual + x`` (``r_ptr``), also written to ``res_ptr``; the
     reduction and everything after it is the same code either way."""
+    await_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -185,12 +188,13 @@ def _rms_norm(x, residual, weight, eps, block) -> tuple[torch.Tensor, torch.Tens
         block = triton.next_power_of_2(n_cols) if n_cols <= _MAX_ONE_TILE else _LOOP_BLOCK
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     total_rows = out.view(-1, n_cols) if total is None else total.view(-1, n_cols)  # unused without a residual
+    pdl = dependent_launch(x)
     with launch_device(x):
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight.contiguous(), out, total_rows, rows.stride(0), res_rows.stride(0), n_cols,
             n_cols, float(eps),
             N_COLS=n_cols, X_DTYPE=_DTYPES[x.dtype], OUT_DTYPE=_DTYPES[out_dtype], BLOCK=block,
-            ADD=residual is not None, num_warps=num_warps, enable_fp_fusion=False,
+            ADD=residual is not None, PDL=pdl, num_warps=num_warps, enable_fp_fusion=False, launch_pdl=pdl,
         )
     return out, total
 
@@ -246,13 +250,14 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     Q_COS_DTYPE: tl.constexpr, Q_SIN_DTYPE: tl.constexpr, Q_OUT_DTYPE: tl.constexpr,
     K_COS_DTYPE: tl.constexpr, K_SIN_DTYPE: tl.constexpr, K_OUT_DTYPE: tl.constexpr,
-    TO_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    TO_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (batch row, position): loads its cos/sin once, rotates every q head, then every k head.
 
     With ``TO_CACHE`` the rotated keys and the values go straight into the caches (``k_out``/``v_out``, rows
     ``row0 + b``, slot ``slots[b, t]``) instead of a new key tensor: the K/V write of a decode step, in the
     same launch."""
+    await_producers(PDL)
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
     t = pid % seq_len
@@ -370,6 +375,7 @@ def _launch_rotary(q, k, cos, sin, q_out, k_out, *, cache=None) -> None:
     else:
         v, v_out, slots, row0 = cache
         cache_args = (v, v_out, slots, row0, *v.stride()[:3], *v_out.stride()[:3])
+    pdl = dependent_launch(q)
     with launch_device(q):
         _rotary_kernel[(batch * seq_len,)](
             q, k, cos, sin, q_out, k_out, seq_len,
@@ -379,8 +385,8 @@ def _launch_rotary(q, k, cos, sin, q_out, k_out, *, cache=None) -> None:
             N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
             Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
             K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
-            TO_CACHE=cache is not None, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            num_warps=4, enable_fp_fusion=False,
+            TO_CACHE=cache is not None, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
+            num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
         )
 
 
@@ -423,9 +429,11 @@ def _check_rotary(q, k, cos, sin, dim: int) -> None:
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     """``out = silu(gate) * up`` for one row block, ``gate | up`` the two halves of a ``gate_up`` row, each
     product rounded as PyTorch's two kernels round it (``silu`` in fp32 to ``DTYPE``, then the product)."""
+    await_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -453,9 +461,10 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate_up.shape[:-1], n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] == 0 or n_cols == 0:
         return out
+    pdl = dependent_launch(gate_up)
     with launch_device(gate_up):
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, _SILU_MUL_BLOCK))](
-            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK,
-            num_warps=4, enable_fp_fusion=False,
+            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK, PDL=pdl,
+            num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
         )
     return out

@@ -40,6 +40,7 @@ import triton.language as tl
 from . import launch_device
 from .triton_fused import _DTYPES as _TL_DTYPES
 from .triton_fused import _round
+from .triton_launch import await_producers, dependent_launch
 from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _smem_limit
 
 __all__ = ["MAX_ROWS", "gated_linear", "skinny_linear"]
@@ -99,10 +100,11 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, OUT_DTYPE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Tile ``j`` of ``x @ W^T`` over split ``s`` of ``K``; ``GATED`` (one split): of
     ``silu(x @ W[:N]^T) * (x @ W[N:]^T)``, the second accumulator over the up projection's rows."""
+    await_producers(PDL)
     j = tl.program_id(0)
     s = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -249,6 +251,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
         part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
                          else (out, out))
+        pdl = dependent_launch(x)
         with launch_device(x):
             _skinny_gemm_kernel[(n_tiles, cfg.split_k)](
                 rows, weight, bias if bias is not None else weight, out, part, tickets,
@@ -257,7 +260,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
                 HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=_TL_DTYPES[x.dtype],
                 UPCAST=interpreting and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
             )
     return out.reshape(*x.shape[:-1], n)

@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from ..plan import select_heads
+from .triton_launch import await_producers, dependent_launch
 from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _tickets
 
 __all__ = ["attention_mass_layers_triton", "attention_mass_triton"]
@@ -237,7 +238,9 @@ def _score_pass1_kernel(
     HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two; 1: one split, which writes LSE itself
+    PDL: tl.constexpr,
 ):
+    await_producers(PDL)
     split = tl.program_id(0) // M_TILES
     m_tile = tl.program_id(0) % M_TILES
     b = tl.program_id(1).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
@@ -328,6 +331,7 @@ def _score_pass2_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     SHARED_POS: tl.constexpr,  # every query of a row reads QPOS[b, 0] (a stride-0 view, or one query)
+    PDL: tl.constexpr,
 ):
     """``out[b, p] (+)= sum_r exp2(x[r, p] + m[r, p // BLOCK_N] - lse[r])`` over rows whose query sees ``p``.
 
@@ -335,6 +339,7 @@ def _score_pass2_kernel(
     ``ROW_BLOCKS`` blocks of ``BLOCK_R`` rows: each block's scores are one ``(BLOCK_R, BLOCK_T, BLOCK_N)``
     load, and the blocks add up elementwise before the one reduction over rows.
     """
+    await_producers(PDL)
     b = tl.program_id(1).to(tl.int64)
     lo = tl.multiple_of(tl.program_id(0) * tile, BLOCK_T * BLOCK_N)  # tile: a multiple of the step (host)
     hi = tl.minimum(lo + tile, num_positions)
@@ -510,6 +515,7 @@ def attention_mass_layers_triton(
     lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=device) if split else lse
     tickets = _tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
     block_d = max(16, triton.next_power_of_2(head_dim))
+    pdl = dependent_launch(out)
     head_offset = 0
     for layer_queries, layer_keys, layer_groups, layer_tiles in zip(queries, keys, groups, m_tiles):
         for (kv_head, members), tiles in zip(layer_groups, layer_tiles):
@@ -527,8 +533,8 @@ def attention_mass_layers_triton(
                 HEAD_DIM=head_dim, M_TILES=tiles,
                 BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
                 BLOCK_D=block_d, DOT_PRECISION="ieee" if keys[0].dtype == torch.float32 else "tf32",
-                BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1,
-                num_warps=config.num_warps, num_stages=config.num_stages,
+                BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1, PDL=pdl,
+                num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
             )
             head_offset += len(members)
     limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
@@ -541,8 +547,8 @@ def attention_mass_layers_triton(
         N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
         BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
         ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
-        SHARED_POS=n_queries == 1 or query_pos.stride(1) == 0,
-        num_warps=config.num_warps_reduce,
+        SHARED_POS=n_queries == 1 or query_pos.stride(1) == 0, PDL=pdl,
+        num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
     return out
 

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import await_producers, dependent_launch
 from .triton_verify import _patch_interpreter_for_numpy_2_4
 
 __all__ = ["select_sparse_triton", "supports"]
@@ -194,8 +195,9 @@ def _local_pools_kernel(
     stride_pd_plane, stride_pd, stride_ph_plane, stride_ph,
     SINK: tl.constexpr, RECENT: tl.constexpr, SHARE: tl.constexpr, FILL: tl.constexpr,
     POOL_D: tl.constexpr, POOL_H: tl.constexpr, POOL_D_BLOCK: tl.constexpr, POOL_H_BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producers(PDL)
     c = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     positions = c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
@@ -225,8 +227,9 @@ def _merge_pools_kernel(
     n_draft, n_history,  # pool entries per row: n_chunks * POOL_D, n_chunks * POOL_H
     SINK: tl.constexpr, RECENT: tl.constexpr, SHARE: tl.constexpr, FILL: tl.constexpr,
     DRAFT_BLOCK: tl.constexpr, HISTORY_BLOCK: tl.constexpr, SINK_BLOCK: tl.constexpr,
-    RECENT_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr,
+    RECENT_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     out = OUT + b * stride_ob
     length = tl.load(LENGTHS + b * stride_l).to(tl.int32)
@@ -306,21 +309,22 @@ def select_sparse_triton(
     draft_pool = torch.empty(2, batch, max(1, n_chunks * pool_d), dtype=torch.int32, device=device)
     history_pool = torch.empty(3, batch, max(1, n_chunks * pool_h), dtype=torch.int32, device=device)
     sizes = dict(SINK=sink, RECENT=recent, SHARE=share, FILL=fill)
+    pdl = dependent_launch(out)
     _local_pools_kernel[(n_chunks, batch)](
         draft_scores, history_scores, lengths, draft_pool, history_pool,
         draft_scores.stride(0), history_scores.stride(0), lengths.stride(0), span,
         *draft_pool.stride()[:2], *history_pool.stride()[:2],
         **sizes, POOL_D=pool_d, POOL_H=pool_h,
-        POOL_D_BLOCK=_block(pool_d), POOL_H_BLOCK=_block(pool_h), CHUNK=config.chunk,
-        num_warps=config.num_warps_local,
+        POOL_D_BLOCK=_block(pool_d), POOL_H_BLOCK=_block(pool_h), CHUNK=config.chunk, PDL=pdl,
+        num_warps=config.num_warps_local, launch_pdl=pdl,
     )
     _merge_pools_kernel[(batch,)](
         draft_pool, history_pool, lengths, out,
         *draft_pool.stride()[:2], *history_pool.stride()[:2], lengths.stride(0), out.stride(0),
         n_chunks * pool_d, n_chunks * pool_h,
         **sizes, DRAFT_BLOCK=_block(n_chunks * pool_d), HISTORY_BLOCK=_block(n_chunks * pool_h),
-        SINK_BLOCK=_block(sink), RECENT_BLOCK=_block(recent), MIDDLE_BLOCK=_block(share + fill),
-        num_warps=config.num_warps_merge,
+        SINK_BLOCK=_block(sink), RECENT_BLOCK=_block(recent), MIDDLE_BLOCK=_block(share + fill), PDL=pdl,
+        num_warps=config.num_warps_merge, launch_pdl=pdl,
     )
     return out
 

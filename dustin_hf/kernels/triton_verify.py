@@ -75,6 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import await_producers, dependent_launch
+
 __all__ = ["verify_attention_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -293,8 +295,9 @@ def _verify_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, TICKET_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
-    OPEN_LOOP: tl.constexpr, OFFSETS_32: tl.constexpr, SAME_T_STRIDE: tl.constexpr,
+    OPEN_LOOP: tl.constexpr, OFFSETS_32: tl.constexpr, SAME_T_STRIDE: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producers(PDL)
     split = tl.program_id(0) // M_TILES
     m_tile = tl.program_id(0) % M_TILES
     kv_head = tl.program_id(1)
@@ -511,12 +514,13 @@ def _key_positions(idx_row, stride_in, n, n_cached, cached_len, SPARSE: tl.const
 def _merge_splits_kernel(
     OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (batch row, query, head): ``out = sum_s w_s out_s / sum_s w_s``.
 
     ``w_s = 2^(lse_s - max_s lse_s)``; an empty split has ``lse_s = -inf``, so ``w_s = 0``.
     """
+    await_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)  # (BLOCK_S,)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -702,6 +706,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         part_strides, lse_strides = out_part.stride()[:4], lse_part.stride()[:3]
     grid = (cfg.num_splits * m_tiles, n_kv_heads, batch)
     tail_first = sparse and _tail_first(n_queries)
+    pdl = dependent_launch(q)
     _verify_fwd_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, tickets,
         softmax_scale * _LOG2E,
@@ -716,13 +721,13 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         OPEN_LOOP=tail_first or n_queries == 1,
         OFFSETS_32=_offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
-        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if cfg.merge == "kernel":
         _merge_splits_kernel[(batch * n_queries * n_heads,)](
             out_part, lse_part, out, cfg.num_splits,
-            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d,
-            num_warps=4 if cfg.block_d >= 128 else 2,
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d, PDL=pdl,
+            num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
         )
     return out
