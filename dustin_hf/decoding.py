@@ -460,7 +460,7 @@ class SpeculativeDecoder:
             result = self._generate(input_ids, attention_mask)
         result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
                                                      "mlps": report.mlps, "qkv": report.qkv,
-                                                     "attentions": report.attentions}
+                                                     "outputs": report.outputs, "attentions": report.attentions}
         return result
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:

@@ -36,11 +36,13 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   32 MB of weight, both in one :func:`gated_linear` launch), and its down projection, for at most 32 rows, as
   :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
   ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are
-  called on the same input, as every listed family's attention does: ``q_proj`` computes all three and ``k_proj``/``v_proj`` hand out their slices (on any other input each
-  runs its own). The weights are not copied: each projection's weight (and bias) becomes a view of the
-  fused tensor while the context is open, and gets its own storage back on exit. Numerics: SiLU·mul
-  rounds as PyTorch does; a fused GEMM (and the skinny down projection) may reduce in another order than
-  the separate ones (cuBLAS picks its kernel by shape), so its outputs can differ in the last bits.
+  called on the same input, as every listed family's attention does: ``q_proj`` computes all three and
+  ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). That GEMM and ``o_proj``
+  run as :func:`skinny_linear` for at most 32 rows and 8 MB of weight (a draft's: on sm_90 every kernel of its
+  decode layer is then a Triton launch that starts as a dependent of the one before). The weights are not
+  copied: each projection's weight (and bias) becomes a view of the fused tensor while the context is open,
+  and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does; a fused GEMM (and a
+  skinny one) may reduce in another order than the separate ones (cuBLAS picks its kernel by shape), so its outputs can differ in the last bits.
 
 * **Decoder layers and rotary tables** (for :class:`dustin_hf.graphs.Pipeline`, the staged forward the
   decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,
@@ -116,6 +118,11 @@ _SKINNY_ROWS = 32
 # ... and, with at most this many bytes of [gate; up] weight, its gate/up GEMM and SiLU-mul as one gated_linear
 # launch (a latency-bound GEMM: the 0.5B draft's 17 MB). Larger weights keep cuBLAS, unmeasured with the kernel.
 _GATED_MAX_BYTES = 32 * 2**20
+# ... and an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of weight (the 0.5B draft's 2.1
+# and 1.6 MB) as skinny_linear launches, which can start as dependents of the kernel before them (cuBLAS's cannot).
+# H200, 7B + 0.5B sparse draft, 32k, batch 16, same-process A/B (e2e_h200_ab_skinny_projections.json): 3361.5
+# against 3264.9 tok/s with cuBLAS (0). Larger weights keep cuBLAS, unmeasured with the kernel. Read at call time.
+_SKINNY_PROJECTION_MAX_BYTES = 8 * 2**20
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
@@ -207,6 +214,7 @@ class FusedOps:
         rotary_modules: modeling modules whose ``apply_rotary_pos_emb`` now calls :func:`apply_rotary`.
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
+        outputs: attentions whose ``o_proj`` runs as :func:`skinny_linear` at decode sizes.
         layers: decoder layers :class:`~dustin_hf.graphs.Pipeline` runs submodule by submodule with each
             residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
         rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.graphs.Pipeline` reads from a
@@ -219,6 +227,7 @@ class FusedOps:
     rotary_modules: tuple[str, ...]
     mlps: int = 0
     qkv: int = 0
+    outputs: int = 0
     layers: int = 0
     rotary_tables: int = 0
     attentions: int = 0
@@ -245,11 +254,12 @@ def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
         mlps = sum(_fuse_mlp(m, undo) for m in modules)
         qkv = sum(_fuse_qkv(m, undo) for m in modules)
+        outputs = sum(_fuse_output(m, undo) for m in modules)
         layers = sum(_register(m, _standard_layer, undo) for m in modules)
         tables = sum(_register(m, _static_rotary, undo) for m in modules)
         attentions = sum(_register(m, _standard_attention, undo) for m in modules)
-        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, layers=layers, rotary_tables=tables,
-                       attentions=attentions)
+        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, outputs=outputs, layers=layers,
+                       rotary_tables=tables, attentions=attentions)
     finally:
         for restore in reversed(undo):
             restore()
@@ -443,7 +453,7 @@ def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
     last = {}  # the input q_proj last saw and the fused projection of it, until v_proj takes its slice
 
     def q_forward(x):
-        out = torch.nn.functional.linear(x, weight, bias)
+        out = _projection(x, weight, bias)
         last.update(x=x, out=out)
         return out[..., :n_q]
 
@@ -462,6 +472,23 @@ def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
     for layer, forward in ((q, q_forward), (k, k_forward), (v, v_forward)):
         _replace_forward(layer, forward, undo)
     return True
+
+
+def _fuse_output(module: torch.nn.Module, undo: list) -> bool:
+    """An attention's ``o_proj`` through :func:`_projection` (one :func:`skinny_linear` launch at decode sizes)."""
+    o = getattr(module, "o_proj", None)
+    if type(module).__name__ not in _ATTENTION_CLASSES or not _plain_linears(o):
+        return False
+    return _replace_forward(o, lambda x: _projection(x, o.weight, o.bias), undo)
+
+
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; for at most ``_SKINNY_ROWS`` rows and ``_SKINNY_PROJECTION_MAX_BYTES`` of weight one
+    :func:`skinny_linear` launch."""
+    if (x.numel() <= _SKINNY_ROWS * x.shape[-1]
+            and weight.numel() * weight.element_size() <= _SKINNY_PROJECTION_MAX_BYTES):
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 # ----------------------------------------------------------------------------- decoder layers, rotary tables

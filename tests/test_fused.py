@@ -249,7 +249,7 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
         with fused_ops(model) as done:
             assert done.norms == norms_per_layer * 2 + 1
             assert done.rotary_modules == (modeling.__name__,)
-            assert (done.mlps, done.qkv, done.layers, done.rotary_tables) == (2, 2, 2, 1)
+            assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
             assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
             assert fused.static_rotary(model.model.rotary_emb)
             assert modeling.apply_rotary_pos_emb is not original_rotary
@@ -568,7 +568,7 @@ def test_decoder_with_fused_ops_decodes_like_without():
             report = result.cache.stats["fused_ops"]
             # 2 norms per layer and a final one, in both models; one modeling module's rotary
             assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__], "mlps": 3 + 2,
-                               "qkv": 3 + 2, "attentions": 3 + 2} if fused_on
-                              else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "attentions": 0})
+                               "qkv": 3 + 2, "outputs": 3 + 2, "attentions": 3 + 2} if fused_on
+                              else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "outputs": 0, "attentions": 0})
     assert torch.equal(outputs[0], outputs[1])
     assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY
