@@ -441,10 +441,14 @@ def test_triton_split_heuristic_uses_host_sizes_only():
     assert _config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
     assert _config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
     assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
-    # sparse: one program per SM (7B layout, batch 16: 64 programs -> 2 splits); the 0.5B draft keeps 3
+    # sparse: one program per SM (7B layout, batch 16: 64 programs -> 2 splits)
     assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
     assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True, programs_per_sm=2).num_splits == 3
-    assert _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 3
+    # one query (the 0.5B draft's decode step, _SPARSE_DECODE): a key tile per split, 2 warps, merged by a launch
+    decode = _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
+    assert (decode.num_splits, decode.chunk, decode.num_warps, decode.merge) == (9, 64, 2, "kernel")
+    assert _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True, programs_per_sm=1).num_splits == 3  # as before
+    assert _config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
 
 
 @needs_triton

@@ -49,6 +49,13 @@ MAX_ROWS = 128  # one BLOCK_M tile of rows (a power of two >= 16 covering M): th
 _WAVES = 2  # programs per SM the split count aims for (each streams its weight tiles)
 _MIN_SPLIT_K_TILES = 16  # K shorter than this many tiles is not split
 _MAX_SPLITS = 16
+# Software-pipeline stages of the weight stream: 6 (5 tiles in flight; 3 until the weights were timed from HBM).
+# H200, CUDA graphs, bf16, 0.5B draft at 16 rows, weights rotated past the L2, dependent launches
+# (gemm_h200_pdl_stages.json): q/k/v 4.53 us with 3 stages, 3.68 with 6; o_proj 4.25 -> 3.34; down (8 splits of
+# 5 tiles) 6.31 -> 6.14 with 5. End to end (7B + 0.5B sparse draft, 32k, batch 16, same-process A/B,
+# e2e_h200_ab_gemm_stages.json): 3 stages 3386.3 tok/s, 4 3447.1, 6 3466.6; 5 against 6 (another machine,
+# _2.json) 3440.5 / 3446.6. Read at call time.
+_NUM_STAGES = 6
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # gated_linear's tiles: 64 columns of gate and of up, 4 stages. H200, CUDA graphs, bf16, the 0.5B draft's [gate; up]
 # (K = 896, 2 x 4864 rows; benchmarks/results/gemm_gated_h200.json): 7.3 us at 16 rows and 7.8 at 32, against
@@ -72,10 +79,10 @@ def _config(n: int, k: int, sm_count: int, elem_bytes: int, *, block_n: int | No
     """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights) and, for a long ``K`` only, enough
     splits of it for the grid to give every SM about ``waves`` programs, each split at least two tiles long.
 
-    Measured on an H200 under CUDA graphs (16 rows, bf16, ``benchmarks/results/gemm_h200.json``): 32-wide
-    tiles and 3 stages were best for every 0.5B-draft shape; splitting paid for ``down`` (K = 4864: 8
-    splits 5.5 us, 1 split slower than cuBLAS's 6.3) and cost for K = 896 (o_proj: 3.4 us unsplit, 3.9
-    with 4 splits).
+    Measured on an H200 under CUDA graphs (16 rows, bf16, ``benchmarks/results/gemm_h200_pdl_stages.json``,
+    weights from HBM): 32-wide tiles were best or within 0.05 us for every 0.5B-draft shape; splitting pays for
+    ``down`` (K = 4864: 8 splits 6.1 us, unsplit 10.7) and costs for K = 896 (o_proj: 3.3 us unsplit, 3.7 with 4
+    splits). Stages: ``_NUM_STAGES``.
     """
     if block_k is None:
         block_k = 128 if elem_bytes == 2 else 64
@@ -90,7 +97,7 @@ def _config(n: int, k: int, sm_count: int, elem_bytes: int, *, block_n: int | No
     split_k = max(1, min(split_k, k_tiles))
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no split without a tile
-    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or 3)
+    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or _NUM_STAGES)
 
 
 @triton.jit

@@ -91,6 +91,12 @@ _PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting
 # same process alternating, e2e_h200_ab_sparse_programs_per_sm.json): 3207.1 / 3207.9 tok/s against 3189.2 /
 # 3193.8. The draft's 32 programs keep their 3 splits (3 tiles of 64 keys each).
 _SPARSE_PROGRAMS_PER_SM = 1
+# Sparse mode with one query (a draft's decode step) has little work per key tile, so it is split finer: the 0.5B
+# draft at batch 16 (32 programs a split, 9 tiles of 64 keys over budget 512 + the new token), H200, CUDA graphs,
+# 24 calls over 24 caches, dependent launches (draft_attention_h200_sweep_pdl.json): the rule above (3 splits,
+# 4 warps) 6.29 us, 9 splits of one tile 5.61, with 2 warps 5.36. End to end (7B + 0.5B sparse draft, 32k, batch
+# 16, same-process A/B, e2e_h200_ab_sparse_decode.json): 3449.7 against 3433.8 tok/s. Read at call time.
+_SPARSE_DECODE = {"programs_per_sm": 3, "min_blocks_per_split": 1, "num_warps": 2}
 # Sparse mode with several queries: split 0 attends to the new tokens first, in a tile of their own
 # (module docstring). H200, CUDA graphs, 32k, budget 512: 72B layout batch 16 14.0 us against 14.4, 7B
 # batch 16 11.9 against 12.3, 0.5B draft (5 queries) 7.0 against 7.4; with one query (the draft's decode)
@@ -206,7 +212,7 @@ def _config(
     num_stages: int | None = None,
     merge: str | None = None,
     programs_per_sm: int | None = None,
-    min_blocks_per_split: int = _MIN_BLOCKS_PER_SPLIT,
+    min_blocks_per_split: int | None = None,
     smem_limit: int | None = None,
 ) -> _Config:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
@@ -218,10 +224,15 @@ def _config(
     fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
     them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
     extra wave), but never fewer than ``min_blocks_per_split`` key tiles
-    per split, and at most ``_MAX_SPLITS``. Merge: ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits,
+    per split, and at most ``_MAX_SPLITS`` (one query, sparse: ``_SPARSE_DECODE``'s values, warps too). Merge: ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits,
     else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a block may use): a heuristic
     key-tile width and stage count that would not fit are reduced (:func:`_fit_shared`); given ones are kept.
     """
+    if sparse and n_queries == 1:  # a draft's decode step: its own defaults
+        programs_per_sm = programs_per_sm or _SPARSE_DECODE.get("programs_per_sm")
+        min_blocks_per_split = min_blocks_per_split or _SPARSE_DECODE.get("min_blocks_per_split")
+        num_warps = num_warps or _SPARSE_DECODE.get("num_warps")
+    min_blocks_per_split = min_blocks_per_split or _MIN_BLOCKS_PER_SPLIT
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
