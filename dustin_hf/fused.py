@@ -42,7 +42,8 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   decode layer is then a Triton launch that starts as a dependent of the one before). The weights are not
   copied: each projection's weight (and bias) becomes a view of the fused tensor while the context is open,
   and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does; a fused GEMM (and a
-  skinny one) may reduce in another order than the separate ones (cuBLAS picks its kernel by shape), so its outputs can differ in the last bits.
+  skinny one) may reduce in another order than the separate ones (cuBLAS picks its kernel by shape), so its
+  outputs can differ in the last bits.
 
 * **Decoder layers and rotary tables** (for :class:`dustin_hf.graphs.Pipeline`, the staged forward the
   decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,

@@ -89,7 +89,7 @@ def test_dependent_launches_in_a_graph_compute_what_serialized_launches_compute(
     indices = torch.sort(torch.randperm(context, generator=gen, device="cuda")[:512]).values.int()
     indices = indices.expand(batch, -1).contiguous()
     angles = torch.rand(batch, 1, 32, generator=gen, device="cuda") * 6.28
-    cos, sin = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16), torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     inputs = [randn(batch, hidden) for _ in range(8)]
     x = inputs[0].clone()
 

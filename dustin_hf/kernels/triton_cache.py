@@ -63,5 +63,6 @@ def write_kv_triton(keys: torch.Tensor, values: torch.Tensor, k_cache: torch.Ten
         keys, values, k_cache, v_cache, slots, row0, n_queries,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1, launch_pdl=pdl,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
+        num_warps=1, launch_pdl=pdl,
     )
