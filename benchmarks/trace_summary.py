@@ -4,6 +4,10 @@ Prints, per recorded step: wall time of the window, GPU busy time (union of kern
 gaps longer than 100 us, and kernel time and count by category (attention, GEMM, scoring/selection,
 other small kernels), then the most expensive kernels. One JSON line at the end.
 
+Kernels launched as programmatic dependents (the package's Triton kernels on sm_90+) start before the
+kernel they follow ends and wait inside: their spans include that wait, so spans overlap and the times
+by kernel add up to more than the busy time; ``overlap`` (sum of spans minus busy time) says how much.
+
     python benchmarks/trace_summary.py benchmarks/results/raw/dustin_32768_16.json.gz --steps 8
     python benchmarks/trace_summary.py TRACE --top 40 --by-grid   # the draft's and the target's launches apart
 """
@@ -62,10 +66,11 @@ def summarise(path: str, steps: int, top: int = 12, by_grid: bool = False) -> di
     per = 1e3 * steps  # microseconds over all steps -> milliseconds per step
     out = dict(trace=path, steps=steps, wall_ms=window / per, gpu_busy_ms=busy / per,
                gaps_ms=sum(gaps) / per, small_gaps_ms=small_gaps / per, kernels=len(kernels) / steps,
+               overlap_ms=(sum(e["dur"] for e in kernels) - busy) / per,
                categories={c: dict(ms=by_cat[c] / per, kernels=n_cat[c] / steps) for c in by_cat})
     print(f"{path}: per step {out['wall_ms']:.2f} ms wall, GPU busy {out['gpu_busy_ms']:.2f} ms, "
           f"idle gaps > {GAP_US} us {out['gaps_ms']:.2f} ms, shorter ones {out['small_gaps_ms']:.2f} ms, "
-          f"{out['kernels']:.0f} kernels")
+          f"{out['kernels']:.0f} kernels; kernel spans overlap by {out['overlap_ms']:.2f} ms (dependent launches)")
     for c, v in sorted(out["categories"].items(), key=lambda kv: -kv[1]["ms"]):
         print(f"  {c:<18} {v['ms']:7.2f} ms  {v['kernels']:7.0f} kernels")
     for name, t in by_name.most_common(top):
