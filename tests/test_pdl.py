@@ -32,13 +32,20 @@ def test_every_kernel_waits_for_its_producers_before_touching_memory():
         assert r["first_wait"] < r["first_launch"] < r["first_memory"], r
 
 
-def test_dependent_launch_only_on_sm90_cuda_and_when_switched_on(monkeypatch):
+def test_dependent_launch_only_on_sm90_cuda_with_a_triton_that_has_it_and_when_switched_on(monkeypatch):
+    import triton
+
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    assert triton_launch._TRITON_HAS_PDL == ((major, minor) >= (3, 4))
     cpu = torch.zeros(1)
     assert not triton_launch.dependent_launch(cpu)
     if torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         gpu = torch.zeros(1, device="cuda")
-        assert triton_launch.dependent_launch(gpu) == HAS_SM90
+        assert triton_launch.dependent_launch(gpu) == (HAS_SM90 and triton_launch._TRITON_HAS_PDL)
+        monkeypatch.setattr(triton_launch, "_TRITON_HAS_PDL", False)
+        assert not triton_launch.dependent_launch(gpu)
+        monkeypatch.setattr(triton_launch, "_TRITON_HAS_PDL", True)
         monkeypatch.setattr(triton_launch, "_PDL", False)
         assert not triton_launch.dependent_launch(gpu)
 
