@@ -14,6 +14,7 @@ of the values can see. Exits 77 where this Triton cannot compile for CUDA.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import re
 import sys
@@ -42,15 +43,22 @@ def capture_launches(module, names: tuple[str, ...], run) -> list[tuple[object, 
                                  options))
             return launch
 
-    kernels = {name: getattr(module, name) for name in names}
-    try:
-        for name, kernel in kernels.items():
-            setattr(module, name, Catch(kernel))
+    with patched(module, **{name: Catch(getattr(module, name)) for name in names}):
         run()
-    finally:
-        for name, kernel in kernels.items():
-            setattr(module, name, kernel)
     return launches
+
+
+@contextlib.contextmanager
+def patched(module, **values):
+    """``module``'s attributes ``values`` set inside the block and restored after it (also on an exception)."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def require_cuda_compiler() -> None:
@@ -105,12 +113,8 @@ def scoring_launches() -> list[tuple[object, dict, dict]]:
                                        [empty(batch, context + n_queries, 2, 64)] * 3, seqlens,
                                        (tuple(range(7)),) * 3, 7, 64**-0.5, context, backend="triton")
 
-    sm_count = triton_score._sm_count
-    triton_score._sm_count = lambda device: H200_SMS  # meta tensors: size the launches as on the GPU
-    try:
+    with patched(triton_score, _sm_count=lambda device: H200_SMS):  # meta tensors: size the launches as on the GPU
         return capture_launches(triton_score, ("_score_pass1_kernel", "_score_pass2_kernel"), run)
-    finally:
-        triton_score._sm_count = sm_count
 
 
 def main() -> None:

@@ -14,12 +14,13 @@ test of values can see it. Exits 77 where this Triton cannot compile for CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import torch
 
-from kernel_ptx import H200_SMS, capture_launches, compile_sm90, require_cuda_compiler, scoring_launches
+from kernel_ptx import H200_SMS, capture_launches, compile_sm90, patched, require_cuda_compiler, scoring_launches
 
 _MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.global|prefetch\.)")
 
@@ -56,12 +57,8 @@ def launches() -> list[tuple[object, dict, dict]]:
         triton_gemm.skinny_linear(_meta(batch, 4864), _meta(hidden, 4864))  # split K: tickets and partials
         triton_gemm.gated_linear(_meta(batch, hidden), _meta(2 * 4864, hidden))
 
-    limit, sm_count = triton_gemm._smem_limit, triton_gemm._sm_count
-    triton_gemm._smem_limit, triton_gemm._sm_count = (lambda device: 232448), (lambda device: H200_SMS)
-    try:
+    with patched(triton_gemm, _smem_limit=lambda device: 232448, _sm_count=lambda device: H200_SMS):
         out += capture_launches(triton_gemm, ("_skinny_gemm_kernel",), gemm)
-    finally:
-        triton_gemm._smem_limit, triton_gemm._sm_count = limit, sm_count
 
     out += scoring_launches()
     scores = _meta(batch, context, dtype=torch.float32)
@@ -89,15 +86,10 @@ def main() -> None:
     require_cuda_compiler()
     from dustin_hf.kernels import triton_cache, triton_fused, triton_gemm, triton_score, triton_select, triton_verify
 
-    modules = (triton_cache, triton_fused, triton_gemm, triton_score, triton_select, triton_verify)
-    saved = [m.dependent_launch for m in modules]
-    for m in modules:
-        m.dependent_launch = lambda t: True
-    try:
+    with contextlib.ExitStack() as stack:
+        for module in (triton_cache, triton_fused, triton_gemm, triton_score, triton_select, triton_verify):
+            stack.enter_context(patched(module, dependent_launch=lambda t: True))
         caught = launches()
-    finally:
-        for m, f in zip(modules, saved):
-            m.dependent_launch = f
     report = []
     for kernel, args, options in caught:
         lines = compile_sm90(kernel, args, options).splitlines()

@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from kernel_ptx import capture_launches, compile_for, require_cuda_compiler
+from kernel_ptx import capture_launches, compile_for, patched, require_cuda_compiler
 
 LIMITS = {80: 166912, 86: 101376}  # opt-in shared memory per block: A100; sm_86/sm_89 (RTX 30xx/40xx, A10, L4)
 BATCH, N_KV_HEADS, GROUP, BUDGET, CONTEXT = 4, 2, 7, 512, 4096
@@ -85,12 +85,8 @@ def _gemm_report(shared) -> list[dict]:
             for m in (16, 32):
                 triton_gemm.gated_linear(empty(m, 896), empty(9728, 896))
 
-        limit, sm_count = triton_gemm._smem_limit, triton_gemm._sm_count
-        triton_gemm._smem_limit, triton_gemm._sm_count = (lambda device: LIMITS[cc]), (lambda device: 132)
-        try:
+        with patched(triton_gemm, _smem_limit=lambda device: LIMITS[cc], _sm_count=lambda device: 132):
             launches = capture_launches(triton_gemm, ("_skinny_gemm_kernel",), run)
-        finally:
-            triton_gemm._smem_limit, triton_gemm._sm_count = limit, sm_count
         for kernel, args, options in launches:
             gated = args["GATED"]
             rows.append(dict(

@@ -225,8 +225,9 @@ def _config(
     them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
     extra wave), but never fewer than ``min_blocks_per_split`` key tiles per split, and at most
     ``_MAX_SPLITS`` (one query, sparse: ``_SPARSE_DECODE``'s values, warps too). Merge: ``"ticket"`` up to
-    ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a block may use): a heuristic
-    key-tile width and stage count that would not fit are reduced (:func:`_fit_shared`); given ones are kept.
+    ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
+    block may use): a heuristic key-tile width and stage count that would not fit are reduced
+    (:func:`_fit_shared`); given ones are kept.
     """
     if sparse and n_queries == 1:  # a draft's decode step: its own defaults
         programs_per_sm = programs_per_sm or _SPARSE_DECODE.get("programs_per_sm")
