@@ -1,11 +1,12 @@
 """Same-process A/B of one module attribute on the end-to-end decoding benchmark.
 
-Builds the 7B + 0.5B models of ``e2e.py`` once (random bf16 weights, one GPU), then runs the speculative
-method ``--method`` at ``--context`` and ``--batch`` once per value of the attribute, alternating the values
-for ``--rounds`` rounds, so every value sees the same models, allocator state and clocks. Small changes
-(~0.5%) sit below the run-to-run spread of separate runs (and far below the spread between machines),
-which is why a launch heuristic is judged this way. Acceptance is replayed from the teacher-forced
-sparse-draft traces (as ``run_h200.sh e2e``); all compute is real.
+Builds the 7B + 0.5B models of ``e2e.py`` (or ``--pair``'s target, ``--target-layers`` of it) once
+(random bf16 weights, one GPU), then runs the speculative method ``--method`` at ``--context`` and
+``--batch`` once per value of the attribute, alternating the values for ``--rounds`` rounds, so every
+value sees the same models, allocator state and clocks. Small changes (~0.5%) sit below the run-to-run
+spread of separate runs (and far below the spread between machines), which is why a launch heuristic is
+judged this way. Acceptance is replayed from the teacher-forced sparse-draft traces (as ``run_h200.sh
+e2e``); all compute is real.
 
 The attribute must be read when the decoder runs (a module global a function looks up at call time, not a
 default argument bound at import): each run captures its CUDA graphs afresh, so a new value takes effect.
@@ -43,6 +44,10 @@ def main(argv=None) -> dict:
                                                                              if not m.startswith("hf")])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
+    parser.add_argument("--target-layers", type=int, default=None, metavar="N",
+                        help="only N of the target's decoder layers (a proxy, e.g. 72b's 40 of 80 on one GPU: one "
+                             "of two pipeline stages); the JSON's pair says so")
     parser.add_argument("--out", help="save the runs as JSON (with command, GPU and versions)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -59,7 +64,7 @@ def main(argv=None) -> dict:
 
     replay = e2e.Replay.load([TRACE.format(4096), TRACE.format(8192)])
     devices = [torch.device("cuda:0")]
-    target = e2e.build_model("7b", devices, torch.bfloat16)
+    target = e2e.build_model(args.pair, devices, torch.bfloat16, args.target_layers)
     draft = e2e.build_model("0.5b", devices, torch.bfloat16)
     import dustin_hf
 
@@ -79,7 +84,8 @@ def main(argv=None) -> dict:
         setattr(module, name, original)
     result = dict(command=" ".join(["python3", *sys.argv]), gpu=torch.cuda.get_device_name(0),
                   versions=e2e._versions(), method=args.method, context=args.context, batch=args.batch,
-                  pair="7b + 0.5b", acceptance=replay.source, tokens_per_s=runs)
+                  pair=f"{e2e.pair_name(args.pair, args.target_layers)} + 0.5b", acceptance=replay.source,
+                  tokens_per_s=runs)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(runs))

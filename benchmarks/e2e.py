@@ -93,11 +93,12 @@ SHAPES = {  # Qwen2.5-*-Instruct config.json values that set the cost
 
 
 # ----------------------------------------------------------------------------- models
-def build_model(size: str, devices: list[torch.device], dtype: torch.dtype):
-    """A Qwen2 causal LM with ``size``'s shapes and random weights, its layers split evenly over ``devices``."""
+def build_model(size: str, devices: list[torch.device], dtype: torch.dtype, layers: int | None = None):
+    """A Qwen2 causal LM with ``size``'s shapes and random weights, its layers split evenly over ``devices``;
+    ``layers``: only that many decoder layers (a slice of the model, e.g. one pipeline stage's share)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**QWEN, **SHAPES[size])
+    config = Qwen2Config(**QWEN, **(SHAPES[size] | ({"num_hidden_layers": layers} if layers else {})))
     config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -125,6 +126,12 @@ def build_model(size: str, devices: list[torch.device], dtype: torch.dtype):
         device_map["model.rotary_emb"] = devices[0].index
         model = dispatch_model(model, device_map=device_map)
     return model
+
+
+def pair_name(size: str, layers: int | None) -> str:
+    """``size``, or for a slice of its layers ``"72b (PROXY: 40 of 80 layers)"``."""
+    total = SHAPES[size]["num_hidden_layers"]
+    return size if layers in (None, total) else f"{size} (PROXY: {layers} of {total} layers)"
 
 
 def layer_device(model, layer: int) -> torch.device:
@@ -423,6 +430,11 @@ def main(argv=None) -> dict:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
     parser.add_argument("--devices", type=int, default=None, help="GPUs to split the target over (default: all)")
+    parser.add_argument("--target-layers", type=int, default=None, metavar="N",
+                        help="build the target with only N decoder layers (a PROXY, said in the output's pair: "
+                             "e.g. --pair 72b --target-layers 40 --devices 1 is one of two pipeline stages, to "
+                             "profile a stage on one GPU); ratios against generate() then describe the slice, "
+                             "not the model")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
@@ -457,6 +469,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.baseline_runs < 1:
         parser.error(f"--baseline-runs must be at least 1, got {args.baseline_runs}")
+    if args.target_layers is not None and not 1 <= args.target_layers <= SHAPES[args.pair]["num_hidden_layers"]:
+        parser.error(f"--target-layers must be 1..{SHAPES[args.pair]['num_hidden_layers']} for {args.pair}, "
+                     f"got {args.target_layers}")
 
     global COMPILE_STATIC
     COMPILE_STATIC = args.compile_static
@@ -469,8 +484,11 @@ def main(argv=None) -> dict:
         n = args.devices or torch.cuda.device_count()
         devices, sizes = [torch.device(f"cuda:{i}") for i in range(n)], (args.pair, "0.5b")
     torch.manual_seed(0)
-    target = build_model(sizes[0], devices, dtype)
+    layers = None if args.smoke else args.target_layers
+    target = build_model(sizes[0], devices, dtype, layers)
     draft = build_model(sizes[1], devices[:1], dtype)
+    if layers:
+        print(f"target: {pair_name(sizes[0], layers)}; every rate below is the slice's, not the model's")
     import dustin_hf
 
     dustin_hf.patch(target)  # registers the "dustin" attention, as a user's one line does
@@ -530,7 +548,7 @@ def main(argv=None) -> dict:
                     row[key] = (row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
                                 if ref and "steady_tokens_per_s" in ref else None)
     result = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{sizes[0]} + {sizes[1]}",
+        command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
         versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=BUDGET,
         new_tokens={"speculative": args.new_tokens, "generate": AR_TOKENS},

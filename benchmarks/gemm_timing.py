@@ -2,12 +2,13 @@
 ``*_silu`` shapes: cuBLAS + ``silu_mul`` (two launches) against :func:`~dustin_hf.kernels.triton_gemm.gated_linear`.
 
 The shapes are a Qwen2.5-0.5B draft layer's projections at batch 16, one token per row (q/k/v fused,
-o_proj, gate/up fused, down) and its head, and the Qwen2.5-7B target's at 16 rows x 5 verified tokens
-(``7b_*``). Each call is timed as a CUDA-graph replay of about ``--reps`` back-to-back calls (how the
-decode loop runs them; the timer of ``blas_choice.py``), so launch cost inside a graph is included and
-Python's is not; the calls rotate among copies of the weight filling twice the L2, so each reads its
-weight from HBM as a decode step does. ``--sweep`` times the kernel's launch configurations too
-(``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps, num_stages; ``;`` between specs).
+o_proj, gate/up fused, down) and its head, the Qwen2.5-7B target's at 16 rows x 5 verified tokens
+(``7b_*``) and the 72B target's at 8 rows x 5 (``72b_*``). Each call is timed as a CUDA-graph replay of
+about ``--reps`` back-to-back calls (how the decode loop runs them; the timer of ``blas_choice.py``), so
+launch cost inside a graph is included and Python's is not; the calls rotate among copies of the weight
+filling twice the L2, so each reads its weight from HBM as a decode step does. ``--sweep`` times the
+kernel's launch configurations too (``key=v1,v2 ...``, keys: block_n, block_k, split_k, num_warps,
+num_stages; ``;`` between specs).
 Prints a table and one JSON line; ``--out`` saves it.
 
     python benchmarks/gemm_timing.py --out benchmarks/results/gemm_h200.json
@@ -41,6 +42,13 @@ SHAPES = {
     "7b_o_proj": (80, 3584, 3584, False),
     "7b_gate_up": (80, 37888, 3584, False),
     "7b_down": (80, 3584, 18944, False),
+    # the 72B target's: 8 rows x 5 queries (hidden 8192, intermediate 29568, 64 q / 8 kv heads of 128)
+    "72b_qkv": (40, 10240, 8192, True),
+    "72b_o_proj": (40, 8192, 8192, False),
+    "72b_gate_up": (40, 59136, 8192, False),
+    "72b_down": (40, 8192, 29568, False),
+    "72b_gate_up_silu": (40, 29568, 8192, False, "gated"),
+    "7b_gate_up_silu": (80, 18944, 3584, False, "gated"),
     # gated: N output columns from a [gate; up] weight of 2N rows
     "gate_up_silu": (16, 4864, 896, False, "gated"),
     "gate_up_silu_32": (32, 4864, 896, False, "gated"),
@@ -66,12 +74,15 @@ def main(argv=None) -> dict:
                         help="calls per timed graph (whole rotations over the weight copies, at least one)")
     parser.add_argument("--sweep", default="", help="kernel launch configurations to time as well")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--rows", type=int, default=None, help="every shape with this many rows (M) instead")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     from dustin_hf.fused import silu_mul
+    import triton
+
     from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, _sm_count, gated_linear, skinny_linear
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -82,6 +93,7 @@ def main(argv=None) -> dict:
     sweep = parse_sweep(args.sweep) if args.sweep else []
     rows = []
     for name, (m, n, k, has_bias, *kind) in shapes.items():
+        m = args.rows or m
         gated = kind == ["gated"]
         rows_w = 2 * n if gated else n
         torch.manual_seed(0)
@@ -104,7 +116,8 @@ def main(argv=None) -> dict:
             return gated_linear(x, w, **overrides) if gated else skinny_linear(x, w, b, **overrides)
 
         ref = baseline(weights[0])
-        cfg = _config(n, k, _sm_count(device), x.element_size(), **({**_GATED_CONFIG, "split_k": 1} if gated else {}))
+        cfg = _config(n, k, _sm_count(device), x.element_size(), max(16, triton.next_power_of_2(m)),
+                      **({**_GATED_CONFIG, "split_k": 1} if gated else {}))
         row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "gated": gated,
                "weight_mb": rows_w * k * x.element_size() / 1e6,
                "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}
@@ -136,7 +149,6 @@ def main(argv=None) -> dict:
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "rows": rows,
               "dtype": str(dtype), "reps": args.reps}
     if device.type == "cuda":
-        import triton
         import transformers
 
         result["gpu"] = torch.cuda.get_device_name(device)
