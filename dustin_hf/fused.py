@@ -32,8 +32,9 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
-  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (for at most 32 rows and
-  32 MB of weight, both in one :func:`gated_linear` launch), and its down projection, for at most 32 rows, as
+  bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (both in one
+  :func:`gated_linear` launch for at most 32 rows and 32 MB of weight, a draft's, or at most 64 rows and at
+  least 512 MB, a large target's verification), and its down projection, for at most 32 rows, as
   :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
   ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are
   called on the same input, as every listed family's attention does: ``q_proj`` computes all three and
@@ -117,8 +118,17 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # (7B + 0.5B sparse draft, 32k, batch 16, one process alternating: 3217.6 / 3218.3 -> 3221.2 / 3224.9 tok/s).
 _SKINNY_ROWS = 32
 # ... and, with at most this many bytes of [gate; up] weight, its gate/up GEMM and SiLU-mul as one gated_linear
-# launch (a latency-bound GEMM: the 0.5B draft's 17 MB). Larger weights keep cuBLAS, unmeasured with the kernel.
+# launch (a latency-bound GEMM: the 0.5B draft's 17 MB).
 _GATED_MAX_BYTES = 32 * 2**20
+# ... and with at least this many bytes, at up to _GATED_ROWS rows (a large target's verification: 72B at batch 8
+# is 40 rows of 969 MB). H200, same-process A/B, Qwen2.5-72B shapes cut to 40 of 80 layers (one pipeline stage) +
+# 0.5B sparse draft, 32k, batch 8 (e2e_h200_ab_gated_rows_72b_proxy.json): 705.3 / 705.6 tok/s against 691.5 /
+# 692.0 with cuBLAS + silu_mul (+2.0%). The 7B's 272 MB at 40 rows lost (1838.9 / 1841.7 against 1849.4 / 1849.7,
+# e2e_h200_ab_gated_rows_7b_b8.json), so weights between the two limits keep cuBLAS (the limit between them is a
+# guess: 32B's 566 MB, above it, is unmeasured). The down projection at 40 rows as skinny_linear lost 1.8% on the
+# 72B slice (e2e_h200_ab_large_down_72b_proxy.json): it stays cuBLAS. Both read at fuse time.
+_GATED_MIN_LARGE_BYTES = 512 * 2**20
+_GATED_ROWS = 64
 # ... and an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of weight (the 0.5B draft's 2.1
 # and 1.6 MB) as skinny_linear launches, which can start as dependents of the kernel before them (cuBLAS's cannot).
 # H200, 7B + 0.5B sparse draft, 32k, batch 16, same-process A/B (e2e_h200_ab_skinny_projections.json): 3361.5
@@ -426,10 +436,12 @@ def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
         return False  # an enclosing context did it
     weight, _ = _share_storage((gate, up), undo)
     down = module.down_proj
-    small = weight.numel() * weight.element_size() <= _GATED_MAX_BYTES
+    weight_bytes = weight.numel() * weight.element_size()
+    gated_rows = (_SKINNY_ROWS if weight_bytes <= _GATED_MAX_BYTES
+                  else _GATED_ROWS if weight_bytes >= _GATED_MIN_LARGE_BYTES else 0)
 
     def forward(x):
-        if small and x.numel() <= _SKINNY_ROWS * x.shape[-1]:  # decode-sized: one launch, no gate_up tensor
+        if x.numel() <= gated_rows * x.shape[-1]:  # decode-sized: one launch, no gate_up tensor
             hidden = gated_linear(x, weight)
         else:
             hidden = silu_mul(torch.nn.functional.linear(x, weight))

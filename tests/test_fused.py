@@ -287,22 +287,32 @@ def test_fused_ops_calls_the_kernels(monkeypatch):
 
 
 def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows(monkeypatch):
-    """At most 32 rows (a decode step) the MLP's gate/up GEMM and SiLU-mul are one gated_linear launch; more
-    rows, or a [gate; up] weight over the size limit, keep the GEMM and silu_mul. Outputs match the MLP's."""
+    """A small [gate; up] weight (a draft's) at most 32 rows, or a large one (a big target's) at most 64, runs the
+    MLP's gate/up GEMM and SiLU-mul as one gated_linear launch; more rows, or a weight between the two size
+    limits, keep the GEMM and silu_mul. Outputs match the MLP's."""
     calls = _count_calls(monkeypatch, "gated_linear", "silu_mul")
     mlp = tiny_model("qwen2", layers=1, hidden=64).to(DEVICE).model.layers[0].mlp
-    few, many = torch.randn(2, 16, 64, device=DEVICE), torch.randn(3, 11, 64, device=DEVICE)
+    weight_bytes = 2 * mlp.gate_proj.weight.numel() * mlp.gate_proj.weight.element_size()
+    rows = {n: torch.randn(1, n, 64, device=DEVICE) for n in (32, 33, 64, 65)}
+
+    def fused_calls(max_small: int, min_large: int) -> dict:
+        monkeypatch.setattr(fused, "_GATED_MAX_BYTES", max_small)
+        monkeypatch.setattr(fused, "_GATED_MIN_LARGE_BYTES", min_large)
+        counts = {}
+        with torch.no_grad(), fused_ops(mlp):
+            for n, x in rows.items():
+                before = dict(calls)
+                torch.testing.assert_close(mlp(x), expected[n], rtol=1e-5, atol=1e-5)
+                gated = calls["gated_linear"] - before["gated_linear"]
+                assert gated + calls["silu_mul"] - before["silu_mul"] == 1
+                counts[n] = "gated" if gated else "cuBLAS"
+        return counts
+
     with torch.no_grad():
-        expected = [mlp(few), mlp(many)]
-        with fused_ops(mlp):
-            got = [mlp(few), mlp(many)]
-        assert calls == {"gated_linear": 1, "silu_mul": 1}
-        monkeypatch.setattr(fused, "_GATED_MAX_BYTES", 0)
-        with fused_ops(mlp):
-            mlp(few)
-        assert calls == {"gated_linear": 1, "silu_mul": 2}
-    for out, want in zip(got, expected):
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        expected = {n: mlp(x) for n, x in rows.items()}
+    assert fused_calls(weight_bytes, 2**40) == {32: "gated", 33: "cuBLAS", 64: "cuBLAS", 65: "cuBLAS"}  # small
+    assert fused_calls(0, weight_bytes) == {32: "gated", 33: "gated", 64: "gated", 65: "cuBLAS"}  # large
+    assert fused_calls(weight_bytes - 1, weight_bytes + 1) == dict.fromkeys(rows, "cuBLAS")  # between
 
 
 def test_fused_ops_restores_after_an_exception_and_nests():

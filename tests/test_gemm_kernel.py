@@ -63,6 +63,7 @@ def test_skinny_linear_rejects_what_it_cannot_compute():
     (1, 40, 24, {}),  # one row, partial tiles
     (16, 70, 200, {"block_n": 32, "block_k": 64}),  # K and N not multiples of the tiles
     (32, 64, 96, {"block_n": 16}),
+    (40, 72, 136, {}),  # a large target's verification rows (8 x 5): a 64-row tile, rows past 40 masked
 ])
 def test_gated_linear_is_silu_of_gate_times_up(m, n, k, overrides):
     """fp32: the SiLU-product of the two projections; the up rows are the second half of the weight."""
@@ -110,6 +111,19 @@ def test_gemm_launch_fits_the_device_shared_memory(monkeypatch):
     monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device: 1000)
     with pytest.raises(ValueError, match="shared memory"):
         triton_gemm.gated_linear(x, w)
+
+
+def test_gemm_tiles_widen_past_32_rows(monkeypatch):
+    """32-column weight tiles up to a 32-row tile of x, 64 columns from a 64-row tile on (measured faster there)."""
+    from dustin_hf.kernels import triton_gemm
+
+    launched = []
+    monkeypatch.setattr(triton_gemm, "_skinny_gemm_kernel", type("Catch", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kw: launched.append((kw["BLOCK_M"], kw["BLOCK_N"]))})())
+    for m in (16, 32, 33, 80):
+        x, w, _ = _operands(m, 256, 512, False, torch.bfloat16)
+        triton_gemm.skinny_linear(x, w)
+    assert launched == [(16, 32), (32, 32), (64, 64), (128, 64)]
 
 
 def test_gated_linear_rejects_what_it_cannot_compute():

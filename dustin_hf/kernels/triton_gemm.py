@@ -73,22 +73,26 @@ class _Config:
     num_stages: int
 
 
-def _config(n: int, k: int, sm_count: int, elem_bytes: int, *, block_n: int | None = None,
+def _config(n: int, k: int, sm_count: int, elem_bytes: int, block_m: int = 16, *, block_n: int | None = None,
             block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, waves: int = _WAVES) -> _Config:
-    """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights) and, for a long ``K`` only, enough
-    splits of it for the grid to give every SM about ``waves`` programs, each split at least two tiles long.
+    """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights and ``block_m`` (the rows' tile) up to
+    32, ``64 x 128`` for more) and, for a long ``K`` only, enough splits of it for the grid to give every SM about
+    ``waves`` programs, each split at least two tiles long.
 
-    Measured on an H200 under CUDA graphs (16 rows, bf16, ``benchmarks/results/gemm_h200_pdl_stages.json``,
-    weights from HBM): 32-wide tiles were best or within 0.05 us for every 0.5B-draft shape; splitting pays for
-    ``down`` (K = 4864: 8 splits 6.1 us, unsplit 10.7) and costs for K = 896 (o_proj: 3.3 us unsplit, 3.7 with 4
-    splits). Stages: ``_NUM_STAGES``.
+    Measured on an H200 under CUDA graphs (bf16, weights from HBM): at 16 rows
+    (``benchmarks/results/gemm_h200_pdl_stages.json``) 32-wide tiles were best or within 0.05 us for every
+    0.5B-draft shape; splitting pays for ``down`` (K = 4864: 8 splits 6.1 us, unsplit 10.7) and costs for K =
+    896 (o_proj: 3.3 us unsplit, 3.7 with 4 splits). With more rows 64-wide tiles beat 32-wide ones for every
+    shape timed: the 72B down projection at 40 rows (a 64-row tile, ``gemm_h200_72b_verify.json``) 123.1 us
+    against 148.1, the 7B target's q/k/v, o_proj, down and gate/up at 80 rows (``gemm_h200_7b_verify.json``,
+    best split of each) 21.4 / 16.3 / 58.6 / 107.0 us against 24.8 / 18.7 / 81.1 / 115.1. Stages: ``_NUM_STAGES``.
     """
     if block_k is None:
         block_k = 128 if elem_bytes == 2 else 64
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if block_n is None:
-        block_n = 32
+        block_n = 32 if block_m <= 32 else 64
     n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     if split_k is None:
@@ -252,7 +256,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         _patch_interpreter_for_numpy_2_4()
     if m and n:
         block_m = max(16, triton.next_power_of_2(m))
-        cfg = _config(n, k, _sm_count(x.device), x.element_size(), **overrides)
+        cfg = _config(n, k, _sm_count(x.device), x.element_size(), block_m, **overrides)
         cfg = _fit_shared(cfg, block_m, x.element_size(), gated, _smem_limit(x.device), explicit=explicit)
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
