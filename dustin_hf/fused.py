@@ -124,9 +124,10 @@ _GATED_MAX_BYTES = 32 * 2**20
 # is 40 rows of 969 MB). H200, same-process A/B, Qwen2.5-72B shapes cut to 40 of 80 layers (one pipeline stage) +
 # 0.5B sparse draft, 32k, batch 8 (e2e_h200_ab_gated_rows_72b_proxy.json): 705.3 / 705.6 tok/s against 691.5 /
 # 692.0 with cuBLAS + silu_mul (+2.0%). The 7B's 272 MB at 40 rows lost (1838.9 / 1841.7 against 1849.4 / 1849.7,
-# e2e_h200_ab_gated_rows_7b_b8.json), so weights between the two limits keep cuBLAS (the limit between them is a
-# guess: 32B's 566 MB, above it, is unmeasured). The down projection at 40 rows as skinny_linear lost 1.8% on the
-# 72B slice (e2e_h200_ab_large_down_72b_proxy.json): it stays cuBLAS. Both read at fuse time.
+# e2e_h200_ab_gated_rows_7b_b8.json), so weights between the two limits keep cuBLAS; 32B's 566 MB at 40 rows (48 of
+# its 64 layers) gained 0.6%: 881.4 / 881.2 against 875.7 / 876.3 (e2e_h200_ab_gated_32b_proxy.json). The down
+# projection at 40 rows as skinny_linear lost 1.8% on the 72B slice (e2e_h200_ab_large_down_72b_proxy.json): it
+# stays cuBLAS. Both read at fuse time.
 _GATED_MIN_LARGE_BYTES = 512 * 2**20
 _GATED_ROWS = 64
 # ... and an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of weight (the 0.5B draft's 2.1
