@@ -117,7 +117,7 @@ class Pipeline:
                 state = {"h": self._final_norm(state, keep)}
             elif step == "head":
                 logits = self.head(state["h"])
-                state = {"tokens": logits.argmax(dim=-1)} if tokens else {"logits": logits.float()}
+                state = {"tokens": fused.argmax(logits)} if tokens else {"logits": logits.float()}
             elif fused.fused_decoder_layer(self.layers[step]) and fused._triton_runs_on(state["h"].device):
                 state = self._fused_layer(self.layers[step], state, plan, cache)
             else:

@@ -2,10 +2,11 @@
 
 Run as a script, without ``TRITON_INTERPRET`` (``tests/test_kernels.py`` does so in a subprocess). It forces
 :func:`dustin_hf.kernels.triton_launch.dependent_launch` on (meta tensors are not on an sm_90 GPU), calls each
-module's launcher on meta tensors at decode shapes (the 0.5B draft's norms, rotary + K/V write, SiLU-mul and
-GEMMs at 16 rows; a split-K GEMM; scoring, selection and verification at 32k), catches every launch, compiles
-it for sm_90 and prints one JSON list: per launch, the kernel, its ``PDL`` constexpr and ``launch_pdl`` option,
-and where in the PTX the ``griddepcontrol`` instructions sit relative to the first global memory access.
+module's launcher on meta tensors at decode shapes (the 0.5B draft's norms, rotary + K/V write, SiLU-mul,
+GEMMs and head argmax at 16 rows; a split-K GEMM; scoring, selection and verification at 32k), catches every
+launch, compiles it for sm_90 and prints one JSON list: per launch, the kernel, its ``PDL`` constexpr and
+``launch_pdl`` option, and where in the PTX the ``griddepcontrol`` instructions sit relative to the first
+global memory access.
 
 A kernel launched with ``launch_pdl`` may start while the kernel before it still runs: a load or store ahead of
 its ``griddepcontrol.wait`` (one the compiler hoisted, or a kernel that forgot the wait) would race, and no CPU
@@ -30,7 +31,7 @@ def _meta(*shape, dtype=torch.bfloat16):
 
 
 def launches() -> list[tuple[object, dict, dict]]:
-    from dustin_hf.kernels import triton_cache, triton_fused, triton_gemm, triton_select, triton_verify
+    from dustin_hf.kernels import triton_argmax, triton_cache, triton_fused, triton_gemm, triton_select, triton_verify
 
     batch, hidden, heads, kv_heads, head_dim, context, budget = 16, 896, 14, 2, 64, 32768, 512
     out = []
@@ -60,6 +61,11 @@ def launches() -> list[tuple[object, dict, dict]]:
     with patched(triton_gemm, _smem_limit=lambda device: 232448, _sm_count=lambda device: H200_SMS):
         out += capture_launches(triton_gemm, ("_skinny_gemm_kernel",), gemm)
 
+    with patched(triton_argmax, _sm_count=lambda device: H200_SMS):
+        out += capture_launches(triton_argmax, ("_argmax_kernel",), lambda: (
+            triton_argmax.argmax_triton(_meta(batch, 1, 151936)),  # split rows: partials and tickets
+            triton_argmax.argmax_triton(_meta(batch, 1, 151936), splits=1)))
+
     out += scoring_launches()
     scores = _meta(batch, context, dtype=torch.float32)
     out += capture_launches(triton_select, ("_local_pools_kernel", "_merge_pools_kernel"), lambda: (
@@ -84,10 +90,12 @@ def launches() -> list[tuple[object, dict, dict]]:
 
 def main() -> None:
     require_cuda_compiler()
-    from dustin_hf.kernels import triton_cache, triton_fused, triton_gemm, triton_score, triton_select, triton_verify
+    from dustin_hf.kernels import (triton_argmax, triton_cache, triton_fused, triton_gemm, triton_score, triton_select,
+                                   triton_verify)
 
     with contextlib.ExitStack() as stack:
-        for module in (triton_cache, triton_fused, triton_gemm, triton_score, triton_select, triton_verify):
+        for module in (triton_argmax, triton_cache, triton_fused, triton_gemm, triton_score, triton_select,
+                       triton_verify):
             stack.enter_context(patched(module, dependent_launch=lambda t: True))
         caught = launches()
     report = []

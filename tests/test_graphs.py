@@ -105,6 +105,27 @@ def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+@needs_triton
+def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel(monkeypatch):
+    """Where the argmax kernel runs (CUDA; here Triton's interpreter) a greedy head's tokens come from it: one
+    launch over the 16-bit logits, the same tokens as PyTorch's argmax of the fp32 logits."""
+    from dustin_hf.kernels import triton_argmax
+
+    calls, real = [], triton_argmax.argmax_triton
+    monkeypatch.setattr(triton_argmax, "argmax_triton", lambda x, **kw: calls.append(tuple(x.shape)) or real(x, **kw))
+    monkeypatch.setattr(fused, "_argmax_kernel_runs_on", fused._triton_runs_on)
+    model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
+    prompt, step_ids, plan = _step_inputs(sparse=False)
+    outputs = []
+    with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
+        for tokens in (False, True):
+            runner, step_plan = _prefilled_runner(model, prompt), plan()
+            with runner.cache.forward_plan(step_plan):
+                outputs.append(Pipeline(model).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens))
+    assert calls == [(2, 2, model.config.vocab_size)]
+    assert torch.equal(outputs[1], outputs[0].argmax(dim=-1))
+
+
 def test_pipeline_stages_follow_the_devices_of_the_modules():
     model = tiny_model("qwen2", layers=3)
     pipeline = Pipeline(model)

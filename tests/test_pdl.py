@@ -15,7 +15,7 @@ HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >
 
 
 def test_every_kernel_waits_for_its_producers_before_touching_memory():
-    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 11 Triton kernels as
+    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 12 Triton kernels as
     a programmatic dependent on meta tensors and compiles it for sm_90: the launch sets Triton's ``launch_pdl``
     and the ``PDL`` constexpr together, and the PTX executes ``griddepcontrol.wait`` once, before its first
     global load, store or atomic (one the compiler hoisted above the wait would read a producer's output early),
@@ -24,8 +24,8 @@ def test_every_kernel_waits_for_its_producers_before_touching_memory():
     assert {r["kernel"] for r in report} == {
         "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_write_kv_kernel", "_skinny_gemm_kernel",
         "_score_pass1_kernel", "_score_pass2_kernel", "_local_pools_kernel", "_merge_pools_kernel",
-        "_verify_fwd_kernel", "_merge_splits_kernel"}, report
-    assert len(report) == 20, report
+        "_verify_fwd_kernel", "_merge_splits_kernel", "_argmax_kernel"}, report
+    assert len(report) == 22, report
     for r in report:
         assert r["pdl"] is True and r["launch_pdl"] is True, r
         assert r["waits"] == 1 and r["launches"] == 1, r
