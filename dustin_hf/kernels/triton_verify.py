@@ -669,11 +669,14 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4) or not hasattr(interpreter, "_patch_lang_tensor"):
         return
     original = interpreter._patch_lang_tensor
+    if getattr(original, "_dustin_squeezes", False):
+        return  # patched by an earlier call: wrapping again would nest a wrapper per launch
 
     def patch_lang_tensor(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
+    patch_lang_tensor._dustin_squeezes = True
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
