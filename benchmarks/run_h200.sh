@@ -7,12 +7,13 @@
 #   bash benchmarks/run_h200.sh score-sweep OUT  the scoring kernel's launch configs (pass 1/2 GPU us, error), same point
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
+#   bash benchmarks/run_h200.sh tests2 OUT    the GPU tests that need two devices (a target split over both)
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
 # windows of a held-out book, benchmarks/sparse_draft_cpu.py): every method's per-step accepted drafts on
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -60,4 +61,7 @@ case $what in
   e2e2)
     timeout 560 python3 benchmarks/e2e.py --pair 72b --batches 8 --contexts 32768 "${trace[@]}" \
       --out "$out/e2e_h200x2.json" "$@" 2>&1 | tee "$out/e2e2.txt" | grep -v '^{' | tail -30 ;;
+  tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -k "two_gpus or two_devices" 2>&1 | tail -3 \
+      | tee "$out/gpu_tests_two.txt" ;;
 esac
