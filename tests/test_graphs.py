@@ -88,11 +88,9 @@ def test_pipeline_matches_the_model_forward(family, cuts, sparse):
             torch.testing.assert_close(got[:, :23], want[:, :23], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
-    """Greedy decoding runs the head's argmax inside the graph (on 16-bit logits, no fp32 copy): the same
-    tokens as the argmax of the fp32 logits the pipeline hands out otherwise."""
-    model = tiny_model("qwen2", layers=3).to(dtype)
+def _logits_and_tokens(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ``model`` through the pipeline twice from the same prefill: the last two positions'
+    logits (fp32), then the greedy head's tokens."""
     prompt, step_ids, plan = _step_inputs(sparse=False)
     outputs = []
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
@@ -100,7 +98,14 @@ def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
             runner, step_plan = _prefilled_runner(model, prompt), plan()
             with runner.cache.forward_plan(step_plan):
                 outputs.append(Pipeline(model).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens))
-    logits, tokens = outputs
+    return outputs[0], outputs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
+    """Greedy decoding runs the head's argmax inside the graph (on 16-bit logits, no fp32 copy): the same
+    tokens as the argmax of the fp32 logits the pipeline hands out otherwise."""
+    logits, tokens = _logits_and_tokens(tiny_model("qwen2", layers=3).to(dtype))
     assert logits.dtype == torch.float32 and tokens.dtype == torch.long and tokens.shape == (2, 2)
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
@@ -115,15 +120,9 @@ def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel(monkeypatch):
     monkeypatch.setattr(triton_argmax, "argmax_triton", lambda x, **kw: calls.append(tuple(x.shape)) or real(x, **kw))
     monkeypatch.setattr(fused, "_argmax_kernel_runs_on", fused._triton_runs_on)
     model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
-    prompt, step_ids, plan = _step_inputs(sparse=False)
-    outputs = []
-    with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
-        for tokens in (False, True):
-            runner, step_plan = _prefilled_runner(model, prompt), plan()
-            with runner.cache.forward_plan(step_plan):
-                outputs.append(Pipeline(model).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens))
+    logits, tokens = _logits_and_tokens(model)
     assert calls == [(2, 2, model.config.vocab_size)]
-    assert torch.equal(outputs[1], outputs[0].argmax(dim=-1))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
 def test_pipeline_stages_follow_the_devices_of_the_modules():
