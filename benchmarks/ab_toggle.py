@@ -12,7 +12,7 @@ The attribute must be read when the decoder runs (a module global a function loo
 default argument bound at import): each run captures its CUDA graphs afresh, so a new value takes effect.
 
     python benchmarks/ab_toggle.py dustin_hf.kernels.triton_verify._SPARSE_PROGRAMS_PER_SM 1 2 --rounds 2
-    python benchmarks/ab_toggle.py dustin_hf.fused._SKINNY_ROWS 16 32 --out ab.json
+    python benchmarks/ab_toggle.py dustin_hf.runtime.fused._SKINNY_ROWS 16 32 --out ab.json
 
 Prints one line per run and a final JSON line (tokens/s per value, in run order).
 """
@@ -37,7 +37,7 @@ TRACE = ("benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instr
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("attribute", help="module.path.NAME, e.g. dustin_hf.fused._SKINNY_ROWS")
+    parser.add_argument("attribute", help="module.path.NAME, e.g. dustin_hf.runtime.fused._SKINNY_ROWS")
     parser.add_argument("values", nargs="+", help="Python literals to alternate, e.g. 16 32")
     parser.add_argument("--rounds", type=int, default=2, help="times each value runs (default 2)")
     parser.add_argument("--method", default="dustin_sparse_draft", choices=[m for m in e2e.METHODS

@@ -159,7 +159,7 @@ class Replay:
         """Pool the per-step accepted counts of ``paths`` (dustin_hf acceptance traces, ``benchmarks/traces/``)."""
         if not paths:
             return cls([1, 1, 1, 1, 2], f"fixed pattern, mean {PAPER_TOKENS_PER_STEP} tokens per step (paper)")
-        from dustin_hf.traces import load_trace
+        from dustin_hf.research.traces import load_trace
 
         flat, names = [], []
         for path in paths:

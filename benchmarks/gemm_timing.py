@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-    from dustin_hf.fused import silu_mul
+    from dustin_hf.runtime.fused import silu_mul
     import triton
 
     from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, _sm_count, gated_linear, skinny_linear

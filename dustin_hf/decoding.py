@@ -22,8 +22,6 @@ One step:
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -31,44 +29,22 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .cache import DustinCache
-from .compat import CACHE_KWARG
 from .config import ResolvedConfig
-from .fused import fused_ops, fused_ops_available
-from .graphs import GraphedCall, GraphedForward, Pipeline
+from .draft_reads import DraftReads
 from .kernels import resolve_backend
-from .plan import ForwardPlan, HostCopy, device_tensor, select_heads
+from .masks import prompts_from_mask
+from .plan import HostCopy, device_tensor, select_heads
+from .prompt_calibration import calibrate_on_prompts
+from .runner import ModelRunner, attention_scale, group_size, model_device
+from .runtime.fused import fused_ops, fused_ops_available
+from .runtime.graphs import GraphedCall
+from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import Selection, dense_rows, select_positions
+from .telemetry import PhaseClock, synchronize
 
-__all__ = ["DecodeResult", "DraftReads", "ModelRunner", "SpeculativeDecoder", "attention_scale", "group_size", "model_device",
-           "prompts_from_mask"]
-
-
-def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each row's real tokens: the positions where ``attention_mask`` is 1 (one contiguous run per row).
-
-    Left padding is what decoder-only generation expects; right padding is accepted too (the mask
-    says where the prompt is). A row with no tokens, or with holes in its mask, is an error.
-    """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-    if attention_mask is None:
-        return list(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
-        )
-    prompts = []
-    for b, (ids, mask) in enumerate(zip(input_ids, attention_mask.bool())):
-        where = mask.nonzero().flatten()
-        if where.numel() == 0:
-            raise ValueError(f"row {b} of the batch has an empty prompt (its attention_mask is all zeros)")
-        start, stop = int(where[0]), int(where[-1]) + 1
-        if stop - start != where.numel():
-            raise ValueError(f"row {b}: attention_mask has holes; only left (or right) padding is supported")
-        prompts.append(ids[start:stop])
-    return prompts
+__all__ = ["DecodeResult", "SpeculativeDecoder"]
 
 
 @dataclass
@@ -80,226 +56,6 @@ class DecodeResult:
     draft_cache: DustinCache
 
 
-def _accepts_logits_to_keep(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def group_size(text_config) -> int:
-    """Query heads per key/value head (GQA group size; 1 without GQA)."""
-    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
-                                               or text_config.num_attention_heads)
-
-
-def model_device(model) -> torch.device:
-    return model.get_input_embeddings().weight.device
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _PhaseClock:
-    """Time per phase of each decode step, in one of two modes.
-
-    ``"sync"`` synchronises the device at every mark and charges the wall time since the previous mark:
-    each phase's own cost with nothing overlapping it, but the step is slower than undisturbed.
-    ``"events"`` (CUDA only) records an event on the device's stream at every mark and charges the GPU
-    timeline between consecutive events: an undisturbed step split where its time goes, including the
-    stretches where the GPU waited for the host; the host's own time between marks is kept beside it
-    (``host_steps``). Nothing synchronises until the times are read.
-    """
-
-    def __init__(self, device: torch.device, mode: str | None):
-        self.device, self.mode = device, self.mode_of(mode, device)
-        # a mark is (CUDA event or None, host time); per finished step: (phase, mark before, mark after) per phase
-        self._steps: list[list[tuple[str, tuple, tuple]]] = []
-        self._current: list[tuple[str, tuple, tuple]] = []
-        self._last: tuple[object, float] = (None, time.perf_counter())
-
-    @staticmethod
-    def mode_of(profile, device: torch.device) -> str | None:
-        """The mode a decoder's ``profile`` argument asks for (``False``/``None``: off, ``True``: ``"sync"``)."""
-        mode = "sync" if profile is True else None if profile is False or profile is None else profile
-        if mode not in (None, "sync", "events"):
-            raise ValueError(f"profile must be False, True/'sync' or 'events', got {profile!r}")
-        if mode == "events" and device.type != "cuda":
-            raise ValueError("profile='events' times the GPU timeline and needs a CUDA device")
-        return mode
-
-    def _stamp(self):
-        if self.mode != "events":
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def restart(self) -> None:
-        self._last = (self._stamp(), time.perf_counter())
-
-    def mark(self, phase: str) -> None:
-        """Charge the time since the previous mark to ``phase`` of the current step."""
-        if self.mode is None:
-            return
-        if self.mode == "sync":
-            _synchronize(self.device)
-        self._current.append((phase, self._last, (self._stamp(), time.perf_counter())))
-        self._last = self._current[-1][2]
-
-    def end_step(self) -> None:
-        if self.mode is not None:
-            self._steps.append(self._current)
-            self._current = []
-
-    @property
-    def steps(self) -> list[dict[str, float]]:
-        """Seconds per phase, one dict per finished step: wall time (``"sync"``) or GPU timeline (``"events"``)."""
-        if self.mode == "events":
-            _synchronize(self.device)
-            return [self._sum(step, lambda a, b: a[0].elapsed_time(b[0]) / 1e3) for step in self._steps]
-        return self.host_steps
-
-    @property
-    def host_steps(self) -> list[dict[str, float]]:
-        """Host seconds between the marks, one dict per finished step."""
-        return [self._sum(step, lambda a, b: b[1] - a[1]) for step in self._steps]
-
-    @staticmethod
-    def _sum(step, elapsed) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for phase, begin, end in step:
-            out[phase] = out.get(phase, 0.0) + elapsed(begin, end)
-        return out
-
-
-@contextlib.contextmanager
-def _prefer_cublaslt(device: torch.device):
-    """Route PyTorch's GEMMs through cuBLASLt while decoding (restored after; CUDA only).
-
-    PyTorch's default, the cuBLAS API, runs the skinny down projections of decoding as split-K with a
-    reduction launch where cuBLASLt picks one kernel without: on an H200, bf16, 43.3 -> 38.1 us for
-    Qwen2.5-7B's at 80 rows, 124.5 -> 113.6 us for 72B's at 40 rows; the other projections (and the 0.5B
-    draft's down projection at 16 rows, split-K in both) run the same kernels either way
-    (``benchmarks/blas_choice.py``, ``benchmarks/results/blas_h200.json``). The setting is process-wide
-    while ``generate`` runs.
-    """
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
-
-
-def _all_on_cuda(model) -> bool:
-    return all(p.is_cuda for p in model.parameters())
-
-
-class ModelRunner:
-    """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
-
-    ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
-    per shape and replayed (see :mod:`dustin_hf.graphs`).
-    """
-
-    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
-                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False):
-        self.model, self.cache, self.backend = model, cache, backend
-        self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
-        self.dense_layers = dense_layers  # read in full even on sparse steps
-        self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
-        self.device = model_device(model)
-        self._logits_to_keep = _accepts_logits_to_keep(model)
-        self._graphs: dict | None = {} if cuda_graphs else None
-        if cuda_graphs:
-            self.pipeline = Pipeline(model)
-            # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
-            self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-                                for device in self.pipeline.devices}
-
-    def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
-        """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
-        extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        out = self.model(
-            input_ids=input_ids, position_ids=positions, use_cache=True, dustin_plan=plan,
-            **{CACHE_KWARG: self.cache}, **extra,
-        )
-        return out.logits[:, -keep:].float()
-
-    def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """Run ``input_ids (B', Q)`` at the plan's positions (eagerly) and advance the covered rows."""
-        with self.cache.forward_plan(plan):
-            logits = self.call(plan, input_ids.to(self.device), plan.write_positions(self.device), keep)
-        self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
-        return logits
-
-    def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
-             selection=None) -> tuple[torch.Tensor, dict]:
-        """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
-        or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
-        indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
-        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True)
-        if graphed is None:  # no graphs, or a rare width: not worth a graph
-            plan = ForwardPlan(
-                rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
-                indices=indices, num_indices=num_indices,
-                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
-                key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-            )
-            logits = self.forward(plan, input_ids, keep)
-            return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
-        return graphed(input_ids, seqlens, indices, num_indices)
-
-    def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
-                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None):
-        """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
-        the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
-        queued: run :meth:`step` once the lengths are known)."""
-        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False)
-        if graphed is None or not graphed.replayable:
-            return None
-        return graphed(input_ids, seqlens, indices, num_indices)
-
-    def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
-                 create: bool) -> GraphedForward | None:
-        """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
-        than :attr:`graph_width` (rare, not worth a graph)."""
-        width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width):
-            return None
-        key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
-        if key not in self._graphs and create:
-            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last)
-        return self._graphs.get(key)
-
-    @property
-    def graph_report(self) -> dict:
-        """Shapes captured and replayed, and why any capture failed (those shapes ran eagerly)."""
-        graphs = self._graphs or {}
-        return {"captured": sum(g.graphs is not None for g in graphs.values()),
-                "failed": [g.failed for g in graphs.values() if g.failed]}
-
-    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
-        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
-        last_logits, kept = [], []
-        for b, ids in enumerate(rows):
-            logits, captured = None, {}
-            for start in range(0, ids.numel(), chunk):
-                piece = ids[start : start + chunk]
-                plan = ForwardPlan(
-                    rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
-                    backend=self.backend, capture=capture, capture_last=True,
-                )
-                logits = self.forward(plan, piece[None], keep=1)[0, -1]
-                captured = plan.captured
-            last_logits.append(logits)
-            kept.append(captured)
-        return last_logits, kept
-
-
 @dataclass(frozen=True)
 class _QueuedDraft:
     """A step's first draft forwards, queued by the step before (:meth:`SpeculativeDecoder._queue_drafts`)."""
@@ -308,55 +64,6 @@ class _QueuedDraft:
     # tokens_only runner, tokens (B, 1)) and the kept scoring queries
     sparse: bool  # the step it was queued for was expected to be sparse
     reads: "DraftReads | None"  # what it read (sparse draft); the step's later forwards read the same
-
-
-@dataclass(frozen=True)
-class DraftReads:
-    """What the draft reads on a sparse step with ``DustinConfig.sparse_draft``: the positions the last
-    sparse verification read, plus every position written since (the tokens committed after it and
-    this step's drafts), each row's count growing with every draft forward.
-
-    ``indices`` is ``(B, budget + extra(γ))``: the last selection, then ``L' .. L' + extra - 1`` where
-    ``L'`` is each row's cached length at that verification. After it, a row committed ``k <= γ+1``
-    tokens and the draft wrote up to γ more, so at most ``2γ`` positions are new.
-    """
-
-    indices: torch.Tensor
-    base: list[int]  # L' per row
-    counts: list[int]  # entries of the last selection per row
-
-    @staticmethod
-    def extra(gamma: int) -> int:
-        return 2 * gamma
-
-    @classmethod
-    def after(cls, last, config: ResolvedConfig, gamma: int, capacity: int) -> "DraftReads | None":
-        """From ``(selection, seqlens)`` of the last verification, if it read ``budget`` positions in every
-        row (rows read in full, or no sparse step yet: the draft reads everything too). Entries past a
-        row's count stay inside the ``capacity`` slots of the cache."""
-        if last is None:
-            return None
-        selection, seqlens = last
-        if selection.indices.shape[1] != config.budget or any(n != config.budget for n in selection.counts):
-            return None
-        since = [[min(n + i, capacity - 1) for i in range(cls.extra(gamma))] for n in seqlens]  # host: one copy
-        since = device_tensor(since, selection.indices.device, torch.int32)
-        return cls(torch.cat([selection.indices, since], dim=1), list(seqlens), list(selection.counts))
-
-    def at(self, cached: list[int]) -> Selection:
-        """The read set of a draft forward whose rows hold ``cached`` positions."""
-        extra = self._extra
-        counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
-        return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
-
-    def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
-        """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""
-        return device_tensor(self.counts, beyond.device, torch.int32) + beyond.clamp(0, self._extra).to(torch.int32)
-
-    @property
-    def _extra(self) -> int:
-        """Positions past the last selection a row may read (written since it)."""
-        return self.indices.shape[1] - self.counts[0]
 
 
 class SpeculativeDecoder:
@@ -373,10 +80,10 @@ class SpeculativeDecoder:
         streamer: receives each step's new tokens (batch size 1 only).
         backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
         cuda_graphs: capture the fixed-shape forwards in CUDA graphs (a model split over GPUs: one graph per
-            device, see :class:`~dustin_hf.graphs.Pipeline`); ``None``: for each model whose parameters are
+            device, see :class:`~dustin_hf.runtime.graphs.Pipeline`); ``None``: for each model whose parameters are
             all on CUDA, when the backend is graph-safe (``"triton"``).
         fused_ops: run the models' RMSNorms, rotary embeddings and SiLU·mul through one-launch Triton kernels
-            and their q/k/v and gate/up projections as one GEMM each (:mod:`dustin_hf.fused`; rotary
+            and their q/k/v and gate/up projections as one GEMM each (:mod:`dustin_hf.runtime.fused`; rotary
             bit-exact, RMSNorm within 2 ulps, fused GEMMs may round differently); ``None``: for each model
             whose parameters are all on CUDA, when the backend is ``"triton"``.
         accept_override: benchmarks only: maps the computed ``n_accepted (B,)`` to replayed counts;
@@ -425,7 +132,7 @@ class SpeculativeDecoder:
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
         # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         self.graphs = {
-            role: (self.backend == "triton" and _all_on_cuda(model)) if cuda_graphs is None else cuda_graphs
+            role: (self.backend == "triton" and all_on_cuda(model)) if cuda_graphs is None else cuda_graphs
             for role, model in (("target", target), ("draft", draft))
         }
         self.fused = {
@@ -435,7 +142,7 @@ class SpeculativeDecoder:
         self._sparse_draft = dustin is not None and dustin.sparse_draft
         self.accept_override = accept_override
         self.prefill = prefill or ModelRunner.prefill
-        self.profile = _PhaseClock.mode_of(profile, model_device(target))  # None, "sync" or "events"
+        self.profile = PhaseClock.mode_of(profile, model_device(target))  # None, "sync" or "events"
         self.eos = _token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = _token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
         self.pad = pad[0] if pad else (self.eos[0] if self.eos else 0)
@@ -456,7 +163,7 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         # both entered before any graph is captured: graphs keep the fused kernels and the GEMMs cuBLASLt picked
-        with fused_ops(*fused) as report, _prefer_cublaslt(model_device(self.target)):
+        with fused_ops(*fused) as report, prefer_cublaslt(model_device(self.target)):
             result = self._generate(input_ids, attention_mask)
         result.cache.counters.extra["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
                                                      "mlps": report.mlps, "qkv": report.qkv,
@@ -501,7 +208,7 @@ class SpeculativeDecoder:
         self._max_new = max_new
         self._scores = [[] for _ in range(batch)] if self.output_scores else None
         self._raw = [[] for _ in range(batch)] if self.output_logits else None
-        self._clock = _PhaseClock(device, self.profile)
+        self._clock = PhaseClock(device, self.profile)
         started = time.perf_counter()
 
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
@@ -520,9 +227,7 @@ class SpeculativeDecoder:
         self._commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * batch)
         self.prefill(draft, [p[:-1] for p in prompts], chunk, {})
         if calibrate:
-            from .prompt_calibration import calibrate_on_prompts
-
-            self.dustin, report = calibrate_on_prompts(self, target, draft, self.dustin, self.gamma, prompt_lens)
+            self.dustin, report = calibrate_on_prompts(target, draft, tokens, self.dustin, self.gamma, prompt_lens)
             target.cache.counters.extra["calibration"] = report
         if self.dustin is not None:
             layer, heads = self.dustin.target_layer, self.dustin.target_heads
@@ -530,7 +235,7 @@ class SpeculativeDecoder:
             if calibrate:
                 history = select_heads(history, heads, dim=1)
             target.cache.set_history(history, [n - 1 for n in prompt_lens])
-        _synchronize(device)
+        synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()
         step_ends, step_tokens = [], []
@@ -865,12 +570,3 @@ def _token_ids(tensor, fallback) -> list[int]:
     if fallback is None:
         return []
     return [int(fallback)] if isinstance(fallback, int) else [int(t) for t in fallback]
-
-
-def attention_scale(model, text_config) -> float:
-    """The softmax scale of the model's attention layers (``module.scaling``)."""
-    for module in model.modules():
-        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
-            return float(module.scaling)
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return head_dim**-0.5

@@ -1,6 +1,6 @@
 """Quick calibration from the prompt itself, when no profile exists (``DustinConfig(calibration="prompt")``).
 
-Offline calibration (:mod:`dustin_hf.calibrate`) needs texts and minutes. The prompt is a long text
+Offline calibration (:mod:`dustin_hf.research.calibrate`) needs texts and minutes. The prompt is a long text
 the models have just read, so the decoder can calibrate on it: after both prefills it replays a few
 verification-like steps inside the prompt's second half (the target over ``γ+2`` prompt tokens, the
 draft over ``γ+1``, every head of every layer kept), turns them into the same step features the
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .calibrate import default_choice, recovery_of, search, stack_features, step_features
+from .search import default_choice, recovery_of, search, stack_features, step_features
 from .config import DustinConfig, ResolvedConfig, resolve
 
 __all__ = ["SEARCH_SECONDS", "STEPS", "calibrate_on_prompts"]
@@ -54,26 +54,26 @@ def _positions(length: int, gamma: int) -> list[int]:
     return torch.linspace(first, last, STEPS).round().long().unique().tolist()
 
 
-def calibrate_on_prompts(decoder, target, draft, config: ResolvedConfig, gamma: int,
+def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedConfig, gamma: int,
                          lengths: list[int]) -> tuple[ResolvedConfig, dict]:
-    """The scoring heads and ``m`` searched on the prompts (``lengths`` tokens per row of ``decoder._tokens``)
-    held by ``target``/``draft`` (model runners right after prefill: the target caches each prompt, the
-    draft all but its last token); returns the new resolved config and a report (``stats["calibration"]``)."""
+    """The scoring heads and ``m`` searched on the prompts (the first ``lengths[b]`` of ``tokens[b]``, ``(B, T)``)
+    held by ``target``/``draft`` (:class:`~dustin_hf.runner.ModelRunner` s right after prefill: the target caches
+    each prompt, the draft all but its last token); returns the new resolved config and a report
+    (``stats["calibration"]``)."""
     started = time.perf_counter()
-    tokens = decoder._tokens
     rows = sorted(range(len(lengths)), key=lambda b: -lengths[b])[:ROWS]
     features, seqlens, sources = [], [], []
     for row in rows:
         for at in _positions(lengths[row], gamma):
             with _restored(target.cache, row, at - 1, at + gamma + 1), _restored(draft.cache, row, at - 1, at + gamma):
-                features.append(step_features(decoder.target, decoder.draft, target, draft, tokens[row], at, gamma,
-                                              decoder.backend, row=row))
+                features.append(step_features(target.model, draft.model, target, draft, tokens[row], at, gamma,
+                                              target.backend, row=row))
             seqlens.append(at)
             sources.append({"row": row, "position": at})
     if not features:
         return config, {"skipped": f"prompts shorter than {2 * (gamma + 2)} tokens: kept the configured heads"}
     steps = stack_features(features, seqlens, sources)
-    t_cfg, d_cfg = decoder.target.config.get_text_config(), decoder.draft.config.get_text_config()
+    t_cfg, d_cfg = target.model.config.get_text_config(), draft.model.config.get_text_config()
     base = DustinConfig(budget=config.budget, sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
                         dense_layers=config.dense_layers, min_context=config.min_context, backend=config.backend,
                         prefill_chunk=config.prefill_chunk)

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from dustin_hf.texts import load_text
+from dustin_hf.research.texts import load_text
 
 SPECIAL = ["<unk>", "<eos>"]
 

@@ -96,7 +96,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     """The next step's first draft forwards (all γ when greedy: tokens only), queued from device values before
     the step's sync (CUDA graphs only; run eagerly here), give the same tokens as running them after the
     sync, with rows finishing at EOS and at their length on different steps."""
-    from dustin_hf.decoding import ModelRunner
+    from dustin_hf.runner import ModelRunner
 
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target), 3)

@@ -5,8 +5,9 @@ import json
 import pytest
 
 import dustin_hf
-from dustin_hf import DustinConfig, cli
-from dustin_hf.traces import TRACE_FORMAT, load_trace
+from dustin_hf import DustinConfig
+from dustin_hf.research import cli
+from dustin_hf.research.traces import TRACE_FORMAT, load_trace
 
 from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
 

@@ -9,6 +9,7 @@ import torch
 
 import dustin_hf
 from dustin_hf import decoding
+from dustin_hf.draft_reads import DraftReads
 from dustin_hf.selection import Selection
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
@@ -117,7 +118,7 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
                                       tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
     picked = torch.stack([torch.arange(0, 48, 2), torch.arange(24)]).to(torch.int32)  # (2, 24) sorted
     last = (Selection(picked, torch.tensor([24, 24], dtype=torch.int32), [24, 24]), [100, 30])
-    reads = decoding.DraftReads.after(last, config, gamma=3, capacity=104)
+    reads = DraftReads.after(last, config, gamma=3, capacity=104)
     assert reads.indices.shape == (2, 24 + 6)
     assert reads.indices[0, 24:].tolist() == [100, 101, 102, 103, 103, 103]  # clamped inside the cache
     assert reads.indices[1, 24:].tolist() == list(range(30, 36))
@@ -125,5 +126,5 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
     assert sel.counts == [26, 24] and sel.num_indices.tolist() == [26, 24]
     assert reads.at([120, 29]).counts == [30, 24]  # at most 2γ new positions; never fewer than the selection
     dense_row = (Selection(picked, torch.tensor([24, 20], dtype=torch.int32), [24, 20]), [100, 20])
-    assert decoding.DraftReads.after(dense_row, config, 3, 104) is None  # a row read in full: the draft reads all
-    assert decoding.DraftReads.after(None, config, 3, 104) is None
+    assert DraftReads.after(dense_row, config, 3, 104) is None  # a row read in full: the draft reads all
+    assert DraftReads.after(None, config, 3, 104) is None

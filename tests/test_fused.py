@@ -32,8 +32,8 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
-from dustin_hf import fused  # noqa: E402
-from dustin_hf.fused import add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
+from dustin_hf.runtime import fused  # noqa: E402
+from dustin_hf.runtime.fused import add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
 
 from conftest import capture_graph, random_prompt, tiny_model  # noqa: E402
 

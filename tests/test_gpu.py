@@ -143,7 +143,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     from dustin_hf.config import resolve
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
-    from dustin_hf.graphs import Pipeline
+    from dustin_hf.runtime.graphs import Pipeline
 
     torch.cuda.set_device(0)
     target = tiny_model("qwen2", layers=4, hidden=128, heads=8, kv_heads=2)
@@ -172,7 +172,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
 
 
 def test_decoding_prefers_cublaslt_and_restores_the_setting():
-    """The loop's GEMMs go through cuBLASLt (fewer split-K launches, dustin_hf.decoding._prefer_cublaslt), and
+    """The loop's GEMMs go through cuBLASLt (fewer split-K launches, dustin_hf.runtime.launch.prefer_cublaslt), and
     the process-wide setting is back to the user's after generate()."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import fused
+from dustin_hf.runtime import fused
 from dustin_hf.cache import DustinCache
-from dustin_hf.decoding import ModelRunner
+from dustin_hf.runner import ModelRunner
 from dustin_hf.generate import attention_routed
-from dustin_hf.graphs import Pipeline, Stage
+from dustin_hf.runtime.graphs import Pipeline, Stage
 from dustin_hf.plan import ForwardPlan
 
 from conftest import TRITON_RUNS, random_prompt, tiny_model
@@ -214,7 +214,7 @@ def test_fused_pipeline_falls_back_per_layer():
 def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
     """The bit-for-bit comparison above is sensitive to the order of add and norm: a pipeline that normalises
     the residual before adding, keeps the old residual, or drops the last MLP output, gets other logits."""
-    import dustin_hf.graphs as graphs
+    from dustin_hf.runtime import graphs
 
     real = graphs._add_norm
 

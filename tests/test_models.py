@@ -1,4 +1,4 @@
-"""Offline model fetching (dustin_hf.models) without any download: spec table, cache hits, joining."""
+"""Offline model fetching (dustin_hf.research.models) without any download: spec table, cache hits, joining."""
 
 import collections
 import hashlib
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dustin_hf import models
-from dustin_hf.models import (
+from dustin_hf.research import models
+from dustin_hf.research.models import (
     QWEN25_CODER_05B_INSTRUCT,
     QWEN25_CODER_15B_INSTRUCT,
     ModelFetchError,

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dustin_hf import DustinConfig
-from dustin_hf.profiles import config_for_budget, read_profile, write_profile
-from dustin_hf.traces import TRACE_FORMAT, load_trace, trace_filename, trace_record, write_trace
+from dustin_hf.research.profiles import config_for_budget, read_profile, write_profile
+from dustin_hf.research.traces import TRACE_FORMAT, load_trace, trace_filename, trace_record, write_trace
 
 
 def test_profile_round_trip_and_budget_rescaling(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import prompt_calibration
+from dustin_hf import decoding, prompt_calibration
 
 from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
@@ -30,9 +30,9 @@ def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, mo
     ids, mask = left_pad(rows)
     real, checked = prompt_calibration.calibrate_on_prompts, []
 
-    def checking(decoder, t_runner, d_runner, *args):
+    def checking(t_runner, d_runner, *args):
         before = [_snapshot(t_runner), _snapshot(d_runner)]
-        out = real(decoder, t_runner, d_runner, *args)
+        out = real(t_runner, d_runner, *args)
         for (lengths, tensors), runner in zip(before, (t_runner, d_runner)):
             after_lengths, after = _snapshot(runner)
             assert after_lengths == lengths
@@ -40,7 +40,7 @@ def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, mo
         checked.append(out[1])
         return out
 
-    monkeypatch.setattr(prompt_calibration, "calibrate_on_prompts", checking)
+    monkeypatch.setattr(decoding, "calibrate_on_prompts", checking)  # the loop's own reference
     config = dustin_hf.DustinConfig(budget=32, min_context=128, dense_layers=(0, 1, 2), calibration="prompt")
     with dustin_hf.patch(target, config):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False,

@@ -5,11 +5,11 @@ import torch
 
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
-from dustin_hf.continuations import speculative_continuation, token_agreement
-from dustin_hf.prefilled import PrefillStore, clone_cache, prefill_pair
+from dustin_hf.research.continuations import speculative_continuation, token_agreement
+from dustin_hf.research.prefilled import PrefillStore, clone_cache, prefill_pair
 from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
 from dustin_hf.scoring import attention_mass
-from dustin_hf.walk import teacher_forced_walk
+from dustin_hf.research.walk import teacher_forced_walk
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
 
@@ -160,16 +160,16 @@ def test_token_agreement():
 
 def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     """After a sparse step, one dense forward over its positions leaves the cache as a dense step would."""
-    from dustin_hf import decoding
+    from dustin_hf.runner import ModelRunner
     from dustin_hf.plan import ForwardPlan
-    from dustin_hf.prefilled import dustin_attention_on
-    from dustin_hf.walk import _refresh
+    from dustin_hf.research.prefilled import dustin_attention_on
+    from dustin_hf.research.walk import _refresh
 
     target, draft = pair
     prefilled, continuation = state
     tokens = torch.cat([prefilled.tokens, continuation])
     q = GAMMA + 1
-    runners = {name: decoding.ModelRunner(target, clone_cache(prefilled.target_cache, CONTEXT + q + 1), "reference")
+    runners = {name: ModelRunner(target, clone_cache(prefilled.target_cache, CONTEXT + q + 1), "reference")
                for name in ("dense", "sparse")}
     indices = torch.tensor([[0, 5, 40, 79]], dtype=torch.int32)
     with torch.no_grad(), dustin_attention_on(target, draft):
@@ -202,10 +202,10 @@ def test_refresh_every_names_sparse_methods(pair, state):
 
 
 def _logits(runner_cache, target, draft, tokens, plan):
-    from dustin_hf import decoding
-    from dustin_hf.prefilled import dustin_attention_on
+    from dustin_hf.runner import ModelRunner
+    from dustin_hf.research.prefilled import dustin_attention_on
 
-    runner = decoding.ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
+    runner = ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
     with torch.no_grad(), dustin_attention_on(target, draft):
         return runner.forward(plan, tokens[CONTEXT : CONTEXT + GAMMA + 1][None], keep=GAMMA + 1)
 
@@ -214,7 +214,7 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     """Layer 0 reading every cached position through its own indices, the others a small set S, equals a plain
     plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
     layer's set changes the output."""
-    from dustin_hf.oracle import LayerwisePlan
+    from dustin_hf.research.oracle import LayerwisePlan
     from dustin_hf.plan import ForwardPlan
 
     target, draft = pair
@@ -242,7 +242,7 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
 
 
 def test_oracle_indices_are_the_top_positions_of_the_true_attention():
-    from dustin_hf.oracle import oracle_indices, oracle_recovery
+    from dustin_hf.research.oracle import oracle_indices, oracle_recovery
 
     torch.manual_seed(0)
     weights = torch.rand(3, 40).softmax(dim=-1)

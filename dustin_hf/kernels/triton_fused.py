@@ -1,7 +1,7 @@
 """Triton kernels for RMSNorm (alone or after a residual add) and rotary embedding, one launch each, rounding
 exactly where PyTorch does.
 
-:func:`dustin_hf.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
+:func:`dustin_hf.runtime.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
 
 Why: under CUDA graphs the decode step is made of thousands of ~2 us elementwise kernels. transformers'
 RMSNorm is about 8 of them (to fp32, pow, mean, add eps, rsqrt, mul, to the input dtype, mul by the

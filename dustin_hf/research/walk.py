@@ -27,7 +27,7 @@ from the dense method's signals by any number of extra configurations (e.g. the 
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
 selection, so no set of that size captures more).
 
-An ``oracle`` method (an experiment, :mod:`dustin_hf.oracle`) verifies, at each step, with read sets taken
+An ``oracle`` method (an experiment, :mod:`dustin_hf.research.oracle`) verifies, at each step, with read sets taken
 from that reference attention instead of its own signals: one set shared by all layers, or one per layer.
 Its gap to dense is the loss a perfect scorer would still have with sets of that shape and size.
 """
@@ -41,15 +41,16 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from . import decoding
-from .config import ResolvedConfig
-from .kernels import resolve_backend
+from ..runner import ModelRunner, attention_scale, group_size, model_device
+from ..draft_reads import DraftReads
+from ..config import ResolvedConfig
+from ..kernels import resolve_backend
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
-from .plan import ForwardPlan, select_heads
+from ..plan import ForwardPlan, select_heads
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
-from .recovery import position_weights, selection_recovery
-from .scoring import draft_lookahead_scores, target_history_scores
-from .selection import Selection, dense_rows, select_positions
+from ..recovery import position_weights, selection_recovery
+from ..scoring import draft_lookahead_scores, target_history_scores
+from ..selection import Selection, dense_rows, select_positions
 
 __all__ = ["WalkResult", "teacher_forced_walk"]
 
@@ -82,8 +83,8 @@ class WalkResult:
 class _Method:
     """One verification method's target state along the walk."""
 
-    def __init__(self, name: str, config: ResolvedConfig | None, model: decoding.ModelRunner, history: torch.Tensor | None,
-                 draft: decoding.ModelRunner | None = None):
+    def __init__(self, name: str, config: ResolvedConfig | None, model: ModelRunner, history: torch.Tensor | None,
+                 draft: ModelRunner | None = None):
         self.name, self.config, self.model, self.history = name, config, model, history
         self.draft = draft  # its own draft (``sparse_draft``: what the draft reads follows this method's selections)
         self.last_selection = None  # (selection, [L]) of its last sparse step
@@ -122,7 +123,7 @@ def teacher_forced_walk(
             them, so that error written by sparse steps is not carried further than N steps.
         oracle: name -> ``"shared"`` or ``"per-layer"``, an experiment: on its sparse steps that method reads
             the top ``budget`` positions of the dense method's true attention at the step (over all layers, or
-            each layer its own; :mod:`dustin_hf.oracle`) instead of its own selection. Its config still decides
+            each layer its own; :mod:`dustin_hf.research.oracle`) instead of its own selection. Its config still decides
             when a step is sparse and which layers read densely. Needs a dense method; recovery is then
             measured every step.
 
@@ -137,7 +138,7 @@ def teacher_forced_walk(
         raise ValueError(f"oracle names {sorted(unknown)}, which are not sparse methods")
     if unknown := set(oracle.values()) - set(ORACLES):
         raise ValueError(f"unknown oracle kinds {sorted(unknown)}; choose from {ORACLES}")
-    device = decoding.model_device(target)
+    device = model_device(target)
     tokens = torch.cat([state.tokens, continuation.to(device)])
     context = state.tokens.numel()
     steps = (continuation.numel() - 1) // (gamma + 1)
@@ -147,22 +148,22 @@ def teacher_forced_walk(
     if (recovery_every or recovery_configs or oracle) and dense_name is None:
         raise ValueError("measuring recovery and oracles need a dense method (a name mapped to None) in methods")
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
-    t_group, d_group = decoding.group_size(t_cfg), decoding.group_size(d_cfg)
-    t_scale, d_scale = decoding.attention_scale(target, t_cfg), decoding.attention_scale(draft, d_cfg)
+    t_group, d_group = group_size(t_cfg), group_size(d_cfg)
+    t_scale, d_scale = attention_scale(target, t_cfg), attention_scale(draft, d_cfg)
     backend = resolve_backend("auto", device)
     all_t_heads = tuple(range(t_cfg.num_attention_heads))
     all_configs = [c for c in methods.values() if c is not None] + list(recovery_configs.values())
     d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for c in all_configs for layer in c.draft_layers}
     capacity = context + continuation.numel() + 1
 
-    draft_model = decoding.ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
+    draft_model = ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
     runs = []
     for name, cfg in methods.items():
         history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
-        runner = decoding.ModelRunner(target, clone_cache(state.target_cache, capacity), backend)
+        runner = ModelRunner(target, clone_cache(state.target_cache, capacity), backend)
         own_draft = None
         if cfg is not None and cfg.sparse_draft:
-            own_draft = decoding.ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
+            own_draft = ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
         runs.append(_Method(name, cfg, runner, history, own_draft))
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
@@ -185,7 +186,7 @@ def teacher_forced_walk(
                 cfg = run.config
                 run_draft_next, run_s_draft = draft_next, s_draft
                 if run.draft is not None:  # a sparse draft: reads this method's last selection + what came since
-                    reads = decoding.DraftReads.after(run.last_selection, cfg, gamma, capacity)
+                    reads = DraftReads.after(run.last_selection, cfg, gamma, capacity)
                     run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
                                                               tokens, at, gamma, backend, d_capture, base, d_group,
                                                               d_scale)
@@ -283,7 +284,7 @@ class _DraftScores:
         return self._memo[key]
 
 
-def _refresh(model: decoding.ModelRunner, tokens: torch.Tensor, start: int, end: int, backend: str) -> None:
+def _refresh(model: ModelRunner, tokens: torch.Tensor, start: int, end: int, backend: str) -> None:
     """Rewrite ``model``'s keys and values at positions ``[start, end)`` with one dense forward over them."""
     model.cache.rollback([start])  # the positions are written again, by the same tokens
     plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[start], q_len=end - start, backend=backend)

@@ -1,10 +1,10 @@
 """Bundled public-domain books: list them, load them, cut token windows out of them.
 
 Calibration and evaluation need long natural text (thousands of tokens per prompt). The package
-ships five books as ``dustin_hf/data/texts/<name>.txt.gz`` (see the README there); their sha256 and
+ships five books as ``dustin_hf/research/data/texts/<name>.txt.gz`` (see the README there); their sha256 and
 size are checked against ``SHA256SUMS`` on every load.
 
-    from dustin_hf import texts
+    from dustin_hf.research import texts
     texts.list_books()                                   # ['alice', 'emma', ...]
     ids = texts.token_window(tokenizer, "emma", 4096)    # (4096,) int64, from the book's start
 """
@@ -28,7 +28,7 @@ class TextTooShortError(ValueError):
 
 
 def _data_dir():
-    return resources.files("dustin_hf").joinpath(_PACKAGE_DIR)
+    return resources.files("dustin_hf.research").joinpath(_PACKAGE_DIR)
 
 
 @functools.cache

@@ -5,11 +5,11 @@ For each book window and context ``C`` (one prefill, reused by every run below):
 * **continuations**: greedy speculative decoding of ``new_tokens`` tokens, dense and with Dustin at
   each budget (fixed γ, no early stop): mean accepted drafts per step, tokens per step, token
   agreement with the dense continuation, decode tokens/s; per-step acceptance traces are saved;
-* **teacher-forced walk** (:mod:`dustin_hf.walk`) over the next ``ppl_tokens`` tokens of the book:
+* **teacher-forced walk** (:mod:`dustin_hf.research.walk`) over the next ``ppl_tokens`` tokens of the book:
   perplexity per budget and its ratio to dense; attention recovery of the selections actually made,
   and of the calibrated and the default heads' selections from the same (dense) signals.
 
-Then **needles** (:mod:`dustin_hf.needle`): accuracy of dense and of each budget.
+Then **needles** (:mod:`dustin_hf.research.needle`): accuracy of dense and of each budget.
 
 ``criteria`` checks the targets at ``criteria_budget`` (512) for every context evaluated:
 perplexity within 1% of dense, mean accepted length >= 97% of dense (in free-running generation,
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
-from .config import DustinConfig, resolve
+from ..config import DustinConfig, resolve
 from .continuations import eos_ids, speculative_continuation, token_agreement
 from .needle import make_needles, needle_found
 from .prefilled import PrefillStore, prefill_pair

@@ -46,7 +46,7 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   skinny one) may reduce in another order than the separate ones (cuBLAS picks its kernel by shape), so its
   outputs can differ in the last bits.
 
-* **Decoder layers and rotary tables** (for :class:`dustin_hf.graphs.Pipeline`, the staged forward the
+* **Decoder layers and rotary tables** (for :class:`dustin_hf.runtime.graphs.Pipeline`, the staged forward the
   decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,
   :func:`static_rotary`) the decoder layers (``_DECODER_LAYER_CLASSES``) whose forward compiles to
   transformers' standard pre-norm block (:class:`_StandardDecoderLayer`, both of its 5.17-5.24 spellings)
@@ -59,7 +59,7 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
   their projections, then the rotary embedding and the cache's K/V write in one launch
   (:func:`rotary_write_kv`), then the attention function and ``o_proj`` (the same values, one launch fewer).
 
-* **Greedy heads**: nothing is replaced; :class:`dustin_hf.graphs.Pipeline` takes the argmax of a greedy
+* **Greedy heads**: nothing is replaced; :class:`dustin_hf.runtime.graphs.Pipeline` takes the argmax of a greedy
   head's logits with :func:`argmax` (on CUDA one Triton launch, the same indices as ``torch.argmax``).
 
 Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
@@ -158,7 +158,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_device(x)
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}; they must share a device")
-    from .kernels.triton_fused import rms_norm_triton
+    from ..kernels.triton_fused import rms_norm_triton
 
     return rms_norm_triton(x, weight, eps)
 
@@ -173,7 +173,7 @@ def apply_rotary(
     in a CUDA graph.
     """
     _check_device(q)
-    from .kernels.triton_fused import apply_rotary_triton
+    from ..kernels.triton_fused import apply_rotary_triton
 
     return apply_rotary_triton(q, k, cos, sin, unsqueeze_dim)
 
@@ -190,7 +190,7 @@ def add_rms_norm(
     _check_device(x)
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}; they must share a device")
-    from .kernels.triton_fused import add_rms_norm_triton
+    from ..kernels.triton_fused import add_rms_norm_triton
 
     return add_rms_norm_triton(x, residual, weight, eps)
 
@@ -204,7 +204,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for at most ``_SKINNY_ROWS`` rows in one Triton launch
     (:func:`dustin_hf.kernels.triton_gemm.skinny_linear`)."""
     _check_device(x)
-    from .kernels.triton_gemm import skinny_linear as skinny
+    from ..kernels.triton_gemm import skinny_linear as skinny
 
     return skinny(x, weight, bias)
 
@@ -213,7 +213,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu_mul(F.linear(x, weight))`` for ``weight = [gate; up]`` and at most ``_SKINNY_ROWS`` rows, in one
     Triton launch (:func:`dustin_hf.kernels.triton_gemm.gated_linear`)."""
     _check_device(x)
-    from .kernels.triton_gemm import gated_linear as gated
+    from ..kernels.triton_gemm import gated_linear as gated
 
     return gated(x, weight)
 
@@ -224,7 +224,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     while ``_ARGMAX_KERNEL`` is set (read at call time), else PyTorch's reduction."""
     if _ARGMAX_KERNEL and _argmax_kernel_runs_on(x.device) and x.dtype in (torch.float16, torch.bfloat16,
                                                                             torch.float32) and x.numel():
-        from .kernels.triton_argmax import argmax_triton
+        from ..kernels.triton_argmax import argmax_triton
 
         return argmax_triton(x)
     return x.argmax(dim=-1)
@@ -233,7 +233,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension, in one Triton launch."""
     _check_device(gate_up)
-    from .kernels.triton_fused import silu_mul_triton
+    from ..kernels.triton_fused import silu_mul_triton
 
     return silu_mul_triton(gate_up)
 
@@ -248,11 +248,11 @@ class FusedOps:
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
         outputs: attentions whose ``o_proj`` runs as :func:`skinny_linear` at decode sizes.
-        layers: decoder layers :class:`~dustin_hf.graphs.Pipeline` runs submodule by submodule with each
+        layers: decoder layers :class:`~dustin_hf.runtime.graphs.Pipeline` runs submodule by submodule with each
             residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
-        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.graphs.Pipeline` reads from a
+        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.runtime.graphs.Pipeline` reads from a
             table of every cache position (:func:`static_rotary`).
-        attentions: attention modules :class:`~dustin_hf.graphs.Pipeline` runs from their projections, with
+        attentions: attention modules :class:`~dustin_hf.runtime.graphs.Pipeline` runs from their projections, with
             the rotary embedding and the K/V write in one launch (:func:`fused_attention`).
     """
 
@@ -545,7 +545,7 @@ def fused_attention(module: torch.nn.Module) -> bool:
     """Whether an open :func:`fused_ops` context registered the attention ``module`` for the pipeline's own path.
 
     A registered module's forward is transformers' Qwen2 attention
-    (:class:`~dustin_hf._attention_reference.StandardQwen2Attention`, both spellings): projections,
+    (:class:`~dustin_hf.runtime._attention_reference.StandardQwen2Attention`, both spellings): projections,
     ``apply_rotary_pos_emb``, the cache's ``update``, the attention function registered for the model,
     ``o_proj``; nothing wraps it. So the pipeline may call those pieces itself,
     with :func:`rotary_write_kv` doing the rotary embedding and the K/V write in one launch. Llama and
@@ -560,7 +560,7 @@ def rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, row0: int) -> to
     (rows ``row0..``), in one launch; returns ``q_embed (B, T, Hq, D)``
     (:func:`dustin_hf.kernels.triton_fused.rotary_write_kv_triton`)."""
     _check_device(q)
-    from .kernels.triton_fused import rotary_write_kv_triton
+    from ..kernels.triton_fused import rotary_write_kv_triton
 
     return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, row0)
 

@@ -173,7 +173,7 @@ def _demo_args(parser):
           "agreement, acceptance (drafts accepted per step), decode tokens/s (prefill excluded, reported apart) and "
           "Dustin's stats (sparse steps, positions read per step).", _demo_args)
 def demo(args, out: Output) -> dict:
-    from .config import DustinConfig, resolve
+    from ..config import DustinConfig, resolve
     from .continuations import eos_ids, speculative_continuation, token_agreement
     from .pair import describe_machine
     from .prefilled import PrefillStore, prefill_pair
@@ -274,10 +274,11 @@ def _calibrate_args(parser):
           "Writes a profile JSON that DustinConfig.from_profile() and dustin_hf.patch(model, path) load, with the "
           "calibrated recovery beside that of DustinConfig()'s default heads.", _calibrate_args)
 def calibrate_command(args, out: Output) -> dict:
-    from .calibrate import CalibrationSettings, StepFeatures, calibrate
+    from ..search import StepFeatures
+    from .calibrate import CalibrationSettings, calibrate
     from .pair import describe_machine
     from .profiles import write_profile
-    from .config import DustinConfig
+    from ..config import DustinConfig
     from .texts import token_window
 
     settings = CalibrationSettings(
@@ -348,7 +349,7 @@ def _eval_args(parser):
           "command, machine and versions) and a PNG of quality vs budget; prints the acceptance criteria at budget 512.",
           _eval_args)
 def eval_command(args, out: Output) -> dict:
-    from .config import DustinConfig
+    from ..config import DustinConfig
     from .evaluation import EvalSettings, evaluate
     from .needle import make_needles
     from .pair import describe_machine

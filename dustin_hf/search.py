@@ -1,27 +1,20 @@
-"""Offline calibration: the scoring heads and ``draft_share`` that maximise attention recovery.
+"""The search behind calibration: which scoring heads and ``draft_share`` recover the most attention.
 
-Dustin scores positions on a few heads only (DESIGN.md section 2.3-2.4). Which heads matters: the
-chosen set must capture as much of the target's full attention as possible. Calibration, once per
-model pair:
+Offline calibration (:mod:`dustin_hf.research.calibrate`, over book windows) and prompt calibration
+(:mod:`dustin_hf.prompt_calibration`, over the prompt itself) both collect verification-like steps and
+hand them here:
 
-1. **Collect** verification-like steps from long texts: prefill a book window densely, then at
-   several positions ``L`` run the target over ``tokens[L-1 : L+γ+1]`` and the draft over
-   ``tokens[L-1 : L+γ]`` keeping every head of every layer. Per step this gives
-   - ``W (layers, L)``: the reference attention (mean over heads and the γ+1 verification queries,
-     renormalised over the cached positions; see :mod:`dustin_hf.recovery`),
-   - ``T (target layers, heads, L)``: each target head's history attention (query at ``L-1``),
-   - ``D (draft layers, heads, L)``: each draft head's lookahead attention (queries ``L..L+γ-1``).
-2. **Search**, greedily (recovery is linear in the selection, so a candidate costs one budget fill):
-   target layer and heads with ``m = 0`` (singles, whole GQA groups, then greedy growth within a
-   group for the best layers); then draft layers (up to three) with heads from one GQA group each,
-   with ``m`` at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent
-   windows, and ``m`` once more. Scores average the budgets asked for.
-   The selection is :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
-3. **Report** the calibrated choice beside ``DustinConfig()``'s defaults on the same steps, and the
-   oracle (the top positions of the reference attention itself: no selection of that size does better).
-
-A time limit bounds the whole run: collection stops taking new books once 60% of it is spent, and
-each search stage stops early keeping the best so far.
+- :func:`step_features`: one step at ``L`` cached positions, every head of every layer kept:
+  ``W (layers, L)`` the reference attention of the γ+1 verification queries (renormalised over the
+  cached positions, :mod:`dustin_hf.recovery`), ``T (target layers, heads, L)`` each target head's
+  history attention (query at ``L-1``), ``D (draft layers, heads, L)`` each draft head's lookahead
+  attention (queries ``L..L+γ-1``);
+- :func:`search`, greedy (recovery is linear in the selection, so a candidate costs one budget fill):
+  target layer and heads with ``m = 0`` (singles, whole GQA groups, then greedy growth within a group
+  for the best layers); then draft layers (up to three) with heads from one GQA group each, with ``m``
+  at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent windows, and
+  ``m`` once more. Scores average the budgets asked for. The selection is
+  :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
 """
 
 from __future__ import annotations
@@ -34,67 +27,18 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from . import decoding
 from .config import DustinConfig, resolve
-from .kernels import resolve_backend
 from .plan import ForwardPlan
-from .prefilled import dustin_attention_on, prefill_pair
 from .recovery import head_probabilities, position_weights
+from .runner import attention_scale, group_size
 from .selection import select_positions
-from .texts import token_window
 
-__all__ = ["CalibrationSettings", "Choice", "StepFeatures", "calibrate", "collect_features", "default_choice",
-           "oracle_recovery", "recovery_of", "search", "stack_features", "step_features"]
+__all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search", "stack_features",
+           "step_features"]
 
 _SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 _SINK_GRID = (1, 4, 16)
 _RECENT_GRID = (16, 32, 64, 128)
-_COLLECT_SHARE = 0.6  # of the time limit, the most collection may use before the search starts
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    """What calibration reads and how hard it searches.
-
-    Args:
-        books: bundled books to take windows from (:func:`dustin_hf.texts.list_books`).
-        context: tokens prefilled per book; steps sit between ``min_position`` and the window's end.
-        steps_per_book: verification steps sampled per book, evenly spaced.
-        min_position: earliest step position; keep it above the largest budget (else the step is dense).
-        gamma: draft tokens per step (γ): the target verifies γ+1 queries.
-        budgets: budgets the recovery is averaged over; ``profile_budget`` is the one written as ``budget``.
-        max_draft_layers: draft scoring layers chosen at most (the paper uses 3).
-        search_windows: also tune ``sink_tokens`` and ``recent_tokens`` (after the heads and ``m``).
-        time_limit: seconds for the whole calibration (collection + search).
-        offset: first token of each book window.
-    """
-
-    books: tuple[str, ...] = ("mobydick", "paradise_lost")
-    context: int = 4096
-    steps_per_book: int = 16
-    min_position: int = 2048
-    gamma: int = 4
-    budgets: tuple[int, ...] = (256, 512, 1024)
-    profile_budget: int = 512
-    max_draft_layers: int = 3
-    search_windows: bool = True
-    time_limit: float = 1500.0
-    offset: int = 0
-
-    def __post_init__(self):
-        if not self.books:
-            raise ValueError("books must name at least one bundled book")
-        if self.gamma < 1 or self.steps_per_book < 1 or self.max_draft_layers < 1:
-            raise ValueError("gamma, steps_per_book and max_draft_layers must be >= 1")
-        if not self.budgets or min(self.budgets) < 1:
-            raise ValueError(f"budgets must be positive ints, got {self.budgets}")
-        if self.min_position <= max(self.budgets):
-            raise ValueError(f"min_position ({self.min_position}) must exceed the largest budget ({max(self.budgets)}), "
-                             "or those steps would be verified densely")
-        if self.context < self.min_position + self.gamma + 2:
-            raise ValueError(f"context ({self.context}) must exceed min_position + gamma + 1 ({self.min_position + self.gamma + 1})")
-        if self.time_limit <= 0:
-            raise ValueError(f"time_limit must be positive seconds, got {self.time_limit}")
 
 
 @dataclass
@@ -124,7 +68,7 @@ class StepFeatures:
 
 def _scale_and_config(model):
     cfg = model.config.get_text_config()
-    return decoding.attention_scale(model, cfg), cfg
+    return attention_scale(model, cfg), cfg
 
 
 def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, row: int = 0):
@@ -155,36 +99,6 @@ def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, r
     return weights.cpu(), target.cpu(), draft_feats.cpu()
 
 
-def collect_features(pair, settings: CalibrationSettings, deadline: float, progress: bool = True) -> StepFeatures:
-    """Prefill each book window and sample ``steps_per_book`` steps from it (stops early near ``deadline``)."""
-    target, draft = pair.target, pair.draft
-    backend = resolve_backend("auto", pair.device)
-    start = time.perf_counter()
-    rows, seqlens, sources = [], [], []
-    books = tqdm(settings.books, desc="calibrate: collect", unit="book", disable=not progress)
-    for i, book in enumerate(books):
-        if i > 0 and time.perf_counter() - start > _COLLECT_SHARE * (deadline - start):
-            tqdm.write(f"calibrate: time limit near, collected {i} of {len(settings.books)} books")
-            break
-        books.set_postfix_str(f"{book}: prefill {settings.context} tokens")
-        tokens = token_window(pair.tokenizer, book, settings.context, settings.offset).to(pair.device)
-        state = prefill_pair(target, draft, tokens)
-        positions = torch.linspace(settings.min_position, settings.context - settings.gamma - 2,
-                                   settings.steps_per_book).round().long().unique().tolist()
-        books.set_postfix_str(f"{book}: {len(positions)} steps")
-        t_model = decoding.ModelRunner(target, state.target_cache, backend)
-        d_model = decoding.ModelRunner(draft, state.draft_cache, backend)
-        with torch.no_grad(), dustin_attention_on(target, draft):
-            for at in sorted(positions, reverse=True):  # caches only ever roll back
-                t_model.cache.rollback([at - 1])
-                d_model.cache.rollback([at - 1])
-                rows.append(step_features(target, draft, t_model, d_model, tokens, at, settings.gamma, backend))
-                seqlens.append(at)
-                sources.append({"book": book, "offset": settings.offset, "position": at})
-        del state, t_model, d_model
-    return stack_features(rows, seqlens, sources)
-
-
 def stack_features(rows, seqlens, sources) -> StepFeatures:
     """One :class:`StepFeatures` from :func:`step_features` results at ``seqlens`` positions."""
     width = max(seqlens)
@@ -199,9 +113,6 @@ def stack_features(rows, seqlens, sources) -> StepFeatures:
         draft=torch.stack([pad(d) for _, _, d in rows]),
         sources=sources,
     )
-
-
-# ----------------------------------------------------------------------------------- search
 
 
 @dataclass(frozen=True)
@@ -316,8 +227,8 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
            max_draft_layers: int = 3, search_windows: bool = True) -> tuple[Choice, dict]:
     """The greedy search of the module docstring (recovery averaged over ``budgets``); returns the best
     choice and a log of each stage."""
-    t_heads, t_group = t_cfg.num_attention_heads, decoding.group_size(t_cfg)
-    d_heads, d_group = d_cfg.num_attention_heads, decoding.group_size(d_cfg)
+    t_heads, t_group = t_cfg.num_attention_heads, group_size(t_cfg)
+    d_heads, d_group = d_cfg.num_attention_heads, group_size(d_cfg)
     s = _Search(features, budgets, base, deadline, progress)
     log = {}
     # Stage 1: target layer and heads, m = 0 (the whole free budget by S_target).
@@ -400,45 +311,3 @@ def default_choice(base: DustinConfig, t_cfg, d_cfg, budget: int) -> Choice:
     free = budget - base.sink_tokens - base.recent_tokens
     return Choice(resolved.target_layer, resolved.target_heads, tuple(zip(resolved.draft_layers, resolved.draft_heads)),
                   resolved.draft_share / free)
-
-
-def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = None, progress: bool = True,
-              features: StepFeatures | None = None, save_features=None) -> dict:
-    """Collect, search and compare; returns the profile's sections (``config``, ``draft_share_fraction``,
-    ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
-    :func:`dustin_hf.profiles.write_profile`). ``features`` given: skip collection (search only);
-    ``save_features``: a path to keep the collected features at."""
-    base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None)
-    start = time.perf_counter()
-    deadline = start + settings.time_limit
-    t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
-    if features is None:
-        features = collect_features(pair, settings, deadline, progress)
-        if save_features is not None:
-            features.save(save_features)
-    collected = time.perf_counter() - start
-    choice, log = search(features, t_cfg, d_cfg, settings.budgets, base, deadline, progress,
-                         settings.max_draft_layers, settings.search_windows)
-    default = default_choice(base, t_cfg, d_cfg, settings.profile_budget)
-    report = {}
-    for name, c in (("calibrated", choice), ("default", default)):
-        per_budget = recovery_of(features, c, settings.budgets, base)
-        per_layer = recovery_of(features, c, [settings.profile_budget], base, per_layer=True)[settings.profile_budget]
-        report[name] = {"mean": sum(per_budget.values()) / len(per_budget),
-                        "per_budget": {str(b): v for b, v in per_budget.items()}, f"per_layer@{settings.profile_budget}": per_layer}
-    oracle = oracle_recovery(features, settings.budgets)
-    report["oracle"] = {"mean": sum(oracle.values()) / len(oracle), "per_budget": {str(b): v for b, v in oracle.items()}}
-    config = choice.config(base, settings.profile_budget)
-    return {
-        "config": config.to_dict(),
-        "draft_share_fraction": choice.share if choice.draft else None,
-        "recovery": report["calibrated"],
-        "default_recovery": report["default"],
-        "oracle_recovery": report["oracle"],
-        "default_config": default.config(base, settings.profile_budget).to_dict(),
-        "search": log,
-        "model_pair": pair.describe(),
-        "texts": features.sources,
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
-        "seconds": {"collect": collected, "total": time.perf_counter() - start},
-    }

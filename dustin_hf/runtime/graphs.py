@@ -18,18 +18,18 @@ table, decoder layers, final norm, head), and each stage is captured in its own 
 device. Between replays the few tensors that cross a device boundary (hidden states, the rotary
 table) are copied into the next stage's input buffers. A model on one GPU is one stage.
 
-Inside :func:`~dustin_hf.fused.fused_ops` the pipeline launches fewer kernels than the model's forward
+Inside :func:`~dustin_hf.runtime.fused.fused_ops` the pipeline launches fewer kernels than the model's forward
 would, computing the same bits (``tests/test_graphs.py`` compares them exactly, fp32 and bf16):
 
 * a decoder layer registered by the context (transformers' standard pre-norm block, see
-  :func:`~dustin_hf.fused.fused_decoder_layer`) runs submodule by submodule: each residual add happens
-  inside the launch of the RMSNorm after it (:func:`~dustin_hf.fused.add_rms_norm`): the attention's add
+  :func:`~dustin_hf.runtime.fused.fused_decoder_layer`) runs submodule by submodule: each residual add happens
+  inside the launch of the RMSNorm after it (:func:`~dustin_hf.runtime.fused.add_rms_norm`): the attention's add
   in the post-attention norm, the MLP's in the next layer's input norm or, after the last layer, in the
   final norm (on the kept positions only: only they are normalised and read). Two launches fewer per
   layer, and the last layer's add costs none either. The MLP output waits in the state as ``mlp_out``
   and crosses a stage boundary like ``h``; a layer that is not registered first adds it, then runs its
   own forward.
-* a rotary module whose cos/sin do not depend on the sequence length (:func:`~dustin_hf.fused.static_rotary`)
+* a rotary module whose cos/sin do not depend on the sequence length (:func:`~dustin_hf.runtime.fused.static_rotary`)
   is run once per device for positions ``0..capacity-1`` (rebuilt when the cache grows; graphs are
   recaptured then anyway); each forward gathers its rows in one index launch instead of the module's
   ~13 kernels.
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from . import fused
-from .compat import CACHE_KWARG
-from .plan import DeviceTensors, ForwardPlan
+from ..compat import CACHE_KWARG
+from ..plan import DeviceTensors, ForwardPlan
 
 __all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
 
@@ -131,7 +131,7 @@ class Pipeline:
         return state
 
     def _fused_layer(self, layer, state: dict, plan: ForwardPlan, cache) -> dict:
-        """``layer``'s forward (transformers' standard block, :func:`~dustin_hf.fused.fused_decoder_layer`) from
+        """``layer``'s forward (transformers' standard block, :func:`~dustin_hf.runtime.fused.fused_decoder_layer`) from
         its submodules, each residual add in the RMSNorm launch after it; the MLP output is left pending."""
         h = state["h"]
         if "mlp_out" in state:  # the previous layer's residual add, with this layer's input norm
@@ -150,9 +150,9 @@ class Pipeline:
         return {**state, "h": h, "mlp_out": layer.mlp(normed)}
 
     def _attention(self, module, x: torch.Tensor, state: dict, plan: ForwardPlan, cache) -> torch.Tensor:
-        """``module``'s forward (transformers' Qwen2 attention, :func:`~dustin_hf.fused.fused_attention`) from
+        """``module``'s forward (transformers' Qwen2 attention, :func:`~dustin_hf.runtime.fused.fused_attention`) from
         its pieces, the rotary embedding and the cache's K/V write in one launch
-        (:func:`~dustin_hf.fused.rotary_write_kv`): the same projections, the same rotated q and written
+        (:func:`~dustin_hf.runtime.fused.rotary_write_kv`): the same projections, the same rotated q and written
         cache, the same attention call, so the same output."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -182,7 +182,7 @@ class Pipeline:
 
     def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor, cache) -> tuple[torch.Tensor, ...]:
         """``rotary_emb(h, positions)``: with a position-static rotary module inside ``fused_ops``
-        (:func:`~dustin_hf.fused.static_rotary`), rows gathered from a table the module computed once for
+        (:func:`~dustin_hf.runtime.fused.static_rotary`), rows gathered from a table the module computed once for
         positions ``0..capacity-1`` (one index launch instead of ~13 kernels), bit for bit its output."""
         module = self.decoder.rotary_emb
         if not (fused.static_rotary(module) and fused._triton_runs_on(h.device)):
@@ -228,7 +228,7 @@ def _settled(state: dict) -> dict:
 
 
 def _add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(residual + x), residual + x)``: one :func:`~dustin_hf.fused.add_rms_norm` launch when ``norm`` is a
+    """``(norm(residual + x), residual + x)``: one :func:`~dustin_hf.runtime.fused.add_rms_norm` launch when ``norm`` is a
     fused RMSNorm and the two tensors match, else the add and the norm module."""
     params = fused.fused_norm(norm)
     if (params is not None and x.dtype == residual.dtype and x.shape == residual.shape

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import decoding
-from .cache import DustinCache
-from .generate import attention_routed
-from .kernels import resolve_backend
-from .patching import is_patched, patch
-from .plan import select_heads
+from .. import decoding
+from ..runner import ModelRunner, model_device
+from ..cache import DustinCache
+from ..generate import attention_routed
+from ..kernels import resolve_backend
+from ..patching import is_patched, patch
+from ..plan import select_heads
 
 __all__ = ["Prefilled", "PrefillStore", "clone_cache", "dustin_attention_on", "prefill_pair", "speculative_decoder"]
 
@@ -87,17 +88,17 @@ def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int,
     Runs with Dustin's attention routed (the caller need not patch anything). ``capacity``: slots to
     reserve past the prompt in both caches (they grow on demand anyway).
     """
-    device = decoding.model_device(target)
+    device = model_device(target)
     tokens = tokens.to(device)
     backend = resolve_backend("auto", device)
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
     capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in history_layers}
     start = time.perf_counter()
     with torch.no_grad(), dustin_attention_on(target, draft):
-        t_model = decoding.ModelRunner(target, DustinCache(t_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
-        d_model = decoding.ModelRunner(draft, DustinCache(d_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
-        logits, kept = decoding.ModelRunner.prefill(t_model, [tokens], chunk, capture)
-        decoding.ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {})
+        t_model = ModelRunner(target, DustinCache(t_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
+        d_model = ModelRunner(draft, DustinCache(d_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
+        logits, kept = ModelRunner.prefill(t_model, [tokens], chunk, capture)
+        ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {})
     history = {layer: kept[0][layer][:, 0] for layer in history_layers}  # (1, heads, D)
     return Prefilled(tokens, t_model.cache, d_model.cache, logits[0], history, time.perf_counter() - start)
 
@@ -138,7 +139,7 @@ class PrefillStore:
                 if model.model is self.draft and (state := self.find(rows[0], drop_last=True)) is not None:
                     copy_cache_into(state.draft_cache, model.cache)
                     return [state.last_logits], [{}]
-            return decoding.ModelRunner.prefill(model, rows, chunk, capture)
+            return ModelRunner.prefill(model, rows, chunk, capture)
 
         return prefill
 

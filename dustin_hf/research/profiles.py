@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import DustinConfig
+from ..config import DustinConfig
 
 __all__ = ["PROFILE_FORMAT", "config_for_budget", "read_profile", "write_profile"]
 

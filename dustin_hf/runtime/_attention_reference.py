@@ -1,7 +1,7 @@
-"""transformers' Qwen2 attention forward, verbatim, for :func:`dustin_hf.fused.fused_attention`'s bytecode check.
+"""transformers' Qwen2 attention forward, verbatim, for :func:`dustin_hf.runtime.fused.fused_attention`'s bytecode check.
 
-Nothing here runs: :mod:`dustin_hf.fused` compares the instructions of a model's attention forward with these
-before :class:`~dustin_hf.graphs.Pipeline` calls that forward's pieces itself. The names the forward loads from
+Nothing here runs: :mod:`dustin_hf.runtime.fused` compares the instructions of a model's attention forward with these
+before :class:`~dustin_hf.runtime.graphs.Pipeline` calls that forward's pieces itself. The names the forward loads from
 its own module are defined below only so that these compile to the same global loads.
 """
 

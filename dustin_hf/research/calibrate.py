@@ -1,0 +1,161 @@
+"""Offline calibration: the scoring heads and ``draft_share`` that maximise attention recovery.
+
+Dustin scores positions on a few heads only (DESIGN.md section 2.3-2.4). Which heads matters: the
+chosen set must capture as much of the target's full attention as possible. Calibration, once per
+model pair:
+
+1. **Collect** verification-like steps from long texts: prefill a book window densely, then at
+   several positions ``L`` run the target over ``tokens[L-1 : L+γ+1]`` and the draft over
+   ``tokens[L-1 : L+γ]`` keeping every head of every layer. Per step this gives
+   - ``W (layers, L)``: the reference attention (mean over heads and the γ+1 verification queries,
+     renormalised over the cached positions; see :mod:`dustin_hf.recovery`),
+   - ``T (target layers, heads, L)``: each target head's history attention (query at ``L-1``),
+   - ``D (draft layers, heads, L)``: each draft head's lookahead attention (queries ``L..L+γ-1``).
+2. **Search**, greedily (recovery is linear in the selection, so a candidate costs one budget fill):
+   target layer and heads with ``m = 0`` (singles, whole GQA groups, then greedy growth within a
+   group for the best layers); then draft layers (up to three) with heads from one GQA group each,
+   with ``m`` at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent
+   windows, and ``m`` once more. Scores average the budgets asked for.
+   The selection is :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
+3. **Report** the calibrated choice beside ``DustinConfig()``'s defaults on the same steps, and the
+   oracle (the top positions of the reference attention itself: no selection of that size does better).
+
+A time limit bounds the whole run: collection stops taking new books once 60% of it is spent, and
+each search stage stops early keeping the best so far.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import DustinConfig
+from ..kernels import resolve_backend
+from ..runner import ModelRunner
+from ..search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+from .prefilled import dustin_attention_on, prefill_pair
+from .texts import token_window
+
+__all__ = ["CalibrationSettings", "calibrate", "collect_features"]
+
+_COLLECT_SHARE = 0.6  # of the time limit, the most collection may use before the search starts
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What calibration reads and how hard it searches.
+
+    Args:
+        books: bundled books to take windows from (:func:`dustin_hf.research.texts.list_books`).
+        context: tokens prefilled per book; steps sit between ``min_position`` and the window's end.
+        steps_per_book: verification steps sampled per book, evenly spaced.
+        min_position: earliest step position; keep it above the largest budget (else the step is dense).
+        gamma: draft tokens per step (γ): the target verifies γ+1 queries.
+        budgets: budgets the recovery is averaged over; ``profile_budget`` is the one written as ``budget``.
+        max_draft_layers: draft scoring layers chosen at most (the paper uses 3).
+        search_windows: also tune ``sink_tokens`` and ``recent_tokens`` (after the heads and ``m``).
+        time_limit: seconds for the whole calibration (collection + search).
+        offset: first token of each book window.
+    """
+
+    books: tuple[str, ...] = ("mobydick", "paradise_lost")
+    context: int = 4096
+    steps_per_book: int = 16
+    min_position: int = 2048
+    gamma: int = 4
+    budgets: tuple[int, ...] = (256, 512, 1024)
+    profile_budget: int = 512
+    max_draft_layers: int = 3
+    search_windows: bool = True
+    time_limit: float = 1500.0
+    offset: int = 0
+
+    def __post_init__(self):
+        if not self.books:
+            raise ValueError("books must name at least one bundled book")
+        if self.gamma < 1 or self.steps_per_book < 1 or self.max_draft_layers < 1:
+            raise ValueError("gamma, steps_per_book and max_draft_layers must be >= 1")
+        if not self.budgets or min(self.budgets) < 1:
+            raise ValueError(f"budgets must be positive ints, got {self.budgets}")
+        if self.min_position <= max(self.budgets):
+            raise ValueError(f"min_position ({self.min_position}) must exceed the largest budget ({max(self.budgets)}), "
+                             "or those steps would be verified densely")
+        if self.context < self.min_position + self.gamma + 2:
+            raise ValueError(f"context ({self.context}) must exceed min_position + gamma + 1 ({self.min_position + self.gamma + 1})")
+        if self.time_limit <= 0:
+            raise ValueError(f"time_limit must be positive seconds, got {self.time_limit}")
+
+
+def collect_features(pair, settings: CalibrationSettings, deadline: float, progress: bool = True) -> StepFeatures:
+    """Prefill each book window and sample ``steps_per_book`` steps from it (stops early near ``deadline``)."""
+    target, draft = pair.target, pair.draft
+    backend = resolve_backend("auto", pair.device)
+    start = time.perf_counter()
+    rows, seqlens, sources = [], [], []
+    books = tqdm(settings.books, desc="calibrate: collect", unit="book", disable=not progress)
+    for i, book in enumerate(books):
+        if i > 0 and time.perf_counter() - start > _COLLECT_SHARE * (deadline - start):
+            tqdm.write(f"calibrate: time limit near, collected {i} of {len(settings.books)} books")
+            break
+        books.set_postfix_str(f"{book}: prefill {settings.context} tokens")
+        tokens = token_window(pair.tokenizer, book, settings.context, settings.offset).to(pair.device)
+        state = prefill_pair(target, draft, tokens)
+        positions = torch.linspace(settings.min_position, settings.context - settings.gamma - 2,
+                                   settings.steps_per_book).round().long().unique().tolist()
+        books.set_postfix_str(f"{book}: {len(positions)} steps")
+        t_model = ModelRunner(target, state.target_cache, backend)
+        d_model = ModelRunner(draft, state.draft_cache, backend)
+        with torch.no_grad(), dustin_attention_on(target, draft):
+            for at in sorted(positions, reverse=True):  # caches only ever roll back
+                t_model.cache.rollback([at - 1])
+                d_model.cache.rollback([at - 1])
+                rows.append(step_features(target, draft, t_model, d_model, tokens, at, settings.gamma, backend))
+                seqlens.append(at)
+                sources.append({"book": book, "offset": settings.offset, "position": at})
+        del state, t_model, d_model
+    return stack_features(rows, seqlens, sources)
+
+
+def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = None, progress: bool = True,
+              features: StepFeatures | None = None, save_features=None) -> dict:
+    """Collect, search and compare; returns the profile's sections (``config``, ``draft_share_fraction``,
+    ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
+    :func:`dustin_hf.research.profiles.write_profile`). ``features`` given: skip collection (search only);
+    ``save_features``: a path to keep the collected features at."""
+    base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None)
+    start = time.perf_counter()
+    deadline = start + settings.time_limit
+    t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
+    if features is None:
+        features = collect_features(pair, settings, deadline, progress)
+        if save_features is not None:
+            features.save(save_features)
+    collected = time.perf_counter() - start
+    choice, log = search(features, t_cfg, d_cfg, settings.budgets, base, deadline, progress,
+                         settings.max_draft_layers, settings.search_windows)
+    default = default_choice(base, t_cfg, d_cfg, settings.profile_budget)
+    report = {}
+    for name, c in (("calibrated", choice), ("default", default)):
+        per_budget = recovery_of(features, c, settings.budgets, base)
+        per_layer = recovery_of(features, c, [settings.profile_budget], base, per_layer=True)[settings.profile_budget]
+        report[name] = {"mean": sum(per_budget.values()) / len(per_budget),
+                        "per_budget": {str(b): v for b, v in per_budget.items()}, f"per_layer@{settings.profile_budget}": per_layer}
+    oracle = oracle_recovery(features, settings.budgets)
+    report["oracle"] = {"mean": sum(oracle.values()) / len(oracle), "per_budget": {str(b): v for b, v in oracle.items()}}
+    config = choice.config(base, settings.profile_budget)
+    return {
+        "config": config.to_dict(),
+        "draft_share_fraction": choice.share if choice.draft else None,
+        "recovery": report["calibrated"],
+        "default_recovery": report["default"],
+        "oracle_recovery": report["oracle"],
+        "default_config": default.config(base, settings.profile_budget).to_dict(),
+        "search": log,
+        "model_pair": pair.describe(),
+        "texts": features.sources,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "seconds": {"collect": collected, "total": time.perf_counter() - start},
+    }

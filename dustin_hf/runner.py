@@ -1,0 +1,139 @@
+"""A model and its Dustin cache, as the decode loop drives it: one forward per plan, eager or from a CUDA graph."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .cache import DustinCache
+from .compat import CACHE_KWARG
+from .plan import ForwardPlan
+from .runtime.graphs import GraphedForward, Pipeline
+
+__all__ = ["ModelRunner", "attention_scale", "group_size", "model_device"]
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def group_size(text_config) -> int:
+    """Query heads per key/value head (GQA group size; 1 without GQA)."""
+    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
+                                               or text_config.num_attention_heads)
+
+
+def model_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+class ModelRunner:
+    """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
+
+    ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
+    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`).
+    """
+
+    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
+                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False):
+        self.model, self.cache, self.backend = model, cache, backend
+        self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
+        self.dense_layers = dense_layers  # read in full even on sparse steps
+        self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
+        self.device = model_device(model)
+        self._logits_to_keep = _accepts_logits_to_keep(model)
+        self._graphs: dict | None = {} if cuda_graphs else None
+        if cuda_graphs:
+            self.pipeline = Pipeline(model)
+            # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
+            self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+                                for device in self.pipeline.devices}
+
+    def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
+        extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, use_cache=True, dustin_plan=plan,
+            **{CACHE_KWARG: self.cache}, **extra,
+        )
+        return out.logits[:, -keep:].float()
+
+    def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """Run ``input_ids (B', Q)`` at the plan's positions (eagerly) and advance the covered rows."""
+        with self.cache.forward_plan(plan):
+            logits = self.call(plan, input_ids.to(self.device), plan.write_positions(self.device), keep)
+        self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
+        return logits
+
+    def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
+             selection=None) -> tuple[torch.Tensor, dict]:
+        """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
+        or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
+        indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True)
+        if graphed is None:  # no graphs, or a rare width: not worth a graph
+            plan = ForwardPlan(
+                rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
+                indices=indices, num_indices=num_indices,
+                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
+                key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
+            )
+            logits = self.forward(plan, input_ids, keep)
+            return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
+        return graphed(input_ids, seqlens, indices, num_indices)
+
+    def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
+                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None):
+        """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
+        the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
+        queued: run :meth:`step` once the lengths are known)."""
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False)
+        if graphed is None or not graphed.replayable:
+            return None
+        return graphed(input_ids, seqlens, indices, num_indices)
+
+    def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
+                 create: bool) -> GraphedForward | None:
+        """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
+        than :attr:`graph_width` (rare, not worth a graph)."""
+        width = 0 if indices is None else indices.shape[1]
+        if self._graphs is None or width not in (0, self.graph_width):
+            return None
+        key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
+        if key not in self._graphs and create:
+            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last)
+        return self._graphs.get(key)
+
+    @property
+    def graph_report(self) -> dict:
+        """Shapes captured and replayed, and why any capture failed (those shapes ran eagerly)."""
+        graphs = self._graphs or {}
+        return {"captured": sum(g.graphs is not None for g in graphs.values()),
+                "failed": [g.failed for g in graphs.values() if g.failed]}
+
+    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
+        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
+        last_logits, kept = [], []
+        for b, ids in enumerate(rows):
+            logits, captured = None, {}
+            for start in range(0, ids.numel(), chunk):
+                piece = ids[start : start + chunk]
+                plan = ForwardPlan(
+                    rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
+                    backend=self.backend, capture=capture, capture_last=True,
+                )
+                logits = self.forward(plan, piece[None], keep=1)[0, -1]
+                captured = plan.captured
+            last_logits.append(logits)
+            kept.append(captured)
+        return last_logits, kept
+
+
+def attention_scale(model, text_config) -> float:
+    """The softmax scale of the model's attention layers (``module.scaling``)."""
+    for module in model.modules():
+        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
+            return float(module.scaling)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return head_dim**-0.5

@@ -1,0 +1,87 @@
+"""What a decode run reports about itself beyond its tokens: per-phase step times."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["PhaseClock", "synchronize"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseClock:
+    """Time per phase of each decode step, in one of two modes.
+
+    ``"sync"`` synchronises the device at every mark and charges the wall time since the previous mark:
+    each phase's own cost with nothing overlapping it, but the step is slower than undisturbed.
+    ``"events"`` (CUDA only) records an event on the device's stream at every mark and charges the GPU
+    timeline between consecutive events: an undisturbed step split where its time goes, including the
+    stretches where the GPU waited for the host; the host's own time between marks is kept beside it
+    (``host_steps``). Nothing synchronises until the times are read.
+    """
+
+    def __init__(self, device: torch.device, mode: str | None):
+        self.device, self.mode = device, self.mode_of(mode, device)
+        # a mark is (CUDA event or None, host time); per finished step: (phase, mark before, mark after) per phase
+        self._steps: list[list[tuple[str, tuple, tuple]]] = []
+        self._current: list[tuple[str, tuple, tuple]] = []
+        self._last: tuple[object, float] = (None, time.perf_counter())
+
+    @staticmethod
+    def mode_of(profile, device: torch.device) -> str | None:
+        """The mode a decoder's ``profile`` argument asks for (``False``/``None``: off, ``True``: ``"sync"``)."""
+        mode = "sync" if profile is True else None if profile is False or profile is None else profile
+        if mode not in (None, "sync", "events"):
+            raise ValueError(f"profile must be False, True/'sync' or 'events', got {profile!r}")
+        if mode == "events" and device.type != "cuda":
+            raise ValueError("profile='events' times the GPU timeline and needs a CUDA device")
+        return mode
+
+    def _stamp(self):
+        if self.mode != "events":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def restart(self) -> None:
+        self._last = (self._stamp(), time.perf_counter())
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark to ``phase`` of the current step."""
+        if self.mode is None:
+            return
+        if self.mode == "sync":
+            synchronize(self.device)
+        self._current.append((phase, self._last, (self._stamp(), time.perf_counter())))
+        self._last = self._current[-1][2]
+
+    def end_step(self) -> None:
+        if self.mode is not None:
+            self._steps.append(self._current)
+            self._current = []
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        """Seconds per phase, one dict per finished step: wall time (``"sync"``) or GPU timeline (``"events"``)."""
+        if self.mode == "events":
+            synchronize(self.device)
+            return [self._sum(step, lambda a, b: a[0].elapsed_time(b[0]) / 1e3) for step in self._steps]
+        return self.host_steps
+
+    @property
+    def host_steps(self) -> list[dict[str, float]]:
+        """Host seconds between the marks, one dict per finished step."""
+        return [self._sum(step, lambda a, b: b[1] - a[1]) for step in self._steps]
+
+    @staticmethod
+    def _sum(step, elapsed) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for phase, begin, end in step:
+            out[phase] = out.get(phase, 0.0) + elapsed(begin, end)
+        return out
