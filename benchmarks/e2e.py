@@ -288,6 +288,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
     from dustin_hf.config import resolve
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
+    from dustin_hf.telemetry import DecodeHooks
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
@@ -297,7 +298,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
         draft.config)
     decoder = SpeculativeDecoder(
         target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
-        accept_override=replay.override(), prefill=_random_prefill(dtype), profile=profile,
+        hooks=DecodeHooks(accept=replay.override(), prefill=_random_prefill(dtype), profile=profile),
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
@@ -305,7 +306,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
         _trace_steps(decoder, torch_trace)
     with attention_routed(target, draft):
         result = decoder.generate(ids)
-    stats = result.cache.stats
+    stats = result.stats.as_dict()
     ends, committed = stats["step_end_times"], stats["step_tokens"]
     steps = range(WARMUP_STEPS, len(ends))
     tokens = sum(committed[i] for i in steps)
@@ -316,7 +317,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
     # Steady state: the steps before any row reached its token limit (every row committing its replayed
     # count). Later steps cost the same (fixed shapes) while finished rows commit nothing, so the
     # all-steps rate above depends on how unevenly the replayed counts land on the rows.
-    full = next((i for i, (_, rows) in enumerate(result.cache.counters.trace) if -1 in rows), len(ends))
+    full = next((i for i, (_, rows) in enumerate(result.stats.trace) if -1 in rows), len(ends))
     full = min(full, len(ends)) - 1  # the step before the first one with a finished row may have cut a row
     if full > WARMUP_STEPS:
         steady = sum(committed[i] for i in range(WARMUP_STEPS, full))

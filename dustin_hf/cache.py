@@ -14,48 +14,15 @@ Which slots a forward writes comes from the active :class:`~dustin_hf.plan.Forwa
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .plan import ForwardPlan
+from .stats import RunStats
 
-__all__ = ["DustinCache", "DustinLayer", "DustinStats"]
+__all__ = ["DustinCache", "DustinLayer"]
 
 _GROW_CHUNK = 256
-
-
-@dataclass
-class DustinStats:
-    """Counters a user can read after ``generate`` to see what verification did."""
-
-    sparse_steps: int = 0
-    dense_steps: int = 0
-    attended_sum: float = 0.0  # sum over sparse steps of the mean cached positions read per row
-    verified_tokens: int = 0  # draft tokens proposed to the target
-    accepted_tokens: int = 0  # draft tokens the target kept
-    steps: int = 0  # verification forwards
-    draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
-    draft_forwards_ahead: int = 0  # first draft forwards queued by the step before, ahead of its sync
-    trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        sparse = self.sparse_steps
-        return {
-            "sparse_steps": sparse,
-            "dense_steps": self.dense_steps,
-            "mean_attended": self.attended_sum / sparse if sparse else 0.0,
-            "steps": self.steps,
-            "draft_tokens": self.verified_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0,
-            "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
-            "draft_sparse_forwards": self.draft_sparse_forwards,
-            "draft_forwards_ahead": self.draft_forwards_ahead,
-            **self.extra,
-        }
 
 
 class DustinLayer(CacheLayerMixin):
@@ -165,7 +132,7 @@ class DustinCache(Cache):
         self.capacity = max(1, capacity)
         self.seq_lengths: list[int] = [0] * batch_size
         self.active_plan: ForwardPlan | None = None
-        self._stats = DustinStats()
+        self.run_stats = RunStats()  # the decode run's (the loop hands its own in)
         # Target only: query of each row's last committed token on the scoring heads, for the next
         # step's history score; `history_pos[b]` is its position (-1: none).
         self.history_queries: torch.Tensor | None = None  # (B, heads, D)
@@ -270,13 +237,10 @@ class DustinCache(Cache):
 
     @property
     def stats(self) -> dict:
-        """``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read
-        per row and layer) and acceptance counters."""
-        return self._stats.as_dict()
-
-    @property
-    def counters(self) -> DustinStats:
-        return self._stats
+        """What the decode run that used this cache did (:meth:`dustin_hf.stats.RunStats.as_dict`):
+        ``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read per
+        row and layer), acceptance counters, timings and reports."""
+        return self.run_stats.as_dict()
 
     def __repr__(self):
         return (

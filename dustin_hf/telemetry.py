@@ -1,12 +1,39 @@
-"""What a decode run reports about itself beyond its tokens: per-phase step times."""
+"""What benchmarks and evaluation plug into a decode run: replayed acceptance, a stored prefill, phase timing.
+
+The library never needs any of it: ``generate()`` runs without hooks. A benchmark passes one
+:class:`DecodeHooks` to :class:`~dustin_hf.decoding.SpeculativeDecoder` instead of reaching into the loop.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PhaseClock", "synchronize"]
+__all__ = ["DecodeHooks", "PhaseClock", "synchronize"]
+
+
+@dataclass(frozen=True)
+class DecodeHooks:
+    """Ways to observe or steer a decode run from outside it.
+
+    Args:
+        accept: replayed acceptance: maps the computed ``n_accepted (B,)`` (a device tensor) to the counts to
+            keep (a device tensor, clamped to ``[0, γ]``); the target's own token follows them. GPU benchmarks use
+            it to run random weights at the acceptance of a recorded trace.
+        prefill: replaces :meth:`~dustin_hf.runner.ModelRunner.prefill` (same signature and results), to start
+            from a stored prefill (evaluation) or from random K/V (benchmarks).
+        profile: record each step's time per phase in ``stats["phase_seconds"]`` (and the host's time between
+            the same marks in ``stats["phase_host_seconds"]``): ``True`` or ``"sync"`` synchronises the device
+            between phases (each phase's own cost; slows decoding), ``"events"`` reads CUDA events instead (the
+            GPU timeline of undisturbed steps, idle time included). Leave it off when measuring throughput.
+    """
+
+    accept: Callable[[torch.Tensor], torch.Tensor] | None = None
+    prefill: Callable | None = None
+    profile: bool | str | None = None
 
 
 def synchronize(device: torch.device) -> None:

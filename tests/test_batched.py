@@ -127,7 +127,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
             assert (stats["draft_forwards_ahead"] > 0) == ahead
             assert stats["sparse_steps"] > 0 if mode != "dense" else stats["sparse_steps"] == 0
             assert (stats["draft_sparse_forwards"] > 0) == (mode == "sparse_draft")
-            trace = out.past_key_values.counters.trace  # per step: (γ, accepted per row; -1 once finished)
+            trace = out.past_key_values.run_stats.trace  # per step: (γ, accepted per row; -1 once finished)
     hook.remove()
     assert torch.equal(outputs[0], outputs[1])
     assert (outputs[0][1, ids.shape[1]:] == PAD).any()  # row 1 stopped while the others went on
@@ -208,6 +208,7 @@ def test_profile_records_each_steps_phases():
     from transformers import GenerationConfig
 
     from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.telemetry import DecodeHooks
     from dustin_hf.generate import attention_routed
 
     target = tiny_model("qwen2", seed=1)
@@ -215,7 +216,8 @@ def test_profile_records_each_steps_phases():
     ids = random_prompt(20, batch=2, seed=3)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 10, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile=True)
+        decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
+                                     hooks=DecodeHooks(profile=True))
         stats = decoder.generate(ids).cache.stats
     phases = ["draft", "score_select", "verify", "accept", "commit", "bookkeeping"]
     steps = stats["dense_steps"] + stats["sparse_steps"]
@@ -224,6 +226,7 @@ def test_profile_records_each_steps_phases():
         assert all(t >= 0 for step in stats[key] for t in step.values())
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile="events")
+            SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
+                               hooks=DecodeHooks(profile="events"))
     with pytest.raises(ValueError, match="profile must be"):
-        SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", profile="wall")
+        SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", hooks=DecodeHooks(profile="wall"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import decoding
+from dustin_hf import decoding, selector
 from dustin_hf.draft_reads import DraftReads
 from dustin_hf.selection import Selection
 
@@ -48,7 +48,8 @@ def test_sparse_path_with_every_position_selected_is_exact(monkeypatch, family):
     ids = random_prompt(40, seed=3)
     greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
     monkeypatch.setattr(decoding, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
-    monkeypatch.setattr(decoding, "select_positions", _select_everything)
+    monkeypatch.setattr(selector, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
+    monkeypatch.setattr(selector, "select_positions", _select_everything)
     with dustin_hf.patch(target):
         out = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
                               cache_implementation="dustin", return_dict_in_generate=True)

@@ -46,7 +46,7 @@ def speculative_continuation(target, draft, prompt: torch.Tensor, *, config: Res
         result = decoder.generate(prompt.to(device)[None])
     seconds = time.perf_counter() - start
     stats = {k: v for k, v in result.cache.stats.items() if k not in ("step_end_times", "phase_seconds")}
-    trace = result.cache.counters.trace
+    trace = result.stats.trace
     generated = result.sequences[0, prompt.numel():].tolist()
     decode_seconds = float(stats.get("decode_seconds", seconds))
     return {

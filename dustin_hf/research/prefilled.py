@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import decoding
-from ..runner import ModelRunner, model_device
 from ..cache import DustinCache
 from ..generate import attention_routed
+from ..runner import ModelRunner, model_device
+from ..telemetry import DecodeHooks
 from ..kernels import resolve_backend
 from ..patching import is_patched, patch
 from ..plan import select_heads
@@ -148,4 +149,5 @@ def speculative_decoder(target, draft, generation_config, *, dustin, gamma: int,
     """A :class:`~dustin_hf.decoding.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
     return decoding.SpeculativeDecoder(target, draft, generation_config, dustin=dustin, num_draft_tokens=gamma,
-                                       confidence_threshold=None, prefill=None if store is None else store.hook())
+                                       confidence_threshold=None,
+                               hooks=None if store is None else DecodeHooks(prefill=store.hook()))

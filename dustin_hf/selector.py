@@ -1,0 +1,99 @@
+"""Step 2 of a Dustin step: score every cached position and choose what each row's verification reads.
+
+The two signals (:mod:`dustin_hf.scoring`): the draft's lookahead attention (the queries that produced this
+step's drafts, on the draft's scoring heads) and the target's history attention (the query of each row's last
+committed token, kept by the previous verification). The budget fill (:mod:`dustin_hf.selection`) turns them
+into one sorted index set per row, shared by every layer and head of the target.
+
+With the Triton backend the scores span the cache capacity, a size fixed for the whole generation (each row's
+kernels stop at its own length), so the steady step (every row sparse and with a history, one device) is
+captured once as a CUDA graph and replayed; the eager calls before it run the very same kernels and splits.
+The graph spares the host a millisecond or more of launches a step, which could otherwise leave the GPU
+waiting before verification.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ResolvedConfig
+from .runtime.graphs import GraphedCall
+from .scoring import draft_lookahead_scores, target_history_scores
+from .selection import Selection, dense_rows, select_positions
+
+__all__ = ["Selector"]
+
+
+class Selector:
+    """Chooses each row's read set from the kept queries; one per decode run (it owns the steady step's graph).
+
+    Args:
+        config: the resolved Dustin settings (scoring layers and heads, budget, windows).
+        backend: the attention backend; ``"triton"`` scores and selects with the Triton kernels.
+        t_group, d_group: query heads per key head of the target and the draft.
+        t_scale, d_scale: their attention scales.
+        graphs: capture the steady step (needs the target's graph pools).
+    """
+
+    def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
+                 d_scale: float, graphs: bool):
+        self.config, self.backend, self.graphs = config, backend, graphs
+        self.t_group, self.d_group, self.t_scale, self.d_scale = t_group, d_group, t_scale, d_scale
+        self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
+
+    def select(self, target, draft, seqlens: list[int], base: torch.Tensor, kept_queries: dict,
+               gamma: int) -> Selection:
+        """The read sets of a step at ``seqlens`` (``base``: the same on the device) from the draft's kept
+        queries (``{layer: [(B, heads, D)] * γ}``) and the target cache's history queries."""
+        cfg, t_cache = self.config, target.cache
+        d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
+        has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
+        triton = self.backend == "triton"
+        # every row's L is below capacity - γ - 2 (the loop sizes the caches so), and the draft queries see up
+        # to L + γ - 1
+        span = t_cache.capacity - gamma if triton else max(seqlens)
+        d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
+        t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
+        history = t_cache.history_queries if any(has_history) else None
+
+        def score_select(*tensors) -> Selection:
+            *queries, lengths, history_queries = tensors
+            return self._score_select(queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span,
+                                      triton)
+
+        devices = {base.device, t_keys.device, *(k.device for k in d_keys)}
+        if not (triton and self.graphs and all(has_history) and len(devices) == 1
+                and not any(dense_rows(seqlens, cfg))):
+            return score_select(*d_queries, base, history)
+        # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
+        key = (gamma, tuple(k.data_ptr() for k in (*d_keys, t_keys)))
+        call = self._graphs.get(key)
+        if call is None:
+            def read_set(*tensors) -> tuple[torch.Tensor, torch.Tensor]:
+                selection = score_select(*tensors)
+                return selection.indices, selection.num_indices
+
+            call = self._graphs[key] = GraphedCall(read_set, base.device, target.graph_pools[base.device][0])
+        indices, num_indices = call(*d_queries, base, history)
+        return Selection(indices.clone(), num_indices.clone(), [cfg.budget] * len(seqlens))
+
+    def _score_select(self, d_queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span: int,
+                      triton: bool) -> Selection:
+        """:func:`select_positions` from the draft queries and the target history queries (``None``: none)."""
+        cfg = self.config
+        score_backend = "triton" if triton else "reference"
+        s_draft = draft_lookahead_scores(d_queries, d_keys, lengths.to(d_keys[0].device), cfg.draft_heads,
+                                         self.d_group, self.d_scale, span, backend=score_backend).to(lengths.device)
+        s_target = None
+        if history_queries is not None:
+            s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),
+                                             cfg.target_heads, self.t_group, self.t_scale, span,
+                                             backend=score_backend).to(lengths.device)
+        # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
+        return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
+                                backend="auto" if triton else "reference")
+
+    @property
+    def graph_report(self) -> dict:
+        return {"captured": sum(c.graph is not None for c in self._graphs.values()),
+                "failed": [c.failed for c in self._graphs.values() if c.failed]}

@@ -1,0 +1,68 @@
+"""What a decode run did: step counts, acceptance, reads, timing and reports, returned with its tokens.
+
+The loop fills one :class:`RunStats` per ``generate`` call and hands it back in its result; the target's
+cache keeps a reference so that ``out.past_key_values.stats`` (``out.cache.stats`` from transformers 5.24)
+shows the same numbers as a plain dict (:meth:`RunStats.as_dict`, the documented keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RunStats"]
+
+
+@dataclass
+class RunStats:
+    """Counters of one decode run. ``as_dict`` is the user-facing view (``cache.stats``)."""
+
+    sparse_steps: int = 0  # verification forwards that read a selection (for at least one row)
+    dense_steps: int = 0
+    attended_sum: float = 0.0  # sum over sparse steps of the mean cached positions read per row and layer
+    verified_tokens: int = 0  # draft tokens proposed to the target (unfinished rows)
+    accepted_tokens: int = 0  # draft tokens the target kept
+    steps: int = 0  # verification forwards
+    draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
+    draft_forwards_ahead: int = 0  # first draft forwards queued by the step before, ahead of its sync
+    trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    generated_tokens: int = 0
+    step_end_times: list[float] = field(default_factory=list)  # host clock after each step's sync, from decode start
+    step_tokens: list[int] = field(default_factory=list)  # tokens all rows committed at each step
+    reports: dict = field(default_factory=dict)  # "cuda_graphs", "fused_ops", "calibration", "phase_seconds", ...
+
+    def record_step(self, gamma: int, accepted: list[int], committed: list[int], active: list[int],
+                    sparse: bool, attended: float | None) -> None:
+        """Count one step: ``accepted[b]`` drafts kept and ``committed[b]`` tokens appended per row; ``active``: the
+        rows that were unfinished before it; ``attended``: mean cached positions a sparse step read per row and layer."""
+        self.steps += 1
+        self.verified_tokens += gamma * len(active)
+        self.accepted_tokens += sum(committed[b] - 1 for b in active)
+        self.trace.append((gamma, [accepted[b] if b in active else -1 for b in range(len(accepted))]))
+        if sparse:
+            self.sparse_steps += 1
+            self.attended_sum += attended
+        else:
+            self.dense_steps += 1
+
+    def as_dict(self) -> dict:
+        sparse = self.sparse_steps
+        return {
+            "sparse_steps": sparse,
+            "dense_steps": self.dense_steps,
+            "mean_attended": self.attended_sum / sparse if sparse else 0.0,
+            "steps": self.steps,
+            "draft_tokens": self.verified_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0,
+            "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
+            "draft_sparse_forwards": self.draft_sparse_forwards,
+            "draft_forwards_ahead": self.draft_forwards_ahead,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "generated_tokens": self.generated_tokens,
+            "step_end_times": list(self.step_end_times),
+            "step_tokens": list(self.step_tokens),
+            **self.reports,
+        }
