@@ -8,6 +8,12 @@ argument ``dustin_plan`` (transformers forwards unknown keyword arguments down t
 
 No attention mask is registered for this name, so transformers builds none; causality (bottom-right:
 query i sees cached positions and new tokens up to itself) is the kernel's job.
+
+A sliding-window layer (``module.sliding_window``, Mistral's and Qwen2's windowed layers) whose window can cut
+the keys of this forward runs the general masked path (:mod:`dustin_hf.kernels.masked`): every query sees only
+its window; on a sparse step the layer reads its whole window when the window fits the read budget (so a budget
+covering the window is exact), else the selection within it. The same path serves the hidden query of a masked
+last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import verify_attention
+from .kernels.masked import masked_attention
 from .plan import ForwardPlan
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
@@ -39,18 +46,18 @@ def dustin_attention(
     dustin_plan: ForwardPlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``query (B, Hq, Q, D)``, ``key/value (B, Hkv, capacity, D)`` -> ``(B, Q, Hq, D)``, no weights."""
+    """``query (B, Hq, Q, D)``, ``key/value (B, Hkv, capacity, D)`` -> ``(B, Q, Hq, D)`` and, only when the plan asks
+    for them, the weights ``(B, Hq, Q, max cached + Q)`` over cache slots."""
     if dustin_plan is None:
         raise RuntimeError(
             "the 'dustin' attention runs only inside dustin_hf's decoding loop; call "
             "model.generate(..., assistant_model=draft, cache_implementation='dustin'), or restore the model's "
             "attention with the handle returned by dustin_hf.patch(model)"
         )
-    if sliding_window is not None or softcap is not None:
+    if softcap is not None:
         raise NotImplementedError(
-            f"layer {module.layer_idx} uses {'sliding-window attention' if sliding_window else 'attention softcapping'}, "
-            "which Dustin does not support; use a model with full attention (Llama, Mistral without sliding window, "
-            "Qwen2/2.5/3)"
+            f"layer {module.layer_idx} uses attention softcapping, which Dustin does not support; use a model without "
+            "it (Llama, Mistral, Qwen2/2.5/3)"
         )
     if module.training and dropout:
         raise NotImplementedError("Dustin attention is for inference; call model.eval() first")
@@ -61,6 +68,16 @@ def dustin_attention(
     if not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES:
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
+    window = sliding_window if sliding_window is not None and sliding_window < dustin_plan.max_seqlen_k else None
+    if window is not None or dustin_plan.hide_new or dustin_plan.attention_weights:
+        sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
+        out, weights = masked_attention(
+            q, key.transpose(1, 2), value.transpose(1, 2), tensors.cache_seqlens,
+            softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+            indices=tensors.indices if sparse else None, num_indices=tensors.num_indices if sparse else None,
+            window=window, hide_new=dustin_plan.hide_new, return_weights=dustin_plan.attention_weights,
+        )
+        return out, weights
     out = verify_attention(
         q,
         key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again

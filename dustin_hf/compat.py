@@ -4,7 +4,7 @@ The patch relies on transformers internals (``_assisted_decoding`` looked up on 
 ``ALL_CACHE_IMPLEMENTATIONS`` read at validation time, keyword arguments reaching the attention
 function). Those were checked on the versions in ``VERIFIED_RANGE``; a newer 5.x gets a warning,
 anything outside 5.x an error. Models must route attention through transformers' registry with a
-standard KV cache and full (not sliding-window) attention.
+standard KV cache (full or sliding-window attention; linear-attention and recurrent layers have none).
 """
 
 from __future__ import annotations
@@ -60,15 +60,6 @@ def check_model(model, role: str = "target") -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"{role} model {name} does not route attention through transformers' attention registry")
     layer_types = getattr(text, "layer_types", None) or []
-    uses_window = any("sliding" in str(t) for t in layer_types) or (
-        model_type in ("mistral", "mixtral") and getattr(text, "sliding_window", None) is not None
-    )
-    if uses_window:
-        raise ValueError(
-            f"{role} model {name} uses sliding-window attention (sliding_window={getattr(text, 'sliding_window', None)}); "
-            "Dustin needs full attention over the whole context. Set config.sliding_window=None only if the "
-            "model was trained without it (e.g. Mistral v0.2+)"
-        )
     if any(t in str(layer_types) for t in ("linear", "mamba", "conv")):
         raise ValueError(f"{role} model {name} has linear-attention layers; Dustin needs a standard KV cache")
 

@@ -120,6 +120,12 @@ class DustinConfig:
         object.__setattr__(self, "dense_layers", tuple(layers))
         if self.calibration not in _CALIBRATIONS:
             raise ValueError(f"calibration must be one of {_CALIBRATIONS}, got {self.calibration!r}")
+        if self.calibration == "prompt" and fixed == self.budget:
+            raise ValueError(
+                f"calibration='prompt' searches the scoring heads and draft_share that fill budget - sink_tokens - "
+                f"recent_tokens positions; with budget == sink_tokens + recent_tokens ({self.budget}) nothing is left to "
+                "fill: raise budget, shrink the windows, or use calibration='none'"
+            )
         if self.calibration == "prompt" and any(getattr(self, name) is not None for name in _SEARCHED):
             given = [name for name in _SEARCHED if getattr(self, name) is not None]
             raise ValueError(f"calibration='prompt' searches {', '.join(_SEARCHED)}; leave them None (got {given}), "
@@ -154,8 +160,17 @@ class DustinConfig:
     @classmethod
     def from_profile(cls, path: str | Path, **overrides: Any) -> "DustinConfig":
         """Load the ``"config"`` section of a calibration profile written by ``dustin-hf calibrate``."""
-        data = json.loads(Path(path).read_text())
-        fields = data.get("config", data)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"calibration profile {str(path)!r} not found: a config path must name a JSON profile written by "
+                "`dustin-hf calibrate` (or pass a DustinConfig)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not a calibration profile (invalid JSON: {error})") from None
+        fields = data.get("config", data) if isinstance(data, dict) else None
         if not isinstance(fields, dict):
             raise ValueError(f"{path}: expected a JSON object with a 'config' section")
         return cls().replace(**{**_lists_to_tuples(fields), **overrides})

@@ -43,20 +43,26 @@ from .cache import DustinCache
 from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .kernels import resolve_backend
-from .masks import prompts_from_mask
+from .masks import Prompt, prompts_from_mask
 from .plan import HostCopy, device_tensor, select_heads
+from .processors import LogitsPipeline
 from .prompt_calibration import calibrate_on_prompts
 from .rows import Rows, token_ids
 from .runner import ModelRunner, attention_scale, group_size, model_device
 from .runtime.fused import fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
-from .sampling import LogitsPipeline, accept_greedy, accept_sampled, pick_tokens
+from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
 from .selection import Selection, dense_rows
 from .selector import Selector
 from .stats import RunStats
 from .telemetry import DecodeHooks, PhaseClock, synchronize
 
-__all__ = ["DecodeResult", "SpeculativeDecoder"]
+__all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]
+
+DRAFT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+# a row's draft length under the "heuristic" schedule grows by 2 after a step that kept all its drafts; it stops
+# growing here (every length is a forward shape, and a CUDA graph each)
+_HEURISTIC_MAX = 16
 
 
 @dataclass
@@ -73,10 +79,11 @@ class DecodeResult:
 class _Drafts:
     """Step 1's output: every row's drafts, the draft's distributions and the scoring queries it kept."""
 
-    tokens: torch.Tensor  # (B, γ)
+    tokens: torch.Tensor  # (B, γ): γ is the longest row's count; a row's drafts past its own count are ignored
     probs: torch.Tensor | None  # (B, γ, Vd): the draft's processed distributions q (sampling, threshold)
     queries: dict  # {draft scoring layer: [(B, heads, D)] * γ}: the queries that produced the drafts
     sparse_reads: bool  # the draft read a selection (DustinConfig.sparse_draft)
+    row_gamma: list[int]  # the drafts each row proposed (finished rows: γ, of no consequence)
 
     @property
     def gamma(self) -> int:
@@ -101,9 +108,12 @@ class SpeculativeDecoder:
         generation_config: the target's prepared config (``do_sample``, ``max_length``, EOS/pad ids).
         logits_processor, stopping_criteria: as prepared by ``generate()``.
         dustin: resolved Dustin settings, or ``None`` for dense verification.
-        num_draft_tokens: γ, draft tokens per step.
-        confidence_threshold: stop drafting early once every unfinished row's draft confidence
-            (its top probability) falls below it; ``None`` never stops early.
+        num_draft_tokens: γ, draft tokens per step (each row's starting length under a schedule).
+        confidence_threshold: a row stops drafting after a draft whose probability under the draft's processed
+            distribution is below it (transformers' ``ConfidenceCriteria``, per row); ``None`` never stops early.
+        draft_schedule: ``"constant"`` (every row drafts ``num_draft_tokens``), or ``"heuristic"`` /
+            ``"heuristic_transient"`` (transformers' schedule, per row: +2 after a step that kept all the row's
+            drafts, else -1, at least 1, at most 16). :attr:`final_draft_tokens` holds the rows' lengths after a run.
         streamer: receives each step's new tokens (batch size 1 only).
         backend: attention backend for dense verification (Dustin uses ``dustin.backend``).
         cuda_graphs: capture the fixed-shape forwards in CUDA graphs (a model split over GPUs: one graph per
@@ -132,14 +142,20 @@ class SpeculativeDecoder:
         dustin: ResolvedConfig | None = None,
         num_draft_tokens: int = 4,
         confidence_threshold: float | None = None,
+        draft_schedule: str = "constant",
         streamer=None,
         backend: str = "auto",
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
         hooks: DecodeHooks | None = None,
     ):
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens (the draft's generation_config.num_assistant_tokens) must be an int "
+                             f">= 1, got {num_draft_tokens!r}")
+        if draft_schedule not in DRAFT_SCHEDULES:
+            raise ValueError(f"num_assistant_tokens_schedule must be one of {DRAFT_SCHEDULES}, got {draft_schedule!r}")
+        if confidence_threshold is not None and not 0 <= confidence_threshold <= 1:
+            raise ValueError(f"assistant_confidence_threshold must be in [0, 1] or None, got {confidence_threshold!r}")
         self.target, self.draft = target, draft
         self.config = generation_config
         self.process = LogitsPipeline(logits_processor)
@@ -147,6 +163,10 @@ class SpeculativeDecoder:
         self.dustin = dustin
         self.gamma = num_draft_tokens
         self.threshold = confidence_threshold
+        self.schedule = draft_schedule
+        # the most drafts any row proposes in a step: caches and the sparse draft's read sets are sized by it
+        self.max_gamma = num_draft_tokens if draft_schedule == "constant" else max(num_draft_tokens, _HEURISTIC_MAX)
+        self.final_draft_tokens: list[int] = []
         self.streamer = streamer
         self.hooks = hooks or DecodeHooks()
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
@@ -196,20 +216,29 @@ class SpeculativeDecoder:
             raise ValueError(f"max_length {self.config.max_length} leaves no room after the {padded_len}-token input")
         if self.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
-        device = model_device(self.target)
-        prompt_lens = [p.numel() for p in prompts]
-        capacity = max(prompt_lens) + max_new + self.gamma + 2
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+        _check_token_ids(prompts, t_cfg.vocab_size)
+        device = model_device(self.target)
+        prompt_lens = [p.length for p in prompts]
+        capacity = max(prompt_lens) + max_new + self.max_gamma + 2
+        shifts = [p.position_shift for p in prompts]
+        # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
+        # ids are shifted (its last input slot was masked) or a sliding window that can cut runs eagerly
+        graphs = {role: self.graphs[role] and not any(shifts) and not _window_cuts(model, capacity)
+                  for role, model in (("target", self.target), ("draft", self.draft))}
         cfg = self.dustin
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                             self.graphs["target"], graph_width=cfg.budget if cfg is not None else 0,
+                             graphs["target"], graph_width=cfg.budget if cfg is not None else 0,
                              dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only)
-        draft_width = cfg.budget + DraftReads.extra(self.gamma) if self._sparse_draft else 0
+        draft_width = cfg.budget + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                            self.graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
+                            graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
         self.stats = target.cache.run_stats = RunStats()
         self.rows = Rows(prompts, capacity + 1, self.pad, device, max_new, self.eos, self.row_criteria, self.streamer,
                          self.output_scores, self.output_logits)
+        self.process.for_batch([p.pad for p in prompts])
+        self.rng = RowGenerators(batch, device) if self.do_sample else None
+        self.row_gamma = [self.gamma] * batch  # each row's draft length for its next step (the schedule's state)
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self._ahead: _QueuedDraft | None = None  # the next step's first draft forwards, already queued
         self._t_layers = t_cfg.num_hidden_layers
@@ -218,10 +247,12 @@ class SpeculativeDecoder:
         started = time.perf_counter()
 
         self._prefill(target, draft, prompts, t_cfg)
+        if any(shifts):  # the new tokens of a row whose last input slot was masked: positions from 1 (stock's)
+            target.position_shift = draft.position_shift = (shifts, prompt_lens)
         if self.dustin is not None:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
-                                     graphs=self.graphs["target"])
+                                     graphs=graphs["target"])
         synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()
@@ -235,6 +266,7 @@ class SpeculativeDecoder:
                 break
         if self.streamer is not None:
             self.streamer.end()
+        self.final_draft_tokens = list(self.row_gamma)
 
         stats = self.stats
         stats.prefill_seconds = decoding - started
@@ -249,25 +281,31 @@ class SpeculativeDecoder:
         return DecodeResult(self.rows.sequences(input_ids), self.rows.per_position(self.rows.scores),
                             self.rows.per_position(self.rows.raw), stats, target.cache, draft.cache)
 
-    def _prefill(self, target: ModelRunner, draft: ModelRunner, prompts: list[torch.Tensor], t_cfg) -> None:
+    def _prefill(self, target: ModelRunner, draft: ModelRunner, prompts: list[Prompt], t_cfg) -> None:
         """The target reads each prompt (keeping its last query on the scoring heads as the first history) and
         names the first new token; the draft reads all but the last prompt token. With ``calibration="prompt"``
-        the scoring heads are searched on the prompts in between."""
+        the scoring heads are searched on the prompts in between. A row whose last input slot was masked takes
+        its first token from that slot's query instead (:meth:`~dustin_hf.runner.ModelRunner.hidden_query`)."""
         prefill = self.hooks.prefill or ModelRunner.prefill
         chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
-        rows, prompt_lens = self.rows, [p.numel() for p in prompts]
+        rows, prompt_lens = self.rows, [p.length for p in prompts]
         calibrate = self.dustin is not None and self.dustin.calibration == "prompt"
         if calibrate:  # the target layer is chosen after prefill: keep every layer's last query
             t_capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in range(t_cfg.num_hidden_layers)}
         else:
             t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
-        last_logits, kept = prefill(target, prompts, chunk, t_capture)
+        last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, t_capture)
+        for b, p in enumerate(prompts):
+            if p.last is not None:  # stock: the masked slot's token at position 0, seeing the real tokens only
+                last_logits[b] = target.hidden_query(b, p.last, position=0)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
-        first_scores = self.process(first_raw, lambda b, i: rows.history(b, []))
-        first = pick_tokens(first_scores[:, 0], self.do_sample)
+        first_scores = self.process(first_raw, lambda b, i: rows.history(b))
+        first = pick_tokens(first_scores[:, 0], self.rng)
         rows.write_candidates(first[:, None])
         rows.commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * len(prompts))
-        prefill(draft, [p[:-1] for p in prompts], chunk, {})
+        # ids the draft cannot embed (a draft whose embedding is smaller than the shared tokenizer) reach it as its
+        # last id, as every later token does (_draft_feed): its proposals there are poor, the output is the same
+        prefill(draft, [p.tokens[:-1].clamp_max(self._draft_vocab - 1) for p in prompts], chunk, {})
         if calibrate:
             self.dustin, report = calibrate_on_prompts(target, draft, rows.tokens, self.dustin, self.gamma,
                                                        prompt_lens)
@@ -292,8 +330,8 @@ class SpeculativeDecoder:
         self._clock.mark("draft")
 
         # 2. Select what verification reads (Dustin, once some row is long enough).
-        selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma) \
-            if sparse else None
+        selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
+                                         drafts.row_gamma) if sparse else None
         self._last_selection = None if selection is None else (selection, seqlens)
         self._clock.mark("score_select")
 
@@ -316,6 +354,7 @@ class SpeculativeDecoder:
         host = host.tolist()  # the step's one device->host sync: it waits for the copy, not for those drafts
         accepted = [row[0] for row in host]
         counts = rows.commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
+        self._update_schedule(drafts.row_gamma, accepted, active)
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
         if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
@@ -329,16 +368,22 @@ class SpeculativeDecoder:
             target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
         self._clock.mark("commit")
 
-        self.stats.record_step(drafts.gamma, accepted, counts, active, sparse=selection is not None,
+        self.stats.record_step(drafts.row_gamma, accepted, counts, active, sparse=selection is not None,
                                attended=None if selection is None else self._attended(selection, seqlens, active))
         self._clock.mark("bookkeeping")
         self._clock.end_step()
 
     def _draft(self, draft: ModelRunner, seqlens: list[int], base: torch.Tensor, sparse: bool) -> _Drafts:
-        """Step 1: γ draft forwards. The first feeds [tokens[L-1], tokens[L]] so that every row feeds two; the
-        draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With ``sparse_draft`` the draft
+        """Step 1: up to γ draft forwards. The first feeds [tokens[L-1], tokens[L]] so that every row feeds two;
+        the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With ``sparse_draft`` the draft
         reads the last selection plus the positions written since (:class:`~dustin_hf.draft_reads.DraftReads`).
-        With a confidence threshold, drafting stops once no unfinished row's draft is confident."""
+
+        Each row drafts its own count: its schedule's length, cut after a draft below the confidence threshold.
+        The forwards run while some unfinished row is still drafting; a row's drafts past its own count are
+        computed with the others' but never verified, scored or accepted, so the row's tokens depend on its own
+        prompt only."""
+        rows = self.rows
+        planned = [0 if done else g for g, done in zip(self.row_gamma, rows.finished)]
         d_capture = self._draft_capture(sparse)
         ahead, self._ahead = self._ahead, None  # the first forwards, queued by the last step before its sync
         assert ahead is None or ahead.sparse == sparse  # rows only grow: a sparse step is followed by sparse ones
@@ -346,12 +391,14 @@ class SpeculativeDecoder:
             queued, reads, feed = ahead.outputs, ahead.reads, None
         else:
             queued = ()
-            reads = DraftReads.after(self._last_selection, self.dustin, self.gamma, draft.cache.capacity) \
+            reads = DraftReads.after(self._last_selection, self.dustin, self.max_gamma, draft.cache.capacity) \
                 if sparse and self._sparse_draft else None
             feed = self._draft_feed(base - 1)
-        device = self.rows.tokens.device
+        device = rows.tokens.device
         tokens, probs, kept_queries = [], [], {layer: [] for layer in d_capture}
-        for i in range(self.gamma):
+        drafted = [0] * rows.batch_size
+        drafting = [g > 0 for g in planned]
+        for i in range(max(planned)):
             at = [n - 1 + i + (1 if i else 0) for n in seqlens]
             if i < len(queued):
                 raw, captured = queued[i]
@@ -361,22 +408,38 @@ class SpeculativeDecoder:
             if self._tokens_only:
                 token = raw[:, 0].to(device)
             else:
-                scores = self.process(raw, lambda b, _, i=i: self.rows.history(b, tokens[:i]))
-                token = pick_tokens(scores[:, 0], self.do_sample).to(device)
+                scores = self.process(raw, lambda b, _, i=i: rows.history(b, tokens[:i]))
+                token = pick_tokens(scores[:, 0], self.rng, drafting).to(device)
             tokens.append(token)
             if self.do_sample or self.threshold is not None:
                 probs.append(scores[:, 0].softmax(dim=-1))  # q_i
             for layer, q in captured.items():
                 kept_queries[layer].append(q[:, 0])  # (B, heads, D)
             feed = token[:, None]
-            if self.threshold is not None and i + 1 < self.gamma:
-                confident = probs[-1].max(dim=-1).values >= self.threshold
-                if not any(c for c, done in zip(confident.tolist(), self.rows.finished) if not done):
-                    break
+            confident = None
+            if self.threshold is not None:  # q_i(d_i) of each row's own draft (transformers' ConfidenceCriteria)
+                confident = (probs[-1].gather(1, token[:, None]).squeeze(1) >= self.threshold).tolist()
+            for b in range(rows.batch_size):
+                if drafting[b]:
+                    drafted[b] += 1
+                    drafting[b] = drafted[b] < planned[b] and (confident is None or confident[b])
+            if not any(drafting):
+                break
         if reads is not None:
             self.stats.draft_sparse_forwards += len(tokens)
+        gamma = len(tokens)
+        row_gamma = [n if not done else gamma for n, done in zip(drafted, rows.finished)]
         return _Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, kept_queries,
-                       sparse_reads=reads is not None)
+                       sparse_reads=reads is not None, row_gamma=row_gamma)
+
+    def _update_schedule(self, row_gamma: list[int], accepted: list[int], active: list[int]) -> None:
+        """transformers' ``num_assistant_tokens_schedule``, each row on its own: a row that kept all the drafts it
+        proposed drafts 2 more next step, any other 1 fewer (at least 1)."""
+        if self.schedule == "constant":
+            return
+        for b in active:
+            grew = accepted[b] >= row_gamma[b]
+            self.row_gamma[b] = min(self.max_gamma, self.row_gamma[b] + 2) if grew else max(1, self.row_gamma[b] - 1)
 
     def _verify(self, target: ModelRunner, drafts: _Drafts, seqlens: list[int], base: torch.Tensor,
                 selection: Selection | None):
@@ -399,11 +462,14 @@ class SpeculativeDecoder:
         if target_tokens is None and (not self.do_sample or replay is not None):
             target_tokens = scores.argmax(dim=-1)
         if self.do_sample:
-            n_accepted, next_token = accept_sampled(drafts.tokens, drafts.probs, scores)
+            n_accepted, next_token = accept_sampled(drafts.tokens, drafts.probs, scores, self.rng, drafts.row_gamma,
+                                                    rows=[not done for done in self.rows.finished])
         else:
-            n_accepted, next_token = accept_greedy(drafts.tokens, target_tokens)
+            n_accepted, next_token = accept_greedy(drafts.tokens, target_tokens, drafts.row_gamma)
         if replay is not None:
             n_accepted = replay(n_accepted).clamp(0, drafts.gamma).to(n_accepted.device)
+            if any(g != drafts.gamma for g in drafts.row_gamma):
+                n_accepted = torch.minimum(n_accepted, device_tensor(drafts.row_gamma, n_accepted.device))
             next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
         return n_accepted, next_token
 
@@ -444,11 +510,11 @@ class SpeculativeDecoder:
         kept = n_accepted  # k - 1
         if any(self.rows.finished):
             kept = torch.where(device_tensor(self.rows.finished, base.device), -1, n_accepted)
-        before = (base + kept).clamp_max(draft.cache.capacity - 1 - self.gamma)  # L + k - 1
-        reads = DraftReads.after((selection, seqlens), self.dustin, self.gamma, draft.cache.capacity) \
+        before = (base + kept).clamp_max(draft.cache.capacity - 1 - self.max_gamma)  # L + k - 1
+        reads = DraftReads.after((selection, seqlens), self.dustin, self.max_gamma, draft.cache.capacity) \
             if sparse and self._sparse_draft else None
         capture, feed, outputs = self._draft_capture(sparse), self._draft_feed(before), []
-        for i in range(self.gamma if self._tokens_only else 1):
+        for i in range(max(self.row_gamma) if self._tokens_only else 1):
             cached = before if i == 0 else before + 1 + i  # the forward's rows hold this many positions
             out = draft.step_ahead(feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
                                    indices=None if reads is None else reads.indices,
@@ -458,3 +524,19 @@ class SpeculativeDecoder:
             outputs.append(out)
             feed = out[0]  # (B, 1) tokens
         return _QueuedDraft(tuple(outputs), sparse=sparse, reads=reads) if outputs else None
+
+
+def _check_token_ids(prompts: list[Prompt], vocab: int) -> None:
+    """Every prompt id must be one the target can embed (an id past its embedding would fail deep in its forward)."""
+    for b, p in enumerate(prompts):
+        low, high = int(p.tokens.min()), int(p.tokens.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
+                             f"vocabulary [0, {vocab})")
+
+
+def _window_cuts(model, capacity: int) -> bool:
+    """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
+    run the general masked attention, which a CUDA graph cannot capture)."""
+    return any(isinstance(getattr(m, "sliding_window", None), int) and m.sliding_window < capacity
+               for m in model.modules() if hasattr(m, "layer_idx"))

@@ -1,4 +1,10 @@
-"""What the draft reads on a sparse step with ``DustinConfig.sparse_draft``."""
+"""What the draft reads on a sparse step with ``DustinConfig.sparse_draft``, chosen per row.
+
+A row whose last verification read a selection (``budget`` positions) drafts against that selection plus every
+position written since (the tokens committed after it and this step's drafts), its count growing with every
+draft forward. A row whose last verification read everything (its context within the budget or below
+``min_context``) drafts against everything. Each row's reads depend only on that row, never on its batch-mates.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +21,20 @@ __all__ = ["DraftReads"]
 
 @dataclass(frozen=True)
 class DraftReads:
-    """What the draft reads on a sparse step with ``DustinConfig.sparse_draft``: the positions the last
-    sparse verification read, plus every position written since (the tokens committed after it and
-    this step's drafts), each row's count growing with every draft forward.
+    """The draft's read sets for one step, from ``(selection, seqlens)`` of the last sparse verification.
 
-    ``indices`` is ``(B, budget + extra(γ))``: the last selection, then ``L' .. L' + extra - 1`` where
-    ``L'`` is each row's cached length at that verification. After it, a row committed ``k <= γ+1``
-    tokens and the draft wrote up to γ more, so at most ``2γ`` positions are new.
+    ``indices`` is ``(B, W)``: for a sparse row the last selection (``budget`` entries), then ``L' .. L' +
+    extra - 1`` where ``L'`` is the row's cached length at that verification; for a dense row ``0 .. W - 1``,
+    of which it reads its first ``cached`` (all it holds). After the verification a row committed ``k <= γ+1``
+    tokens and the draft writes up to γ more, so at most ``extra = 2γ`` positions are new; ``W`` is
+    ``budget + 2γ``, or more when a dense row holds more.
     """
 
     indices: torch.Tensor
     base: list[int]  # L' per row
-    counts: list[int]  # entries of the last selection per row
+    counts: list[int]  # entries of the last selection per row (sparse rows)
+    dense: list[bool]  # rows that read everything
+    extra_slots: int  # 2γ
 
     @staticmethod
     def extra(gamma: int) -> int:
@@ -34,29 +42,38 @@ class DraftReads:
 
     @classmethod
     def after(cls, last, config: ResolvedConfig, gamma: int, capacity: int) -> "DraftReads | None":
-        """From ``(selection, seqlens)`` of the last verification, if it read ``budget`` positions in every
-        row (rows read in full, or no sparse step yet: the draft reads everything too). Entries past a
-        row's count stay inside the ``capacity`` slots of the cache."""
+        """From ``(selection, seqlens)`` of the last verification (``None``: no sparse step yet, the draft reads
+        everything). Entries past a row's count stay inside the ``capacity`` slots of the cache."""
         if last is None:
             return None
         selection, seqlens = last
-        if selection.indices.shape[1] != config.budget or any(n != config.budget for n in selection.counts):
+        extra = cls.extra(gamma)
+        dense = [n != config.budget for n in selection.counts]  # read in full (count = the row's length)
+        if all(dense):
             return None
-        since = [[min(n + i, capacity - 1) for i in range(cls.extra(gamma))] for n in seqlens]  # host: one copy
-        since = device_tensor(since, selection.indices.device, torch.int32)
-        return cls(torch.cat([selection.indices, since], dim=1), list(seqlens), list(selection.counts))
+        width = max([config.budget + extra] + [n + extra for n, d in zip(seqlens, dense) if d])
+        device = selection.indices.device
+        since = [[min(n + i, capacity - 1) for i in range(extra)] for n in seqlens]  # host: one copy
+        sparse_part = torch.cat([selection.indices[:, : config.budget],
+                                 device_tensor(since, device, torch.int32)], dim=1)  # (B, budget + 2γ)
+        if width > sparse_part.shape[1]:
+            sparse_part = torch.nn.functional.pad(sparse_part, (0, width - sparse_part.shape[1]))
+        if any(dense):
+            everything = torch.arange(width, device=device, dtype=torch.int32).clamp_max(capacity - 1)
+            sparse_part = torch.where(device_tensor(dense, device)[:, None], everything, sparse_part)
+        return cls(sparse_part, list(seqlens), list(selection.counts), dense, extra)
 
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
-        extra = self._extra
-        counts = [c + min(max(n - base, 0), extra) for c, n, base in zip(self.counts, cached, self.base)]
+        counts = [n if d else c + min(max(n - base, 0), self.extra_slots)
+                  for c, n, base, d in zip(self.counts, cached, self.base, self.dense)]
         return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
 
     def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
         """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""
-        return device_tensor(self.counts, beyond.device, torch.int32) + beyond.clamp(0, self._extra).to(torch.int32)
-
-    @property
-    def _extra(self) -> int:
-        """Positions past the last selection a row may read (written since it)."""
-        return self.indices.shape[1] - self.counts[0]
+        device = beyond.device
+        sparse = device_tensor(self.counts, device, torch.int32) + beyond.clamp(0, self.extra_slots).to(torch.int32)
+        if not any(self.dense):
+            return sparse
+        whole = device_tensor(self.base, device, torch.int32) + beyond.to(torch.int32)
+        return torch.where(device_tensor(self.dense, device), whole, sparse)

@@ -8,6 +8,7 @@ models' attention to ``"dustin"`` for the call only, and runs the loop.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 from transformers import GenerationConfig
@@ -36,10 +37,22 @@ def attention_routed(*models):
             config._attn_implementation = previous
 
 
-def _draft_setting(draft, name: str):
-    """γ and the confidence threshold come from the draft's generation config, as in transformers."""
-    value = getattr(draft.generation_config, name, None)
-    return GenerationConfig._get_default_generation_params()[name] if value is None else value
+# What the loop drafts with when the draft's generation config leaves all three unset (transformers would take
+# 20 drafts and a 0.4 confidence stop): a short fixed length keeps every step one forward shape (one CUDA graph
+# each) and wastes little verification when acceptance is low, which long-context sparse verification is built for.
+DEFAULT_DRAFTING = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+                    "assistant_confidence_threshold": None}
+
+
+def draft_settings(draft) -> dict:
+    """γ, its schedule and the confidence threshold, read from the draft's generation config as transformers does
+    (a value left unset takes transformers' default), or :data:`DEFAULT_DRAFTING` when all three are unset."""
+    config = draft.generation_config
+    given = {name: getattr(config, name, None) for name in DEFAULT_DRAFTING}
+    if all(value is None for value in given.values()):
+        return dict(DEFAULT_DRAFTING)
+    defaults = GenerationConfig._get_default_generation_params()
+    return {name: defaults[name] if value is None else value for name, value in given.items()}
 
 
 def run_assisted(
@@ -79,15 +92,26 @@ def run_assisted(
     dustin = None
     if use_dustin:
         config = target._dustin_patch.config
-        if generation_config.cache_config:
-            config = config.replace(**dict(generation_config.cache_config))
+        overrides = generation_config.cache_config
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ValueError(
+                "cache_config must be a mapping of DustinConfig fields to values for this call, e.g. "
+                f"cache_config={{'budget': 256}}; got {type(overrides).__name__} {overrides!r}"
+            )
+        if overrides:
+            config = config.replace(**dict(overrides))
         dustin = resolve(config, target.config.get_text_config(), draft.config.get_text_config())
 
-    gamma = _draft_setting(draft, "num_assistant_tokens")
-    threshold = _draft_setting(draft, "assistant_confidence_threshold")
+    drafting = draft_settings(draft)
     decoder = SpeculativeDecoder(
-        target, draft, generation_config, logits_processor, stopping_criteria,
-        dustin=dustin, num_draft_tokens=gamma, confidence_threshold=threshold or None, streamer=streamer,
+        target, draft, generation_config, logits_processor, stopping_criteria, dustin=dustin,
+        num_draft_tokens=int(drafting["num_assistant_tokens"]),
+        confidence_threshold=drafting["assistant_confidence_threshold"] or None,
+        draft_schedule=drafting["num_assistant_tokens_schedule"], streamer=streamer,
     )
     with attention_routed(target, draft):
-        return decoder.generate(input_ids, model_kwargs.get("attention_mask"))
+        result = decoder.generate(input_ids, model_kwargs.get("attention_mask"))
+    if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
+        lengths = decoder.final_draft_tokens
+        draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
+    return result

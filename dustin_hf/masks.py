@@ -1,22 +1,65 @@
-"""From ``generate()``'s ``input_ids`` and ``attention_mask`` to each row's prompt tokens."""
+"""From ``generate()``'s ``input_ids`` and ``attention_mask`` to each row's prompt, read as stock transformers reads it.
+
+Stock ``generate()`` (decoder-only, transformers 5.17-5.24) keeps every input slot: a slot whose mask is 0 is
+never attended to by any query, its position id is 0, and every other slot's position id is the number of
+unmasked slots before it (``cumsum(mask) - 1``). The first new token is predicted by the *last* slot's query,
+masked or not, and the new tokens take position ids ``last slot's position + 1, + 2, ...``.
+
+A row therefore decodes exactly as its unmasked tokens alone would (positions ``0 .. n-1``), with two
+exceptions when its last slot is masked (right padding, or the ``tril`` masks of transformers' own tests): the
+first new token comes from that slot's token at position 0, attending to the unmasked tokens but not to
+itself; and the generated tokens' positions start at 1 instead of at ``n``. :class:`Prompt` records both, and
+what logits processors see of the row: the input from its first unmasked slot on, masked slots included, as
+stock would hand it to them were the row passed alone (left padding is what batching adds; the rest is the
+row's own).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["prompts_from_mask"]
+__all__ = ["Prompt", "prompts_from_mask"]
 
 
-def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each row's real tokens: the positions where ``attention_mask`` is 1 (one contiguous run per row).
+@dataclass(frozen=True)
+class Prompt:
+    """One row of the input, as the decode loop keeps it.
 
-    Left padding is what decoder-only generation expects; right padding is accepted too (the mask
-    says where the prompt is). A row with no tokens, or with holes in its mask, is an error.
+    ``tokens`` are the unmasked ids (what the caches hold, at positions ``0 .. n-1``); ``pad`` the leading masked
+    slots (left padding); ``view`` the ids from the first unmasked slot on, when they differ from ``tokens`` (a row
+    with masked slots after its first real token), else ``None``; ``last`` the masked last slot's token id when
+    the first new token comes from it (else ``None``); ``first_position`` the position id of the first new token.
     """
+
+    tokens: torch.Tensor
+    pad: int
+    view: torch.Tensor | None = None
+    last: int | None = None
+    first_position: int | None = None
+
+    @property
+    def length(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def position_shift(self) -> int:
+        """What the new tokens' position ids add to their cache slots (0 for a row whose last slot is real)."""
+        return 0 if self.first_position is None else self.first_position - self.length
+
+    @property
+    def history(self) -> torch.Tensor:
+        """What a logits processor sees of the prompt."""
+        return self.tokens if self.view is None else self.view
+
+
+def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Prompt]:
+    """Each row's :class:`Prompt`. A row with no unmasked slot is an error (stock would attend to nothing)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
-        return list(input_ids)
+        return [Prompt(ids, 0) for ids in input_ids]
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
@@ -27,7 +70,10 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         if where.numel() == 0:
             raise ValueError(f"row {b} of the batch has an empty prompt (its attention_mask is all zeros)")
         start, stop = int(where[0]), int(where[-1]) + 1
-        if stop - start != where.numel():
-            raise ValueError(f"row {b}: attention_mask has holes; only left (or right) padding is supported")
-        prompts.append(ids[start:stop])
+        tokens = ids[where]
+        view = ids[start:] if (stop - start != where.numel() or stop < ids.numel()) else None
+        if stop == ids.numel():
+            prompts.append(Prompt(tokens, start, view))
+        else:  # the last slot is masked: its query (position 0) names the first new token, which sits at 1
+            prompts.append(Prompt(tokens, start, view, last=int(ids[-1]), first_position=1))
     return prompts

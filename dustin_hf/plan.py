@@ -52,6 +52,14 @@ class ForwardPlan:
         key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
             default ``max(cache_seqlens) + q_len``.
         dense_layers: layers that ignore ``indices`` and read every cached position.
+        position_shift: ``(shift, start)`` per covered row: new tokens at slots ``>= start[b]`` take position ids
+            ``slot + shift[b]`` (a row whose last input slot was masked, see :mod:`dustin_hf.masks`); ``None``:
+            position ids are the slots.
+        hide_new: the new tokens attend to the cached positions only, not to each other or themselves (the
+            query of a masked last input slot, which stock transformers never lets see itself).
+        read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
+            whose window fits in it reads its whole window instead of the selection within it.
+        attention_weights: the attention function returns its probabilities (``output_attentions``; a slower path).
     """
 
     rows: slice
@@ -65,9 +73,14 @@ class ForwardPlan:
     static: tuple[DeviceTensors, ...] = ()
     key_bound: int | None = None
     dense_layers: tuple[int, ...] = ()
+    position_shift: tuple[list[int], list[int]] | None = None
+    hide_new: bool = False
+    read_budget: int = 0
+    attention_weights: bool = False
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
@@ -110,6 +123,17 @@ class ForwardPlan:
         if slots is None:
             slots = self._slots[device] = self.on(device).write_positions(self.q_len)
         return slots
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        """``(B', Q)`` int64 position ids of the new tokens: their slots, shifted where :attr:`position_shift` says."""
+        if self.position_shift is None:
+            return self.write_positions(device)
+        positions = self._positions.get(device)
+        if positions is None:
+            slots = self.write_positions(device)
+            shift, start = (device_tensor(v, device)[:, None] for v in self.position_shift)
+            positions = self._positions[device] = slots + torch.where(slots >= start, shift, 0)
+        return positions
 
     def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Store the scoring heads' queries of ``layer_idx`` if it is a capture layer.

@@ -20,7 +20,7 @@ class Rows:
     """Committed tokens, lengths and stop state of every row, plus the scores/logits kept for the output.
 
     Args:
-        prompts: each row's prompt tokens (1-D).
+        prompts: each row's prompt (:class:`~dustin_hf.masks.Prompt`: its tokens, and what processors see of it).
         width: token slots per row (the longest prompt + ``max_new`` + room for a step's candidates).
         pad: id written in unused slots and after a row's end in the returned sequences.
         max_new: tokens each row may generate.
@@ -30,13 +30,16 @@ class Rows:
         output_scores, output_logits: keep each committed token's processed scores / raw logits.
     """
 
-    def __init__(self, prompts: list[torch.Tensor], width: int, pad: int, device: torch.device, max_new: int,
+    def __init__(self, prompts: list, width: int, pad: int, device: torch.device, max_new: int,
                  eos: list[int], row_criteria: list, streamer, output_scores: bool, output_logits: bool):
         batch = len(prompts)
         self.tokens = torch.full((batch, width), pad, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
-            self.tokens[b, : p.numel()] = p.to(device)
-        self.lens = [p.numel() for p in prompts]
+            self.tokens[b, : p.length] = p.tokens.to(device)
+        self.lens = [p.length for p in prompts]
+        self.prompt_lens = list(self.lens)
+        # what processors and stopping criteria see of a prompt with masked slots after its first real token
+        self.views = [None if p.view is None else p.view.to(device)[None] for p in prompts]
         self.generated = [0] * batch
         self.finished = [False] * batch
         self.pad, self.max_new, self.eos = pad, max_new, eos
@@ -53,9 +56,12 @@ class Rows:
         """Rows still generating."""
         return [b for b, done in enumerate(self.finished) if not done]
 
-    def history(self, b: int, drafts: list[torch.Tensor]) -> torch.Tensor:
-        """Row b's committed tokens followed by its first drafts: what a processor sees, as ``(1, len)``."""
-        committed = self.tokens[b : b + 1, : self.lens[b]]
+    def history(self, b: int, drafts=(), upto: int | None = None) -> torch.Tensor:
+        """Row b's committed tokens (the first ``upto`` of them, default all) followed by its first drafts, as
+        stock ``generate()`` would hand them to a processor were the row alone: ``(1, len)``."""
+        committed = self.tokens[b : b + 1, : self.lens[b] if upto is None else upto]
+        if self.views[b] is not None:
+            committed = torch.cat([self.views[b], committed[:, self.prompt_lens[b]:]], dim=1)
         if not drafts:
             return committed
         return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
@@ -104,7 +110,7 @@ class Rows:
 
     def _apply_row_criteria(self, b: int, start: int, k: int) -> int:
         for j in range(1, k + 1):
-            ids = self.tokens[b : b + 1, : start + j]
+            ids = self.history(b, upto=start + j)
             if any(bool(criterion(ids, None)[0]) for criterion in self.row_criteria):
                 self.finished[b] = True
                 return j

@@ -32,7 +32,9 @@ class ModelRunner:
     """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
-    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`).
+    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`position_shift` (``(shift, start)``
+    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards; such
+    forwards run eagerly (the captured forward takes position ids from the slots).
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
@@ -43,6 +45,7 @@ class ModelRunner:
         self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
+        self.position_shift: tuple[list[int], list[int]] | None = None
         self._graphs: dict | None = {} if cuda_graphs else None
         if cuda_graphs:
             self.pipeline = Pipeline(model)
@@ -62,7 +65,7 @@ class ModelRunner:
     def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
         """Run ``input_ids (B', Q)`` at the plan's positions (eagerly) and advance the covered rows."""
         with self.cache.forward_plan(plan):
-            logits = self.call(plan, input_ids.to(self.device), plan.write_positions(self.device), keep)
+            logits = self.call(plan, input_ids.to(self.device), plan.position_ids(self.device), keep)
         self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
         return logits
 
@@ -78,6 +81,7 @@ class ModelRunner:
                 indices=indices, num_indices=num_indices,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
+                position_shift=self.position_shift, read_budget=self.graph_width,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
@@ -98,7 +102,7 @@ class ModelRunner:
         """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
         than :attr:`graph_width` (rare, not worth a graph)."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width):
+        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None:
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
         if key not in self._graphs and create:
@@ -128,6 +132,17 @@ class ModelRunner:
             last_logits.append(logits)
             kept.append(captured)
         return last_logits, kept
+
+    def hidden_query(self, row: int, token: int, position: int) -> torch.Tensor:
+        """The logits ``(V,)`` of ``token`` at ``position`` in ``row``, attending to the row's cached positions
+        only, not to itself, and leaving the cache as it was: the query of a masked last input slot, which names
+        the first new token in stock ``generate()`` (see :mod:`dustin_hf.masks`)."""
+        held = self.cache.seq_lengths[row]
+        plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
+                           position_shift=([position - held], [held]), hide_new=True)
+        ids = torch.tensor([[token]], device=self.device)
+        with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
+            return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
 
 
 def attention_scale(model, text_config) -> float:

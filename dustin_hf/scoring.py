@@ -36,6 +36,7 @@ def attention_mass(
     backend: str = "reference",
     query_offset: int = 0,
     query_step: int = 0,
+    query_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -52,12 +53,14 @@ def attention_mass(
         query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j *
             query_step`` (host ints); lets callers pass a stride-0 view of per-row lengths (the Triton
             path then launches nothing to make the positions).
+        query_counts: ``(B,)`` int: row b counts only its first ``query_counts[b]`` queries (``None``: all);
+            the PyTorch path only.
 
     Returns:
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
         queries and heads (positions a query cannot see get nothing from it).
     """
-    if backend == "triton":
+    if backend == "triton" and query_counts is None:
         from .kernels import launch_device
         from .kernels.triton_score import attention_mass_triton
 
@@ -79,6 +82,9 @@ def attention_mass(
         logits = torch.matmul(q, k.transpose(1, 2)).float().mul_(softmax_scale)  # (B, n_q*n_h, span)
         logits = logits.view(batch, n_q, len(members), span).masked_fill_(hidden, float("-inf"))
         probs = logits.softmax(dim=-1)  # (B, n_q, n_h, span)
+        if query_counts is not None:  # a row's queries past its own count contribute nothing
+            counted = torch.arange(n_q, device=probs.device)[None, :] < query_counts.to(probs.device)[:, None]
+            probs = probs * counted[:, :, None, None]
         total += probs[..., :num_positions].sum(dim=(1, 2))
     return total
 
@@ -112,6 +118,7 @@ def draft_lookahead_scores(
     softmax_scale: float,
     num_positions: int,
     backend: str = "reference",
+    query_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``S_draft`` summed over the draft scoring layers.
 
@@ -121,9 +128,11 @@ def draft_lookahead_scores(
         seqlens: ``(B,)`` the target's cached positions ``L_b`` (the draft's first query is at ``L_b``).
         num_positions: ``max(seqlens)`` (host int).
         backend: as in :func:`attention_mass`.
+        query_counts: ``(B,)``: the drafts each row proposed (a row that stopped drafting early scores with its
+            own queries only); ``None``: all γ. Given, the PyTorch path runs.
     """
     gamma = draft_queries[0].shape[1]
-    if backend == "triton" and len({q.device for q in draft_queries}) == 1:
+    if backend == "triton" and len({q.device for q in draft_queries}) == 1 and query_counts is None:
         return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
                                        num_positions)
     _check_backend(backend)
@@ -132,7 +141,8 @@ def draft_lookahead_scores(
     for queries, keys, layer_heads in zip(draft_queries, draft_keys, heads):
         mass = attention_mass(
             queries, keys, query_pos.to(queries.device), layer_heads, group_size, softmax_scale,
-            num_positions, num_positions + gamma, backend=backend,
+            num_positions, num_positions + gamma, backend="reference" if query_counts is not None else backend,
+            query_counts=query_counts,
         )
         total = mass if total is None else total + mass.to(total.device)
     # the draft tokens' own positions ([L_b, L_b + γ) of row b) are new tokens, not cached ones

@@ -310,4 +310,4 @@ def default_choice(base: DustinConfig, t_cfg, d_cfg, budget: int) -> Choice:
                                     draft_heads=None, draft_share=None), t_cfg, d_cfg)
     free = budget - base.sink_tokens - base.recent_tokens
     return Choice(resolved.target_layer, resolved.target_heads, tuple(zip(resolved.draft_layers, resolved.draft_heads)),
-                  resolved.draft_share / free)
+                  resolved.draft_share / free if free else 0.0)

@@ -42,9 +42,10 @@ class Selector:
         self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
 
     def select(self, target, draft, seqlens: list[int], base: torch.Tensor, kept_queries: dict,
-               gamma: int) -> Selection:
+               gamma: int, row_gamma: list[int] | None = None) -> Selection:
         """The read sets of a step at ``seqlens`` (``base``: the same on the device) from the draft's kept
-        queries (``{layer: [(B, heads, D)] * γ}``) and the target cache's history queries."""
+        queries (``{layer: [(B, heads, D)] * γ}``) and the target cache's history queries; ``row_gamma``: the
+        drafts each row proposed, when some row proposed fewer than γ (it scores with its own queries only)."""
         cfg, t_cache = self.config, target.cache
         d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
         has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
@@ -55,14 +56,17 @@ class Selector:
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
         t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
         history = t_cache.history_queries if any(has_history) else None
+        counts = None
+        if row_gamma is not None and any(g != gamma for g in row_gamma):
+            counts = torch.tensor(row_gamma).to(base.device, non_blocking=True)
 
         def score_select(*tensors) -> Selection:
             *queries, lengths, history_queries = tensors
             return self._score_select(queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span,
-                                      triton)
+                                      triton, counts)
 
         devices = {base.device, t_keys.device, *(k.device for k in d_keys)}
-        if not (triton and self.graphs and all(has_history) and len(devices) == 1
+        if not (triton and self.graphs and all(has_history) and len(devices) == 1 and counts is None
                 and not any(dense_rows(seqlens, cfg))):
             return score_select(*d_queries, base, history)
         # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
@@ -78,12 +82,13 @@ class Selector:
         return Selection(indices.clone(), num_indices.clone(), [cfg.budget] * len(seqlens))
 
     def _score_select(self, d_queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span: int,
-                      triton: bool) -> Selection:
+                      triton: bool, query_counts: torch.Tensor | None = None) -> Selection:
         """:func:`select_positions` from the draft queries and the target history queries (``None``: none)."""
         cfg = self.config
         score_backend = "triton" if triton else "reference"
         s_draft = draft_lookahead_scores(d_queries, d_keys, lengths.to(d_keys[0].device), cfg.draft_heads,
-                                         self.d_group, self.d_scale, span, backend=score_backend).to(lengths.device)
+                                         self.d_group, self.d_scale, span, backend=score_backend,
+                                         query_counts=query_counts).to(lengths.device)
         s_target = None
         if history_queries is not None:
             s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),

@@ -32,14 +32,15 @@ class RunStats:
     step_tokens: list[int] = field(default_factory=list)  # tokens all rows committed at each step
     reports: dict = field(default_factory=dict)  # "cuda_graphs", "fused_ops", "calibration", "phase_seconds", ...
 
-    def record_step(self, gamma: int, accepted: list[int], committed: list[int], active: list[int],
+    def record_step(self, row_gamma: list[int], accepted: list[int], committed: list[int], active: list[int],
                     sparse: bool, attended: float | None) -> None:
-        """Count one step: ``accepted[b]`` drafts kept and ``committed[b]`` tokens appended per row; ``active``: the
-        rows that were unfinished before it; ``attended``: mean cached positions a sparse step read per row and layer."""
+        """Count one step: ``row_gamma[b]`` drafts proposed, ``accepted[b]`` kept and ``committed[b]`` tokens
+        appended per row; ``active``: the rows that were unfinished before it; ``attended``: mean cached positions
+        a sparse step read per row and layer."""
         self.steps += 1
-        self.verified_tokens += gamma * len(active)
+        self.verified_tokens += sum(row_gamma[b] for b in active)
         self.accepted_tokens += sum(committed[b] - 1 for b in active)
-        self.trace.append((gamma, [accepted[b] if b in active else -1 for b in range(len(accepted))]))
+        self.trace.append((max(row_gamma), [accepted[b] if b in active else -1 for b in range(len(accepted))]))
         if sparse:
             self.sparse_steps += 1
             self.attended_sum += attended

@@ -119,7 +119,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
         for ahead in (False, True):
             if ahead:
                 monkeypatch.setattr(ModelRunner, "step_ahead", _eager_step_ahead)
-            torch.manual_seed(0)
+            torch.manual_seed(7)  # sampled: a seed under which row 1 alone meets its EOS
             logits.append([])
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs)
             outputs.append(out.sequences)
@@ -171,18 +171,26 @@ def test_streamer_is_handed_each_steps_tokens(cache_implementation):
     assert streamed in (generated, prompt[0].tolist() + generated)
 
 
-def test_right_padding_is_read_from_the_mask(caplog):
+@pytest.mark.parametrize("layout", ["right", "holes"])
+def test_masks_read_as_stock_reads_them(caplog, layout):
+    """Right padding (stock warns) and masked slots inside a row: every row gets what stock greedy generate() gives
+    for the same batch and mask without the assistant (a masked last slot still names the first new token, and
+    the new tokens' positions restart after it: stock's reading, not the row's tokens alone)."""
     target = tiny_model("qwen2", layers=2)
     draft = set_gamma(noisy_copy(target), 3)
     rows = _rows(lengths=[6, 14])
     ids, mask = left_pad(rows)
-    right_ids, right_mask = ids.clone(), mask.clone()
-    right_ids[0] = torch.cat([rows[0], torch.full((8,), PAD)])
-    right_mask[0] = torch.cat([torch.ones(6), torch.zeros(8)]).long()
-    with dustin_hf.patch(target):
-        out = target.generate(right_ids, attention_mask=right_mask, assistant_model=draft, do_sample=False,
-                              max_new_tokens=10, cache_implementation="dustin", pad_token_id=PAD)
-    assert torch.equal(out[0, 14:], _alone(target, rows[0], max_new_tokens=10))
+    if layout == "right":
+        ids[0] = torch.cat([rows[0], torch.full((8,), PAD)])
+        mask[0] = torch.cat([torch.ones(6), torch.zeros(8)]).long()
+    else:
+        mask[1, 3] = mask[1, 7] = 0
+    stock = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
+    for cache_implementation in ("dustin", None):
+        with dustin_hf.patch(target):
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False,
+                                  max_new_tokens=10, cache_implementation=cache_implementation, pad_token_id=PAD)
+        assert torch.equal(out, stock), cache_implementation
 
 
 def test_bad_batches_raise_clear_errors():
@@ -197,10 +205,6 @@ def test_bad_batches_raise_clear_errors():
         empty[2] = 0
         with pytest.raises(ValueError, match="row 2 of the batch has an empty prompt"):
             target.generate(ids, attention_mask=empty, **kwargs)
-        holes = mask.clone()
-        holes[1, -3] = 0
-        with pytest.raises(ValueError, match="holes"):
-            target.generate(ids, attention_mask=holes, **kwargs)
 
 
 def test_profile_records_each_steps_phases():

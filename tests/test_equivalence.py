@@ -126,6 +126,14 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
     sel = reads.at([102, 30])  # row 0 committed 2 positions since, row 1 none yet
     assert sel.counts == [26, 24] and sel.num_indices.tolist() == [26, 24]
     assert reads.at([120, 29]).counts == [30, 24]  # at most 2γ new positions; never fewer than the selection
+    # a row read in full on the last verification drafts from everything it holds; its batch-mate still reads its
+    # own selection (each row's reads depend on that row alone)
     dense_row = (Selection(picked, torch.tensor([24, 20], dtype=torch.int32), [24, 20]), [100, 20])
-    assert DraftReads.after(dense_row, config, 3, 104) is None  # a row read in full: the draft reads all
+    mixed = DraftReads.after(dense_row, config, 3, 104)
+    assert mixed.indices.shape == (2, 30) and mixed.indices[1].tolist() == list(range(30))
+    assert mixed.indices[0, :30 - 6].tolist() == picked[0].tolist()
+    assert mixed.at([102, 23]).counts == [26, 23]  # the dense row reads all 23 positions it holds
+    assert mixed.ahead(torch.tensor([2, 3])).tolist() == [26, 23]
+    every_row_dense = (Selection(picked, torch.tensor([20, 20], dtype=torch.int32), [20, 20]), [20, 20])
+    assert DraftReads.after(every_row_dense, config, 3, 104) is None  # nothing sparse: the draft reads everything
     assert DraftReads.after(None, config, 3, 104) is None
