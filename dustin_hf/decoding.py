@@ -44,6 +44,7 @@ from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .kernels import resolve_backend
 from .masks import Prompt, prompts_from_mask
+from .outputs import OutputRecorder
 from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
 from .prompt_calibration import calibrate_on_prompts
@@ -70,6 +71,8 @@ class DecodeResult:
     sequences: torch.Tensor  # (B, prompt_len + max generated), the input layout + generated tokens
     scores: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) processed target scores
     logits: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) raw target logits
+    attentions: tuple | None  # per generated index, per layer: stock's layout (see dustin_hf.outputs)
+    hidden_states: tuple | None
     stats: RunStats  # what the run did (also ``cache.stats``, as a dict)
     cache: DustinCache  # the target's cache
     draft_cache: DustinCache
@@ -193,9 +196,13 @@ class SpeculativeDecoder:
                 self.row_criteria.append(criterion)  # evaluated per row and token (handled natively: EOS, length)
         self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        returned = bool(generation_config.return_dict_in_generate)
+        self.output_attentions = returned and bool(generation_config.output_attentions)
+        self.output_hidden_states = returned and bool(generation_config.output_hidden_states)
         # greedy, unprocessed and nothing returned but tokens: the forwards hand out their logits' argmax only
         self._tokens_only = not (self.do_sample or self.threshold is not None or self.process.processors
-                                 or self.output_scores or self.output_logits)
+                                 or self.output_scores or self.output_logits or self.output_attentions
+                                 or self.output_hidden_states)
 
     # ------------------------------------------------------------------------------------------ a run
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
@@ -222,9 +229,11 @@ class SpeculativeDecoder:
         prompt_lens = [p.length for p in prompts]
         capacity = max(prompt_lens) + max_new + self.max_gamma + 2
         shifts = [p.position_shift for p in prompts]
+        recording = self.output_attentions or self.output_hidden_states
         # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
-        # ids are shifted (its last input slot was masked) or a sliding window that can cut runs eagerly
-        graphs = {role: self.graphs[role] and not any(shifts) and not _window_cuts(model, capacity)
+        # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
+        # hidden states to return run eagerly
+        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not _window_cuts(model, capacity)
                   for role, model in (("target", self.target), ("draft", self.draft))}
         cfg = self.dustin
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
@@ -233,6 +242,9 @@ class SpeculativeDecoder:
         draft_width = cfg.budget + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
+        target.record = (self.output_attentions, self.output_hidden_states)
+        self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, self.output_attentions,
+                                       self.output_hidden_states) if recording else None
         self.stats = target.cache.run_stats = RunStats()
         self.rows = Rows(prompts, capacity + 1, self.pad, device, max_new, self.eos, self.row_criteria, self.streamer,
                          self.output_scores, self.output_logits)
@@ -252,7 +264,7 @@ class SpeculativeDecoder:
         if self.dustin is not None:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
-                                     graphs=graphs["target"])
+                                     graphs=graphs["target"], window=_common_window(self.target))
         synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()
@@ -278,8 +290,9 @@ class SpeculativeDecoder:
                                         else {"captured": 0, "failed": []}}
         if self.profile:
             stats.reports.update(phase_seconds=self._clock.steps, phase_host_seconds=self._clock.host_steps)
+        attentions, hidden = self.recorder.tuples(self.rows.generated) if recording else (None, None)
         return DecodeResult(self.rows.sequences(input_ids), self.rows.per_position(self.rows.scores),
-                            self.rows.per_position(self.rows.raw), stats, target.cache, draft.cache)
+                            self.rows.per_position(self.rows.raw), attentions, hidden, stats, target.cache, draft.cache)
 
     def _prefill(self, target: ModelRunner, draft: ModelRunner, prompts: list[Prompt], t_cfg) -> None:
         """The target reads each prompt (keeping its last query on the scoring heads as the first history) and
@@ -295,6 +308,9 @@ class SpeculativeDecoder:
         else:
             t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
         last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, t_capture)
+        if self.recorder is not None:
+            for b, (hidden, attentions) in enumerate(target.prompt_outputs):
+                self.recorder.keep_prompt(b, hidden, attentions)
         for b, p in enumerate(prompts):
             if p.last is not None:  # stock: the masked slot's token at position 0, seeing the real tokens only
                 last_logits[b] = target.hidden_query(b, p.last, position=0)
@@ -355,6 +371,10 @@ class SpeculativeDecoder:
         accepted = [row[0] for row in host]
         counts = rows.commit(new_tokens, [row[1:] for row in host], raw, scores, [n + 1 for n in accepted])
         self._update_schedule(drafts.row_gamma, accepted, active)
+        if self.recorder is not None:  # the verification queries that predicted the kept tokens
+            hidden, attentions = target.last_outputs
+            for b in active:
+                self.recorder.keep_step(b, counts[b], hidden, attentions)
         target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
         draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
         if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
@@ -535,8 +555,20 @@ def _check_token_ids(prompts: list[Prompt], vocab: int) -> None:
                              f"vocabulary [0, {vocab})")
 
 
+def _windows(model) -> list[int | None]:
+    """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
+    (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
+    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
+            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def _common_window(model) -> int | None:
+    """The window every attention layer of ``model`` shares, if every one has the same."""
+    windows = set(_windows(model))
+    return next(iter(windows)) if len(windows) == 1 and isinstance(next(iter(windows)), int) else None
+
+
 def _window_cuts(model, capacity: int) -> bool:
     """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
     run the general masked attention, which a CUDA graph cannot capture)."""
-    return any(isinstance(getattr(m, "sliding_window", None), int) and m.sliding_window < capacity
-               for m in model.modules() if hasattr(m, "layer_idx"))
+    return any(isinstance(w, int) and w < capacity for w in _windows(model))

@@ -21,7 +21,8 @@ from .decoding import DecodeResult, SpeculativeDecoder
 __all__ = ["attention_routed", "run_assisted"]
 
 # model kwargs generate() prepares itself; anything else would be silently ignored by the loop
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", CACHE_KWARG}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "output_attentions",
+                       "output_hidden_states", CACHE_KWARG}
 
 
 @contextlib.contextmanager
@@ -79,11 +80,6 @@ def run_assisted(
         )
     if synced_gpus:
         raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by dustin_hf's decoding loop")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise NotImplementedError(
-            "output_attentions / output_hidden_states are not available: the sparse kernels never materialise "
-            "attention weights. output_scores and output_logits are supported"
-        )
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"dustin_hf's decoding loop does not pass these model inputs on: {sorted(unknown)}")

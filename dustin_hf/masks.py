@@ -30,7 +30,8 @@ class Prompt:
     ``tokens`` are the unmasked ids (what the caches hold, at positions ``0 .. n-1``); ``pad`` the leading masked
     slots (left padding); ``view`` the ids from the first unmasked slot on, when they differ from ``tokens`` (a row
     with masked slots after its first real token), else ``None``; ``last`` the masked last slot's token id when
-    the first new token comes from it (else ``None``); ``first_position`` the position id of the first new token.
+    the first new token comes from it (else ``None``); ``first_position`` the position id of the first new token;
+    ``slots`` the input slots the tokens came from.
     """
 
     tokens: torch.Tensor
@@ -38,6 +39,7 @@ class Prompt:
     view: torch.Tensor | None = None
     last: int | None = None
     first_position: int | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -59,7 +61,7 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
-        return [Prompt(ids, 0) for ids in input_ids]
+        return [Prompt(ids, 0, slots=torch.arange(ids.numel(), device=ids.device)) for ids in input_ids]
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
@@ -73,7 +75,7 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         tokens = ids[where]
         view = ids[start:] if (stop - start != where.numel() or stop < ids.numel()) else None
         if stop == ids.numel():
-            prompts.append(Prompt(tokens, start, view))
+            prompts.append(Prompt(tokens, start, view, slots=where))
         else:  # the last slot is masked: its query (position 0) names the first new token, which sits at 1
-            prompts.append(Prompt(tokens, start, view, last=int(ids[-1]), first_position=1))
+            prompts.append(Prompt(tokens, start, view, last=int(ids[-1]), first_position=1, slots=where))
     return prompts

@@ -46,6 +46,11 @@ class ModelRunner:
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self.position_shift: tuple[list[int], list[int]] | None = None
+        # output_attentions / output_hidden_states: each forward keeps them in last_outputs (eager forwards only),
+        # prefill per row in prompt_outputs
+        self.record: tuple[bool, bool] = (False, False)
+        self.last_outputs: tuple | None = None
+        self.prompt_outputs: list[tuple] = []
         self._graphs: dict | None = {} if cuda_graphs else None
         if cuda_graphs:
             self.pipeline = Pipeline(model)
@@ -56,10 +61,16 @@ class ModelRunner:
     def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
         extra = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        attentions, hidden = self.record
+        if attentions or hidden:
+            plan.attention_weights = attentions
+            extra.update(output_attentions=attentions, output_hidden_states=hidden)
         out = self.model(
             input_ids=input_ids, position_ids=positions, use_cache=True, dustin_plan=plan,
             **{CACHE_KWARG: self.cache}, **extra,
         )
+        if attentions or hidden:
+            self.last_outputs = (out.hidden_states if hidden else None, out.attentions if attentions else None)
         return out.logits[:, -keep:].float()
 
     def forward(self, plan: ForwardPlan, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
@@ -102,7 +113,8 @@ class ModelRunner:
         """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
         than :attr:`graph_width` (rare, not worth a graph)."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None:
+        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
+                or any(self.record):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
         if key not in self._graphs and create:
@@ -119,8 +131,9 @@ class ModelRunner:
     def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
         """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
         last_logits, kept = [], []
+        self.prompt_outputs = []
         for b, ids in enumerate(rows):
-            logits, captured = None, {}
+            logits, captured, pieces = None, {}, []
             for start in range(0, ids.numel(), chunk):
                 piece = ids[start : start + chunk]
                 plan = ForwardPlan(
@@ -129,8 +142,12 @@ class ModelRunner:
                 )
                 logits = self.forward(plan, piece[None], keep=1)[0, -1]
                 captured = plan.captured
+                if any(self.record):
+                    pieces.append(self.last_outputs)
             last_logits.append(logits)
             kept.append(captured)
+            if any(self.record):
+                self.prompt_outputs.append(_joined(pieces, ids.numel()))
         return last_logits, kept
 
     def hidden_query(self, row: int, token: int, position: int) -> torch.Tensor:
@@ -152,3 +169,17 @@ def attention_scale(model, text_config) -> float:
             return float(module.scaling)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     return head_dim**-0.5
+
+
+def _joined(pieces: list[tuple], length: int) -> tuple:
+    """One prompt's ``(hidden states, attentions)`` from its prefill chunks: hidden ``(1, n, hidden)`` per layer,
+    attentions ``(1, H, n, n)`` per layer (each chunk's weights span the slots it saw, the rest is zero)."""
+    hidden = None if pieces[0][0] is None else tuple(torch.cat(parts, dim=1) for parts in zip(*(p[0] for p in pieces)))
+    attentions = None
+    if pieces[0][1] is not None:
+        attentions = []
+        for parts in zip(*(p[1] for p in pieces)):
+            rows = [torch.nn.functional.pad(a, (0, length - a.shape[-1])) for a in parts]
+            attentions.append(torch.cat(rows, dim=2))
+        attentions = tuple(attentions)
+    return hidden, attentions

@@ -67,7 +67,8 @@ class DustinGenerationMixin:
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return GenerateDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, **{CACHE_KWARG: result.cache},
+            sequences=result.sequences, scores=result.scores, logits=result.logits, attentions=result.attentions,
+            hidden_states=result.hidden_states, **{CACHE_KWARG: result.cache},
         )
 
 

@@ -9,16 +9,20 @@ import torch
 from scipy.stats import chisquare
 
 import dustin_hf
-from dustin_hf.sampling import accept_greedy, accept_sampled
+from dustin_hf.sampling import RowGenerators, accept_greedy, accept_sampled
 
 from conftest import noisy_copy, set_gamma, tiny_model
 
 P_VALUE = 1e-3
 
 
+def _right_rule(draft_tokens, draft_probs, target_scores):
+    return accept_sampled(draft_tokens, draft_probs, target_scores, RowGenerators(len(draft_tokens), torch.device("cpu")))
+
+
 def _wrong_rule(draft_tokens, draft_probs, target_scores):
     """Accepts like the right rule but replaces a rejected token with a draw from p (not the residual)."""
-    n, _ = accept_sampled(draft_tokens, draft_probs, target_scores)
+    n, _ = _right_rule(draft_tokens, draft_probs, target_scores)
     p = target_scores.softmax(-1)
     rows = torch.arange(len(n))
     return n, torch.multinomial(p[rows, n], 1).squeeze(1)
@@ -40,7 +44,7 @@ def test_first_committed_token_follows_the_target(seed):
     p_logits = torch.randn(1, gamma + 1, vocab) * 1.5
     q = (torch.randn(1, gamma, vocab) * 1.5).softmax(-1)
     expected = p_logits[0, 0].double().softmax(-1) * draws
-    right = torch.bincount(_first_emitted(accept_sampled, p_logits, q, draws, seed), minlength=vocab)
+    right = torch.bincount(_first_emitted(_right_rule, p_logits, q, draws, seed), minlength=vocab)
     wrong = torch.bincount(_first_emitted(_wrong_rule, p_logits, q, draws, seed), minlength=vocab)
     assert chisquare(right.numpy(), expected.numpy()).pvalue > P_VALUE
     assert chisquare(wrong.numpy(), expected.numpy()).pvalue < P_VALUE
@@ -50,7 +54,7 @@ def test_identical_distributions_accept_everything():
     probs = torch.tensor([[0.5, 0.3, 0.2]]).expand(1000, 2, 3)
     drafts = torch.multinomial(probs.reshape(-1, 3), 1).reshape(1000, 2)
     scores = torch.cat([probs, probs[:, :1]], dim=1).log()
-    n, _ = accept_sampled(drafts, probs, scores)
+    n, _ = _right_rule(drafts, probs, scores)
     assert bool((n == 2).all())
 
 
