@@ -16,6 +16,7 @@ from typing import Any
 __all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
 
 _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
+_MODES = ("sparse", "exact")
 _CALIBRATIONS = ("none", "prompt")
 _SEARCHED = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 
@@ -68,6 +69,17 @@ class DustinConfig:
             cost as much as dense verification. The drafts change (so the acceptance can), and so do
             the draft queries that score positions, so the selection and the output can shift too.
             ``False``: the paper's dense draft.
+        mode: the guarantee verification gives. ``"sparse"``: what a sparse step accepts is committed (Dustin's
+            method: the output is the sparse target's, close to the target's but not equal). ``"exact"``: what a
+            sparse step accepts is tentative, and a later dense verification confirms it (greedy: the longest
+            prefix the dense target agrees with; sampling: each token with probability ``min(1, p / p~)``, a
+            rejection redrawn from ``norm(max(0, p - p~))``); only confirmed tokens are committed, so the output
+            is the target's own at any budget (greedy: token for token; sampling: in law).
+        confirm_tokens: exact mode: a row confirms once it holds this many tentative tokens (the most; the loop
+            lowers a row's own limit after a confirmation that rejected some, and raises it back after ones that
+            kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
+            baseline, MagicDec's method).
+        confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
@@ -85,12 +97,16 @@ class DustinConfig:
     dense_layers: tuple[int, ...] = ()
     calibration: str = "none"
     sparse_draft: bool = False
+    mode: str = "sparse"
+    confirm_tokens: int = 8
+    confirm_every: int = 4
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int = 4096
 
     def __post_init__(self):
-        for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "prefill_chunk"):
+        for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "prefill_chunk", "confirm_tokens",
+                     "confirm_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -134,6 +150,10 @@ class DustinConfig:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if not isinstance(self.sparse_draft, bool):
             raise ValueError(f"sparse_draft must be True or False, got {self.sparse_draft!r}")
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.confirm_every < 1:
+            raise ValueError(f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}")
 
     def _normalized_draft_heads(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
         heads = self.draft_heads
@@ -202,6 +222,9 @@ class ResolvedConfig:
     dense_layers: tuple[int, ...] = ()  # non-negative, sorted
     calibration: str = "none"  # "prompt": the decoder searches the heads above after prefill
     sparse_draft: bool = False  # the draft reads the previous selection + what was written since
+    mode: str = "sparse"  # "exact": sparse steps accept tentatively, dense verifications confirm
+    confirm_tokens: int = 8
+    confirm_every: int = 4
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -261,4 +284,7 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         dense_layers=dense_layers,
         calibration=config.calibration,
         sparse_draft=config.sparse_draft,
+        mode=config.mode,
+        confirm_tokens=config.confirm_tokens,
+        confirm_every=config.confirm_every,
     )

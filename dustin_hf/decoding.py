@@ -42,6 +42,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .cache import DustinCache
 from .config import ResolvedConfig
 from .draft_reads import DraftReads
+from .exact import ConfirmSchedule
 from .kernels import resolve_backend
 from .masks import Prompt, prompts_from_mask
 from .outputs import OutputRecorder
@@ -228,6 +229,8 @@ class SpeculativeDecoder:
         device = model_device(self.target)
         prompt_lens = [p.length for p in prompts]
         capacity = max(prompt_lens) + max_new + self.max_gamma + 2
+        if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
+            capacity += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
         shifts = [p.position_shift for p in prompts]
         recording = self.output_attentions or self.output_hidden_states
         # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
@@ -251,6 +254,8 @@ class SpeculativeDecoder:
         self.process.for_batch([p.pad for p in prompts])
         self.rng = RowGenerators(batch, device) if self.do_sample else None
         self.row_gamma = [self.gamma] * batch  # each row's draft length for its next step (the schedule's state)
+        self.confirm = ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every) \
+            if cfg is not None and cfg.mode == "exact" else None
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self._ahead: _QueuedDraft | None = None  # the next step's first draft forwards, already queued
         self._t_layers = t_cfg.num_hidden_layers
@@ -269,9 +274,10 @@ class SpeculativeDecoder:
         decoding = time.perf_counter()
         self._clock.restart()
         step_ends, step_tokens = [], []
+        step = self._exact_step if self.confirm is not None else self._step
         while not all(self.rows.finished):
             before = sum(self.rows.generated)
-            self._step(target, draft)
+            step(target, draft)
             step_ends.append(time.perf_counter())
             step_tokens.append(sum(self.rows.generated) - before)
             if self.max_time is not None and self.max_time(self.rows.tokens, None).all():
@@ -290,6 +296,8 @@ class SpeculativeDecoder:
                                         else {"captured": 0, "failed": []}}
         if self.profile:
             stats.reports.update(phase_seconds=self._clock.steps, phase_host_seconds=self._clock.host_steps)
+        if self.confirm is not None:
+            stats.reports["exact"] = self.confirm.stats.as_dict()
         attentions, hidden = self.recorder.tuples(self.rows.generated) if recording else (None, None)
         return DecodeResult(self.rows.sequences(input_ids), self.rows.per_position(self.rows.scores),
                             self.rows.per_position(self.rows.raw), attentions, hidden, stats, target.cache, draft.cache)
@@ -393,6 +401,110 @@ class SpeculativeDecoder:
         self._clock.mark("bookkeeping")
         self._clock.end_step()
 
+    def _exact_step(self, target: ModelRunner, draft: ModelRunner) -> None:
+        """One step of exact mode (:mod:`dustin_hf.exact`): the same five steps, but a row verified sparsely
+        accepts tentatively, and a confirming row's verification is dense with its tentative tokens in front of
+        the new drafts: one speculative block ``[x, t_1..t_n, d_1..d_γ]`` from the row's last committed token x,
+        whose proposal is p~ for the t's and q for the d's. What a confirming or dense row accepts is committed;
+        what a sparse row accepts joins its tentative tokens."""
+        rows, schedule, cfg = self.rows, self.confirm, self.dustin
+        batch, device = rows.batch_size, rows.tokens.device
+        seqlens = [n - 1 for n in rows.held]  # L_b: cached positions (committed + tentative, the last not cached)
+        base = device_tensor(seqlens, device)
+        short = dense_rows(seqlens, cfg)  # read in full anyway: what they accept is exact and committed at once
+        wanted = [not done and schedule.wants(b, rows.tentative[b]) for b, done in enumerate(rows.finished)]
+        # one confirming row makes the step dense for it; every row holding tentative tokens confirms with it
+        confirming = [rows.tentative[b] > 0 and any(wanted) for b in range(batch)]
+        dense = [s or c or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
+
+        # 1. Draft d_1..d_γ after everything each row holds (its tentative tokens included).
+        sparse = not all(short)
+        drafts = self._draft(draft, seqlens, base, sparse)
+        self._clock.mark("draft")
+
+        # 2. Select: the sparse rows' read sets (and, with sparse_draft, what the draft reads next); dense rows read
+        #    everything they hold before the step's first query.
+        starts = [L - n if c else L for L, n, c in zip(seqlens, rows.tentative, confirming)]
+        selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
+                                         drafts.row_gamma) if sparse else None
+        self._last_selection = None if selection is None else (selection, seqlens)
+        reads = None if all(dense) else _with_dense_rows(selection, starts, dense)
+        self._clock.mark("score_select")
+
+        # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
+        #    token (its tentative tokens follow it as proposals), any other row's x is the last token it holds.
+        tentative = [rows.tentative[b] if confirming[b] else 0 for b in range(batch)]
+        gammas = [n + g for n, g in zip(tentative, drafts.row_gamma)]
+        width = max(gammas)
+        blocks = _blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
+        proposal = blocks[:, 1:]
+        target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
+        t_capture = {cfg.target_layer: cfg.target_heads}
+        raw, captured = target.step(blocks, starts, keep=1 + width, capture=t_capture, capture_last=False,
+                                    selection=reads)
+        prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
+        scores = None if self._tokens_only else self.process(
+            raw, lambda b, i: torch.cat([prefixes[b], proposal[b : b + 1, :i]], dim=1))
+        self._clock.mark("verify")
+
+        # 4. Accept over each block: greedy, the agreeing prefix; sampling, min(1, p / proposal) with p~ as the
+        #    proposal of tentative tokens and q as the drafts'.
+        probs = None
+        if self.do_sample:
+            probs = _block_proposals(drafts.probs, schedule.proposals, tentative, raw.shape[-1], width)
+        block = _Drafts(proposal, probs, drafts.queries, drafts.sparse_reads, gammas)
+        n_accepted, next_token = self._accept(block, raw, scores, tentative)
+        new_tokens = torch.cat([proposal, torch.zeros_like(proposal[:, :1])], dim=1)
+        new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, 1 + width)
+        offsets = [rows.lens[b] if dense[b] else rows.held[b] for b in range(batch)]  # committed: after lens
+        rows.write_candidates(new_tokens, offsets)
+        active = rows.active
+        self._clock.mark("accept")
+
+        # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative.
+        host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1)).tolist()
+        accepted = [row[0] for row in host]
+        committing = [n + 1 if dense[b] else 0 for b, n in enumerate(accepted)]
+        counts = rows.commit(new_tokens, [row[1:] for row in host], raw, scores, committing)
+        kept = []  # inputs of each block whose K/V stay cached: x and the proposals before the next token
+        for b in range(batch):
+            if rows.finished[b] and b not in active:
+                kept.append(0)
+            elif dense[b]:
+                kept.append(counts[b])
+                if confirming[b]:
+                    schedule.after_confirm(b, tentative[b], min(accepted[b], tentative[b]), counts[b])
+                else:
+                    schedule.after_dense(b)
+                rows.tentative[b] = 0
+            else:
+                kept.append(accepted[b] + 1)
+                if self.do_sample:  # p~ of each new tentative token: the sparse target's at its position
+                    schedule.proposals[b].extend(scores[b, : accepted[b] + 1].softmax(dim=-1))
+                rows.tentative[b] += accepted[b] + 1
+                schedule.after_sparse(b, rows.would_stop(b, rows.held[b]))
+        self._update_schedule(drafts.row_gamma, [min(max(n - t, 0), g) for n, t, g in
+                                                 zip(accepted, tentative, drafts.row_gamma)], active)
+        if self.recorder is not None:
+            hidden, attentions = target.last_outputs
+            for b in active:
+                self.recorder.keep_step(b, counts[b], hidden, attentions)
+        target.cache.rollback([s + k for s, k in zip(starts, kept)])
+        draft.cache.rollback([min(d, s + k - 1) for d, s, k in zip(draft.cache.seq_lengths, starts, kept)])
+        queries = captured[cfg.target_layer]  # (B, 1 + width, heads, D): the last kept input's query is the history
+        picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)
+        history = queries[torch.arange(batch, device=queries.device), picked]
+        target.cache.set_history(history, [s + k - 1 for s, k in zip(starts, kept)])
+        if any(confirming):
+            schedule.stats.confirm_steps += 1
+        self._clock.mark("commit")
+
+        self.stats.record_step(gammas, accepted, [c if dense[b] else 0 for b, c in enumerate(counts)], active,
+                               sparse=reads is not None,
+                               attended=None if reads is None else self._attended(reads, starts, active))
+        self._clock.mark("bookkeeping")
+        self._clock.end_step()
+
     def _draft(self, draft: ModelRunner, seqlens: list[int], base: torch.Tensor, sparse: bool) -> _Drafts:
         """Step 1: up to γ draft forwards. The first feeds [tokens[L-1], tokens[L]] so that every row feeds two;
         the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With ``sparse_draft`` the draft
@@ -473,11 +585,16 @@ class SpeculativeDecoder:
         scores = None if self._tokens_only else self.process(raw, lambda b, i: self.rows.history(b, tokens[:i]))
         return raw, scores, captured
 
-    def _accept(self, drafts: _Drafts, raw: torch.Tensor, scores: torch.Tensor | None):
+    def _accept(self, drafts: _Drafts, raw: torch.Tensor, scores: torch.Tensor | None,
+                tentative: list[int] | None = None):
         """Step 4: ``n_accepted (B,)`` leading drafts kept and the target's ``next_token (B,)`` after them
         (:func:`~dustin_hf.sampling.accept_greedy` / :func:`~dustin_hf.sampling.accept_sampled`); a replayed
-        acceptance (:attr:`DecodeHooks.accept`) replaces the counts, the target's own token follows them."""
+        acceptance (:attr:`DecodeHooks.accept`; in exact mode :attr:`DecodeHooks.confirm`, told how many of each
+        block's proposals are tentative tokens) replaces the counts, the target's own token follows them."""
         replay = self.hooks.accept
+        if tentative is not None and self.hooks.confirm is not None:
+            confirm, tentative_now = self.hooks.confirm, device_tensor(tentative, raw.device)
+            replay = lambda n: confirm(n, tentative_now)  # noqa: E731
         target_tokens = raw if self._tokens_only else None  # (B, γ+1), the target's argmax
         if target_tokens is None and (not self.do_sample or replay is not None):
             target_tokens = scores.argmax(dim=-1)
@@ -572,3 +689,42 @@ def _window_cuts(model, capacity: int) -> bool:
     """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
     run the general masked attention, which a CUDA graph cannot capture)."""
     return any(isinstance(w, int) and w < capacity for w in _windows(model))
+
+
+def _blocks(tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts: torch.Tensor,
+            width: int) -> torch.Tensor:
+    """``(B, width)`` verification inputs of exact mode: row ``b``'s token at ``starts[b]`` and the
+    ``tentative[b]`` after it, then its drafts, cut or padded (with its last draft) to ``width``."""
+    out = []
+    for b, (start, n) in enumerate(zip(starts, tentative)):
+        row = torch.cat([tokens[b, start : start + 1 + n], drafts[b]])[:width]
+        out.append(torch.cat([row, row[-1:].expand(width - row.numel())]))
+    return torch.stack(out)
+
+
+def _block_proposals(draft_probs: torch.Tensor, tentative_probs: list[list[torch.Tensor]], tentative: list[int],
+                     vocab: int, width: int) -> torch.Tensor:
+    """``(B, width, V)`` proposal distributions of exact mode's blocks: p~ of each tentative token a confirming
+    row holds, then the draft's q (zero past the draft's vocabulary and past a row's block)."""
+    batch, gamma, draft_vocab = draft_probs.shape
+    out = draft_probs.new_zeros(batch, width, vocab)
+    for b, n in enumerate(tentative):
+        if n:
+            out[b, :n] = torch.stack(tentative_probs[b][:n])
+        take = min(gamma, width - n)
+        out[b, n : n + take, :draft_vocab] = draft_probs[b, :take]
+    return out
+
+
+def _with_dense_rows(selection: Selection | None, starts: list[int], dense: list[bool]) -> Selection:
+    """The read sets of a step where some rows read everything they hold (``starts[b]`` positions) and the others
+    their selection: the dense rows' entries are ``0 .. starts[b] - 1``."""
+    device = selection.indices.device
+    width = max([selection.indices.shape[1]] + [s for s, d in zip(starts, dense) if d])
+    indices = selection.indices
+    if width > indices.shape[1]:
+        indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
+    everything = torch.arange(width, device=device, dtype=torch.int32).expand_as(indices)
+    indices = torch.where(device_tensor(dense, device)[:, None], everything, indices)
+    counts = [s if d else c for s, c, d in zip(starts, selection.counts, dense)]
+    return Selection(indices.contiguous(), device_tensor(counts, device, torch.int32), counts)

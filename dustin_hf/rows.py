@@ -5,6 +5,11 @@ the rows of a batch advance by different counts every step and stop on their own
 a stopping criterion). The decode loop writes a step's candidates after each row's committed tokens in one
 scatter (:meth:`Rows.write_candidates`) and then makes the first ``k_b`` of them committed
 (:meth:`Rows.commit`), cut where the row must stop.
+
+In exact mode a row also holds ``tentative[b]`` tokens after its committed ones (accepted by sparse
+verification, not yet confirmed by a dense one): they sit in ``tokens[b, lens[b] : lens[b] + tentative[b]]``,
+processors see them as part of the row's history, and nothing else does (EOS, lengths, stopping criteria and
+streamers see committed tokens only).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Rows:
         for b, p in enumerate(prompts):
             self.tokens[b, : p.length] = p.tokens.to(device)
         self.lens = [p.length for p in prompts]
+        self.tentative = [0] * batch
         self.prompt_lens = list(self.lens)
         # what processors and stopping criteria see of a prompt with masked slots after its first real token
         self.views = [None if p.view is None else p.view.to(device)[None] for p in prompts]
@@ -56,21 +62,26 @@ class Rows:
         """Rows still generating."""
         return [b for b, done in enumerate(self.finished) if not done]
 
+    @property
+    def held(self) -> list[int]:
+        """Tokens each row holds: committed, then tentative."""
+        return [n + t for n, t in zip(self.lens, self.tentative)]
+
     def history(self, b: int, drafts=(), upto: int | None = None) -> torch.Tensor:
-        """Row b's committed tokens (the first ``upto`` of them, default all) followed by its first drafts, as
-        stock ``generate()`` would hand them to a processor were the row alone: ``(1, len)``."""
-        committed = self.tokens[b : b + 1, : self.lens[b] if upto is None else upto]
+        """Row b's tokens (the first ``upto``, default all it holds) followed by its first drafts, as stock
+        ``generate()`` would hand them to a processor were the row alone: ``(1, len)``."""
+        committed = self.tokens[b : b + 1, : self.lens[b] + self.tentative[b] if upto is None else upto]
         if self.views[b] is not None:
             committed = torch.cat([self.views[b], committed[:, self.prompt_lens[b]:]], dim=1)
         if not drafts:
             return committed
         return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
 
-    def write_candidates(self, new_tokens: torch.Tensor) -> None:
-        """Write every row's candidates ``(B, n)`` after its committed tokens (one scatter; :meth:`commit`
-        then makes the first ``k_b`` of them committed)."""
-        slots = device_tensor(self.lens, new_tokens.device)[:, None] + torch.arange(new_tokens.shape[1],
-                                                                                    device=new_tokens.device)
+    def write_candidates(self, new_tokens: torch.Tensor, offsets: list[int] | None = None) -> None:
+        """Write every row's candidates ``(B, n)`` after its committed tokens, or from ``offsets[b]`` (one scatter;
+        :meth:`commit` then makes the first ``k_b`` of them committed)."""
+        slots = device_tensor(self.lens if offsets is None else offsets, new_tokens.device)[:, None] + torch.arange(
+            new_tokens.shape[1], device=new_tokens.device)
         self.tokens.scatter_(1, slots.clamp_max(self.tokens.shape[1] - 1), new_tokens)
 
     def commit(self, new_tokens: torch.Tensor, host_tokens: list[list[int]], raw, scores,
@@ -103,10 +114,24 @@ class Rows:
             if self.raw is not None:
                 self.raw[b].extend(raw[b, :k])
             counts.append(k)
-        if streaming:
+        if streaming and counts[0]:
             # from the host copy: new_tokens.cpu() would wait for the draft forwards queued after it
             self.streamer.put(torch.tensor(host_tokens[0][: counts[0]], dtype=new_tokens.dtype))
         return counts
+
+    def would_stop(self, b: int, held: int) -> bool:
+        """Whether row ``b`` would end within the first ``held`` tokens it holds (EOS, length or a stopping
+        criterion) were they all committed: in exact mode such a row confirms its tentative tokens next."""
+        start = self.lens[b]
+        ahead = held - start
+        if self.generated[b] + ahead >= self.max_new:
+            return True
+        tail = self.tokens[b, start:held].tolist()
+        if any(token in self.eos for token in tail):
+            return True
+        return bool(self.row_criteria) and any(
+            bool(criterion(self.history(b, upto=start + j), None)[0])
+            for j in range(1, ahead + 1) for criterion in self.row_criteria)
 
     def _apply_row_criteria(self, b: int, start: int, k: int) -> int:
         for j in range(1, k + 1):

@@ -39,7 +39,7 @@ class RunStats:
         a sparse step read per row and layer."""
         self.steps += 1
         self.verified_tokens += sum(row_gamma[b] for b in active)
-        self.accepted_tokens += sum(committed[b] - 1 for b in active)
+        self.accepted_tokens += sum(committed[b] - 1 for b in active if committed[b])  # the drafts kept
         self.trace.append((max(row_gamma), [accepted[b] if b in active else -1 for b in range(len(accepted))]))
         if sparse:
             self.sparse_steps += 1
