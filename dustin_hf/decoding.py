@@ -162,7 +162,8 @@ class SpeculativeDecoder:
             raise ValueError(f"assistant_confidence_threshold must be in [0, 1] or None, got {confidence_threshold!r}")
         self.target, self.draft = target, draft
         self.config = generation_config
-        self.process = LogitsPipeline(logits_processor)
+        self.process = LogitsPipeline(logits_processor,
+                                      min_length_from_new=getattr(generation_config, "min_new_tokens", None) is not None)
         self.do_sample = bool(generation_config.do_sample)
         self.dustin = dustin
         self.gamma = num_draft_tokens

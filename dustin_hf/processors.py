@@ -1,7 +1,8 @@
 """transformers' logits processors applied per row of a ragged batch, each row seen as if decoded alone.
 
 ``generate()`` builds its processors for the padded batch: a few of them hold a length measured on the padded
-input (``MinNewTokensLengthLogitsProcessor.prompt_length_to_skip``, ``SuppressTokensAtBeginLogitsProcessor.
+input (``MinNewTokensLengthLogitsProcessor.prompt_length_to_skip``, the ``min_length`` it derives from
+``min_new_tokens``, ``SuppressTokensAtBeginLogitsProcessor.
 begin_index``, ``ForcedEOSTokenLogitsProcessor.max_length``, ``ExponentialDecayLengthPenalty.regulation_start``,
 an integer ``RepetitionPenaltyLogitsProcessor.prompt_ignore_length``), one a per-row tensor of the padded batch
 (``RepetitionPenaltyLogitsProcessor.prompt_ignore_length`` built from the mask) and one a row index
@@ -40,9 +41,13 @@ _HISTORY_FREE = (
 ) + tuple(getattr(lp, name) for name in ("TopHLogitsWarper",) if hasattr(lp, name))
 
 
-def _for_row(processor, b: int, pad: int):
+def _for_row(processor, b: int, pad: int, min_length_from_new: bool):
     """``processor`` as it would have been built for row ``b`` alone (``pad``: the row's left padding), or the
-    processor itself when nothing in it depends on the padded batch."""
+    processor itself when nothing in it depends on the padded batch. ``min_length_from_new``: ``generate()`` set
+    ``min_length`` to ``min_new_tokens`` + the padded width (a ``min_length`` of the user's own is a total
+    length, the row's alone too)."""
+    if isinstance(processor, lp.MinLengthLogitsProcessor) and min_length_from_new:
+        return _shifted(processor, "min_length", pad)
     if isinstance(processor, lp.MinNewTokensLengthLogitsProcessor):
         return _shifted(processor, "prompt_length_to_skip", pad)
     if isinstance(processor, lp.SuppressTokensAtBeginLogitsProcessor):
@@ -78,13 +83,17 @@ class LogitsPipeline:
     Args:
         processors: the list ``generate()`` prepared for the padded batch.
         pads: each row's left padding in that batch (``None``: no padding).
+        min_length_from_new: the generation config set ``min_new_tokens`` (``generate()`` then turned it into a
+            ``min_length`` measured on the padded width).
 
     History-free processors run once on all rows and positions; any other processor sees the exact token
     history of each row and position, as if that row were decoded alone: one call per row and position.
     """
 
-    def __init__(self, processors: lp.LogitsProcessorList | None, pads: list[int] | None = None):
+    def __init__(self, processors: lp.LogitsProcessorList | None, pads: list[int] | None = None,
+                 min_length_from_new: bool = False):
         self.processors = processors if processors is not None else lp.LogitsProcessorList()
+        self.min_length_from_new = min_length_from_new
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
         self._rows: list[lp.LogitsProcessorList] = []
         if pads is not None:
@@ -92,7 +101,7 @@ class LogitsPipeline:
 
     def for_batch(self, pads: list[int]) -> None:
         """Make each row's processor list for a batch whose rows carry ``pads`` tokens of left padding."""
-        self._rows = [lp.LogitsProcessorList([_for_row(p, b, pad) for p in self.processors])
+        self._rows = [lp.LogitsProcessorList([_for_row(p, b, pad, self.min_length_from_new) for p in self.processors])
                       for b, pad in enumerate(pads)]
 
     def __call__(self, logits: torch.Tensor, history: Callable[[int, int], torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,7 @@ a threshold: Triton takes the lowest tied positions, ``torch.topk`` any of them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ def select_positions(
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> Selection:
     """Choose each row's read set.
 
@@ -61,7 +63,12 @@ def select_positions(
         config: the resolved budget, windows and ``draft_share``.
         lengths: ``seqlens`` as a device tensor, if the caller has one (saves a host->device copy).
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (CUDA, or the Triton interpreter on CPU).
+        window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
+            ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
+            window the budget covers is read whole). ``None``: the whole context.
     """
+    if window is not None and any(n - window + 1 > 0 for n in seqlens):
+        return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window)
     device = draft_scores.device
     batch, span = draft_scores.shape
     dense = dense_rows(seqlens, config)
@@ -95,6 +102,35 @@ def select_positions(
     else:
         num_indices = torch.full((batch,), config.budget, dtype=torch.int32, device=device)
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
+
+
+def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window) -> Selection:
+    """:func:`select_positions` over each row's window ``[lo, L)``: the scores shifted by ``lo``, the selection
+    made as for a context of ``L - lo`` positions (a row below ``min_context`` reads its whole window), and
+    shifted back."""
+    lows = [max(0, n - window + 1) for n in seqlens]
+    spans = [n - lo for n, lo in zip(seqlens, lows)]
+    device = draft_scores.device
+    low = device_tensor(lows, device)[:, None]
+    columns = torch.arange(max(spans), device=device)[None, :]
+    inside = columns < device_tensor(spans, device)[:, None]
+    take = (low + columns).clamp_max(draft_scores.shape[1] - 1)
+
+    def shifted(scores):
+        return None if scores is None else scores.gather(1, take) * inside
+
+    whole = dataclasses.replace(config, min_context=0)
+    chosen = select_positions(spans, shifted(draft_scores), shifted(target_scores), has_history, whole,
+                              backend=backend)
+    counts = [span if n < config.min_context else c for n, span, c in zip(seqlens, spans, chosen.counts)]
+    indices = chosen.indices
+    if counts != chosen.counts:  # rows below min_context: their whole window
+        width = max(indices.shape[1], max(spans))
+        indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
+        everything = torch.arange(width, device=device, dtype=indices.dtype).expand_as(indices)
+        short = device_tensor([n < config.min_context for n in seqlens], device)[:, None]
+        indices = torch.where(short, everything, indices)
+    return Selection((indices + low.to(indices.dtype)).contiguous(), device_tensor(counts, device, torch.int32), counts)
 
 
 def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | None,

@@ -33,8 +33,8 @@ class Selector:
         t_group, d_group: query heads per key head of the target and the draft.
         t_scale, d_scale: their attention scales.
         graphs: capture the steady step (needs the target's graph pools).
-        window: the sliding window every target layer has (Mistral-style models), else ``None``: positions no
-            query of the step can see (``<= L - window``) are not candidates.
+        window: the sliding window every target layer has (Mistral-style models), else ``None``: the read set is
+            chosen inside it (:func:`~dustin_hf.selection.select_positions`).
     """
 
     def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
@@ -96,13 +96,9 @@ class Selector:
             s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),
                                              cfg.target_heads, self.t_group, self.t_scale, span,
                                              backend=score_backend).to(lengths.device)
-        if self.window is not None:  # out of every query's window: worth nothing to any layer
-            visible = torch.arange(s_draft.shape[1], device=s_draft.device)[None, :] > (lengths - self.window)[:, None]
-            s_draft = s_draft * visible
-            s_target = None if s_target is None else s_target * visible
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
-                                backend="auto" if triton else "reference")
+                                backend="auto" if triton else "reference", window=self.window)
 
     @property
     def graph_report(self) -> dict:
