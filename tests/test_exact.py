@@ -1,0 +1,160 @@
+"""Exact mode: sparse verification accepts tentatively, dense verification confirms; the output is the target's.
+
+Greedy: token for token plain greedy decoding, at budgets far below the context, where sparse mode's output
+differs. Sampling: the committed tokens' law is the target's, where sparse mode's measurably is not, and a
+broken hierarchical rule is caught by the same check.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from transformers import GenerationConfig
+
+import dustin_hf
+from dustin_hf import decoding
+from dustin_hf.config import resolve
+from dustin_hf.generate import attention_routed
+from dustin_hf.runner import ModelRunner
+from dustin_hf.telemetry import DecodeHooks
+
+from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+
+P_VALUE = 1e-3
+CASES = [  # (family, budget, γ, prompt lengths)
+    ("llama", 8, 1, (900, 260, 530, 340)),
+    ("qwen2", 32, 4, (1500, 400, 760, 610)),
+    ("qwen3", 128, 6, (2100, 700, 1300, 980)),
+]
+
+
+def _early_eos(target, row) -> int:
+    """The 5th token of ``row``'s greedy continuation: as EOS it ends that row early (others may end too)."""
+    return int(target.generate(row[None], max_new_tokens=5, do_sample=False, pad_token_id=PAD)[0, -1])
+
+
+def _decode_case(family, budget, gamma, lengths) -> bool:
+    """Exact mode equals greedy on this case (asserted); returns whether sparse mode differs from greedy."""
+    target = tiny_model(family, layers=2, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target, noise=0.02), gamma)
+    rows = [random_prompt(n, seed=n)[0] for n in lengths]
+    ids, mask = left_pad(rows)
+    eos = _early_eos(target, rows[1])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos)
+    greedy = target.generate(ids, **kwargs)
+    assert (greedy[1, ids.shape[1]:] == PAD).any()  # row 1 stops early at its EOS
+    config = dict(budget=budget, min_context=64, sink_tokens=2, recent_tokens=4)
+    outs, stats = {}, {}
+    with dustin_hf.patch(target):
+        for mode in ("sparse", "exact"):
+            out = target.generate(ids, assistant_model=draft, cache_implementation="dustin", return_dict_in_generate=True,
+                                  cache_config={**config, "mode": mode}, **kwargs)
+            outs[mode], stats[mode] = out.sequences, out.past_key_values.stats
+    assert torch.equal(outs["exact"], greedy)
+    exact = stats["exact"]["exact"]
+    assert stats["exact"]["sparse_steps"] > 0 and exact["sparse_row_steps"] > 0 and exact["confirmations"] > 0
+    assert exact["tentative_rejected"] > 0  # the dense check really had something to correct
+    assert stats["sparse"]["sparse_steps"] > 0
+    return not torch.equal(outs["sparse"], greedy)
+
+
+def test_exact_greedy_equals_greedy_where_sparse_does_not():
+    """Ragged left-padded batches of 4 (one row stops early at its EOS), budgets 8-128 far below the contexts:
+    exact mode equals plain greedy decoding for every row, with sparse steps and rejected tentative tokens
+    really happening, while sparse mode's output differs in some case (so the comparison can fail)."""
+    differs = [_decode_case(*case) for case in CASES]
+    assert any(differs)
+
+
+def test_confirm_tokens_zero_verifies_densely_every_step():
+    """The lossless sparse-draft baseline: no tentative token ever, the draft reads its selections."""
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 3)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (600, 350)])
+    greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=16, min_context=64, sink_tokens=2, recent_tokens=4,
+                                                        mode="exact", confirm_tokens=0, sparse_draft=True)):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
+                              pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert torch.equal(out.sequences, greedy)
+    assert stats["sparse_steps"] == 0 and stats["exact"]["sparse_row_steps"] == 0
+    assert stats["draft_sparse_forwards"] > 0
+
+
+def test_exact_mode_settings_are_validated():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dustin_hf.DustinConfig(mode="lossless")
+    with pytest.raises(ValueError, match="confirm_every must be >= 1"):
+        dustin_hf.DustinConfig(mode="exact", confirm_every=0)
+    with pytest.raises(ValueError, match="confirm_tokens must be a non-negative int"):
+        dustin_hf.DustinConfig(mode="exact", confirm_tokens=-1)
+
+
+def _joint_law_case():
+    """A 6-token vocabulary, a 60-token prompt read through 4 positions: the sparse target's next-token law is
+    far from the dense one. Returns the models, the prompt and the dense law of the first two new tokens."""
+    vocab = 6
+    target = tiny_model("qwen2", layers=2, hidden=32, vocab=vocab, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30.0)  # spread out, not uniform
+    draft = set_gamma(noisy_copy(target, noise=0.5), 2)
+    prompt = torch.randint(0, vocab, (1, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        p0 = target(prompt).logits[0, -1].softmax(-1)
+        following = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p1 = target(following).logits[:, -1].softmax(-1)
+    return target, draft, prompt, (p0[:, None] * p1).flatten()
+
+
+def _replicated_prefill(runner, rows, chunk, capture):
+    """The decoder's prefill hook for a batch of one prompt repeated: prefill row 0, copy it to every row."""
+    logits, kept = ModelRunner.prefill(runner, rows[:1], chunk, capture)
+    cache = runner.cache
+    for layer in cache.layers:
+        for buffer in layer.buffers():
+            buffer[1:] = buffer[:1]
+    cache.seq_lengths = [rows[0].numel()] * len(rows)
+    return logits * len(rows), kept * len(rows)
+
+
+def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
+    """The chi-square p-value of ``draws`` sampled (t0, t1) pairs against ``law`` (the decoder run directly, its
+    prefill copied from one row: the rows are one prompt)."""
+    torch.manual_seed(0)
+    config = resolve(dustin_hf.DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode),
+                     target.config, draft.config)
+    generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=2,
+                                              hooks=DecodeHooks(prefill=_replicated_prefill))
+        out = decoder.generate(prompt.expand(draws, -1)).sequences
+    vocab = int(round(law.numel() ** 0.5))
+    pairs = out[:, prompt.shape[1]] * vocab + out[:, prompt.shape[1] + 1]
+    counts = torch.bincount(pairs, minlength=vocab * vocab).double()
+    expected = law.double() * draws
+    keep = expected > 5  # chi-square needs populated cells; pool the rest
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    wanted = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue
+
+
+def test_exact_sampling_follows_the_targets_law(monkeypatch):
+    """Sparse mode's law of the first two tokens measurably differs from the target's; exact mode's matches it;
+    exact mode with a broken hierarchical rule (tentative tokens checked against the draft's q instead of the
+    sparse target's p~) is rejected by the same check."""
+    target, draft, prompt, law = _joint_law_case()
+    assert _pvalue(target, draft, prompt, law, "sparse") < P_VALUE
+    assert _pvalue(target, draft, prompt, law, "exact") > P_VALUE
+
+    right = decoding._block_proposals
+
+    def wrong(draft_probs, tentative_probs, tentative, vocab, width):
+        """The tentative tokens' proposal replaced by the uniform law: not what they were drawn from."""
+        out = right(draft_probs, tentative_probs, tentative, vocab, width)
+        for b, n in enumerate(tentative):
+            out[b, :n] = 1.0 / vocab
+        return out
+
+    monkeypatch.setattr(decoding, "_block_proposals", wrong)
+    assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
