@@ -109,23 +109,15 @@ def test_prompt_ids_a_smaller_draft_cannot_embed_on_sparse_steps():
 
 
 # ---------------------------------------------------------------------------------------- profile paths
-def test_a_missing_profile_says_a_profile_was_expected(pair, tmp_path):
-    """Before: a bare FileNotFoundError that did not say what the path was for."""
+@pytest.mark.parametrize("contents", [None, "budget = 256\n"], ids=["missing", "not_json"])
+def test_a_bad_profile_path_says_a_profile_was_expected(pair, tmp_path, contents):
+    """Before: a bare FileNotFoundError, or a JSONDecodeError, that did not say what the path was for."""
     target, _ = pair
-    missing = tmp_path / "nonexistent.json"
+    path = tmp_path / "settings.json"
+    if contents is not None:
+        path.write_text(contents)
     with pytest.raises((FileNotFoundError, ValueError)) as refused:
-        dustin_hf.patch(target, str(missing))
-    message = str(refused.value)
-    assert str(missing) in message and re.search("(?i)profile", message.replace(str(missing), "")), message
-    assert not dustin_hf.is_patched(target)
-
-
-def test_a_profile_that_is_not_json_says_so(pair, tmp_path):
-    target, _ = pair
-    path = tmp_path / "profile.json"
-    path.write_text("budget = 256\n")
-    with pytest.raises(ValueError) as refused:
-        dustin_hf.patch(target, path)
+        dustin_hf.patch(target, str(path))
     message = str(refused.value)
     assert str(path) in message and re.search("(?i)profile", message.replace(str(path), "")), message
     assert not dustin_hf.is_patched(target)
