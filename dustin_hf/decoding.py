@@ -261,6 +261,7 @@ class SpeculativeDecoder:
         self._ahead: _QueuedDraft | None = None  # the next step's first draft forwards, already queued
         self._t_layers = t_cfg.num_hidden_layers
         self._draft_vocab = d_cfg.vocab_size  # a draft may pad its embedding less than the target (same tokenizer)
+        self._target_vocab = t_cfg.vocab_size
         self._clock = PhaseClock(device, self.profile)
         started = time.perf_counter()
 
@@ -541,6 +542,8 @@ class SpeculativeDecoder:
             if self._tokens_only:
                 token = raw[:, 0].to(device)
             else:
+                if raw.shape[-1] < self._target_vocab:  # processors are built for the target's vocabulary
+                    raw = torch.nn.functional.pad(raw, (0, self._target_vocab - raw.shape[-1]), value=float("-inf"))
                 scores = self.process(raw, lambda b, _, i=i: rows.history(b, tokens[:i]))
                 token = pick_tokens(scores[:, 0], self.rng, drafting).to(device)
             tokens.append(token)

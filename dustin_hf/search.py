@@ -91,7 +91,8 @@ def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, r
                           for l in sorted(plan.captured)])  # (layers, heads, L)
     plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend,
                        capture={layer: d_heads for layer in range(d_cfg.num_hidden_layers)})
-    d_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=1)
+    # ids a smaller draft embedding cannot hold reach it as its last id, as in decoding
+    d_model.forward(plan, tokens[at - 1 : at + gamma][None].clamp_max(d_cfg.vocab_size - 1), keep=1)
     query_pos = at + torch.arange(gamma, device=tokens.device)
     draft_feats = torch.stack([
         head_probabilities(plan.captured[l][0, 1:], d_model.cache.layer_buffers(l)[0][row], query_pos, at, d_scale)

@@ -5,7 +5,9 @@ and is run through ``dustin_hf.patch`` and ``model.generate(..., assistant_model
 cache_config={...})`` exactly as a user would (:func:`check_case`). The invariants (issue #24):
 
 - ``alone``: with a budget covering the context and greedy decoding, every row equals that row's prompt, unpadded,
-  decoded alone by stock greedy ``generate()`` with the same processors (no assistant);
+  decoded alone by stock greedy ``generate()`` with the same processors (no assistant); with right padding, which
+  stock reads as part of the row (its positions restart after the padding), every row equals stock greedy on the
+  same padded batch;
 - ``well_formed``: the output keeps the input layout, a row ends at its first EOS (pad after it) or after exactly
   ``max_new_tokens``, never before ``min_new_tokens``;
 - ``reads``: every sparse verification reads, per row and (non-dense) layer, at most ``budget`` positions of its
@@ -13,8 +15,9 @@ cache_config={...})`` exactly as a user would (:func:`check_case`). The invarian
   ``min_context``) read exactly their context; ``stats["mean_attended"]`` stays within the same bound; sparse steps
   happen once a row's context is past both;
 - ``mates``: a row's tokens do not change when its batch-mates do: the batch again with every other row replaced
-  by fresh random tokens of the same length (same seed when sampling), and (greedy) the row decoded alone by
-  the same Dustin settings.
+  by fresh random tokens of the same length (same seed when sampling), and (greedy, left padding) the row decoded
+  alone by the same Dustin settings. ``calibration="prompt"`` chooses one scoring configuration for the whole
+  batch from its longest prompts, so its rows are exempt (the documented exception).
 
 Sizes: ``DUSTIN_FUZZ_CASES`` cases in all (default :data:`CI_CASES`), split over the seeds of ``DUSTIN_FUZZ_SEEDS``
 (default ``0,1``); case ``i`` has a covering budget when ``i % 8 < 5`` (so 800 cases are 500 covering and 300
@@ -457,7 +460,14 @@ def _check(case: Case, failures: dict[str, list[str]]) -> None:
     rows = prompts(case)
     kwargs = _generate_kwargs(case)
     greedy_alone = None
-    if case.covering and not case.do_sample:
+    if case.covering and not case.do_sample and case.padding == "right":
+        # right padding is read as stock reads it (a row's positions restart after its padding), so the reference
+        # is stock greedy on the same padded batch, not the row alone; processors see each row's left-unpadded
+        # input in both (a right-padded row has no left padding)
+        ids, mask = pad_batch(rows, case.padding)
+        out = target.generate(ids, attention_mask=mask, **kwargs)
+        greedy_alone = [_row_tokens(out, ids.shape[1], b, case.eos) for b in range(len(rows))]
+    elif case.covering and not case.do_sample:
         greedy_alone = []
         for row in rows:  # stock greedy, each prompt alone and unpadded, before anything is patched
             out = target.generate(row[None], **kwargs)
@@ -480,14 +490,15 @@ def _independence(target, draft, case: Case, rows, ids, sequences, greedy_alone,
         return
     b = case.subject
     mates_failures = []
-    if len(rows) > 1:
+    if len(rows) > 1 and case.calibration != "prompt":
         mates = prompts(case, salt=1)
         mates[b] = rows[b]
         ids2, sequences2, _ = _dustin(target, draft, case, mates)
         got = _row_tokens(sequences2, ids2.shape[1], b, case.eos)
         if got != mine[b]:
             mates_failures.append(f"row {b} with other batch-mates: {_first_difference(got, mine[b])}")
-    if not case.do_sample and len(rows) > 1:
+    if not case.do_sample and len(rows) > 1 and case.padding == "left" and case.calibration != "prompt":
+        # (right padding depends on the batch width)
         alone_case = dataclasses.replace(case, lengths=(case.lengths[b],), subject=0, padding="left")
         ids3, sequences3, _ = _dustin(target, draft, alone_case, [rows[b]])
         got = _row_tokens(sequences3, ids3.shape[1], 0, case.eos)

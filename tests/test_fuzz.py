@@ -26,15 +26,6 @@ PINNED = {
         budget=52, sink_tokens=1, recent_tokens=10, draft_share=None, min_context=12, sparse_draft=False,
         dense_layers=(), calibration="none", subject=0
     ),
-    # calibration='prompt' searches one choice on the batch's longest rows
-    "prompt_calibration_chosen_for_the_batch": Case(
-        seed=0, index=55, family="llama", layers=1, hidden=64, heads=8, kv_heads=2, draft_kind="clone",
-        draft_family="llama", draft_layers=1, draft_hidden=64, draft_heads=8, draft_kv_heads=2, draft_vocab=96,
-        noise=0.001, lengths=(21, 20), prompt_vocab=95, padding="left", gamma=1, threshold=0.0, max_new_tokens=4,
-        eos=(), processors=(), do_sample=False, sampling=(), covering=False, budget=18, sink_tokens=2,
-        recent_tokens=0, draft_share=None, min_context=18, sparse_draft=False, dense_layers=(),
-        calibration="prompt", subject=1
-    ),
     # sparse_draft: a dense row in the batch makes the draft read everything, for every row
     "sparse_draft_beside_a_dense_row": Case(
         seed=1, index=86, family="mistral", layers=3, hidden=32, heads=2, kv_heads=1, draft_kind="independent",
