@@ -80,6 +80,14 @@ class DustinConfig:
             kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
             baseline, MagicDec's method).
         confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.
+        min_recovery: the quality knob: each row and step reads the smallest set whose *estimated recovery* (the
+            share of the scoring heads' attention mass it holds: the mean of the target history's and the draft
+            lookahead's, each normalised over the cached positions) reaches this value, between ``budget`` positions
+            (the floor) and ``max_budget`` (the ceiling); a row whose estimate stays below it at ``max_budget``
+            reads everything that step. Positions join by estimated mass (sinks and the recent window first),
+            which for a sum of per-position masses is the smallest set that reaches it. ``None``: every row reads
+            ``budget`` positions (the paper's fixed budget). ``1.0``: every step dense.
+        max_budget: the knob's ceiling; ``None``: four times ``budget``.
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
@@ -100,6 +108,8 @@ class DustinConfig:
     mode: str = "sparse"
     confirm_tokens: int = 8
     confirm_every: int = 4
+    min_recovery: float | None = None
+    max_budget: int | None = None
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int = 4096
@@ -154,6 +164,18 @@ class DustinConfig:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.confirm_every < 1:
             raise ValueError(f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}")
+        if self.min_recovery is not None and not (
+                isinstance(self.min_recovery, (int, float)) and not isinstance(self.min_recovery, bool)
+                and 0 < self.min_recovery <= 1):
+            raise ValueError(f"min_recovery must be a share in (0, 1] (e.g. 0.9) or None for the fixed budget, "
+                             f"got {self.min_recovery!r}")
+        if self.max_budget is not None and (not isinstance(self.max_budget, int) or isinstance(self.max_budget, bool)
+                                            or self.max_budget < self.budget):
+            raise ValueError(f"max_budget must be an int >= budget ({self.budget}) or None (4 x budget), "
+                             f"got {self.max_budget!r}")
+        if self.max_budget is not None and self.min_recovery is None:
+            raise ValueError("max_budget is the ceiling of the quality knob: set min_recovery too (or leave "
+                             "max_budget None for the fixed budget)")
 
     def _normalized_draft_heads(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
         heads = self.draft_heads
@@ -225,6 +247,8 @@ class ResolvedConfig:
     mode: str = "sparse"  # "exact": sparse steps accept tentatively, dense verifications confirm
     confirm_tokens: int = 8
     confirm_every: int = 4
+    min_recovery: float | None = None  # the quality knob's target (None: the fixed budget)
+    max_budget: int = 0  # its ceiling (0 without the knob)
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -287,4 +311,6 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         mode=config.mode,
         confirm_tokens=config.confirm_tokens,
         confirm_every=config.confirm_every,
+        min_recovery=None if config.min_recovery is None else float(config.min_recovery),
+        max_budget=0 if config.min_recovery is None else (config.max_budget or 4 * config.budget),
     )

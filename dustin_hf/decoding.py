@@ -240,10 +240,11 @@ class SpeculativeDecoder:
         graphs = {role: self.graphs[role] and not any(shifts) and not recording and not _window_cuts(model, capacity)
                   for role, model in (("target", self.target), ("draft", self.draft))}
         cfg = self.dustin
+        read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                             graphs["target"], graph_width=cfg.budget if cfg is not None else 0,
+                             graphs["target"], graph_width=read_width,
                              dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only)
-        draft_width = cfg.budget + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
+        draft_width = read_width + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
         target.record = (self.output_attentions, self.output_hidden_states)
@@ -359,6 +360,8 @@ class SpeculativeDecoder:
         selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
                                          drafts.row_gamma) if sparse else None
         self._last_selection = None if selection is None else (selection, seqlens)
+        if selection is not None and selection.recovery is not None:
+            self.stats.record_knob(selection.counts, selection.recovery, selection.fallback, rows.active)
         self._clock.mark("score_select")
 
         # 3. Verify [x, d_1..d_γ] at positions L..L+γ against the selection (or everything): p_1..p_{γ+1}.
@@ -430,6 +433,9 @@ class SpeculativeDecoder:
         selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
                                          drafts.row_gamma) if sparse else None
         self._last_selection = None if selection is None else (selection, seqlens)
+        if selection is not None and selection.recovery is not None:
+            self.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
+                                   [b for b in rows.active if not dense[b]])
         reads = None if all(dense) else _with_dense_rows(selection, starts, dense)
         self._clock.mark("score_select")
 

@@ -23,11 +23,11 @@ __all__ = ["DraftReads"]
 class DraftReads:
     """The draft's read sets for one step, from ``(selection, seqlens)`` of the last sparse verification.
 
-    ``indices`` is ``(B, W)``: for a sparse row the last selection (``budget`` entries), then ``L' .. L' +
-    extra - 1`` where ``L'`` is the row's cached length at that verification; for a dense row ``0 .. W - 1``,
-    of which it reads its first ``cached`` (all it holds). After the verification a row committed ``k <= γ+1``
-    tokens and the draft writes up to γ more, so at most ``extra = 2γ`` positions are new; ``W`` is
-    ``budget + 2γ``, or more when a dense row holds more.
+    ``indices`` is ``(B, W)``: for a sparse row the last selection (its ``S`` columns: the budget, or the quality
+    knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification;
+    for a dense row ``0 .. W - 1``, of which it reads its first ``cached`` (all it holds). After the verification
+    a row committed ``k <= γ+1`` tokens and the draft writes up to γ more, so at most ``extra = 2γ`` positions are
+    new; ``W`` is ``S + 2γ``, or more when a dense row holds more.
     """
 
     indices: torch.Tensor
@@ -48,20 +48,23 @@ class DraftReads:
             return None
         selection, seqlens = last
         extra = cls.extra(gamma)
-        dense = [n != config.budget for n in selection.counts]  # read in full (count = the row's length)
+        dense = [c >= n for c, n in zip(selection.counts, seqlens)]  # read in full (count = the row's length)
         if all(dense):
             return None
-        width = max([config.budget + extra] + [n + extra for n, d in zip(seqlens, dense) if d])
+        columns = max(config.budget, config.max_budget)  # a sparse row's selection never needs more
+        width = max([columns + extra] + [n + extra for n, d in zip(seqlens, dense) if d])
         device = selection.indices.device
-        since = [[min(n + i, capacity - 1) for i in range(extra)] for n in seqlens]  # host: one copy
-        sparse_part = torch.cat([selection.indices[:, : config.budget],
-                                 device_tensor(since, device, torch.int32)], dim=1)  # (B, budget + 2γ)
-        if width > sparse_part.shape[1]:
-            sparse_part = torch.nn.functional.pad(sparse_part, (0, width - sparse_part.shape[1]))
+        picked = selection.indices[:, : min(width, selection.indices.shape[1])]
+        picked = torch.nn.functional.pad(picked, (0, width - picked.shape[1]))
+        # a sparse row's count c entries, then the positions written since: L' .. L' + extra - 1 (in the cache)
+        column = torch.arange(width, device=device, dtype=torch.int32)[None, :]
+        count = device_tensor(selection.counts, device, torch.int32)[:, None]
+        since = (device_tensor(seqlens, device, torch.int32)[:, None] + column - count).clamp_max(capacity - 1)
+        sparse_part = torch.where(column < count, picked, since)
         if any(dense):
-            everything = torch.arange(width, device=device, dtype=torch.int32).clamp_max(capacity - 1)
+            everything = column.clamp_max(capacity - 1).expand_as(sparse_part)
             sparse_part = torch.where(device_tensor(dense, device)[:, None], everything, sparse_part)
-        return cls(sparse_part, list(seqlens), list(selection.counts), dense, extra)
+        return cls(sparse_part.contiguous(), list(seqlens), list(selection.counts), dense, extra)
 
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""

@@ -28,7 +28,7 @@ from .config import ResolvedConfig
 from .kernels import available_backends
 from .plan import device_tensor
 
-__all__ = ["Selection", "dense_rows", "select_positions"]
+__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Selection:
     indices: torch.Tensor  # (B, W) int32, sorted valid entries first
     num_indices: torch.Tensor  # (B,) int32
     counts: list[int]  # num_indices on the host
+    recovery: list[float] | None = None  # the quality knob: each row's estimated recovery (1.0: read in full)
+    fallback: list[bool] | None = None  # the quality knob: rows read in full because the ceiling fell short
 
 
 def dense_rows(seqlens: list[int], config: ResolvedConfig) -> list[bool]:
@@ -174,3 +176,71 @@ def _select_sparse_reference(draft_scores, history, lengths, sink, recent, share
         by_history = history.float().masked_fill(taken, neg_inf).scatter_(1, top_draft, neg_inf)
         parts.append(by_history.topk(fill, dim=1, sorted=False).indices)  # (B, budget - s - r - m)
     return torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget)
+
+
+def estimated_mass(draft_scores: torch.Tensor, target_scores: torch.Tensor | None, has_history: list[bool],
+                   lengths: torch.Tensor) -> torch.Tensor:
+    """``(B, span)`` float32: each cached position's share of the scoring heads' attention, the mean of the target
+    history's and the draft lookahead's masses, each normalised over the row's ``[0, L)`` (the draft's alone for
+    a row without a history). It sums to 1 over a row, so a set's sum is its estimated recovery."""
+    valid = torch.arange(draft_scores.shape[1], device=draft_scores.device)[None, :] < lengths[:, None]
+
+    def normalised(scores):
+        scores = scores.float() * valid
+        return scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+    mass = normalised(draft_scores)
+    if target_scores is not None and any(has_history):
+        both = 0.5 * (mass + normalised(target_scores))
+        mass = torch.where(device_tensor(has_history, mass.device)[:, None], both, mass)
+    return mass
+
+
+def select_by_recovery(
+    seqlens: list[int],
+    draft_scores: torch.Tensor,
+    target_scores: torch.Tensor | None,
+    has_history: list[bool],
+    config: ResolvedConfig,
+    lengths: torch.Tensor | None = None,
+) -> Selection:
+    """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
+    positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
+    ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
+    :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
+    ceiling, or more when a row is read in full."""
+    device = draft_scores.device
+    batch, span = draft_scores.shape
+    lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
+    target, floor, ceiling = config.min_recovery, config.budget, config.max_budget
+    positions = torch.arange(span, device=device)[None, :]
+    mass = estimated_mass(draft_scores, target_scores, has_history, lengths)  # (B, span)
+    forced = (positions < config.sink_tokens) | ((positions >= lengths[:, None] - config.recent_tokens)
+                                                   & (positions < lengths[:, None]))
+    n_forced = forced.sum(dim=1)  # (B,)
+    others = mass.masked_fill(forced | (positions >= lengths[:, None]), -1.0)
+    depth = min(span, ceiling)
+    top = others.topk(depth, dim=1)  # by estimated mass, largest first
+    reached = (mass * forced).sum(dim=1, keepdim=True) + top.values.clamp_min(0).cumsum(dim=1)  # (B, depth)
+    # entries needed: the first count whose estimate reaches the target (never below the floor, above the ceiling)
+    short = (reached < target).sum(dim=1)  # entries before the target is reached
+    room = (ceiling - n_forced).clamp_min(0)
+    out_of_reach = (short >= room) | (target >= 1.0)  # the ceiling does not reach it: read everything
+    take = torch.minimum(short + 1, room).clamp_min(floor - n_forced)  # top entries to add
+    rank = torch.full_like(others, depth, dtype=torch.long).scatter_(
+        1, top.indices, torch.arange(depth, device=device).expand(batch, depth))  # each position's place in `top`
+    dense = dense_rows(seqlens, config)
+    whole = out_of_reach | device_tensor(dense, device)
+    chosen = forced | (rank < take[:, None])
+    chosen = torch.where(whole[:, None], positions < lengths[:, None], chosen)
+    counts_t = chosen.sum(dim=1)
+    estimate = torch.where(whole, torch.ones_like(reached[:, 0]), (mass * chosen).sum(dim=1))
+    host = torch.stack([counts_t.float(), estimate, out_of_reach.float()]).tolist()  # one sync: counts size the sets
+    counts = [int(c) for c in host[0]]
+    width = max([ceiling] + counts)  # a fixed width (the ceiling) while every row fits it
+    order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]  # chosen first, in order
+    order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
+    indices = torch.where(torch.arange(width, device=device)[None, :] < counts_t[:, None], order, 0)
+    fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
+    return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
+                     fallback=fallback)

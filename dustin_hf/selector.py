@@ -19,7 +19,7 @@ import torch
 from .config import ResolvedConfig
 from .runtime.graphs import GraphedCall
 from .scoring import draft_lookahead_scores, target_history_scores
-from .selection import Selection, dense_rows, select_positions
+from .selection import Selection, dense_rows, select_by_recovery, select_positions
 
 __all__ = ["Selector"]
 
@@ -69,7 +69,7 @@ class Selector:
 
         devices = {base.device, t_keys.device, *(k.device for k in d_keys)}
         if not (triton and self.graphs and all(has_history) and len(devices) == 1 and counts is None
-                and not any(dense_rows(seqlens, cfg))):
+                and cfg.min_recovery is None and not any(dense_rows(seqlens, cfg))):
             return score_select(*d_queries, base, history)
         # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
         key = (gamma, tuple(k.data_ptr() for k in (*d_keys, t_keys)))
@@ -96,6 +96,8 @@ class Selector:
             s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),
                                              cfg.target_heads, self.t_group, self.t_scale, span,
                                              backend=score_backend).to(lengths.device)
+        if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
+            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
                                 backend="auto" if triton else "reference", window=self.window)

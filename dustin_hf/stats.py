@@ -31,6 +31,15 @@ class RunStats:
     step_end_times: list[float] = field(default_factory=list)  # host clock after each step's sync, from decode start
     step_tokens: list[int] = field(default_factory=list)  # tokens all rows committed at each step
     reports: dict = field(default_factory=dict)  # "cuda_graphs", "fused_ops", "calibration", "phase_seconds", ...
+    budgets: list[int] = field(default_factory=list)  # the quality knob: positions each row read, per sparse step
+    recoveries: list[float] = field(default_factory=list)  # ... and its estimated recovery
+    fallbacks: int = 0  # ... row-steps read in full because the ceiling fell short of the target
+
+    def record_knob(self, counts: list[int], recovery: list[float], fallback: list[bool], active: list[int]) -> None:
+        """The quality knob's read sets of one step, for the rows that were unfinished before it."""
+        self.budgets += [counts[b] for b in active]
+        self.recoveries += [recovery[b] for b in active]
+        self.fallbacks += sum(fallback[b] for b in active)
 
     def record_step(self, row_gamma: list[int], accepted: list[int], committed: list[int], active: list[int],
                     sparse: bool, attended: float | None) -> None:
@@ -65,5 +74,17 @@ class RunStats:
             "generated_tokens": self.generated_tokens,
             "step_end_times": list(self.step_end_times),
             "step_tokens": list(self.step_tokens),
+            **({"knob": self._knob()} if self.budgets else {}),
             **self.reports,
         }
+
+    def _knob(self) -> dict:
+        """The realised budgets: mean, median, 95th percentile, max; the mean estimated recovery; dense fallbacks."""
+        ordered = sorted(self.budgets)
+
+        def quantile(q: float) -> int:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return {"budget_mean": sum(ordered) / len(ordered), "budget_p50": quantile(0.5), "budget_p95": quantile(0.95),
+                "budget_max": ordered[-1], "estimated_recovery": sum(self.recoveries) / len(self.recoveries),
+                "dense_fallbacks": self.fallbacks, "row_steps": len(ordered)}

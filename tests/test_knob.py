@@ -1,0 +1,102 @@
+"""The quality knob (``DustinConfig.min_recovery``): each row's read set is the smallest reaching a target recovery."""
+
+import pytest
+import torch
+
+import dustin_hf
+from dustin_hf import DustinConfig
+from dustin_hf.config import resolve
+from dustin_hf.selection import estimated_mass, select_by_recovery
+
+from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+
+
+def _config(**fields):
+    return resolve(DustinConfig(**{"budget": 8, "sink_tokens": 2, "recent_tokens": 2, "min_context": 0, **fields}),
+                   tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+
+
+def _scores(lengths, sharpness, seed=0):
+    """Scores per row; a higher ``sharpness`` concentrates a row's mass on fewer positions."""
+    generator = torch.Generator().manual_seed(seed)
+    span = max(lengths)
+    draft, target = (torch.rand(len(lengths), span, generator=generator) for _ in range(2))
+    for b, (n, s) in enumerate(zip(lengths, sharpness)):
+        draft[b], target[b] = draft[b] ** s, target[b] ** s
+        draft[b, n:] = target[b, n:] = 0
+    return draft, target
+
+
+def _smallest_reaching(mass_row, n, config) -> int:
+    """The documented order, brute force: sinks and recent first, then by mass; the first count reaching the target."""
+    forced = [p for p in range(n) if p < config.sink_tokens or p >= n - config.recent_tokens]
+    rest = sorted((p for p in range(n) if p not in forced), key=lambda p: -float(mass_row[p]))
+    total = float(mass_row[forced].sum())
+    for extra, p in enumerate(rest):
+        if total >= config.min_recovery:
+            return len(forced) + extra
+        total += float(mass_row[p])
+    return len(forced) + len(rest) if total >= config.min_recovery else n
+
+
+def test_each_row_reads_the_smallest_set_reaching_the_target():
+    config = _config(min_recovery=0.7, max_budget=120)
+    lengths = [300, 300, 200, 6]
+    draft, target = _scores(lengths, sharpness=[40.0, 2.0, 12.0, 1.0])
+    selection = select_by_recovery(lengths, draft, target, [True] * 4, config)
+    mass = estimated_mass(draft, target, [True] * 4, torch.tensor(lengths))
+    for b, n in enumerate(lengths):
+        picked = selection.indices[b, : selection.counts[b]].long()
+        assert picked.tolist() == sorted(set(picked.tolist())) and int(picked.max()) < n  # sorted, distinct, cached
+        if n <= config.budget:  # a context within the floor is read in full
+            assert selection.counts[b] == n
+            continue
+        smallest = max(_smallest_reaching(mass[b], n, config), config.budget)
+        if smallest > config.max_budget:  # out of reach under the ceiling: the row reads everything
+            assert selection.counts[b] == n and selection.fallback[b]
+            continue
+        assert selection.counts[b] == smallest <= config.max_budget
+        assert float(mass[b, picked].sum()) >= config.min_recovery - 1e-6
+        assert abs(selection.recovery[b] - float(mass[b, picked].sum())) < 1e-5
+    assert len(set(selection.counts[:3])) == 3  # rows with different needs read different counts in one batch
+    assert selection.fallback[1]  # the flattest row cannot reach 0.7 in 120 positions
+
+
+def test_the_floor_holds_when_a_few_positions_reach_the_target():
+    config = _config(min_recovery=0.3, max_budget=64, budget=32)
+    draft, target = _scores([200], sharpness=[80.0])
+    selection = select_by_recovery([200], draft, target, [True], config)
+    assert selection.counts == [32]
+
+
+def test_a_target_of_one_reproduces_dense_verification():
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 4)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (700, 300, 520)])
+    greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    fields = {"budget": 16, "min_context": 64, "sink_tokens": 2, "recent_tokens": 4}
+    with dustin_hf.patch(target):
+        outs = {}
+        for goal in (1.0, 0.5):
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=20,
+                                  pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True,
+                                  cache_config={**fields, "min_recovery": goal, "max_budget": 4096})
+            outs[goal] = out
+    assert torch.equal(outs[1.0].sequences, greedy)
+    knob = outs[0.5].past_key_values.stats["knob"]
+    assert outs[0.5].past_key_values.stats["sparse_steps"] > 0
+    assert 16 <= knob["budget_p50"] <= knob["budget_p95"] <= knob["budget_max"] < 700  # varied, below the contexts
+    assert knob["estimated_recovery"] >= 0.5 and knob["row_steps"] > 0
+    assert outs[1.0].past_key_values.stats["knob"]["dense_fallbacks"] == outs[1.0].past_key_values.stats["knob"]["row_steps"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"min_recovery": 0.0}, "min_recovery must be a share in"),
+    ({"min_recovery": 1.5}, "min_recovery must be a share in"),
+    ({"min_recovery": "high"}, "min_recovery must be a share in"),
+    ({"min_recovery": 0.9, "max_budget": 100}, "max_budget must be an int >= budget"),
+    ({"max_budget": 2048}, "set min_recovery too"),
+])
+def test_invalid_knob_settings_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DustinConfig(budget=512, **fields)
