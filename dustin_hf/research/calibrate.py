@@ -1,6 +1,7 @@
 """Offline calibration: the scoring heads and ``draft_share`` that maximise attention recovery.
 
-Dustin scores positions on a few heads only (DESIGN.md section 2.3-2.4). Which heads matters: the
+Dustin scores positions on a few heads only: the target's history attention on one layer and the
+draft's lookahead attention on a few layers (:mod:`dustin_hf.scoring`). Which heads matters: the
 chosen set must capture as much of the target's full attention as possible. Calibration, once per
 model pair:
 
