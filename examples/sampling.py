@@ -12,19 +12,16 @@ target's distribution. Sparse steps sample from the target's distribution as ver
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dustin_hf
 from dustin_hf.research.models import fetch_pair
+from dustin_hf.research.pair import load_pair
 from dustin_hf.research.texts import load_text
 from dustin_hf.research.tiny import tiny_pair
 
-target_dir, draft_dir = tiny_pair() if "--tiny" in sys.argv else fetch_pair()
-device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = torch.bfloat16 if device == "cuda" else torch.float32
-tok = AutoTokenizer.from_pretrained(target_dir)
-model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device)
-draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device)
+# both folders checked, one tokenizer, bfloat16 on CUDA and float32 on a CPU (the quickstart spells this out)
+pair = load_pair(*(tiny_pair() if "--tiny" in sys.argv else fetch_pair()))
+tok, model, draft, device = pair.tokenizer, pair.target, pair.draft, pair.device
 
 dustin_hf.patch(model)
 batch = tok(load_text("prideprejudice")[:12_000], return_tensors="pt").to(device)
