@@ -26,7 +26,7 @@ draft.generation_config.num_assistant_tokens = 4  # γ, drafts per step: read fr
 
 dustin_hf.patch(model)  # the one line
 prompt = load_text("emma")[:12_000] + "\n\nIn one paragraph, what has happened so far?"
-batch = tok(prompt, return_tensors="pt").to(device)  # about 2,800 tokens: past min_context, so sparse
+batch = tok(prompt, return_tensors="pt").to(device)  # about 2,900 tokens: past min_context, so sparse
 out = model.generate(**batch, assistant_model=draft, cache_implementation="dustin",
                      max_new_tokens=64, do_sample=False, return_dict_in_generate=True)
 print(tok.decode(out.sequences[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
