@@ -149,8 +149,8 @@ def fetch_models(args, out: Output) -> dict:
 
 
 # measured with `/usr/bin/time -v dustin-hf demo` (the defaults, the offline pair, float32 on a 2-core CPU)
-_DEMO_NEEDS = ("Needs 11.4 GB of RAM (peak RSS, float32), 4.6 GB of disk for the two model folders and about 10 minutes on "
-               "2 CPU cores (models already converted).")
+_DEMO_NEEDS = ("Needs 11.4 GB of RAM (peak RSS, float32), 4.6 GB of disk for the two model folders and, once they are "
+               "converted, about 10 minutes on 2 CPU cores (7-10 minutes of CPU time).")
 
 
 def _demo_args(parser):
