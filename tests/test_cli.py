@@ -1,6 +1,9 @@
 """The dustin-hf command on tiny saved models: calibrate, eval, demo, --help and the usage errors."""
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -80,8 +83,8 @@ def test_demo_prints_what_was_measured(capsys, dirs):
     code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "8", "--budget", "24",
                            "--min-context", "32", "--book", "alice")
     assert code == 0
-    assert "Measured on cpu" in stdout and "dense speculative decoding" in stdout and "Dustin (budget 24" in stdout
-    assert "sparse_steps" in stdout and "token agreement" in stdout
+    assert "Measured on cpu" in stdout and "classic speculative decoding" in stdout and "Dustin (budget 24" in stdout
+    assert "sparse_steps" in stdout and "agreement with the dense text" in stdout and "tokens/s" in stdout
 
 
 def test_demo_json(capsys, dirs):
@@ -91,6 +94,16 @@ def test_demo_json(capsys, dirs):
     result = json.loads(stdout)
     assert set(result["runs"]) == {"dense", "dustin"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
     assert "Measured on" in stderr
+    dense, dustin = result["runs"]["dense"], result["runs"]["dustin"]
+    assert "stats" not in dense  # transformers' own assisted decoding: a DynamicCache
+    for run in (dense, dustin):
+        assert len(run["tokens"]) == 6 and run["decode_steps"] >= 1
+        # the forward that read the prompt committed the rest: one token (Dustin), or a first step (transformers)
+        assert 6 - 5 <= run["decode_tokens"] <= 6 - 1
+        assert 0 <= run["mean_accepted_per_step"] <= 4 and run["prefill_seconds"] <= run["generate_seconds"]
+    # the streamer's count of steps after the prompt matches Dustin's own (its first step follows the prompt)
+    assert dustin["decode_steps"] == dustin["stats"]["steps"] and dustin["decode_tokens"] == 6 - 1
+    assert 0 <= dustin["agreement_with_dense"]["prefix"] <= 6
 
 
 def test_demo_calibrates_on_the_prompt(capsys, dirs, profile):
@@ -119,6 +132,29 @@ def test_mismatched_tokenizers_are_refused(capsys, tmp_path, dirs):
 def test_text_shorter_than_the_context_is_refused_before_loading(capsys, dirs):
     code, _, err = _run(capsys, "demo", *_models(dirs), "--book", "alice", "--context", "10000000")
     assert code == 2 and "too few for 10,000,000 tokens" in err
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`dustin-hf --help` and each `dustin-hf <command> --help` answer before anything heavy is imported."""
+    script = textwrap.dedent("""
+        import sys
+        import dustin_hf
+        from dustin_hf.research import cli
+        assert "torch" not in sys.modules, "import dustin_hf imported torch"
+        for argv in [["--help"]] + [[name, "--help"] for name in cli.COMMANDS]:
+            try:
+                cli.main(argv)
+            except SystemExit as e:
+                assert e.code == 0, (argv, e.code)
+            heavy = [m for m in ("torch", "transformers") if m in sys.modules]
+            assert not heavy, (argv, heavy)
+        from dustin_hf import DustinConfig, patch  # the public names still load, on first use
+        assert "torch" in sys.modules and callable(patch) and DustinConfig().budget > 0
+        print("commands", len(cli.COMMANDS))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "commands 4"
 
 
 @pytest.mark.parametrize("command", ["fetch-models", "demo", "calibrate", "eval"])

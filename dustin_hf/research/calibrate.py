@@ -1,6 +1,7 @@
 """Offline calibration: the scoring heads and ``draft_share`` that maximise attention recovery.
 
-Dustin scores positions on a few heads only (DESIGN.md section 2.3-2.4). Which heads matters: the
+Dustin scores positions on a few heads only: the target's history attention on one layer and the
+draft's lookahead attention on a few layers (:mod:`dustin_hf.scoring`). Which heads matters: the
 chosen set must capture as much of the target's full attention as possible. Calibration, once per
 model pair:
 
@@ -27,7 +28,6 @@ each search stage stops early keeping the best so far.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -37,56 +37,12 @@ from ..kernels import resolve_backend
 from ..runner import ModelRunner
 from ..search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
 from .prefilled import dustin_attention_on, prefill_pair
+from .settings import CalibrationSettings
 from .texts import token_window
 
 __all__ = ["CalibrationSettings", "calibrate", "collect_features"]
 
 _COLLECT_SHARE = 0.6  # of the time limit, the most collection may use before the search starts
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    """What calibration reads and how hard it searches.
-
-    Args:
-        books: bundled books to take windows from (:func:`dustin_hf.research.texts.list_books`).
-        context: tokens prefilled per book; steps sit between ``min_position`` and the window's end.
-        steps_per_book: verification steps sampled per book, evenly spaced.
-        min_position: earliest step position; keep it above the largest budget (else the step is dense).
-        gamma: draft tokens per step (γ): the target verifies γ+1 queries.
-        budgets: budgets the recovery is averaged over; ``profile_budget`` is the one written as ``budget``.
-        max_draft_layers: draft scoring layers chosen at most (the paper uses 3).
-        search_windows: also tune ``sink_tokens`` and ``recent_tokens`` (after the heads and ``m``).
-        time_limit: seconds for the whole calibration (collection + search).
-        offset: first token of each book window.
-    """
-
-    books: tuple[str, ...] = ("mobydick", "paradise_lost")
-    context: int = 4096
-    steps_per_book: int = 16
-    min_position: int = 2048
-    gamma: int = 4
-    budgets: tuple[int, ...] = (256, 512, 1024)
-    profile_budget: int = 512
-    max_draft_layers: int = 3
-    search_windows: bool = True
-    time_limit: float = 1500.0
-    offset: int = 0
-
-    def __post_init__(self):
-        if not self.books:
-            raise ValueError("books must name at least one bundled book")
-        if self.gamma < 1 or self.steps_per_book < 1 or self.max_draft_layers < 1:
-            raise ValueError("gamma, steps_per_book and max_draft_layers must be >= 1")
-        if not self.budgets or min(self.budgets) < 1:
-            raise ValueError(f"budgets must be positive ints, got {self.budgets}")
-        if self.min_position <= max(self.budgets):
-            raise ValueError(f"min_position ({self.min_position}) must exceed the largest budget ({max(self.budgets)}), "
-                             "or those steps would be verified densely")
-        if self.context < self.min_position + self.gamma + 2:
-            raise ValueError(f"context ({self.context}) must exceed min_position + gamma + 1 ({self.min_position + self.gamma + 1})")
-        if self.time_limit <= 0:
-            raise ValueError(f"time_limit must be positive seconds, got {self.time_limit}")
 
 
 def collect_features(pair, settings: CalibrationSettings, deadline: float, progress: bool = True) -> StepFeatures:

@@ -20,7 +20,7 @@ equal to dense, calibrated recovery above the default heads'.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
@@ -29,6 +29,7 @@ from .continuations import eos_ids, speculative_continuation, token_agreement
 from .needle import make_needles, needle_found
 from .prefilled import PrefillStore, prefill_pair
 from .profiles import config_for_budget
+from .settings import EvalSettings
 from .texts import token_window
 from .traces import trace_record, write_trace
 from .walk import teacher_forced_walk
@@ -36,51 +37,6 @@ from .walk import teacher_forced_walk
 __all__ = ["EvalSettings", "evaluate"]
 
 REPORT_FORMAT = "dustin_hf.fidelity/1"
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What to evaluate. Defaults are sized for a CPU (a 1.5B target prefills 4k tokens in minutes).
-
-    Args:
-        books: bundled books for continuations and the walk (one window per book and context).
-        contexts: prompt lengths in tokens.
-        budgets: Dustin budgets to compare with dense verification.
-        gamma: drafts per step (fixed).
-        ppl_tokens: tokens after the prompt walked teacher-forced for perplexity (``(n-1)//(γ+1)`` steps).
-        new_tokens: tokens generated per continuation.
-        offset: first token of each book window.
-        needle_contexts, needle_depths, needle_books: the needle cases (their cross product).
-        needle_new_tokens: answer length limit.
-        recovery_every: measure recovery every this many walk steps (0: never).
-        min_context: override the profile's ``min_context`` (``None``: keep it).
-        criteria_budget: the budget the acceptance criteria are checked at.
-        seed: needle passphrases and offsets.
-    """
-
-    books: tuple[str, ...] = ("emma",)
-    contexts: tuple[int, ...] = (4096, 8192)
-    budgets: tuple[int, ...] = (128, 256, 512, 1024)
-    gamma: int = 4
-    ppl_tokens: int = 256
-    new_tokens: int = 48
-    offset: int = 0
-    needle_contexts: tuple[int, ...] = (4096, 8192)
-    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    needle_books: tuple[str, ...] = ("prideprejudice",)
-    needle_new_tokens: int = 16
-    recovery_every: int = 1
-    min_context: int | None = None
-    criteria_budget: int = 512
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.gamma < 1 or self.new_tokens < 1 or self.needle_new_tokens < 1:
-            raise ValueError("gamma, new_tokens and needle_new_tokens must be >= 1")
-        if self.ppl_tokens and self.ppl_tokens < self.gamma + 2:
-            raise ValueError(f"ppl_tokens must be 0 (no walk) or >= gamma + 2 = {self.gamma + 2}")
-        if not self.budgets or min(self.budgets) < 1 or not self.contexts or min(self.contexts) < 2:
-            raise ValueError("budgets and contexts must be non-empty lists of positive ints")
 
 
 def _resolved(config: DustinConfig, fraction, budget, min_context, target, draft):

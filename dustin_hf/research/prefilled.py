@@ -6,8 +6,9 @@ from a copy of the same state. The state is exactly what :class:`~dustin_hf.deco
 has after its own prefill of the prompt: the target cache holds the prompt, the draft cache all but
 its last token, and the target's last query on the scoring layer is kept as the first history.
 
-:func:`reusing_prefill` plugs the stored states into the decoder through its ``prefill`` hook:
-a prompt found in the store is copied in, any other prompt is prefilled normally.
+:meth:`PrefillStore.hook` plugs the stored states into the decoder through its ``prefill`` argument
+(:func:`speculative_decoder` passes it): a prompt found in the store is copied in, any other prompt
+is prefilled normally.
 """
 
 from __future__ import annotations
