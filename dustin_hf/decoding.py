@@ -272,7 +272,8 @@ class SpeculativeDecoder:
         if self.dustin is not None:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
-                                     graphs=graphs["target"], window=_common_window(self.target))
+                                     graphs=graphs["target"], window=_common_window(self.target),
+                                     budgets=self.hooks.budgets)
         synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()
@@ -461,7 +462,7 @@ class SpeculativeDecoder:
         if self.do_sample:
             probs = _block_proposals(drafts.probs, schedule.proposals, tentative, raw.shape[-1], width)
         block = _Drafts(proposal, probs, drafts.queries, drafts.sparse_reads, gammas)
-        n_accepted, next_token = self._accept(block, raw, scores, tentative)
+        n_accepted, next_token = self._accept(block, raw, scores, tentative, dense)
         new_tokens = torch.cat([proposal, torch.zeros_like(proposal[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, 1 + width)
         offsets = [rows.lens[b] if dense[b] else rows.held[b] for b in range(batch)]  # committed: after lens
@@ -596,15 +597,16 @@ class SpeculativeDecoder:
         return raw, scores, captured
 
     def _accept(self, drafts: _Drafts, raw: torch.Tensor, scores: torch.Tensor | None,
-                tentative: list[int] | None = None):
+                tentative: list[int] | None = None, dense: list[bool] | None = None):
         """Step 4: ``n_accepted (B,)`` leading drafts kept and the target's ``next_token (B,)`` after them
         (:func:`~dustin_hf.sampling.accept_greedy` / :func:`~dustin_hf.sampling.accept_sampled`); a replayed
         acceptance (:attr:`DecodeHooks.accept`; in exact mode :attr:`DecodeHooks.confirm`, told how many of each
         block's proposals are tentative tokens) replaces the counts, the target's own token follows them."""
         replay = self.hooks.accept
         if tentative is not None and self.hooks.confirm is not None:
-            confirm, tentative_now = self.hooks.confirm, device_tensor(tentative, raw.device)
-            replay = lambda n: confirm(n, tentative_now)  # noqa: E731
+            confirm = self.hooks.confirm
+            tentative_now, dense_now = device_tensor(tentative, raw.device), device_tensor(dense, raw.device)
+            replay = lambda n: confirm(n, tentative_now, dense_now)  # noqa: E731
         target_tokens = raw if self._tokens_only else None  # (B, γ+1), the target's argmax
         if target_tokens is None and (not self.do_sample or replay is not None):
             target_tokens = scores.argmax(dim=-1)

@@ -203,12 +203,14 @@ def select_by_recovery(
     has_history: list[bool],
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
+    counts: list[int] | None = None,
 ) -> Selection:
     """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
     positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
     ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
     :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
-    ceiling, or more when a row is read in full."""
+    ceiling, or more when a row is read in full. ``counts`` (benchmarks replaying recorded budgets): each row's
+    size instead of the one the target asks for (a count reaching the row's context reads it in full)."""
     device = draft_scores.device
     batch, span = draft_scores.shape
     lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
@@ -227,6 +229,10 @@ def select_by_recovery(
     room = (ceiling - n_forced).clamp_min(0)
     out_of_reach = (short >= room) | (target >= 1.0)  # the ceiling does not reach it: read everything
     take = torch.minimum(short + 1, room).clamp_min(floor - n_forced)  # top entries to add
+    if counts is not None:  # replayed sizes: the same order, the given count
+        given = device_tensor(counts, device)
+        out_of_reach = given >= lengths
+        take = (torch.minimum(given, lengths) - n_forced).clamp_min(0)
     rank = torch.full_like(others, depth, dtype=torch.long).scatter_(
         1, top.indices, torch.arange(depth, device=device).expand(batch, depth))  # each position's place in `top`
     dense = dense_rows(seqlens, config)

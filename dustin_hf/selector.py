@@ -35,11 +35,12 @@ class Selector:
         graphs: capture the steady step (needs the target's graph pools).
         window: the sliding window every target layer has (Mistral-style models), else ``None``: the read set is
             chosen inside it (:func:`~dustin_hf.selection.select_positions`).
+        budgets: the quality knob's replayed counts (:attr:`~dustin_hf.telemetry.DecodeHooks.budgets`).
     """
 
     def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
-                 d_scale: float, graphs: bool, window: int | None = None):
-        self.config, self.backend, self.graphs, self.window = config, backend, graphs, window
+                 d_scale: float, graphs: bool, window: int | None = None, budgets=None):
+        self.config, self.backend, self.graphs, self.window, self.budgets = config, backend, graphs, window, budgets
         self.t_group, self.d_group, self.t_scale, self.d_scale = t_group, d_group, t_scale, d_scale
         self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
 
@@ -97,7 +98,8 @@ class Selector:
                                              cfg.target_heads, self.t_group, self.t_scale, span,
                                              backend=score_backend).to(lengths.device)
         if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
-            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths)
+            counts = None if self.budgets is None else self.budgets(seqlens)
+            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
                                 backend="auto" if triton else "reference", window=self.window)

@@ -25,10 +25,14 @@ class DecodeHooks:
             it to run random weights at the acceptance of a recorded trace.
         prefill: replaces :meth:`~dustin_hf.runner.ModelRunner.prefill` (same signature and results), to start
             from a stored prefill (evaluation) or from random K/V (benchmarks).
-        confirm: exact mode's replayed acceptance: ``confirm(n_accepted (B,), tentative (B,))`` where each row's
-            block holds ``tentative[b]`` tentative tokens before its drafts (0 for a row not confirming this step);
+        confirm: exact mode's replayed acceptance: ``confirm(n_accepted (B,), tentative (B,), dense (B,) bool)``
+            where each row's block holds ``tentative[b]`` tentative tokens before its drafts (0 for a row not
+            confirming this step) and ``dense[b]`` says whether the row's verification read everything this step;
             returns the counts to keep (a confirming row keeps ``min(n, tentative)`` of its tentative tokens, then
             drafts only if it kept them all). ``None``: ``accept`` serves exact mode too.
+        budgets: the quality knob's replayed read-set sizes: ``budgets(seqlens)`` returns each row's count for
+            this step (host ints), used instead of the counts the estimate would pick (clamped to the row's
+            context); ``None``: the estimate picks.
         profile: record each step's time per phase in ``stats["phase_seconds"]`` (and the host's time between
             the same marks in ``stats["phase_host_seconds"]``): ``True`` or ``"sync"`` synchronises the device
             between phases (each phase's own cost; slows decoding), ``"events"`` reads CUDA events instead (the
@@ -36,7 +40,8 @@ class DecodeHooks:
     """
 
     accept: Callable[[torch.Tensor], torch.Tensor] | None = None
-    confirm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    confirm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    budgets: Callable[[list[int]], list[int]] | None = None
     prefill: Callable | None = None
     profile: bool | str | None = None
 
