@@ -433,18 +433,23 @@ class SpeculativeDecoder:
         starts = [L - n if c else L for L, n, c in zip(seqlens, rows.tentative, confirming)]
         selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
                                          drafts.row_gamma) if sparse else None
-        self._last_selection = None if selection is None else (selection, seqlens)
         if selection is not None and selection.recovery is not None:
             self.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
                                    [b for b in rows.active if not dense[b]])
         reads = None if all(dense) else _with_dense_rows(selection, starts, dense)
+        # what the sparse draft reads next: a confirming row rewrites its tentative positions (the selection made
+        # before may point past what it keeps), so it drafts from everything next step
+        self._last_selection = None if selection is None else (
+            _with_dense_rows(selection, seqlens, confirming) if any(confirming) else selection, seqlens)
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
         #    token (its tentative tokens follow it as proposals), any other row's x is the last token it holds.
         tentative = [rows.tentative[b] if confirming[b] else 0 for b in range(batch)]
         gammas = [n + g for n, g in zip(tentative, drafts.row_gamma)]
-        width = max(gammas)
+        # a confirming step's blocks take one width, the widest a block can be (a row confirms once it holds its
+        # limit <= confirm_tokens, after a step that added at most γ+1): one forward shape, one CUDA graph
+        width = cfg.confirm_tokens + 2 * self.max_gamma if any(confirming) else max(gammas)
         blocks = _blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
         proposal = blocks[:, 1:]
         target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
@@ -470,8 +475,12 @@ class SpeculativeDecoder:
         active = rows.active
         self._clock.mark("accept")
 
-        # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative.
-        host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1)).tolist()
+        # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative. After a
+        #    step that confirmed nothing every row's next draft input follows from the device values, as in
+        #    _step: the next step's first draft forwards are queued before this step's one sync.
+        host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
+        self._ahead = None if any(confirming) else self._queue_drafts(draft, base, n_accepted, selection, seqlens)
+        host = host.tolist()
         accepted = [row[0] for row in host]
         committing = [n + 1 if dense[b] else 0 for b, n in enumerate(accepted)]
         counts = rows.commit(new_tokens, [row[1:] for row in host], raw, scores, committing)
@@ -500,6 +509,10 @@ class SpeculativeDecoder:
                 self.recorder.keep_step(b, counts[b], hidden, attentions)
         target.cache.rollback([s + k for s, k in zip(starts, kept)])
         draft.cache.rollback([min(d, s + k - 1) for d, s, k in zip(draft.cache.seq_lengths, starts, kept)])
+        if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
+            queued = len(self._ahead.outputs)
+            draft.cache.advance(slice(0, batch), [queued + 1] * batch)
+            self.stats.draft_forwards_ahead += queued
         queries = captured[cfg.target_layer]  # (B, 1 + width, heads, D): the last kept input's query is the history
         picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)
         history = queries[torch.arange(batch, device=queries.device), picked]

@@ -1,10 +1,10 @@
 """transformers' logits processors applied per row of a ragged batch, each row seen as if decoded alone.
 
-``generate()`` builds its processors for the padded batch: a few of them hold a length measured on the padded
-input (``MinNewTokensLengthLogitsProcessor.prompt_length_to_skip``, the ``min_length`` it derives from
-``min_new_tokens``, ``SuppressTokensAtBeginLogitsProcessor.
-begin_index``, ``ForcedEOSTokenLogitsProcessor.max_length``, ``ExponentialDecayLengthPenalty.regulation_start``,
-an integer ``RepetitionPenaltyLogitsProcessor.prompt_ignore_length``), one a per-row tensor of the padded batch
+``generate()`` builds its processors for the padded batch: a few of them hold a length counted on the padded input
+(``MinNewTokensLengthLogitsProcessor.prompt_length_to_skip``, the ``min_length`` it derives from ``min_new_tokens``,
+``SuppressTokensAtBeginLogitsProcessor.begin_index``, ``ForcedEOSTokenLogitsProcessor.max_length``,
+``ExponentialDecayLengthPenalty.regulation_start``, an integer ``RepetitionPenaltyLogitsProcessor.
+prompt_ignore_length``), one a per-row tensor of the padded batch
 (``RepetitionPenaltyLogitsProcessor.prompt_ignore_length`` built from the mask) and one a row index
 (``PrefixConstrainedLogitsProcessor``'s ``batch_id``). The decode loop hands every processor one row's history at
 a time, without its left padding (row ``b``'s tokens as stock ``generate()`` would see them were that row passed
@@ -84,7 +84,7 @@ class LogitsPipeline:
         processors: the list ``generate()`` prepared for the padded batch.
         pads: each row's left padding in that batch (``None``: no padding).
         min_length_from_new: the generation config set ``min_new_tokens`` (``generate()`` then turned it into a
-            ``min_length`` measured on the padded width).
+            ``min_length`` counted on the padded width).
 
     History-free processors run once on all rows and positions; any other processor sees the exact token
     history of each row and position, as if that row were decoded alone: one call per row and position.

@@ -191,3 +191,44 @@ def test_decoding_prefers_cublaslt_and_restores_the_setting():
                         stopping_criteria=StoppingCriteriaList([Probe()]))
     assert seen and all(library == torch._C._BlasBackend.Cublaslt for library in seen)
     assert torch.backends.cuda.preferred_blas_library() == before
+
+
+@pytest.mark.parametrize("sparse_draft", [False, True])
+def test_exact_mode_equals_greedy_on_cuda_with_graphs(sparse_draft):
+    """Exact mode through the Triton kernels, CUDA graphs and fused ops (float32): sparse steps, confirmations
+    (dense, wider blocks) and rows read in full beside sparse ones, and the output still greedy's."""
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1900, 700, 2200)]
+    ids, mask = left_pad(rows)
+    greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
+    config = DustinConfig(budget=64, min_context=1024, backend="triton", mode="exact", sparse_draft=sparse_draft)
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=40, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert torch.equal(out.sequences, greedy)
+    assert stats["sparse_steps"] > 0 and stats["exact"]["confirmations"] > 0
+
+
+def test_quality_knob_and_masked_rows_on_cuda():
+    """The knob's per-row counts through the Triton sparse kernel (a target of 1.0: greedy's output), a tril mask
+    (a masked last slot) and right padding, against stock greedy on the same batch."""
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500)]
+    ids, mask = left_pad(rows)
+    greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
+    knob = DustinConfig(budget=64, min_context=1024, backend="triton", min_recovery=1.0, max_budget=4096)
+    with dustin_hf.patch(target, knob):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=24, cache_implementation="dustin")
+        assert torch.equal(out, greedy)
+        small = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                                max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True,
+                                cache_config={"min_recovery": 0.6})
+        assert small.past_key_values.stats["knob"]["budget_p50"] < 2600
+        tril_ids = random_prompt(9, batch=3, seed=4).cuda()
+        tril = torch.tril(torch.ones_like(tril_ids))
+        stock = target.generate(tril_ids, attention_mask=tril, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = target.generate(tril_ids, attention_mask=tril, assistant_model=draft, max_new_tokens=8,
+                              do_sample=False, pad_token_id=0, cache_implementation="dustin")
+        assert torch.equal(got, stock)
