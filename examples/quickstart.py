@@ -22,7 +22,6 @@ dtype = torch.bfloat16 if device == "cuda" else torch.float32
 tok = AutoTokenizer.from_pretrained(target_dir)
 model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device)
 draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device)
-draft.generation_config.num_assistant_tokens = 4  # γ, drafts per step: read from the draft, as in transformers
 
 dustin_hf.patch(model)  # the one line
 prompt = load_text("emma")[:12_000] + "\n\nIn one paragraph, what has happened so far?"
