@@ -42,19 +42,19 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .cache import DustinCache
 from .config import ResolvedConfig
 from .draft_reads import DraftReads
-from .exact import ConfirmSchedule
+from .exact import ConfirmSchedule, block_proposals, blocks
 from .kernels import resolve_backend
-from .masks import Prompt, prompts_from_mask
+from .masks import Prompt, check_token_ids, prompts_from_mask
 from .outputs import OutputRecorder
 from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
 from .prompt_calibration import calibrate_on_prompts
 from .rows import Rows, token_ids
-from .runner import ModelRunner, attention_scale, group_size, model_device
+from .runner import ModelRunner, attention_scale, common_window, group_size, model_device, window_cuts
 from .runtime.fused import fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
-from .selection import Selection, dense_rows
+from .selection import Selection, dense_rows, with_dense_rows
 from .selector import Selector
 from .stats import RunStats
 from .telemetry import DecodeHooks, PhaseClock, synchronize
@@ -226,7 +226,7 @@ class SpeculativeDecoder:
         if self.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        _check_token_ids(prompts, t_cfg.vocab_size)
+        check_token_ids(prompts, t_cfg.vocab_size)
         device = model_device(self.target)
         prompt_lens = [p.length for p in prompts]
         capacity = max(prompt_lens) + max_new + self.max_gamma + 2
@@ -237,7 +237,7 @@ class SpeculativeDecoder:
         # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
         # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
         # hidden states to return run eagerly
-        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not _window_cuts(model, capacity)
+        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not window_cuts(model, capacity)
                   for role, model in (("target", self.target), ("draft", self.draft))}
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
@@ -272,7 +272,7 @@ class SpeculativeDecoder:
         if self.dustin is not None:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
-                                     graphs=graphs["target"], window=_common_window(self.target),
+                                     graphs=graphs["target"], window=common_window(self.target),
                                      budgets=self.hooks.budgets)
         synchronize(device)
         decoding = time.perf_counter()
@@ -436,11 +436,11 @@ class SpeculativeDecoder:
         if selection is not None and selection.recovery is not None:
             self.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
                                    [b for b in rows.active if not dense[b]])
-        reads = None if all(dense) else _with_dense_rows(selection, starts, dense)
+        reads = None if all(dense) else with_dense_rows(selection, starts, dense)
         # what the sparse draft reads next: a confirming row rewrites its tentative positions (the selection made
         # before may point past what it keeps), so it drafts from everything next step
         self._last_selection = None if selection is None else (
-            _with_dense_rows(selection, seqlens, confirming) if any(confirming) else selection, seqlens)
+            with_dense_rows(selection, seqlens, confirming) if any(confirming) else selection, seqlens)
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
@@ -450,11 +450,11 @@ class SpeculativeDecoder:
         # a confirming step's blocks take one width, the widest a block can be (a row confirms once it holds its
         # limit <= confirm_tokens, after a step that added at most γ+1): one forward shape, one CUDA graph
         width = cfg.confirm_tokens + 2 * self.max_gamma if any(confirming) else max(gammas)
-        blocks = _blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
-        proposal = blocks[:, 1:]
+        inputs = blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
+        proposal = inputs[:, 1:]
         target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
         t_capture = {cfg.target_layer: cfg.target_heads}
-        raw, captured = target.step(blocks, starts, keep=1 + width, capture=t_capture, capture_last=False,
+        raw, captured = target.step(inputs, starts, keep=1 + width, capture=t_capture, capture_last=False,
                                     selection=reads)
         prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
         scores = None if self._tokens_only else self.process(
@@ -465,7 +465,7 @@ class SpeculativeDecoder:
         #    proposal of tentative tokens and q as the drafts'.
         probs = None
         if self.do_sample:
-            probs = _block_proposals(drafts.probs, schedule.proposals, tentative, raw.shape[-1], width)
+            probs = block_proposals(drafts.probs, schedule.proposals, tentative, raw.shape[-1], width)
         block = _Drafts(proposal, probs, drafts.queries, drafts.sparse_reads, gammas)
         n_accepted, next_token = self._accept(block, raw, scores, tentative, dense)
         new_tokens = torch.cat([proposal, torch.zeros_like(proposal[:, :1])], dim=1)
@@ -686,70 +686,3 @@ class SpeculativeDecoder:
             outputs.append(out)
             feed = out[0]  # (B, 1) tokens
         return _QueuedDraft(tuple(outputs), sparse=sparse, reads=reads) if outputs else None
-
-
-def _check_token_ids(prompts: list[Prompt], vocab: int) -> None:
-    """Every prompt id must be one the target can embed (an id past its embedding would fail deep in its forward)."""
-    for b, p in enumerate(prompts):
-        low, high = int(p.tokens.min()), int(p.tokens.max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
-                             f"vocabulary [0, {vocab})")
-
-
-def _windows(model) -> list[int | None]:
-    """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
-    (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
-    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
-            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-
-
-def _common_window(model) -> int | None:
-    """The window every attention layer of ``model`` shares, if every one has the same."""
-    windows = set(_windows(model))
-    return next(iter(windows)) if len(windows) == 1 and isinstance(next(iter(windows)), int) else None
-
-
-def _window_cuts(model, capacity: int) -> bool:
-    """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
-    run the general masked attention, which a CUDA graph cannot capture)."""
-    return any(isinstance(w, int) and w < capacity for w in _windows(model))
-
-
-def _blocks(tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts: torch.Tensor,
-            width: int) -> torch.Tensor:
-    """``(B, width)`` verification inputs of exact mode: row ``b``'s token at ``starts[b]`` and the
-    ``tentative[b]`` after it, then its drafts, cut or padded (with its last draft) to ``width``."""
-    out = []
-    for b, (start, n) in enumerate(zip(starts, tentative)):
-        row = torch.cat([tokens[b, start : start + 1 + n], drafts[b]])[:width]
-        out.append(torch.cat([row, row[-1:].expand(width - row.numel())]))
-    return torch.stack(out)
-
-
-def _block_proposals(draft_probs: torch.Tensor, tentative_probs: list[list[torch.Tensor]], tentative: list[int],
-                     vocab: int, width: int) -> torch.Tensor:
-    """``(B, width, V)`` proposal distributions of exact mode's blocks: p~ of each tentative token a confirming
-    row holds, then the draft's q (zero past the draft's vocabulary and past a row's block)."""
-    batch, gamma, draft_vocab = draft_probs.shape
-    out = draft_probs.new_zeros(batch, width, vocab)
-    for b, n in enumerate(tentative):
-        if n:
-            out[b, :n] = torch.stack(tentative_probs[b][:n])
-        take = min(gamma, width - n)
-        out[b, n : n + take, :draft_vocab] = draft_probs[b, :take]
-    return out
-
-
-def _with_dense_rows(selection: Selection | None, starts: list[int], dense: list[bool]) -> Selection:
-    """The read sets of a step where some rows read everything they hold (``starts[b]`` positions) and the others
-    their selection: the dense rows' entries are ``0 .. starts[b] - 1``."""
-    device = selection.indices.device
-    width = max([selection.indices.shape[1]] + [s for s, d in zip(starts, dense) if d])
-    indices = selection.indices
-    if width > indices.shape[1]:
-        indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
-    everything = torch.arange(width, device=device, dtype=torch.int32).expand_as(indices)
-    indices = torch.where(device_tensor(dense, device)[:, None], everything, indices)
-    counts = [s if d else c for s, c, d in zip(starts, selection.counts, dense)]
-    return Selection(indices.contiguous(), device_tensor(counts, device, torch.int32), counts)

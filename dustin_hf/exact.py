@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ConfirmSchedule", "ExactStats"]
+__all__ = ["ConfirmSchedule", "ExactStats", "block_proposals", "blocks"]
 
 
 @dataclass
@@ -114,3 +114,28 @@ class ConfirmSchedule:
         self.limit[b] = min(self.confirm_tokens, max(1, 2 * self.limit[b])) if kept == tentative else kept
         self.since[b], self.must[b] = 0, False
         self.proposals[b] = []
+
+
+def blocks(tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts: torch.Tensor,
+            width: int) -> torch.Tensor:
+    """``(B, width)`` verification inputs of exact mode: row ``b``'s token at ``starts[b]`` and the
+    ``tentative[b]`` after it, then its drafts, cut or padded (with its last draft) to ``width``."""
+    out = []
+    for b, (start, n) in enumerate(zip(starts, tentative)):
+        row = torch.cat([tokens[b, start : start + 1 + n], drafts[b]])[:width]
+        out.append(torch.cat([row, row[-1:].expand(width - row.numel())]))
+    return torch.stack(out)
+
+
+def block_proposals(draft_probs: torch.Tensor, tentative_probs: list[list[torch.Tensor]], tentative: list[int],
+                     vocab: int, width: int) -> torch.Tensor:
+    """``(B, width, V)`` proposal distributions of exact mode's blocks: p~ of each tentative token a confirming
+    row holds, then the draft's q (zero past the draft's vocabulary and past a row's block)."""
+    batch, gamma, draft_vocab = draft_probs.shape
+    out = draft_probs.new_zeros(batch, width, vocab)
+    for b, n in enumerate(tentative):
+        if n:
+            out[b, :n] = torch.stack(tentative_probs[b][:n])
+        take = min(gamma, width - n)
+        out[b, n : n + take, :draft_vocab] = draft_probs[b, :take]
+    return out

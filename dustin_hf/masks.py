@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Prompt", "prompts_from_mask"]
+__all__ = ["Prompt", "check_token_ids", "prompts_from_mask"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,12 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         else:  # the last slot is masked: its query (position 0) names the first new token, which sits at 1
             prompts.append(Prompt(tokens, start, view, last=int(ids[-1]), first_position=1, slots=where))
     return prompts
+
+
+def check_token_ids(prompts: list[Prompt], vocab: int) -> None:
+    """Every prompt id must be one the target can embed (an id past its embedding would fail deep in its forward)."""
+    for b, p in enumerate(prompts):
+        low, high = int(p.tokens.min()), int(p.tokens.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
+                             f"vocabulary [0, {vocab})")

@@ -11,7 +11,7 @@ from .compat import CACHE_KWARG
 from .plan import ForwardPlan
 from .runtime.graphs import GraphedForward, Pipeline
 
-__all__ = ["ModelRunner", "attention_scale", "group_size", "model_device"]
+__all__ = ["ModelRunner", "attention_scale", "common_window", "group_size", "model_device", "window_cuts"]
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -183,3 +183,22 @@ def _joined(pieces: list[tuple], length: int) -> tuple:
             attentions.append(torch.cat(rows, dim=2))
         attentions = tuple(attentions)
     return hidden, attentions
+
+
+def _windows(model) -> list[int | None]:
+    """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
+    (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
+    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
+            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def common_window(model) -> int | None:
+    """The window every attention layer of ``model`` shares, if every one has the same."""
+    windows = set(_windows(model))
+    return next(iter(windows)) if len(windows) == 1 and isinstance(next(iter(windows)), int) else None
+
+
+def window_cuts(model, capacity: int) -> bool:
+    """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
+    run the general masked attention, which a CUDA graph cannot capture)."""
+    return any(isinstance(w, int) and w < capacity for w in _windows(model))

@@ -28,7 +28,7 @@ from .config import ResolvedConfig
 from .kernels import available_backends
 from .plan import device_tensor
 
-__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions"]
+__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "with_dense_rows"]
 
 
 @dataclass(frozen=True)
@@ -250,3 +250,17 @@ def select_by_recovery(
     fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
     return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
                      fallback=fallback)
+
+
+def with_dense_rows(selection: Selection | None, starts: list[int], dense: list[bool]) -> Selection:
+    """The read sets of a step where some rows read everything they hold (``starts[b]`` positions) and the others
+    their selection: the dense rows' entries are ``0 .. starts[b] - 1``."""
+    device = selection.indices.device
+    width = max([selection.indices.shape[1]] + [s for s, d in zip(starts, dense) if d])
+    indices = selection.indices
+    if width > indices.shape[1]:
+        indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
+    everything = torch.arange(width, device=device, dtype=torch.int32).expand_as(indices)
+    indices = torch.where(device_tensor(dense, device)[:, None], everything, indices)
+    counts = [s if d else c for s, c, d in zip(starts, selection.counts, dense)]
+    return Selection(indices.contiguous(), device_tensor(counts, device, torch.int32), counts)

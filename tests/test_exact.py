@@ -147,7 +147,7 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
     assert _pvalue(target, draft, prompt, law, "sparse") < P_VALUE
     assert _pvalue(target, draft, prompt, law, "exact") > P_VALUE
 
-    right = decoding._block_proposals
+    right = decoding.block_proposals
 
     def wrong(draft_probs, tentative_probs, tentative, vocab, width):
         """The tentative tokens' proposal replaced by the uniform law: not what they were drawn from."""
@@ -156,5 +156,5 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
             out[b, :n] = 1.0 / vocab
         return out
 
-    monkeypatch.setattr(decoding, "_block_proposals", wrong)
+    monkeypatch.setattr(decoding, "block_proposals", wrong)  # the loop's own reference
     assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
