@@ -15,8 +15,9 @@ HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >
 
 
 def test_every_kernel_waits_for_its_producers_before_touching_memory():
-    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 12 Triton kernels as
-    a programmatic dependent on meta tensors and compiles it for sm_90: the launch sets Triton's ``launch_pdl``
+    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 12 Triton kernels on a
+    simulated H200, where the package's own check launches them as programmatic dependents, and compiles it for
+    sm_90: the launch sets Triton's ``launch_pdl``
     and the ``PDL`` constexpr together, and the PTX executes ``griddepcontrol.wait`` once, before its first
     global load, store or atomic (one the compiler hoisted above the wait would read a producer's output early),
     then ``griddepcontrol.launch_dependents``."""
