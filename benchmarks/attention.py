@@ -284,7 +284,7 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
         n_keys = max_seqlen_k if budget is None else triton_verify._sparse_loop_keys(x.indices[budget].shape[1],
                                                                                     n_queries)
         config = triton_verify._config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
-                                       triton_verify._sm_count(x.q.device), sparse=budget is not None,
+                                       torch.cuda.get_device_properties(x.q.device).multi_processor_count if x.q.is_cuda else 1, sparse=budget is not None,
                                        elem_bytes=x.q.element_size(), **overrides)
     return triton_verify._verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k,
                                                   config=config, **sparse)

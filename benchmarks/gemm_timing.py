@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     from dustin_hf.runtime.fused import silu_mul
     import triton
 
-    from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, _sm_count, gated_linear, skinny_linear
+    from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, gated_linear, skinny_linear
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -116,7 +116,8 @@ def main(argv=None) -> dict:
             return gated_linear(x, w, **overrides) if gated else skinny_linear(x, w, b, **overrides)
 
         ref = baseline(weights[0])
-        cfg = _config(n, k, _sm_count(device), x.element_size(), max(16, triton.next_power_of_2(m)),
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        cfg = _config(n, k, sms, x.element_size(), max(16, triton.next_power_of_2(m)),
                       **({**_GATED_CONFIG, "split_k": 1} if gated else {}))
         row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "gated": gated,
                "weight_mb": rows_w * k * x.element_size() / 1e6,

@@ -104,11 +104,11 @@ def test_gemm_launch_fits_the_device_shared_memory(monkeypatch):
         "__getitem__": lambda self, grid: lambda *args, **kw: launched.append((kw["BLOCK_N"], kw["num_stages"]))})())
     x, w, _ = _operands(16, 2 * 64, 896, False, torch.bfloat16)
     for limit in (None, 101376, 60000):
-        monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device, limit=limit: limit)
+        monkeypatch.setattr(triton_gemm, "smem_limit", lambda device, limit=limit: limit)
         triton_gemm.gated_linear(x, w)
     triton_gemm.gated_linear(x, w, num_stages=4)  # explicit stages kept: the tiles narrow instead
     assert launched == [(64, 4), (64, 3), (64, 2), (16, 4)]
-    monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device: 1000)
+    monkeypatch.setattr(triton_gemm, "smem_limit", lambda device: 1000)
     with pytest.raises(ValueError, match="shared memory"):
         triton_gemm.gated_linear(x, w)
 

@@ -29,6 +29,7 @@ if not HAS_CUDA:
 
 from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noqa: E402
 from dustin_hf.kernels import varlen  # noqa: E402
+from dustin_hf.kernels._device import sm_count, tickets  # noqa: E402
 from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
 
 from conftest import capture_graph, sm90_ptx_report  # noqa: E402
@@ -257,7 +258,7 @@ def _run_triton(inputs: Inputs, case: Case) -> torch.Tensor:
 
     n_keys = inputs.indices.shape[1] + case.n_queries if inputs.indices is not None else inputs.max_seqlen_k
     config = triton_verify._config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries, case.head_dim,
-                                   n_keys, triton_verify._sm_count(inputs.q.device), sparse=inputs.indices is not None,
+                                   n_keys, sm_count(inputs.q.device), sparse=inputs.indices is not None,
                                    elem_bytes=inputs.q.element_size(), num_splits=case.num_splits,
                                    block_n=case.block_n, merge=case.merge)
     if case.merge is not None:
@@ -307,15 +308,13 @@ def test_triton_int64_slot_offsets(name, monkeypatch):
 def test_triton_ticket_merge_leaves_its_counters_at_zero():
     """Every launch hands the ticket counters back at zero; a counter left behind would stop the next
     launch's merge (no split would draw the last ticket) and leave that output unwritten."""
-    from dustin_hf.kernels import triton_verify
-
     case = dataclasses.replace(TRITON_CASES["sparse-ticket-3-splits"], seed=3)
     inputs = _make_inputs(case, torch.float32)
     first = _run_triton(inputs, case)
-    tickets = triton_verify._TICKET_BUFFERS[inputs.q.device][-1]
-    assert not tickets.any()
+    counters = tickets(inputs.q.device, 1)
+    assert not counters.any()
     second = _run_triton(inputs, case)
-    assert not tickets.any()
+    assert not counters.any()
     assert torch.equal(first, second)
     _assert_matches_oracle(second, inputs, "triton[ticket, second launch]")
 
@@ -384,13 +383,13 @@ def test_shared_memory_limit_is_the_one_triton_checks_launches_against():
     (227 KiB on an H100/H200), not PyTorch's 48 KiB default."""
     from triton.compiler.compiler import max_shared_mem
 
-    from dustin_hf.kernels.triton_verify import _smem_limit
+    from dustin_hf.kernels._device import smem_limit
 
     device = torch.device("cuda", torch.cuda.current_device())
-    assert _smem_limit(device) == _smem_limit(torch.device("cuda")) == max_shared_mem(device.index)
-    assert _smem_limit(device) > torch.cuda.get_device_properties(device).shared_memory_per_block
+    assert smem_limit(device) == smem_limit(torch.device("cuda")) == max_shared_mem(device.index)
+    assert smem_limit(device) > torch.cuda.get_device_properties(device).shared_memory_per_block
     if torch.cuda.get_device_capability(device) == (9, 0):
-        assert _smem_limit(device) == 227 * 1024
+        assert smem_limit(device) == 227 * 1024
 
 
 @needs_triton
@@ -522,7 +521,7 @@ def test_triton_ticket_merge_under_load(num_splits):
     sets = [_make_inputs(case, torch.bfloat16) for case in cases]
 
     def run(x, merge):
-        config = triton_verify._config(16, 8, 8, 5, 128, 512 + 5, triton_verify._sm_count(x.q.device), sparse=True,
+        config = triton_verify._config(16, 8, 8, 5, 128, 512 + 5, sm_count(x.q.device), sparse=True,
                                        block_n=32, num_splits=num_splits, merge=merge)
         return triton_verify._verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
                                                       config=config)
@@ -531,7 +530,7 @@ def test_triton_ticket_merge_under_load(num_splits):
     for i in range(20):
         out = run(sets[i % 2], "ticket")
         torch.testing.assert_close(out, expected[i % 2], rtol=1e-2, atol=1e-2)
-    assert not triton_verify._TICKET_BUFFERS[sets[0].q.device][-1].any()
+    assert not tickets(sets[0].q.device, 1).any()
 
 
 # ----------------------------------------------------------------------------- varlen / flash-attn

@@ -227,14 +227,14 @@ def test_split_tickets_are_reset_and_a_second_launch_is_identical():
     """The ticket merge leaves every counter at zero (what a replayed CUDA graph relies on), so the same
     launch twice, and then another shape, give the same results as before."""
     kernel = _kernel()
-    from dustin_hf.kernels.triton_verify import _tickets
+    from dustin_hf.kernels._device import tickets
 
     queries, keys, query_pos, heads = _layers_inputs(8, torch.float16)
     config = kernel._config(3, 6, 32, 64, 56, 1, rows=24, block_n=16, num_splits=4)
     run = lambda: kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, 56, 64,  # noqa: E731
                                                       config=config)
     first = run()
-    counters = _tickets(torch.device(DEVICE), 1)
+    counters = tickets(torch.device(DEVICE), 1)
     assert counters.abs().sum().item() == 0
     torch.testing.assert_close(run(), first, rtol=0, atol=0)
     kernel.attention_mass_triton(queries[1], keys[1], query_pos, heads[1], 2, 0.2, 30, 64)  # other splits

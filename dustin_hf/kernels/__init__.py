@@ -15,12 +15,12 @@ Backends compute the function defined in :mod:`dustin_hf.kernels.reference`:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 
 import torch
 
+from ._device import launch_device
 from .reference import verify_attention_reference
 
 __all__ = ["BACKENDS", "available_backends", "launch_device", "resolve_backend", "verify_attention"]
@@ -33,17 +33,6 @@ _AUTO_ORDER_CUDA = ("triton", "flash_attn", "varlen", "reference")
 @functools.cache
 def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
-
-
-def launch_device(t: torch.Tensor):
-    """Make ``t``'s CUDA device current around a Triton launch.
-
-    Triton launches on the *current* device and stream, not on its arguments' device. In a model that
-    accelerate split over GPUs the layers on ``cuda:1`` run while ``cuda:0`` is current: without this
-    the kernel would run on ``cuda:0``'s stream, unordered with the ``cuda:1`` work that produced its
-    inputs, reading ``cuda:1`` memory over the interconnect.
-    """
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _backend_unavailable_reason(name: str, device: torch.device) -> str | None:

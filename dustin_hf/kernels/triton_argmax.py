@@ -18,15 +18,12 @@ ties go to the lowest index; a row of ``-inf`` gives 0.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import launch_device
+from ._device import launch_device, prepare_interpreter, sm_count, workspace
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
 
 __all__ = ["argmax_triton"]
 
@@ -78,18 +75,12 @@ def _argmax_kernel(X, OUT, PART_K, PART_I, TICKETS, n_cols, stride_row, chunk,
             tl.atomic_xchg(TICKETS + row, 0)  # ready for the next launch (graph replays reuse the counters)
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the tickets
-    return to zero at the end of every launch. Two launches of one shape must not run concurrently."""
-    key = (device, rows, splits)
-    if key not in _workspaces:
-        _workspaces[key] = (torch.empty(rows * splits, dtype=torch.int32, device=device),
-                            torch.empty(rows * splits, dtype=torch.int32, device=device),
-                            torch.zeros(rows, dtype=torch.int32, device=device))
-    return _workspaces[key]
+    """The partial keys and indices and zeroed tickets of a launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
+    return workspace(("argmax", device, rows, splits), lambda: (
+        torch.empty(rows * splits, dtype=torch.int32, device=device),
+        torch.empty(rows * splits, dtype=torch.int32, device=device),
+        torch.zeros(rows, dtype=torch.int32, device=device)))
 
 
 def _splits(rows: int, n_cols: int, sm_count: int) -> int:
@@ -112,11 +103,10 @@ def argmax_triton(x: torch.Tensor, *, splits: int | None = None) -> torch.Tensor
         x = x.contiguous()
     rows = x.reshape(-1, n_cols)
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     if rows.shape[0]:
         if splits is None:
-            splits = _splits(rows.shape[0], n_cols, _sm_count(x.device))
+            splits = _splits(rows.shape[0], n_cols, sm_count(x.device))
         tiles = triton.cdiv(n_cols, _BLOCK)
         chunk = triton.cdiv(tiles, max(1, min(splits, tiles))) * _BLOCK  # whole tiles per chunk
         splits = triton.cdiv(n_cols, chunk)  # no chunk without a column

@@ -31,17 +31,14 @@ All sizes come from host ints, so a call makes no host sync and can be captured 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import launch_device
-from .triton_fused import _DTYPES as _TL_DTYPES
-from .triton_fused import _round
+from ._device import launch_device, prepare_interpreter, sm_count, smem_limit, workspace
+from ._rounding import TL_DTYPES, round_to
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _smem_limit
 
 __all__ = ["MAX_ROWS", "gated_linear", "skinny_linear"]
 
@@ -149,8 +146,8 @@ def _skinny_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:  # F.silu(gate) * up on the two projections rounded to the output dtype, as silu_mul rounds
-            gate = _round(acc, OUT_DTYPE)
-            acc = _round(_round(gate / (1.0 + tl.exp(-gate)), OUT_DTYPE) * _round(acc_up, OUT_DTYPE), OUT_DTYPE)
+            gate = round_to(acc, OUT_DTYPE)
+            acc = round_to(round_to(gate / (1.0 + tl.exp(-gate)), OUT_DTYPE) * round_to(acc_up, OUT_DTYPE), OUT_DTYPE)
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
     else:
         part = PART + (j * SPLIT_K * BLOCK_M + rows[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -192,19 +189,12 @@ def _fit_shared(cfg: _Config, block_m: int, elem_bytes: int, gated: bool, limit:
                      f"({block_m} rows, {cfg.block_k}-wide K tiles, {elem_bytes}-byte elements)")
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, n_tiles: int, split_k: int, block_m: int,
                block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the
-    tickets return to zero at the end of every launch, so a graph captured with them stays valid. Two
-    launches of one shape must not run concurrently on different streams."""
-    key = (device, n_tiles, split_k, block_m, block_n)
-    if key not in _workspaces:
-        part = torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device)
-        _workspaces[key] = (part, torch.zeros(n_tiles, dtype=torch.int32, device=device))
-    return _workspaces[key]
+    """The fp32 partials and zeroed tickets of a split-K launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
+    return workspace(("gemm", device, n_tiles, split_k, block_m, block_n), lambda: (
+        torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device),
+        torch.zeros(n_tiles, dtype=torch.int32, device=device)))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -251,13 +241,11 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     if weight.stride(-1) != 1:
         raise ValueError("weight must be contiguous along its input dimension")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreting:
-        _patch_interpreter_for_numpy_2_4()
+    interpreting = prepare_interpreter()
     if m and n:
         block_m = max(16, triton.next_power_of_2(m))
-        cfg = _config(n, k, _sm_count(x.device), x.element_size(), block_m, **overrides)
-        cfg = _fit_shared(cfg, block_m, x.element_size(), gated, _smem_limit(x.device), explicit=explicit)
+        cfg = _config(n, k, sm_count(x.device), x.element_size(), block_m, **overrides)
+        cfg = _fit_shared(cfg, block_m, x.element_size(), gated, smem_limit(x.device), explicit=explicit)
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
         part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
@@ -268,7 +256,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
                 rows, weight, bias if bias is not None else weight, out, part, tickets,
                 m, n, k, k_tiles_per_split * cfg.block_k,
                 rows.stride(0), weight.stride(0), out.stride(0),
-                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=_TL_DTYPES[x.dtype],
+                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=TL_DTYPES[x.dtype],
                 UPCAST=interpreting and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,

@@ -63,16 +63,14 @@ Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ..plan import select_heads
+from ._device import prepare_interpreter, sm_count, tickets
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _tickets
 
 __all__ = ["attention_mass_layers_triton", "attention_mass_triton"]
 
@@ -486,7 +484,7 @@ def attention_mass_layers_triton(
     given = config
     if config is None:  # splits sized per layer as for one layer alone (the largest layer's)
         config = _config(batch, batch * max(sum(tiles) for tiles in m_tiles), head_dim, span, num_positions,
-                         _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
+                         sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
     if 0 < config.layers_per_pass2 < len(queries):  # several pass 2s, each adding into the output
         step = config.layers_per_pass2
         for first in range(0, len(queries), step):
@@ -502,8 +500,7 @@ def attention_mass_layers_triton(
         accumulate = False
     else:
         accumulate = True
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
 
     n_tiles = triton.cdiv(span, config.block_n)
     shifted_dtype = torch.float32 if keys[0].dtype == torch.float32 else torch.float16  # scores - running max
@@ -513,17 +510,17 @@ def attention_mass_layers_triton(
     lse = torch.empty(batch, n_rows, dtype=torch.float32, device=device)  # (B, R)
     split = config.num_splits > 1
     lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=device) if split else lse
-    tickets = _tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
+    counters = tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     pdl = dependent_launch(out)
     head_offset = 0
     for layer_queries, layer_keys, layer_groups, layer_tiles in zip(queries, keys, groups, m_tiles):
         for (kv_head, members), tiles in zip(layer_groups, layer_tiles):
-            group_queries = select_heads(layer_queries, members)  # (B, n_q, n_h, D), a view if members are even
+            group_queries = _heads(layer_queries, members)  # (B, n_q, n_h, D)
             group_keys = layer_keys[:, :, kv_head]  # (B, capacity, D)
             rows = n_queries * len(members)
             _score_pass1_kernel[(config.num_splits * tiles, batch)](
-                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, tickets,
+                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, counters,
                 softmax_scale * _LOG2E,
                 *group_queries.stride(), *group_keys.stride(),
                 *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
@@ -551,6 +548,15 @@ def attention_mass_layers_triton(
         num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
     return out
+
+
+def _heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
+    """``queries[:, :, members]`` without an index tensor (a host copy, which a CUDA graph capture refuses): a
+    strided view where ``members`` are evenly spaced, else stacked views."""
+    step = members[1] - members[0] if len(members) > 1 else 1
+    if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
+        return queries[:, :, members[0]:members[-1] + 1:step]
+    return torch.stack([queries[:, :, i] for i in members], dim=2)
 
 
 def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[int]]]:

@@ -45,14 +45,13 @@ entries in one program's registers, which bounds the span the kernels take (:fun
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._device import prepare_interpreter
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4
 
 __all__ = ["select_sparse_triton", "supports"]
 
@@ -301,8 +300,7 @@ def select_sparse_triton(
     if config is None:
         raise ValueError(f"scores {span} wide with share {share} and fill {fill} overflow the selection kernel's "
                          f"pools; use the PyTorch path (select_positions(..., backend='reference'))")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     n_chunks = triton.cdiv(span, config.chunk)
     pool_d, pool_h = _pool_width(share, config.chunk), _pool_width(share + fill, config.chunk)
     device = draft_scores.device

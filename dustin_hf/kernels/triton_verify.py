@@ -48,7 +48,7 @@ Algorithm (flash-decoding):
   arrive merges all of them and resets the counter to 0 for the next launch; or ``"kernel"``, a second
   launch of :func:`_merge_splits_kernel` (one program per output row, better when the splits are many
   and one program would read them all alone). The counters live in a zeroed buffer per device
-  (:func:`_tickets`), allocated once and left at zero by every launch, so a call captured in a CUDA
+  (:func:`dustin_hf.kernels._device.tickets`), allocated once and left at zero by every launch, so a call captured in a CUDA
   graph replays correctly; two ticket-merge launches on one device must not run concurrently.
 * **Pipelining.** Triton's software pipeliner overlaps the K/V gathers of later tiles with the
   current one. In sparse mode it splits ``num_stages`` between the index load and the K/V gathers
@@ -68,13 +68,12 @@ it by passing a :class:`_Config` to :func:`_verify_attention_triton`.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._device import prepare_interpreter, sm_count, smem_limit, tickets
 from .triton_launch import await_producers, dependent_launch
 
 __all__ = ["verify_attention_triton"]
@@ -144,30 +143,6 @@ class _Config:
     num_warps: int
     num_stages: int
     merge: str
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (1 off CUDA, where the Triton interpreter runs)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _smem_limit(device: torch.device) -> int | None:
-    """Shared memory one block of ``device`` may use, ``None`` off CUDA (no limit): the opt-in maximum Triton's
-    driver reports, the number its launcher checks a compiled kernel against (``OutOfResources``). PyTorch's
-    device properties only give the 48 KiB default."""
-    if device.type != "cuda":
-        return None
-    return _cuda_smem_limit(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_smem_limit(index: int) -> int:
-    from triton.runtime import driver
-
-    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool) -> int:
@@ -579,7 +554,7 @@ def verify_attention_triton(
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype (contiguous).
 
     Calls on one device must not run concurrently (from different streams): a call that splits the
-    keys merges the splits through counters shared by the device's calls (see :func:`_tickets`).
+    keys merges the splits through counters shared by the device's calls (see :func:`dustin_hf.kernels._device.tickets`).
     """
     return _verify_attention_triton(
         q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, indices=indices,
@@ -613,8 +588,8 @@ def _verify_attention_triton(
         indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
     group = n_heads // n_kv_heads
     if config is None:
-        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device), sparse=sparse,
-                         elem_bytes=q.element_size(), smem_limit=_smem_limit(q.device))
+        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device), sparse=sparse,
+                         elem_bytes=q.element_size(), smem_limit=smem_limit(q.device))
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
 
 
@@ -654,55 +629,9 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
         raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
 
 
-@functools.cache
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Let the Triton interpreter run loops with runtime bounds under numpy >= 2.4.
-
-    triton <= 3.6's interpreter turns a scalar into a Python int with ``int(array_of_shape_1)``, which
-    numpy 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172). Only called when
-    ``TRITON_INTERPRET=1``; wraps the interpreter's tensor patching so ``__index__`` squeezes first.
-    Compiled (GPU) kernels are unaffected.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4) or not hasattr(interpreter, "_patch_lang_tensor"):
-        return
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_dustin_squeezes", False):
-        return  # patched by an earlier call: wrapping again would nest a wrapper per launch
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor._dustin_squeezes = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-_TICKET_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` int32 ticket counters on ``device``, zero between launches.
-
-    Allocated zeroed on first use and never freed: a CUDA graph captured with a buffer keeps its
-    address, and every launch leaves the counters it used at zero again. A larger request allocates a
-    new buffer and keeps the old one alive for the graphs that hold it. One buffer per device (not per
-    stream: a buffer first made inside a graph capture would put its zeroing into every replay), so
-    two launches on one device must not run at the same time, which holds for launches on one stream
-    and for graphs replayed one after another.
-    """
-    buffers = _TICKET_BUFFERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: _Config):
     """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -710,7 +639,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
     single = cfg.num_splits == 1
     ticket = cfg.merge == "ticket"
-    tickets = _tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
+    counters = tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
     if single:
         out_part = lse_part = out  # unused placeholders
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0, 0)
@@ -723,7 +652,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     tail_first = sparse and _tail_first(n_queries)
     pdl = dependent_launch(q)
     _verify_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, tickets,
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, counters,
         softmax_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
         *out.stride(), *part_strides, *lse_strides,
