@@ -21,7 +21,7 @@ from dustin_hf.generate import attention_routed
 from dustin_hf.runtime.graphs import Pipeline, Stage
 from dustin_hf.plan import ForwardPlan
 
-from conftest import TRITON_RUNS, random_prompt, tiny_model
+from conftest import TRITON_RUNS, on_launch, package_kernels, random_prompt, tiny_model
 
 # These tests run the pipeline on CPU (stages cut on the CPU device), so the fused kernels need Triton's
 # interpreter; on a CUDA machine Triton compiles for the GPU instead and cannot take CPU tensors. There,
@@ -111,17 +111,16 @@ def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
 
 
 @needs_triton
-def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel(monkeypatch):
+def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel():
     """Where the argmax kernel runs (CUDA; here Triton's interpreter) a greedy head's tokens come from it: one
     launch over the 16-bit logits, the same tokens as PyTorch's argmax of the fp32 logits."""
     from dustin_hf.kernels import triton_argmax
 
-    calls, real = [], triton_argmax.argmax_triton
-    monkeypatch.setattr(triton_argmax, "argmax_triton", lambda x, **kw: calls.append(tuple(x.shape)) or real(x, **kw))
-    monkeypatch.setattr(fused, "_argmax_kernel_runs_on", fused._triton_runs_on)
     model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
-    logits, tokens = _logits_and_tokens(model)
-    assert calls == [(2, 2, model.config.vocab_size)]
+    launched = []
+    with on_launch(package_kernels(triton_argmax), lambda name, args, kwargs: launched.append(args[0])):
+        logits, tokens = _logits_and_tokens(model)
+    assert [(tuple(x.shape), x.dtype) for x in launched] == [((4, model.config.vocab_size), torch.bfloat16)]
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 

@@ -278,20 +278,6 @@ def test_triton_matches_oracle(name, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["sparse-splits-g8", "sparse-ticket-5-of-8", "sparse-kernel-merge", "sparse-m-tiles"])
-def test_triton_new_tokens_in_the_key_loop(name, monkeypatch):
-    """With ``_TAIL_FIRST`` off, several queries' new tokens are the tail of the key loop (the path one
-    query always takes; the default attends to them first, which the cases above check)."""
-    from dustin_hf.kernels import triton_verify
-
-    monkeypatch.setattr(triton_verify, "_TAIL_FIRST", False)
-    case = dataclasses.replace(TRITON_CASES[name], seed=7)
-    assert case.n_queries > 1
-    inputs = _make_inputs(case, torch.float32)
-    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, new tokens in the loop]")
-
-
-@needs_triton
 @pytest.mark.parametrize("name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"])
 def test_triton_int64_slot_offsets(name, monkeypatch):
     """The loop over keys every row sees computes slot offsets in int32 where the cache allows it; the

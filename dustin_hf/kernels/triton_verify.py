@@ -20,9 +20,9 @@ Algorithm (flash-decoding):
   once by whichever split owns it. In sparse mode with several queries they are not in the loop:
   split 0 attends to them first, in a tile of ``BLOCK_T >= Q`` keys of their own, and the splits
   divide the ``W`` selected ordinals only. A budget of 512 is then 8 tiles of 64, not 8 and a ninth
-  holding 5 keys, which cost about as much as a full one (each tile waits for its gathers; H200, 72B
-  layout, batch 16: 8 tiles 13.2 us, with the ninth 14.4); the separate tile costs about two thirds of
-  that (14.0 us; ``_TAIL_FIRST``).
+  holding 5 keys, which costs about as much as a full one (each tile waits for its gathers); the
+  separate tile costs less. One query keeps its new token in the loop: there a tile of its own costs
+  more than the one key adds to the last tile.
 * **Open loops.** Where every row sees every key of the loop (sparse with the new tokens apart, or one
   query), the loop is lean (``OPEN_LOOP``): no causal mask, the scale and the mask of keys past the
   loop's end one multiply-add with a bias of 0 / ``-inf`` per key, no guard for rows that have seen
@@ -96,13 +96,6 @@ _SPARSE_PROGRAMS_PER_SM = 1
 # 4 warps) 6.29 us, 9 splits of one tile 5.61, with 2 warps 5.36. End to end (7B + 0.5B sparse draft, 32k, batch
 # 16, same-process A/B, e2e_h200_ab_sparse_decode.json): 3449.7 against 3433.8 tok/s. Read at call time.
 _SPARSE_DECODE = {"programs_per_sm": 3, "min_blocks_per_split": 1, "num_warps": 2}
-# Sparse mode with several queries: split 0 attends to the new tokens first, in a tile of their own
-# (module docstring). H200, CUDA graphs, 32k, budget 512: 72B layout batch 16 14.0 us against 14.4, 7B
-# batch 16 11.9 against 12.3, 0.5B draft (5 queries) 7.0 against 7.4; with one query (the draft's decode)
-# it cost 0.7% end to end (7B + 0.5B sparse draft, batch 16, same-process A/B, e2e_h200_ab_tail_variants.json),
-# so one query keeps its new token in the loop (e2e_h200_ab_tail_first.json: this rule against none).
-# Read at call time (benchmarks/ab_toggle.py can flip it).
-_TAIL_FIRST = True
 # A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
 # launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
 # two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
@@ -354,7 +347,7 @@ def _verify_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
             key_ok = n < hi
-            pos = _key_positions(INDICES + b * stride_ib, stride_in, n, n_cached, cached_len, SPARSE)  # int64
+            pos = n.to(tl.int64)  # dense (sparse calls take the open loop): the key ordinal is the cache slot
             kv_mask = key_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + pos[:, None] * stride_kt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + pos[:, None] * stride_vt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
@@ -482,22 +475,6 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
 
 
 @triton.jit
-def _key_positions(idx_row, stride_in, n, n_cached, cached_len, SPARSE: tl.constexpr):
-    """Cache slot of each key ordinal ``n`` (BLOCK_N,) of one row, as int64.
-
-    Sparse: ``indices[b, n]`` for ``n < n_cached`` (entries past ``n_cached`` are never read), then
-    the new slots ``cached_len + n - n_cached``. Dense: the ordinal is the slot.
-    """
-    if SPARSE:
-        is_cached = n < n_cached
-        selected = tl.load(idx_row + n * stride_in, mask=is_cached, other=0).to(tl.int64)
-        pos = tl.where(is_cached, selected, (cached_len + n - n_cached).to(tl.int64))
-    else:
-        pos = n.to(tl.int64)
-    return pos
-
-
-@triton.jit
 def _merge_splits_kernel(
     OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
     num_splits,
@@ -594,8 +571,9 @@ def _verify_attention_triton(
 
 
 def _tail_first(n_queries: int) -> bool:
-    """Whether a sparse call attends to its new tokens before the key loop (see ``_TAIL_FIRST``)."""
-    return _TAIL_FIRST and n_queries > 1
+    """Whether a sparse call attends to its new tokens before the key loop: with several queries (module
+    docstring). One query keeps its new token at the loop's end, where it costs no tile of its own."""
+    return n_queries > 1
 
 
 def _sparse_loop_keys(width: int, n_queries: int) -> int:

@@ -139,11 +139,6 @@ _GATED_ROWS = 64
 # H200, 7B + 0.5B sparse draft, 32k, batch 16, same-process A/B (e2e_h200_ab_skinny_projections.json): 3361.5
 # against 3264.9 tok/s with cuBLAS (0). Larger weights keep cuBLAS, unmeasured with the kernel. Read at call time.
 _SKINNY_PROJECTION_MAX_BYTES = 8 * 2**20
-# The argmax of a greedy head as one Triton launch: on an H200 (bf16, 152k vocabulary, CUDA graphs; argmax_h200.json)
-# 7.0 us for the draft's 16 rows and 19.6 for the 7B target's 80, against 12.4 and 26.6 for PyTorch's reduction;
-# end to end (7B + 0.5B sparse draft, 32k, batch 16, same-process A/B, e2e_h200_ab_argmax.json) 3458.1 / 3454.3 tok/s
-# against 3447.6 / 3447.9 (+0.24%).
-_ARGMAX_KERNEL = True
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
@@ -219,11 +214,10 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)``, the same indices; on CUDA one Triton launch
-    (:func:`dustin_hf.kernels.triton_argmax.argmax_triton`, split over the GPU, a programmatic dependent on sm_90)
-    while ``_ARGMAX_KERNEL`` is set (read at call time), else PyTorch's reduction."""
-    if _ARGMAX_KERNEL and _argmax_kernel_runs_on(x.device) and x.dtype in (torch.float16, torch.bfloat16,
-                                                                            torch.float32) and x.numel():
+    """``x.argmax(dim=-1)``, the same indices; where Triton runs (CUDA, or its interpreter on CPU) one launch
+    (:func:`dustin_hf.kernels.triton_argmax.argmax_triton`, split over the GPU, a programmatic dependent on sm_90),
+    else PyTorch's reduction."""
+    if _argmax_kernel_runs_on(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel():
         from ..kernels.triton_argmax import argmax_triton
 
         return argmax_triton(x)
@@ -742,8 +736,7 @@ def _has_triton() -> bool:
 
 
 def _argmax_kernel_runs_on(device: torch.device) -> bool:
-    """CUDA only: on CPU the interpreter would run every greedy head of the tests (they monkeypatch this)."""
-    return device.type == "cuda" and _has_triton()
+    return _has_triton() and _triton_runs_on(device)
 
 
 def _check_device(t: torch.Tensor) -> None:
