@@ -61,9 +61,9 @@ def decode_step() -> None:
     seqlens, indices = _empty(batch, dtype=torch.int32), _empty(batch, budget, dtype=torch.int32)
     for sparse, merge in ((True, "ticket"), (False, "kernel")):
         n_keys = budget if sparse else context + 5
-        config = triton_verify._config(batch, 4, 7, 5, 128, n_keys, H200.sm_count, sparse=sparse, elem_bytes=2,
-                                       num_splits=2, merge=merge)
-        triton_verify._verify_attention_triton(
+        config = triton_verify.launch_config(batch, 4, 7, 5, 128, n_keys, H200.sm_count, sparse=sparse,
+                                             elem_bytes=2, num_splits=2, merge=merge)
+        triton_verify.verify_attention_triton(
             q, cache, cache, seqlens, softmax_scale=128**-0.5, indices=indices if sparse else None,
             num_indices=seqlens if sparse else None, max_seqlen_k=None if sparse else context + 5, config=config)
 

@@ -30,6 +30,7 @@ if not HAS_CUDA:
 from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noqa: E402
 from dustin_hf.kernels import varlen  # noqa: E402
 from dustin_hf.kernels._device import sm_count, tickets  # noqa: E402
+from dustin_hf.kernels.tuning import VerifyTuning  # noqa: E402
 from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
 
 from conftest import capture_graph, sm90_ptx_report  # noqa: E402
@@ -253,18 +254,19 @@ TRITON_CASES = {
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
 
-def _run_triton(inputs: Inputs, case: Case) -> torch.Tensor:
+def _run_triton(inputs: Inputs, case: Case, int32_offsets: bool = True) -> torch.Tensor:
     from dustin_hf.kernels import triton_verify
 
     n_keys = inputs.indices.shape[1] + case.n_queries if inputs.indices is not None else inputs.max_seqlen_k
-    config = triton_verify._config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries, case.head_dim,
-                                   n_keys, sm_count(inputs.q.device), sparse=inputs.indices is not None,
-                                   elem_bytes=inputs.q.element_size(), num_splits=case.num_splits,
-                                   block_n=case.block_n, merge=case.merge)
+    config = triton_verify.launch_config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries,
+                                         case.head_dim, n_keys, sm_count(inputs.q.device),
+                                         sparse=inputs.indices is not None, elem_bytes=inputs.q.element_size(),
+                                         num_splits=case.num_splits, block_n=case.block_n, merge=case.merge)
     if case.merge is not None:
         assert config.merge == case.merge, config
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    return triton_verify._verify_attention_triton(*args, **inputs.kwargs(), config=config)
+    return triton_verify.verify_attention_triton(*args, **inputs.kwargs(),
+                                                 config=dataclasses.replace(config, int32_offsets=int32_offsets))
 
 
 @needs_triton
@@ -279,15 +281,12 @@ def test_triton_matches_oracle(name, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"])
-def test_triton_int64_slot_offsets(name, monkeypatch):
+def test_triton_int64_slot_offsets(name):
     """The loop over keys every row sees computes slot offsets in int32 where the cache allows it; the
     int64 path (a cache of more than 2^31 elements per batch row) gives the same result."""
-    from dustin_hf.kernels import triton_verify
-
-    monkeypatch.setattr(triton_verify, "_offsets_fit_int32", lambda cache: False)
     case = dataclasses.replace(TRITON_CASES[name], seed=11)
     inputs = _make_inputs(case, torch.float32)
-    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, int64 offsets]")
+    _assert_matches_oracle(_run_triton(inputs, case, int32_offsets=False), inputs, f"triton[{name}, int64 offsets]")
 
 
 @needs_triton
@@ -345,20 +344,20 @@ def test_triton_fits_the_shared_memory_of_smaller_gpus():
 def test_shared_memory_limit_changes_nothing_on_an_h100():
     """Under an H100/H200's 227 KiB per block the heuristic configs are the ones chosen without a limit
     (the benchmarks' launches are unchanged); under 99 KiB fp32 head dim 128 changes, 16 bits do not."""
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
     sm90, sm86 = 232448, 101376
     for elem_bytes, head_dim, n_queries, sparse, batch in itertools.product(
             (2, 4), (64, 128), (1, 5), (True, False), (1, 16)):
         args = (batch, 8, 8, n_queries, head_dim, 517 if sparse else 32773, 132)
-        free = _config(*args, sparse=sparse, elem_bytes=elem_bytes)
-        assert _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
-        small = _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm86)
+        free = launch_config(*args, sparse=sparse, elem_bytes=elem_bytes)
+        assert launch_config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
+        small = launch_config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm86)
         over = elem_bytes == 4 and head_dim == 128 and not (sparse and n_queries == 1)  # one query sparse: 77 KiB
         assert (small != free) == over, (elem_bytes, head_dim, n_queries, sparse, batch)
     with pytest.raises(ValueError, match="shared memory"):
-        _config(1, 8, 8, 5, 512, 32773, 132, elem_bytes=4, smem_limit=sm86)  # head dim 512 in fp32: nothing fits
-    kept = _config(1, 8, 8, 5, 128, 32773, 132, elem_bytes=4, smem_limit=sm86, block_n=64, num_stages=3)
+        launch_config(1, 8, 8, 5, 512, 32773, 132, elem_bytes=4, smem_limit=sm86)  # head dim 512 in fp32: nothing fits
+    kept = launch_config(1, 8, 8, 5, 128, 32773, 132, elem_bytes=4, smem_limit=sm86, block_n=64, num_stages=3)
     assert (kept.block_n, kept.num_stages) == (64, 3)  # explicit choices are the caller's
 
 
@@ -401,52 +400,54 @@ def test_triton_rejects_mismatched_dtypes():
 
 @needs_triton
 def test_triton_split_heuristic_uses_host_sizes_only():
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
-    small = _config(1, 8, 8, 5, 128, 1029, sm_count=132)  # 72B layout, batch 1, budget 1024
+    small = launch_config(1, 8, 8, 5, 128, 1029, sm_count=132)  # 72B layout, batch 1, budget 1024
     assert small.num_splits > 1 and small.chunk % small.block_n == 0 and small.block_m == 64
     assert small.num_splits * small.chunk >= 1029 > (small.num_splits - 1) * small.chunk  # no empty split
-    busy = _config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
+    busy = launch_config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
     assert busy.num_splits == 1
-    assert _config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
+    assert launch_config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
     # budget 512 + 5 new tokens: unsplit once the programs fill half the SMs (measured faster on the H200)
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
-    assert _config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
-    assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
+    assert launch_config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
+    assert launch_config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
     # sparse: one program per SM (7B layout, batch 16: 64 programs -> 2 splits)
-    assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
-    assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True, programs_per_sm=2).num_splits == 3
-    # one query (the 0.5B draft's decode step, _SPARSE_DECODE): a key tile per split, 2 warps, merged by a launch
-    decode = _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
+    assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
+    assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True,
+                         tuning=VerifyTuning(sparse_programs_per_sm=2)).num_splits == 3
+    # one query (a draft's decode step, VerifyTuning.decode_*): a key tile per split, 2 warps, merged by a launch
+    decode = launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
     assert (decode.num_splits, decode.chunk, decode.num_warps, decode.merge) == (9, 64, 2, "kernel")
-    assert _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True, programs_per_sm=1).num_splits == 3  # as before
-    assert _config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
+    assert launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True,
+                         tuning=VerifyTuning(decode_programs_per_sm=1)).num_splits == 3  # one program per SM
+    assert launch_config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
 
 
 @needs_triton
 def test_triton_stages_heuristic():
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
-    headline = _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True)  # 72B layout, batch 16, budget 512
+    headline = launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True)  # 72B layout, batch 16, budget 512
     assert (headline.num_splits, headline.num_stages) == (1, 5)  # a K/V tile in flight
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True, elem_bytes=4).num_stages == 3  # fp32: smem
-    assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True, elem_bytes=4).num_stages == 3  # fp32: smem
+    assert launch_config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
 
 
 @needs_triton
 def test_triton_merge_heuristic():
-    from dustin_hf.kernels.triton_verify import _MAX_TICKET_SPLITS, _config
+    from dustin_hf.kernels.triton_verify import _MAX_TICKET_SPLITS, launch_config
 
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True).merge == "none"  # one split
-    few = _config(1, 8, 8, 5, 128, 517, sm_count=132, sparse=True)
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True).merge == "none"  # one split
+    few = launch_config(1, 8, 8, 5, 128, 517, sm_count=132, sparse=True)
     assert 1 < few.num_splits <= _MAX_TICKET_SPLITS and few.merge == "ticket"
-    many = _config(1, 8, 8, 5, 128, 32768, sm_count=132)
+    many = launch_config(1, 8, 8, 5, 128, 32768, sm_count=132)
     assert many.num_splits > _MAX_TICKET_SPLITS and many.merge == "kernel"
-    assert _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=4, merge="kernel").merge == "kernel"
+    assert launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=4, merge="kernel").merge == "kernel"
     with pytest.raises(ValueError, match="at most"):
-        _config(1, 8, 8, 5, 128, 32768, sm_count=132, merge="ticket")
+        launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, merge="ticket")
     with pytest.raises(ValueError, match="merge"):
-        _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=2, merge="atomic")
+        launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=2, merge="atomic")
 
 
 @needs_cuda
@@ -507,10 +508,10 @@ def test_triton_ticket_merge_under_load(num_splits):
     sets = [_make_inputs(case, torch.bfloat16) for case in cases]
 
     def run(x, merge):
-        config = triton_verify._config(16, 8, 8, 5, 128, 512 + 5, sm_count(x.q.device), sparse=True,
-                                       block_n=32, num_splits=num_splits, merge=merge)
-        return triton_verify._verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
-                                                      config=config)
+        config = triton_verify.launch_config(16, 8, 8, 5, 128, 512 + 5, sm_count(x.q.device), sparse=True,
+                                             block_n=32, num_splits=num_splits, merge=merge)
+        return triton_verify.verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
+                                                     config=config)
 
     expected = [run(x, "kernel") for x in sets]
     for i in range(20):

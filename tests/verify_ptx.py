@@ -36,8 +36,8 @@ def verify_launches() -> list[tuple[str, Launch]]:
     def empty(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, device="cuda", dtype=dtype)
 
-    ticket = triton_verify._config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, H200.sm_count, sparse=True,
-                                   elem_bytes=2, num_splits=2, num_stages=5, merge="ticket")
+    ticket = triton_verify.launch_config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, H200.sm_count,
+                                         sparse=True, elem_bytes=2, num_splits=2, num_stages=5, merge="ticket")
 
     def run():
         q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
@@ -45,7 +45,7 @@ def verify_launches() -> list[tuple[str, Launch]]:
         seqlens = empty(BATCH, dtype=torch.int32)
         kwargs = dict(softmax_scale=HEAD_DIM**-0.5, indices=empty(BATCH, BUDGET, dtype=torch.int32), num_indices=seqlens)
         triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs)
-        triton_verify._verify_attention_triton(q, cache, cache, seqlens, **kwargs, config=ticket)
+        triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs, config=ticket)
 
     launches = launches_on(H200, run)
     return list(zip(("heuristic", "ticket"), launches, strict=True))

@@ -22,8 +22,12 @@ import torch
 
 from ._device import launch_device
 from .reference import verify_attention_reference
+from .tuning import ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectTuning, VerifyTuning
 
-__all__ = ["BACKENDS", "available_backends", "launch_device", "resolve_backend", "verify_attention"]
+__all__ = [
+    "BACKENDS", "ArgmaxTuning", "GemmTuning", "KernelTuning", "ScoreTuning", "SelectTuning", "VerifyTuning",
+    "available_backends", "launch_device", "resolve_backend", "verify_attention",
+]
 
 BACKENDS = ("reference", "triton", "flash_attn", "varlen")
 # Fastest first; "auto" takes the first one available on the device.
@@ -87,13 +91,15 @@ def verify_attention(
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     backend: str = "reference",
+    tuning: VerifyTuning | None = None,
 ) -> torch.Tensor:
     """Dispatch to ``backend`` (a concrete name from :func:`resolve_backend`).
 
     Shapes are those of :func:`dustin_hf.kernels.reference.verify_attention_reference`:
     ``q (batch, Q, nheads, headdim)``, ``k_cache/v_cache (batch, capacity, nheads_k, headdim)``,
     ``cache_seqlens (batch,)`` int32, ``indices (batch, W)`` int32, ``num_indices (batch,)`` int32;
-    returns ``(batch, Q, nheads, headdim)``.
+    returns ``(batch, Q, nheads, headdim)``. ``tuning``: the Triton kernel's launch heuristic (``None``: its
+    defaults); the other backends have none.
     """
     kwargs = dict(softmax_scale=softmax_scale, indices=indices, num_indices=num_indices, max_seqlen_k=max_seqlen_k)
     if backend == "reference":
@@ -102,7 +108,7 @@ def verify_attention(
         from .triton_verify import verify_attention_triton
 
         with launch_device(q):
-            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs)
+            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs, tuning=tuning)
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 

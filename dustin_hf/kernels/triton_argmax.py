@@ -24,11 +24,10 @@ import triton.language as tl
 
 from ._device import launch_device, prepare_interpreter, sm_count, workspace
 from .triton_launch import await_producers, dependent_launch
+from .tuning import ArgmaxTuning
 
 __all__ = ["argmax_triton"]
 
-_BLOCK = 4096  # elements per tile
-_PROGRAMS_PER_SM = 4  # splits per row aim for about this many programs per SM
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,15 +82,16 @@ def _workspace(device: torch.device, rows: int, splits: int) -> tuple[torch.Tens
         torch.zeros(rows, dtype=torch.int32, device=device)))
 
 
-def _splits(rows: int, n_cols: int, sm_count: int) -> int:
-    """Chunks per row: about ``_PROGRAMS_PER_SM`` programs per SM, each at least one tile long."""
-    return max(1, min(triton.cdiv(n_cols, _BLOCK), triton.cdiv(_PROGRAMS_PER_SM * sm_count, rows)))
+def _splits(rows: int, n_cols: int, sm_count: int, tuning: ArgmaxTuning) -> int:
+    """Chunks per row: about ``tuning.programs_per_sm`` programs per SM, each at least one tile long."""
+    return max(1, min(triton.cdiv(n_cols, tuning.block), triton.cdiv(tuning.programs_per_sm * sm_count, rows)))
 
 
-def argmax_triton(x: torch.Tensor, *, splits: int | None = None) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, *, splits: int | None = None, tuning: ArgmaxTuning | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64, shape ``x.shape[:-1]``) for fp16/bf16/fp32 ``x`` with a last dimension below
     2**31; the same index as PyTorch's for every input (ties: the first; NaN: the first NaN). ``splits``: chunks
-    per row (benchmarks and tests; default: enough to fill the GPU)."""
+    per row (default: enough to fill the GPU); ``tuning``: the tile and the split's aim (``None``: the defaults)."""
+    tuning = tuning or ArgmaxTuning()
     if x.dtype not in _DTYPES:
         raise ValueError(f"argmax_triton takes fp16, bf16 or fp32; got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0:
@@ -106,16 +106,16 @@ def argmax_triton(x: torch.Tensor, *, splits: int | None = None) -> torch.Tensor
     prepare_interpreter()
     if rows.shape[0]:
         if splits is None:
-            splits = _splits(rows.shape[0], n_cols, sm_count(x.device))
-        tiles = triton.cdiv(n_cols, _BLOCK)
-        chunk = triton.cdiv(tiles, max(1, min(splits, tiles))) * _BLOCK  # whole tiles per chunk
+            splits = _splits(rows.shape[0], n_cols, sm_count(x.device), tuning)
+        tiles = triton.cdiv(n_cols, tuning.block)
+        chunk = triton.cdiv(tiles, max(1, min(splits, tiles))) * tuning.block  # whole tiles per chunk
         splits = triton.cdiv(n_cols, chunk)  # no chunk without a column
         part_k, part_i, tickets = _workspace(x.device, rows.shape[0], splits) if splits > 1 else (out, out, out)
         pdl = dependent_launch(x)
         with launch_device(x):
             _argmax_kernel[(rows.shape[0], splits)](
                 rows, out, part_k, part_i, tickets, n_cols, rows.stride(0), chunk,
-                SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK=_BLOCK, PDL=pdl, num_warps=4,
+                SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK=tuning.block, PDL=pdl, num_warps=4,
                 launch_pdl=pdl,
             )
     return out.reshape(x.shape[:-1])

@@ -43,7 +43,7 @@ Algorithm (flash-decoding):
 * **Merge.** With one split the program normalises and writes the output directly. Otherwise it
   writes a normalised partial output (fp32) and its log-sum-exp (base 2), and the splits of each
   (row, query, head) are combined by log-sum-exp (empty splits get weight ``exp2(-inf) = 0``) in one
-  of two ways (``_Config.merge``): ``"ticket"``, in the same launch: each split takes a ticket from
+  of two ways (``LaunchConfig.merge``): ``"ticket"``, in the same launch: each split takes a ticket from
   an atomic counter per (batch row, kv head, row tile) once its partial is stored, and the last to
   arrive merges all of them and resets the counter to 0 for the next launch; or ``"kernel"``, a second
   launch of :func:`_merge_splits_kernel` (one program per output row, better when the splits are many
@@ -61,8 +61,8 @@ Algorithm (flash-decoding):
 
 The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
 ``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no
-host sync and can be captured in a CUDA graph. :func:`_config` is the heuristic; benchmarks sweep
-it by passing a :class:`_Config` to :func:`_verify_attention_triton`.
+host sync and can be captured in a CUDA graph. :func:`launch_config` is the heuristic, its constants a
+:class:`~dustin_hf.kernels.tuning.VerifyTuning`; a call takes either, or an explicit :class:`LaunchConfig`.
 """
 
 from __future__ import annotations
@@ -74,48 +74,22 @@ import triton
 import triton.language as tl
 
 from ._device import prepare_interpreter, sm_count, smem_limit, tickets
+from .tuning import VerifyTuning
 from .triton_launch import await_producers, dependent_launch
 
-__all__ = ["verify_attention_triton"]
+__all__ = ["LaunchConfig", "launch_config", "sparse_loop_keys", "verify_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
-_MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
-_PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
-# Sparse mode: one program per SM. Its programs hold 3 K/V tiles of shared memory (5 stages), so a second
-# one per SM waits for the first, and a split costs its merge. H200, CUDA graphs, 32k, budget 512
-# (benchmarks/results/attention_h200_7b_splits_cudagraph.json, attention_h200_72b_b8_sweep_cudagraph.json):
-# Qwen2.5-7B layout, batch 16 (64 programs unsplit), 2 splits 12.5 us against 13.3 with 3 (the old choice);
-# 72B layout, batch 8, 2 splits 11.9 us against 12.8 with 4. End to end (7B + 0.5B sparse draft, batch 16,
-# same process alternating, e2e_h200_ab_sparse_programs_per_sm.json): 3207.1 / 3207.9 tok/s against 3189.2 /
-# 3193.8. The draft's 32 programs keep their 3 splits (3 tiles of 64 keys each).
-_SPARSE_PROGRAMS_PER_SM = 1
-# Sparse mode with one query (a draft's decode step) has little work per key tile, so it is split finer: the 0.5B
-# draft at batch 16 (32 programs a split, 9 tiles of 64 keys over budget 512 + the new token), H200, CUDA graphs,
-# 24 calls over 24 caches, dependent launches (draft_attention_h200_sweep_pdl.json): the rule above (3 splits,
-# 4 warps) 6.29 us, 9 splits of one tile 5.61, with 2 warps 5.36. End to end (7B + 0.5B sparse draft, 32k, batch
-# 16, same-process A/B, e2e_h200_ab_sparse_decode.json): 3449.7 against 3433.8 tok/s. Read at call time.
-_SPARSE_DECODE = {"programs_per_sm": 3, "min_blocks_per_split": 1, "num_warps": 2}
-# A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
-# launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
-# two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
-# benchmarks/results/attention_h200_sweep_cudagraph.json).
-_SHORT_RANGE_BLOCKS = 16
 _MAX_BLOCK_M = 128
 # "ticket" merge up to this many splits: the last split reads every partial (splits x BLOCK_M x D fp32)
 # from L2 alone, while the merge kernel spreads that over one program per output row.
 _MAX_TICKET_SPLITS = 8
-_PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
-# 1 or 0 K/V tiles in flight beyond the one computed (module docstring). Measured on an H200 (72B layout,
-# batch 16, budget 512, CUDA graphs, block_n 64): 5 stages 15.4 us, 7 stages 16.4, 9 stages 16.9, 3 stages
-# 18.1: a second tile in flight costs more (registers, shared memory) than it hides. With the lean key loop
-# (attention_h200_sweep6_cudagraph.json) 5 and 7 stages are equal: 10.9 and 11.0 us.
-_SPARSE_STAGES = (5, 3)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Launch parameters of one call; build with :func:`_config`.
+class LaunchConfig:
+    """Launch parameters of one call; build with :func:`launch_config`.
 
     Attributes:
         block_m: packed (query, head) rows per program, a power of two >= 16.
@@ -126,6 +100,9 @@ class _Config:
         num_warps, num_stages: Triton launch options of the main kernel.
         merge: how splits are combined: ``"none"`` (one split), ``"ticket"`` (the last split to
             finish, in the main kernel) or ``"kernel"`` (a second launch).
+        int32_offsets: the open loop computes slot offsets in int32 where every offset of the cache fits
+            (fewer instructions a tile); ``False``: in int64 always, as a cache of more than 2**31 elements
+            per row needs.
     """
 
     block_m: int
@@ -136,6 +113,7 @@ class _Config:
     num_warps: int
     num_stages: int
     merge: str
+    int32_offsets: bool = True
 
 
 def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool) -> int:
@@ -163,7 +141,7 @@ def _fit_shared(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_s
                      f"(block_m {block_m}, head dim {block_d}, {elem_bytes}-byte elements); use 16-bit inputs")
 
 
-def _config(
+def launch_config(
     batch: int,
     n_kv_heads: int,
     group: int,
@@ -174,34 +152,34 @@ def _config(
     *,
     sparse: bool = False,
     elem_bytes: int = 2,
+    tuning: VerifyTuning | None = None,
+    smem_limit: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge: str | None = None,
-    programs_per_sm: int | None = None,
-    min_blocks_per_split: int | None = None,
-    smem_limit: int | None = None,
-) -> _Config:
+) -> LaunchConfig:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
-    ``n_keys`` bounds the key ordinals the splits divide: ``W`` (sparse, several queries: the new tokens
-    are attended to apart), ``W + Q`` (sparse, one query) or ``max_seqlen_k`` (dense);
-    ``elem_bytes`` is the size of one q/k/v element. Any keyword left ``None`` takes the heuristic
-    value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
-    fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
-    them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
-    extra wave), but never fewer than ``min_blocks_per_split`` key tiles per split, and at most
-    ``_MAX_SPLITS`` (one query, sparse: ``_SPARSE_DECODE``'s values, warps too). Merge: ``"ticket"`` up to
+    ``n_keys`` bounds the key ordinals the splits divide (:func:`sparse_loop_keys` in sparse mode,
+    ``max_seqlen_k`` dense); ``elem_bytes`` is the size of one q/k/v element; ``tuning`` the heuristic's
+    constants (:class:`~dustin_hf.kernels.tuning.VerifyTuning`). Any launch keyword left ``None`` takes the
+    heuristic value. Splits: none for a short key range (at most ``tuning.short_range_blocks`` tiles) whose
+    programs fill half the SMs already; otherwise enough programs to give every SM about
+    ``tuning.sparse_programs_per_sm`` (sparse) or ``tuning.programs_per_sm`` (dense) of them (floor, so no
+    partial extra wave), but never fewer than ``tuning.min_blocks_per_split`` key tiles per split, and at most
+    ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge: ``"ticket"`` up to
     ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
     block may use): a heuristic key-tile width and stage count that would not fit are reduced
     (:func:`_fit_shared`); given ones are kept.
     """
+    tuning = tuning or VerifyTuning()
+    programs_per_sm = tuning.sparse_programs_per_sm if sparse else tuning.programs_per_sm
+    min_blocks_per_split = tuning.min_blocks_per_split
     if sparse and n_queries == 1:  # a draft's decode step: its own defaults
-        programs_per_sm = programs_per_sm or _SPARSE_DECODE.get("programs_per_sm")
-        min_blocks_per_split = min_blocks_per_split or _SPARSE_DECODE.get("min_blocks_per_split")
-        num_warps = num_warps or _SPARSE_DECODE.get("num_warps")
-    min_blocks_per_split = min_blocks_per_split or _MIN_BLOCKS_PER_SPLIT
+        programs_per_sm, min_blocks_per_split = tuning.decode_programs_per_sm, tuning.decode_min_blocks_per_split
+        num_warps = num_warps or tuning.decode_num_warps
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
@@ -211,14 +189,13 @@ def _config(
         block_n = 64 if block_d <= 128 else 32
     if fit:
         block_n, num_stages = _fit_shared(block_m, block_n, block_d, elem_bytes,
-                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse), sparse,
+                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning), sparse,
                                           smem_limit)
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
     programs = batch * n_kv_heads * m_tiles
-    if num_splits is None and n_blocks <= _SHORT_RANGE_BLOCKS and 2 * programs >= sm_count:
+    if num_splits is None and n_blocks <= tuning.short_range_blocks and 2 * programs >= sm_count:
         num_splits = 1
     if num_splits is None:
-        programs_per_sm = programs_per_sm or (_SPARSE_PROGRAMS_PER_SM if sparse else _PROGRAMS_PER_SM)
         by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, programs))
         by_work = max(1, n_blocks // min_blocks_per_split)
         num_splits = min(by_occupancy, by_work, _MAX_SPLITS)
@@ -228,7 +205,7 @@ def _config(
     if num_warps is None:
         num_warps = 8 if block_m * block_d >= 128 * 256 else 4
     if num_stages is None:
-        num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse)
+        num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning)
     if num_splits == 1:
         merge = "none"
     elif merge is None:
@@ -236,25 +213,27 @@ def _config(
     elif merge not in ("ticket", "kernel") or (merge == "ticket" and num_splits > _MAX_TICKET_SPLITS):
         raise ValueError(f"merge must be 'kernel', or 'ticket' with at most {_MAX_TICKET_SPLITS} splits; "
                          f"got {merge!r} with {num_splits} splits")
-    return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages, merge)
+    return LaunchConfig(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages,
+                        merge)
 
 
-def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool) -> int:
-    """Software-pipelining depth: in sparse mode the deepest of ``_SPARSE_STAGES`` that fits.
+def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool,
+                tuning: VerifyTuning) -> int:
+    """Software-pipelining depth: in sparse mode the deepest of ``tuning.sparse_stages`` that fits.
 
     Sparse mode needs 2 more stages per K/V tile kept in flight (the index loads take the others;
     see the module docstring); ``num_stages`` 5 / 3 keep 3 / 2 K and V buffers of
-    ``block_n x block_d`` each, which with q's tile must fit in ``_PIPELINE_SMEM_BYTES``. Dense mode
+    ``block_n x block_d`` each, which with q's tile must fit in ``tuning.pipeline_smem_bytes``. Dense mode
     has no index load: 3 stages (one K/V tile in flight) for tiles up to 64 x 128, else 2.
     """
     if not sparse:
         return 3 if block_n * block_d <= 64 * 128 else 2
     tile_bytes = 2 * block_n * block_d * elem_bytes  # one K and one V buffer
     q_bytes = block_m * block_d * elem_bytes
-    for stages in _SPARSE_STAGES:
-        if (stages + 1) // 2 * tile_bytes + q_bytes <= _PIPELINE_SMEM_BYTES:
+    for stages in tuning.sparse_stages:
+        if (stages + 1) // 2 * tile_bytes + q_bytes <= tuning.pipeline_smem_bytes:
             return stages
-    return _SPARSE_STAGES[-1]
+    return tuning.sparse_stages[-1]
 
 
 @triton.jit
@@ -510,6 +489,8 @@ def verify_attention_triton(
     indices: torch.Tensor | None = None,
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    tuning: VerifyTuning | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Attention of ``Q`` new queries per row over selected (or all) cached positions plus the new tokens.
 
@@ -526,38 +507,23 @@ def verify_attention_triton(
             rest is never read). ``None`` means all ``W``.
         max_seqlen_k: dense mode only: ``max(cache_seqlens) + Q`` as a host int. It sizes the grid;
             if ``None`` it is computed with one device->host sync (so pass it under CUDA graphs).
+        tuning: the launch heuristic's constants (``None``: the defaults).
+        config: this call's launch parameters instead of the heuristic's (:func:`launch_config`; ``n_keys``
+            from :func:`sparse_loop_keys` in sparse mode).
 
     Returns:
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype (contiguous).
 
     Calls on one device must not run concurrently (from different streams): a call that splits the
-    keys merges the splits through counters shared by the device's calls (see :func:`dustin_hf.kernels._device.tickets`).
+    keys merges the splits through counters shared by the device's calls (see
+    :func:`dustin_hf.kernels._device.tickets`).
     """
-    return _verify_attention_triton(
-        q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, indices=indices,
-        num_indices=num_indices, max_seqlen_k=max_seqlen_k,
-    )
-
-
-def _verify_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    indices: torch.Tensor | None = None,
-    num_indices: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-    config: _Config | None = None,
-) -> torch.Tensor:
-    """:func:`verify_attention_triton` with an optional explicit launch :class:`_Config` (for sweeps)."""
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     _check_inputs(q, k_cache, v_cache, cache_seqlens, indices)
     sparse = indices is not None
     if sparse:
-        n_keys = _sparse_loop_keys(indices.shape[1], n_queries)
+        n_keys = sparse_loop_keys(indices.shape[1], n_queries)
         if num_indices is None:
             num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
     else:
@@ -565,8 +531,9 @@ def _verify_attention_triton(
         indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
     group = n_heads // n_kv_heads
     if config is None:
-        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device), sparse=sparse,
-                         elem_bytes=q.element_size(), smem_limit=smem_limit(q.device))
+        config = launch_config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device),
+                               sparse=sparse, elem_bytes=q.element_size(), tuning=tuning,
+                               smem_limit=smem_limit(q.device))
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
 
 
@@ -576,9 +543,9 @@ def _tail_first(n_queries: int) -> bool:
     return n_queries > 1
 
 
-def _sparse_loop_keys(width: int, n_queries: int) -> int:
-    """Key ordinals a sparse call's splits divide (``n_keys`` of :func:`_config`): the ``width`` selected
-    ones, plus the new tokens unless they are attended to before the loop."""
+def sparse_loop_keys(width: int, n_queries: int) -> int:
+    """Key ordinals a sparse call's splits divide (``n_keys`` of :func:`launch_config`): the ``width``
+    selected ones, plus the new tokens unless they are attended to before the loop."""
     return width + (0 if _tail_first(n_queries) else n_queries)
 
 
@@ -607,7 +574,7 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
         raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: _Config):
+def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig):
     """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output."""
     prepare_interpreter()
     batch, n_queries, n_heads, head_dim = q.shape
@@ -642,7 +609,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
         TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         OPEN_LOOP=tail_first or n_queries == 1,
-        OFFSETS_32=_offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
+        OFFSETS_32=cfg.int32_offsets and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
         SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )

@@ -46,6 +46,7 @@ import torch
 
 from . import fused
 from ..compat import CACHE_KWARG
+from ..kernels.tuning import KernelTuning
 from ..plan import DeviceTensors, ForwardPlan
 
 __all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
@@ -70,11 +71,13 @@ class Pipeline:
 
     It calls the model's own modules in the order the model's forward does (embedding, rotary table,
     decoder layers, final norm on the kept positions, head) with the arguments the model passes them,
-    so a stage computes what the model's forward computes; the tests check that logits match.
+    so a stage computes what the model's forward computes; the tests check that logits match. ``tuning``: the
+    kernels' launch heuristics (``None``: the defaults), of which the greedy head's argmax takes ``tuning.argmax``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, tuning: KernelTuning | None = None):
         self.model, self.decoder = model, model.base_model
+        self.tuning = tuning or KernelTuning()
         missing = [name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(self.decoder, name)]
         if missing or model.get_output_embeddings() is None:
             raise ValueError(
@@ -117,7 +120,7 @@ class Pipeline:
                 state = {"h": self._final_norm(state, keep)}
             elif step == "head":
                 logits = self.head(state["h"])
-                state = {"tokens": fused.argmax(logits)} if tokens else {"logits": logits.float()}
+                state = {"tokens": fused.argmax(logits, self.tuning.argmax)} if tokens else {"logits": logits.float()}
             elif fused.fused_decoder_layer(self.layers[step]) and fused._triton_runs_on(state["h"].device):
                 state = self._fused_layer(self.layers[step], state, plan, cache)
             else:
