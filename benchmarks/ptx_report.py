@@ -58,8 +58,9 @@ def _verification():
     q = _empty(BATCH, GAMMA + 1, 64, 128)
     cache = _empty(BATCH, CONTEXT + GAMMA + 1, 8, 128)
     seqlens = _empty(BATCH, dtype=torch.int32)
-    verify_attention(q, cache, cache, seqlens, softmax_scale=128**-0.5, indices=_empty(BATCH, BUDGET, dtype=torch.int32),
-                     num_indices=seqlens, backend="triton")
+    indices = _empty(BATCH, BUDGET, dtype=torch.int32)
+    verify_attention(q, cache, cache, seqlens, softmax_scale=128**-0.5, indices=indices, num_indices=seqlens,
+                     backend="triton")
     verify_attention(q, cache, cache, seqlens, softmax_scale=128**-0.5, max_seqlen_k=CONTEXT + GAMMA + 1,
                      backend="triton")
 

@@ -43,7 +43,8 @@ def verify_launches() -> list[tuple[str, Launch]]:
         q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
         cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
         seqlens = empty(BATCH, dtype=torch.int32)
-        kwargs = dict(softmax_scale=HEAD_DIM**-0.5, indices=empty(BATCH, BUDGET, dtype=torch.int32), num_indices=seqlens)
+        indices = empty(BATCH, BUDGET, dtype=torch.int32)
+        kwargs = dict(softmax_scale=HEAD_DIM**-0.5, indices=indices, num_indices=seqlens)
         triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs)
         triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs, config=ticket)
 

@@ -10,7 +10,9 @@ Backends compute the function defined in :mod:`dustin_hf.kernels.reference`:
   dependency; needs a CUDA build of flash-attn).
 - ``"varlen"``: gather the selection, then PyTorch's bundled FA2 ``varlen_attn`` (CUDA only).
 
-``resolve_backend("auto", device)`` picks once; tests force a backend by name.
+``resolve_backend("auto", device)`` picks once; tests force a backend by name. The Triton kernels' launch
+heuristics take their constants as frozen dataclasses (:mod:`dustin_hf.kernels.tuning`, bundled in
+:class:`KernelTuning`), passed explicitly; ``None`` means the measured defaults.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``torch.argmax(x, dim=-1)`` over long rows (a model head's logits) in one Triton launch.
 
 Why: greedy decoding takes the argmax of every head output. PyTorch's reduction over a 152k vocabulary
-took 12.4 us for the draft's 16 rows and 26.6 us for the 7B target's 80 on an H200 (bf16, CUDA graphs),
-reading 4.9 and 24 MB: a few us of memory time. Here each row is cut into chunks of whole tiles, one
-program each, so the grid gives every SM about ``_PROGRAMS_PER_SM`` programs; and the launch can start as
-a programmatic dependent of the kernel before it, as the package's other kernels do: 7.0 and 19.6 us
-(``benchmarks/results/argmax_h200.json``).
+takes several times the memory time of the few MB it reads (the draft's 16 rows, a 7B target's 80). Here
+each row is cut into chunks of whole tiles, one program each, so the grid gives every SM about
+``ArgmaxTuning.programs_per_sm`` programs; and the launch can start as a programmatic dependent of the
+kernel before it, as the package's other kernels do.
 
 Algorithm: program ``(row, s)`` scans its chunk in ``BLOCK``-wide tiles, keeping the largest value and its
 first index (a later tile replaces it only when strictly greater), stores that partial and takes a ticket
@@ -75,7 +74,8 @@ def _argmax_kernel(X, OUT, PART_K, PART_I, TICKETS, n_cols, stride_row, chunk,
 
 
 def _workspace(device: torch.device, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The partial keys and indices and zeroed tickets of a launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
+    """The partial keys and indices and zeroed tickets of a launch shape
+    (:func:`~dustin_hf.kernels._device.workspace`)."""
     return workspace(("argmax", device, rows, splits), lambda: (
         torch.empty(rows * splits, dtype=torch.int32, device=device),
         torch.empty(rows * splits, dtype=torch.int32, device=device),

@@ -3,7 +3,7 @@ exactly where PyTorch does.
 
 :func:`dustin_hf.runtime.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
 
-Why: under CUDA graphs the decode step is made of thousands of ~2 us elementwise kernels. transformers'
+Why: under CUDA graphs the decode step is made of thousands of microsecond-long elementwise kernels. transformers'
 RMSNorm is about 8 of them (to fp32, pow, mean, add eps, rsqrt, mul, to the input dtype, mul by the
 weight), ``apply_rotary_pos_emb`` about 10 (for q and for k: ``q * cos``, neg, cat, mul, add). Each
 becomes one launch here, q and k together.
@@ -21,8 +21,8 @@ multiply-add is contracted into one FMA, which rounds once where PyTorch rounds 
   (a constexpr flag adds the load, add and store), so both outputs equal the two separate launches.
 * RMSNorm: ``mean(x**2)`` sums in another order than PyTorch's reduction (and ``rsqrt`` may differ
   by an ulp on the GPU), so the fp32 ``rsqrt(var + eps)`` can differ in its last bits, and the
-  16-bit ``y = x * rsqrt(...)`` can round one ulp the other way: 2 to 5 elements per million on an
-  H200 (bf16), which the weight multiply makes at most 2 ulps of a 16-bit output. Everything after
+  16-bit ``y = x * rsqrt(...)`` can round one ulp the other way (a few elements per million in bf16),
+  which the weight multiply makes at most 2 ulps of a 16-bit output. Everything after
   the reduction rounds as PyTorch does.
 
 The rounding (:mod:`dustin_hf.kernels._rounding`) gives the same bits in Triton's interpreter (the CPU test

@@ -2,17 +2,14 @@
 
 Why: in a decode step the draft's projections see one token per row (``M`` = batch, 16 at most here),
 so each GEMM reads its weight once and does almost no arithmetic; its time is the weight read plus
-launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CUDA graphs), cuBLAS took
-4.8 us for the 2 MB q/k/v weight, 4.1 us for o_proj (1.6 MB), 7.7 us for gate/up (17 MB) and 6.4 + 1.7 us
-(a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best. It takes up to
-:data:`MAX_ROWS` rows; at 32 (a draft's first forward of a step) it still edges cuBLAS, but at 80 rows
-(the 7B target verifying 16 rows x 5 tokens, ``benchmarks/results/gemm_h200_7b_verify.json``) its best
-launch configs took 1.2-1.7x cuBLAS's time. A variant with SiLU·mul as its prologue (the down projection
-reading ``[gate | up]``) took 24.0 us against 7.6 for ``silu_mul`` + cuBLAS (``gemm_h200.json``, code of
-9789029) and was dropped: elementwise work on the ``x`` operand between its load and ``tl.dot`` is what
-costs (an RMSNorm there measured the same way). As an *epilogue* SiLU·mul is cheap: :func:`gated_linear`
-runs the gate and up projections of a ``[gate; up]`` weight in one program and writes ``silu(gate) * up``,
-7.3 us against 8.9 for cuBLAS + ``silu_mul`` at the draft's 16 rows (``gemm_gated_h200.json``).
+launch and memory latency. cuBLAS runs these at well below the copy bandwidth, and a long ``K`` (the
+down projection) as a split-K GEMM plus a separate reduction launch. This kernel takes up to
+:data:`MAX_ROWS` rows; it pays off up to about 32 rows (a draft's first forward of a step), not at a
+target's verification (80 rows for a 7B at batch 16 x 5 tokens), where cuBLAS is faster. SiLU·mul as a
+*prologue* (the down projection reading ``[gate | up]``) does not pay: elementwise work on the ``x``
+operand between its load and ``tl.dot`` is what costs (an RMSNorm there as well). As an *epilogue* it is
+cheap: :func:`gated_linear` runs the gate and up projections of a ``[gate; up]`` weight in one program and
+writes ``silu(gate) * up``, one launch instead of cuBLAS's GEMM and ``silu_mul``.
 
 Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
 of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
@@ -21,7 +18,7 @@ split it adds the bias and stores. With several, each split stores its fp32 part
 (an atomic counter per tile); the last to arrive sums every split's partial in split order (so the
 result does not depend on which split finished last: replays are bit-identical), adds the bias, stores
 the tile, and resets the counter for the next launch (CUDA-graph replay safe). The split count is
-chosen so the grid covers the SMs about ``_WAVES`` times. Rounding: fp32 accumulation, one rounding to
+chosen so the grid covers the SMs about ``GemmTuning.waves`` times. Rounding: fp32 accumulation, one rounding to
 the output dtype after the bias, as cuBLAS's bias epilogue; the reduction order differs from cuBLAS's,
 so results may differ from ``F.linear`` in the last bits.
 

@@ -1,10 +1,10 @@
 """Programmatic dependent launch (PDL) for the decode loop's Triton kernels.
 
-Why: at decode sizes most kernels run for a few microseconds (the 0.5B draft at 16 rows: ~9 launches a
-layer of 1.4-7 us each), and between two kernels of a CUDA graph the GPU idles while the second one's
-blocks are scheduled and start up (~0.5 us a boundary under the profiler, plus the ramp of the first
-loads). On sm_90 and later a kernel launched with the *programmatic stream serialization* attribute may
-start before the kernel it follows has finished, once every block of that one has signalled
+Why: at decode sizes most kernels run for a few microseconds (a 0.5B draft's layer at 16 rows is about 9
+launches), and between two kernels of a CUDA graph the GPU idles while the second one's blocks are
+scheduled and start up, plus the ramp of its first loads: a real share of such a short kernel. On sm_90
+and later a kernel launched with the *programmatic stream serialization* attribute may start before the
+kernel it follows has finished, once every block of that one has signalled
 ``griddepcontrol.launch_dependents`` (or exited); it must then execute ``griddepcontrol.wait``, which
 returns when the kernels before it have completed and their memory is visible, before it touches
 memory they might write or read.

@@ -28,8 +28,9 @@ Algorithm (one softmax per packed row, normalised across programs by log-sum-exp
   (tile, row). At its end it stores the split's log-sum-exp per row and takes a ticket from a
   counter per (batch row, row tile); the last split to arrive merges all splits' log-sum-exps into
   the row's ``lse`` and resets the counter to 0 (the ticket pattern of
-  :mod:`dustin_hf.kernels.triton_verify`, sharing its zeroed counters, so a captured graph replays
-  correctly; one split writes ``lse`` directly). The probability is then ``exp2(x + (m - lse))``:
+  :mod:`dustin_hf.kernels.triton_verify`, on the same per-device zeroed counters,
+  :func:`dustin_hf.kernels._device.tickets`, so a captured graph replays correctly; one split writes
+  ``lse`` directly). The probability is then ``exp2(x + (m - lse))``:
   one offset per (row, tile). Storing ``x`` rather than ``exp2(x)`` keeps the large probabilities
   (``x`` near 0, where fp16 is finest) about 3x more accurate.
 * **Pass 2** (:func:`_score_pass2_kernel`), grid ``(tiles, B)``: each program walks its positions
@@ -51,10 +52,10 @@ layer, 88 MB for the three together). At that point one step's pass 1 reads 134 
 201 MB of draft keys and writes 8 + 88 MB of scores: ~430 MB, ~100 us at an H200's ~4.2 TB/s copy
 bandwidth. Pass 2 reads those 96 MB of scores back (+ 1.6 MB of tile maxima) and writes the two
 2 MB fp32 outputs once each: ~25 us of bandwidth; its ex2s (16 x 32k x (8 + 88) rows, 50 M) take
-~12 us of an H200's special-function units, under the loads. Before this layout (issue #4) pass 2
-took 117 us there: every program re-merged all splits' log-sum-exps (up to 33 x 28 per row), each
-draft layer ran its own pass 2 re-reading and re-writing the output, and each loop step loaded
-1 KB (target) or 7 KB (a draft layer) and waited for it before computing, with nothing else in flight.
+~12 us of an H200's special-function units, under the loads. The layout avoids what would make pass 2
+slow: every program merging all splits' log-sum-exps (pass 1's last split merges them once), a pass 2
+per draft layer re-reading and re-writing the output (one pass 2 sums all layers), and loop steps that
+load a little and wait for it with nothing else in flight (the steps are large and pipelined).
 
 Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``heads``,
 ``key_span``, the SM count), so the call makes no host sync and can be captured in a CUDA graph.
@@ -215,8 +216,8 @@ def call_config(
 # Sizes that change every decode step (span, strides of per-call buffers) must not be specialised on:
 # each new divisibility pattern would compile a new kernel in the middle of decoding. The keys' strides are
 # the cache buffer's, fixed for a run, and are specialised: without their divisibility by 16 Triton cannot
-# prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined (pass 1 then ran at
-# ~1.1 TB/s on an H200). The per-call buffers' strides are multiples of BLOCK_N by construction, which
+# prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined, at a fraction of the copy
+# bandwidth. The per-call buffers' strides are multiples of BLOCK_N by construction, which
 # tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
 @triton.jit(do_not_specialize=[
     "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_lb", "stride_lr",

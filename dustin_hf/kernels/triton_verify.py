@@ -28,10 +28,9 @@ Algorithm (flash-decoding):
   loop's end one multiply-add with a bias of 0 / ``-inf`` per key, no guard for rows that have seen
   nothing (each tile holds a visible key), the K/V gathers unmasked (ordinals past the end read slot
   0, a real row), their slot offsets in int32 where the cache allows and shared by K and V where the
-  strides agree. The kernel is bound by one warpgroup's instruction latency, not by memory (ncu on an
-  H200: its time scales with the SM clock; 3.3 cycles per instruction, one warp per scheduler), so
-  instructions are time: 781 SASS instructions a 64-key tile before, 509 after; 72B layout, batch 16,
-  budget 512: 14.0 -> 11.0 us. Dense mode with several queries keeps the masked loop.
+  strides agree. The kernel is bound by one warpgroup's instruction latency, not by memory (its time
+  follows the SM clock; one warp per scheduler), so instructions are time: the open loop's 64-key tile
+  takes about a third fewer than the masked one. Dense mode with several queries keeps the masked loop.
 * **GQA packing.** The ``G = Hq / Hkv`` query heads sharing one KV head and the ``Q`` queries are
   packed into one ``M = G * Q`` row block (row ``r`` is query ``r // G``, head ``r % G`` of the
   group), padded to ``BLOCK_M >= 16`` for ``tl.dot``. Each K/V tile is loaded once per group.
@@ -48,8 +47,9 @@ Algorithm (flash-decoding):
   arrive merges all of them and resets the counter to 0 for the next launch; or ``"kernel"``, a second
   launch of :func:`_merge_splits_kernel` (one program per output row, better when the splits are many
   and one program would read them all alone). The counters live in a zeroed buffer per device
-  (:func:`dustin_hf.kernels._device.tickets`), allocated once and left at zero by every launch, so a call captured in a CUDA
-  graph replays correctly; two ticket-merge launches on one device must not run concurrently.
+  (:func:`dustin_hf.kernels._device.tickets`), allocated once and left at zero by every launch, so a
+  call captured in a CUDA graph replays correctly; two ticket-merge launches on one device must not run
+  concurrently.
 * **Pipelining.** Triton's software pipeliner overlaps the K/V gathers of later tiles with the
   current one. In sparse mode it splits ``num_stages`` between the index load and the K/V gathers
   whose addresses depend on it (Triton 3.6, sm_90, read off the compiled TTGIR and PTX; checked by
@@ -57,7 +57,7 @@ Algorithm (flash-decoding):
   ``t`` is computed and are waited for right away, so every tile pays a full memory latency; with
   5-6 the gathers of one tile are in flight while another is computed, with 7-8 two, and the index
   loads are asynchronous copies issued further ahead. Sparse mode takes 5 stages when the buffers fit
-  (:func:`_num_stages`): on an H200 7 and 9 stages were slower again.
+  (:func:`_num_stages`): a second tile in flight costs more registers and shared memory than it hides.
 
 The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
 ``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no

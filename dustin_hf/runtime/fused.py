@@ -5,14 +5,12 @@ Mistral and Qwen families, as a context.
         with fused_ops(target, draft):
             ...  # capture CUDA graphs / decode
 
-Why: a decode step replayed from CUDA graphs (Qwen2.5-7B target + 0.5B draft, batch 16) ran ~4400 tiny
-elementwise kernels, ~9 ms of GPU time. transformers' RMSNorm is ~8 of them per call (253 calls a step)
-and ``apply_rotary_pos_emb`` ~10 per layer. :func:`rms_norm` and :func:`apply_rotary` are one Triton
-launch each (:mod:`dustin_hf.kernels.triton_fused`) with transformers' numerics: rotary bit-exact;
-RMSNorm rounds as transformers does, but its sum of squares is reduced in another order, so a few
-elements per million (H200, bf16) round one ulp the other way, at most 2 ulps of a 16-bit output.
-Under CUDA graphs on an H200 (80 rows, bf16) a norm of 3584 took 1.9 us instead of 21 us, the rotary
-of 28 + 4 heads of 128 at batch 16 x 5 positions 2.7 us instead of 26 us.
+Why: a decode step replayed from CUDA graphs (Qwen2.5-7B target + 0.5B draft, batch 16) is thousands of
+tiny elementwise kernels. transformers' RMSNorm is ~8 of them per call (253 calls a step) and
+``apply_rotary_pos_emb`` ~10 per layer. :func:`rms_norm` and :func:`apply_rotary` are one Triton launch
+each (:mod:`dustin_hf.kernels.triton_fused`) with transformers' numerics: rotary bit-exact; RMSNorm
+rounds as transformers does, but its sum of squares is reduced in another order, so a few elements per
+million (bf16) round one ulp the other way, at most 2 ulps of a 16-bit output.
 
 What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.23 and 5.24):
 
@@ -33,13 +31,13 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
   bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (both in one
-  :func:`gated_linear` launch for at most 32 rows and 32 MB of weight, a draft's, or at most 64 rows and at
-  least 512 MB, a large target's verification), and its down projection, for at most 32 rows, as
-  :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
+  :func:`gated_linear` launch for a draft's weight at decode sizes, or a large target's at verification
+  sizes: :class:`FusedTuning`), and its down projection at decode sizes as :func:`skinny_linear` (one
+  launch where cuBLAS splits K and reduces in a second); an attention's
   ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are
   called on the same input, as every listed family's attention does: ``q_proj`` computes all three and
   ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). That GEMM and ``o_proj``
-  run as :func:`skinny_linear` for at most 32 rows and 8 MB of weight (a draft's: on sm_90 every kernel of its
+  run as :func:`skinny_linear` for a draft's small weights at decode sizes (on sm_90 every kernel of its
   decode layer is then a Triton launch that starts as a dependent of the one before). The weights are not
   copied: each projection's weight (and bias) becomes a view of the fused tensor while the context is open,
   and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does; a fused GEMM (and a
@@ -87,7 +85,8 @@ from ..kernels.tuning import ArgmaxTuning, Checked, GemmTuning
 from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention524
 
 __all__ = [
-    "FusedOps", "FusedTuning", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer", "fused_norm",
+    "FusedOps", "FusedTuning", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer",
+    "fused_norm",
     "fused_ops", "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear",
     "static_rotary",
 ]
@@ -136,8 +135,8 @@ class FusedTuning(Checked):
             0.5B draft's 17 MB).
         gated_min_large_bytes, gated_rows: ... and with at least ``gated_min_large_bytes``, at up to
             ``gated_rows`` rows (a large target's verification: 72B at batch 8 is 40 rows of 969 MB). Weights
-            between the two limits (a 7B's 272 MB) keep cuBLAS, which is faster there; so does a large target's
-            down projection.
+            between the two limits (a 7B's 272 MB) keep cuBLAS, which is faster there; a down projection of
+            more than ``skinny_rows`` rows keeps it too.
         skinny_projection_max_bytes: an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of
             weight (the 0.5B draft's 2.1 and 1.6 MB), at up to ``skinny_rows`` rows, run as :func:`skinny_linear`
             launches, which can start as dependents of the kernel before them (cuBLAS's cannot). Larger weights
