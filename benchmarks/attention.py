@@ -300,8 +300,7 @@ def _varlen_flavour() -> str:
     """How the ``varlen`` backend runs dense mode with this torch: over the cache, or gathered first."""
     from dustin_hf.kernels import varlen
 
-    fn = varlen._torch_varlen_fn()
-    return "n/a" if fn is None else "seqused_k" if "seqused_k" in varlen._params(fn) else "gather"
+    return varlen.torch_varlen_flavour()
 
 
 def _has_flash_attn() -> bool:

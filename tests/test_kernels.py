@@ -580,17 +580,14 @@ VARLEN_CASES = {name: TRITON_CASES[name] for name in
 
 @pytest.mark.parametrize("flavour", ["torch-new", "torch-old", "flash-attn"])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
-def test_varlen_packing_with_fake_kernels(name, flavour, monkeypatch):
+def test_varlen_packing_with_fake_kernels(name, flavour):
     """The gather/packing/argument logic on CPU, with fake kernels of FlashAttention-2 semantics."""
-    if flavour == "flash-attn":
-        fns = (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache)
-        monkeypatch.setattr(varlen, "_flash_attn_fns", lambda: fns)
-    else:
-        fake = _fake_varlen_attn_new if flavour == "torch-new" else _fake_varlen_attn_old
-        monkeypatch.setattr(varlen, "_torch_varlen_fn", lambda: fake)
+    kernels = {"flash-attn": (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache),
+               "torch-new": (_fake_varlen_attn_new, None), "torch-old": (_fake_varlen_attn_old, None)}[flavour]
     inputs = _make_inputs(dataclasses.replace(VARLEN_CASES[name], seed=5), torch.float32, "cpu")
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn")
+    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn",
+                                         kernels=kernels)
     _assert_matches_oracle(out, inputs, f"varlen[{flavour}]")
 
 
