@@ -144,7 +144,9 @@ def report() -> dict:
             ptx = compile_sm90(launch)
             launches.append(dict(label=f"{group}/{i}", kernel=launch.name, constexprs=launch.constexprs,
                                  options=launch.options, sha256=hashlib.sha256(ptx.encode()).hexdigest()))
-    return dict(command=" ".join(["python", *sys.argv]), package=str(package), commit=commit,
+    path = os.environ.get("PYTHONPATH")
+    command = " ".join(([f"PYTHONPATH={path}"] if path else []) + ["python", *sys.argv])
+    return dict(command=command, package=str(package), commit=commit,
                 gpu=f"simulated {H200.name}: sm_{H200.capability[0]}{H200.capability[1]}, {H200.sm_count} SMs, "
                     f"{H200.max_shared_mem} bytes of shared memory a block",
                 versions=dict(triton=triton.__version__, torch=torch.__version__), launches=launches)
