@@ -71,7 +71,7 @@ L2_BYTES = 60 * 2**20  # H200; below this working set the inputs rotate among se
 MAX_ROTATION = 8
 COPY_PROBE_BYTES = 2 * 2**30
 WARMUP_MS, REP_MS = 25, 100
-# --sweep-triton: every combination of these _config overrides (None = the heuristic's choice); merge is
+# --sweep-triton: every combination of these launch_config overrides (None = the heuristic's choice); merge is
 # "ticket" (the last split merges, same launch) or "kernel" (a second launch), used only with splits.
 # --sweep replaces TRITON_SWEEPS with one such dict per ';'-separated spec (the union of their products).
 TRITON_SWEEP = dict(block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(3, 5, 7), num_warps=(4, 8),
@@ -272,7 +272,8 @@ def _flash_with_kvcache(x: Inputs, scale: float) -> torch.Tensor:
 
 
 def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None = None) -> torch.Tensor:
-    """The Triton kernel; ``overrides`` (keywords of ``triton_verify._config``) replace heuristic choices."""
+    """The Triton kernel; ``overrides`` (launch keywords of ``triton_verify.launch_config``) replace heuristic
+    choices."""
     from dustin_hf.kernels import triton_verify
 
     sparse = {} if budget is None else {"indices": x.indices[budget], "num_indices": x.counts[budget]}
@@ -281,21 +282,25 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
     if overrides:
         batch, n_queries, n_heads, head_dim = x.q.shape
         n_kv_heads = x.k_cache.shape[2]
-        n_keys = max_seqlen_k if budget is None else triton_verify._sparse_loop_keys(x.indices[budget].shape[1],
-                                                                                    n_queries)
-        config = triton_verify._config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
-                                       triton_verify._sm_count(x.q.device), sparse=budget is not None,
-                                       elem_bytes=x.q.element_size(), **overrides)
-    return triton_verify._verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k,
-                                                  config=config, **sparse)
+        n_keys = max_seqlen_k if budget is None else triton_verify.sparse_loop_keys(x.indices[budget].shape[1],
+                                                                                   n_queries)
+        config = triton_verify.launch_config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
+                                             sm_count(x.q.device), sparse=budget is not None,
+                                             elem_bytes=x.q.element_size(), **overrides)
+    return triton_verify.verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k,
+                                                 config=config, **sparse)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA: the Triton interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _varlen_flavour() -> str:
     """How the ``varlen`` backend runs dense mode with this torch: over the cache, or gathered first."""
     from dustin_hf.kernels import varlen
 
-    fn = varlen._torch_varlen_fn()
-    return "n/a" if fn is None else "seqused_k" if "seqused_k" in varlen._params(fn) else "gather"
+    return varlen.torch_varlen_flavour()
 
 
 def _has_flash_attn() -> bool:

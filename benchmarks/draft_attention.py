@@ -5,7 +5,7 @@ four forwards a step, one query per row to the selected positions (budget 512) p
 KV heads of 64 at batch 16, 32 programs per split over 9 key tiles. Each config is timed as a CUDA-graph replay of
 24 calls over 24 distinct caches (one per layer, so no call reads another's keys from L2), launched as the
 package launches them (as programmatic dependents on sm_90). Prints one line per config and saves a JSON with
-``--out``; ``{}`` is the heuristic of :func:`dustin_hf.kernels.triton_verify._config`.
+``--out``; ``{}`` is the heuristic of :func:`dustin_hf.kernels.triton_verify.launch_config`.
 
     python benchmarks/draft_attention.py --out benchmarks/results/draft_attention_h200_sweep_pdl.json
 """
@@ -48,17 +48,17 @@ def main(argv=None) -> list[dict]:
     indices = torch.stack([torch.sort(torch.randperm(args.context, device="cuda")[:args.budget]).values
                            for _ in range(b)]).int()
     num = torch.full((b,), args.budget, dtype=torch.int32, device="cuda")
-    n_keys = tv._sparse_loop_keys(args.budget, 1)
+    n_keys = tv.sparse_loop_keys(args.budget, 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def attend(k, v, config=None):
-        return tv._verify_attention_triton(q, k, v, seqlens, softmax_scale=d**-0.5, indices=indices, num_indices=num,
-                                           config=config)
+        return tv.verify_attention_triton(q, k, v, seqlens, softmax_scale=d**-0.5, indices=indices, num_indices=num,
+                                          config=config)
 
     reference = attend(*caches[0])
     rows = []
     for overrides in CONFIGS:
-        config = tv._config(b, hkv, group, 1, d, n_keys, sms, sparse=True, elem_bytes=2, **overrides)
+        config = tv.launch_config(b, hkv, group, 1, d, n_keys, sms, sparse=True, elem_bytes=2, **overrides)
         err = (attend(*caches[0], config).float() - reference.float()).abs().max().item()
         us = graph_us(lambda: [attend(k, v, config) for k, v in caches], layers, reps=2, iters=10)
         rows.append(dict(overrides=overrides, config=str(config), us=round(us, 2), max_err=err))

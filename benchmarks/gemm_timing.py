@@ -57,7 +57,7 @@ L2_BYTES = 60 * 2**20  # H200: calls rotate among enough weight copies that each
 SMOKE_SHAPES = {"qkv": (3, 40, 48, True), "down": (5, 24, 200, False), "gate_up_silu": (4, 24, 40, False, "gated")}
 
 
-SWEEP_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # keywords of triton_gemm._config
+SWEEP_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # keywords of triton_gemm.launch_config
 
 
 def parse_sweep(spec: str) -> list[dict]:
@@ -80,10 +80,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-    from dustin_hf.runtime.fused import silu_mul
     import triton
 
-    from dustin_hf.kernels.triton_gemm import _GATED_CONFIG, _config, _sm_count, gated_linear, skinny_linear
+    from dustin_hf.kernels.triton_gemm import gated_linear, launch_config, skinny_linear
+    from dustin_hf.runtime.fused import silu_mul
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -116,8 +116,7 @@ def main(argv=None) -> dict:
             return gated_linear(x, w, **overrides) if gated else skinny_linear(x, w, b, **overrides)
 
         ref = baseline(weights[0])
-        cfg = _config(n, k, _sm_count(device), x.element_size(), max(16, triton.next_power_of_2(m)),
-                      **({**_GATED_CONFIG, "split_k": 1} if gated else {}))
+        cfg = launch_config(m, n, k, attention.sm_count(device), x.element_size(), gated=gated)
         row = {"shape": name, "m": m, "n": n, "k": k, "bias": has_bias, "gated": gated,
                "weight_mb": rows_w * k * x.element_size() / 1e6,
                "heuristic": f"n{cfg.block_n}/k{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"}

@@ -15,8 +15,9 @@ the default config resolves them), on random keys, with :class:`attention.Scorin
 Times are medians under CUDA graphs (``triton.testing.do_bench_cudagraph``), as ``attention.py
 --timer cudagraph``. Prints a table, then one JSON line.
 
-``--sweep SPEC`` instead times the scoring kernel under every combination of launch overrides
-(``triton_score._config`` keywords, 0 = the heuristic's value), after the heuristic itself: per row the
+``--sweep SPEC`` instead times the scoring kernel under every combination of overrides (fields of
+:class:`~dustin_hf.kernels.tuning.ScoreTuning` and launch keywords of ``triton_score.launch_config``, 0 = the
+heuristic's value), called as the library calls it, after the heuristic itself: per row the
 GPU microseconds of pass 1 and pass 2 per step (``torch.profiler``, both scoring calls: every launch of
 ``_score_pass1_kernel``, which also merges its splits, and of ``_score_pass2_kernel``), pass 1's key
 GB/s, and the max abs error against an fp32 oracle (the PyTorch reference on fp32 copies of the same
@@ -33,7 +34,6 @@ under CUDA graphs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -44,10 +44,12 @@ import torch
 
 from attention import DRAFT_LAYOUT, LAYOUTS, SMOKE, ScoringStep, _time_ms, _versions, parse_sweep
 
+from dustin_hf.kernels.tuning import ScoreTuning
+
 TARGET_LAYOUT = next(lay for lay in LAYOUTS if lay.name == "qwen2.5-72b")
 BATCH, CONTEXT, BUDGET = 16, 32768, 512
 PROFILED_CALLS = 20
-# --sweep keys: keywords of dustin_hf.kernels.triton_score._config
+# --sweep keys: fields of ScoreTuning (programs_per_sm, tile_bytes) and launch keywords of triton_score.launch_config
 SWEEP_KEYS = ("programs_per_sm", "tile_bytes", "block_n", "num_splits", "num_stages", "num_warps",  # pass 1
               "pass2_programs_per_sm", "tile", "block_p", "block_r", "num_warps_reduce", "num_stages_reduce",  # 2
               "layers_per_pass2")
@@ -118,24 +120,34 @@ def measure(batch: int, context: int, budget: int, target, draft, device: torch.
 # ----------------------------------------------------------------------------- --sweep
 
 
-@contextlib.contextmanager
-def score_config(overrides: dict[str, int], chosen: dict[int, object]):
-    """``triton_score._config`` with ``overrides`` (0 keeps the heuristic's value); the config resolved
-    per head dim lands in ``chosen``."""
+def score_triton(step: ScoringStep, overrides: dict[str, int]) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+    """Both scorings of ``step`` through the Triton kernels, called as :mod:`dustin_hf.scoring` calls them, with the
+    sweep row's ``overrides`` (0 keeps the heuristic's value): :class:`ScoreTuning` fields go into the tuning, the
+    rest are launch keywords of ``call_config`` (with those, a call's layers share its one config). Returns the
+    (target, draft) scores and the launch config per head dim."""
     from dustin_hf.kernels import triton_score
 
-    original = triton_score._config
-    set_keys = {key: value for key, value in overrides.items() if value}
-
-    def patched(batch, programs, head_dim, *args, **kwargs):
-        chosen[head_dim] = original(batch, programs, head_dim, *args, **kwargs, **set_keys)
-        return chosen[head_dim]
-
-    triton_score._config = patched
-    try:
-        yield
-    finally:
-        triton_score._config = original
+    given = {key: value for key, value in overrides.items() if value}
+    fields = {field.name for field in dataclasses.fields(ScoreTuning)}
+    tuning = ScoreTuning(**{key: value for key, value in given.items() if key in fields})
+    launch = {key: value for key, value in given.items() if key not in fields}
+    n, gamma = max(step.seqlens_host), step.draft_q[0].shape[1]
+    target_q = [step.history_q[:, None]]  # the query at L_b - 1: the lengths with an offset of -1
+    calls = {
+        "target": (step.layout, target_q, [step.target_keys], step.seqlens[:, None], [step.cfg.target_heads], n,
+                   dict(query_offset=-1)),
+        "draft": (step.draft, step.draft_q, step.draft_keys, step.seqlens[:, None].expand(-1, gamma),
+                  step.cfg.draft_heads, n + gamma, dict(position_limit=step.seqlens, query_step=1)),
+    }
+    scores, configs = [], {}
+    for layout, queries, keys, query_pos, heads, span, extra in calls.values():
+        group = layout.n_heads // layout.n_kv_heads
+        config = triton_score.call_config(queries, keys, heads, group, n, span, tuning=tuning, **launch)
+        configs[layout.head_dim] = config
+        scores.append(triton_score.attention_mass_layers_triton(
+            queries, keys, query_pos, heads, group, layout.head_dim**-0.5, n, span, tuning=tuning,
+            config=config if launch else None, **extra))
+    return (scores[0], scores[1]), configs
 
 
 def _oracle(step: ScoringStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,15 +173,13 @@ def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: st
     oracle = _oracle(step)
     ref_err = _max_err((step.score_target("reference"), step.score_draft("reference")), oracle)
     key_bytes = _key_bytes(step)
-    both = lambda: (step.score_target("triton"), step.score_draft("triton"))  # noqa: E731
     rows = []
     for overrides in [{}] + combos:
-        chosen = {}
         row = dict(overrides=overrides or "heuristic")
         try:
-            with score_config(overrides, chosen):
-                err = _max_err(both(), oracle)
-                us = kernel_us(both) if device.type == "cuda" else {}
+            scores, chosen = score_triton(step, overrides)
+            err = _max_err(scores, oracle)
+            us = kernel_us(lambda: score_triton(step, overrides)) if device.type == "cuda" else {}
         except Exception as error:  # e.g. out of shared memory: report it, keep going
             rows.append(row | dict(status=f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:100]}"))
             continue
@@ -184,8 +194,8 @@ def sweep(step: ScoringStep, combos: list[dict], device: torch.device, timer: st
     graph_ms = {}
     for label, row in (("heuristic", rows[0]), ("best", best)):
         if row is not None and row.get("status") == "ok":
-            with score_config(row["overrides"] if isinstance(row["overrides"], dict) else {}, {}):
-                graph_ms[label] = _timed(both, device, timer)
+            overrides = row["overrides"] if isinstance(row["overrides"], dict) else {}
+            graph_ms[label] = _timed(lambda: score_triton(step, overrides)[0], device, timer)
     return dict(scoring_key_bytes=key_bytes, reference_max_err=ref_err, sweep=rows, best=best,
                 scoring_ms_triton_graph=graph_ms)
 
@@ -232,8 +242,8 @@ def main(argv=None) -> None:
                         help="do_bench_cudagraph (default; no launch overhead) or do_bench (L2 flushed per run)")
     parser.add_argument("--smoke", action="store_true", help="tiny layouts and sizes; runs on CPU")
     parser.add_argument("--sweep", metavar="SPEC", default=None,
-                        help="only the scoring kernel, under every combination of triton_score._config "
-                             "overrides, e.g. 'programs_per_sm=2,4 num_stages=3,4' (0 = heuristic); keys: "
+                        help="only the scoring kernel, under every combination of ScoreTuning fields and "
+                             "triton_score.launch_config keywords, e.g. 'programs_per_sm=2,4 num_stages=3,4' (0 = heuristic); keys: "
                              + ", ".join(SWEEP_KEYS))
     args = parser.parse_args(argv)
     try:

@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU; set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -148,6 +149,27 @@ def explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positio
                 n = min(visible, num_positions)
                 out[b, :n] += probs[:n]
     return out
+
+
+def package_kernels(*modules) -> list:
+    """The Triton kernels (``@triton.jit`` functions named ``*_kernel``, the ones launched) of ``modules``."""
+    return [value for module in modules for name, value in vars(module).items()
+            if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook")]
+
+
+@contextlib.contextmanager
+def on_launch(kernels, hook):
+    """Call ``hook(name, args, kwargs)`` before each launch of the Triton ``kernels`` inside the block (Triton's
+    pre-run hooks: the kernel's name, its positional and keyword arguments); the kernels run as usual."""
+    hooks = []
+    for kernel in kernels:
+        hooks.append((kernel, lambda *args, _name=kernel.fn.__name__, **kwargs: hook(_name, args, kwargs)))
+        kernel.add_pre_run_hook(hooks[-1][1])
+    try:
+        yield
+    finally:
+        for kernel, added in hooks:
+            kernel.pre_run_hooks.remove(added)
 
 
 def sm90_ptx_report(script: str) -> list[dict]:

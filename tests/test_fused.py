@@ -13,6 +13,7 @@ Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CP
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import math
 import os
@@ -33,9 +34,10 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 from dustin_hf.runtime import fused  # noqa: E402
-from dustin_hf.runtime.fused import add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
+from dustin_hf.runtime.fused import (FusedTuning, add_rms_norm, apply_rotary, fused_ops,  # noqa: E402
+                                     fused_ops_available, rms_norm)
 
-from conftest import capture_graph, random_prompt, tiny_model  # noqa: E402
+from conftest import capture_graph, on_launch, package_kernels, random_prompt, tiny_model  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
@@ -259,53 +261,48 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
     _assert_restored(model, modeling, original_rotary)
 
 
-def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
-    """Replace ``fused.<name>`` for each name with a wrapper counting its calls; returns the live counts."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        real = getattr(fused, name)
+def test_fused_ops_calls_the_kernels():
+    """Inside the context the model's norms and rotary run the fused kernels (launches counted), outside they do
+    not."""
+    from dustin_hf.kernels import triton_fused
 
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(fused, name, counted)
-    return calls
-
-
-def test_fused_ops_calls_the_kernels(monkeypatch):
-    """Inside the context the model's norms and rotary run the fused functions (counted), outside they do not."""
-    calls = _count_calls(monkeypatch, "rms_norm", "apply_rotary")
+    launched = collections.Counter()
     model = tiny_model("qwen2", layers=2, hidden=32).to(DEVICE)
     prompt = random_prompt(3).to(DEVICE)
-    with torch.no_grad(), fused_ops(model):
-        model(prompt)
-    assert calls == {"rms_norm": 5, "apply_rotary": 2}
-    with torch.no_grad():
-        model(prompt)
-    assert calls == {"rms_norm": 5, "apply_rotary": 2}
+    with on_launch(package_kernels(triton_fused), lambda name, args, kwargs: launched.update([name])):
+        with torch.no_grad(), fused_ops(model):
+            model(prompt)
+        assert launched == {"_rms_norm_kernel": 5, "_rotary_kernel": 2}
+        with torch.no_grad():
+            model(prompt)
+        assert launched == {"_rms_norm_kernel": 5, "_rotary_kernel": 2}
 
 
-def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows(monkeypatch):
+def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows():
     """A small [gate; up] weight (a draft's) at most 32 rows, or a large one (a big target's) at most 64, runs the
     MLP's gate/up GEMM and SiLU-mul as one gated_linear launch; more rows, or a weight between the two size
-    limits, keep the GEMM and silu_mul. Outputs match the MLP's."""
-    calls = _count_calls(monkeypatch, "gated_linear", "silu_mul")
+    limits (FusedTuning's), keep the GEMM and silu_mul. Outputs match the MLP's."""
+    from dustin_hf.kernels import triton_fused, triton_gemm
+
     mlp = tiny_model("qwen2", layers=1, hidden=64).to(DEVICE).model.layers[0].mlp
     weight_bytes = 2 * mlp.gate_proj.weight.numel() * mlp.gate_proj.weight.element_size()
     rows = {n: torch.randn(1, n, 64, device=DEVICE) for n in (32, 33, 64, 65)}
+    launched = []
+
+    def record(name, args, kwargs):  # gated_linear's launch or silu_mul's (skinny_linear's are not counted)
+        if name == "_silu_mul_kernel" or name == "_skinny_gemm_kernel" and kwargs["GATED"]:
+            launched.append("gated" if name == "_skinny_gemm_kernel" else "silu_mul")
 
     def fused_calls(max_small: int, min_large: int) -> dict:
-        monkeypatch.setattr(fused, "_GATED_MAX_BYTES", max_small)
-        monkeypatch.setattr(fused, "_GATED_MIN_LARGE_BYTES", min_large)
+        tuning = FusedTuning(gated_max_bytes=max_small, gated_min_large_bytes=min_large)
         counts = {}
-        with torch.no_grad(), fused_ops(mlp):
+        with torch.no_grad(), fused_ops(mlp, tuning=tuning), on_launch(package_kernels(triton_fused, triton_gemm),
+                                                                       record):
             for n, x in rows.items():
-                before = dict(calls)
+                launched.clear()
                 torch.testing.assert_close(mlp(x), expected[n], rtol=1e-5, atol=1e-5)
-                gated = calls["gated_linear"] - before["gated_linear"]
-                assert gated + calls["silu_mul"] - before["silu_mul"] == 1
-                counts[n] = "gated" if gated else "cuBLAS"
+                assert len(launched) == 1, launched
+                counts[n] = "gated" if launched == ["gated"] else "cuBLAS"
         return counts
 
     with torch.no_grad():
@@ -313,6 +310,11 @@ def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows(monkeypa
     assert fused_calls(weight_bytes, 2**40) == {32: "gated", 33: "cuBLAS", 64: "cuBLAS", 65: "cuBLAS"}  # small
     assert fused_calls(0, weight_bytes) == {32: "gated", 33: "gated", 64: "gated", 65: "cuBLAS"}  # large
     assert fused_calls(weight_bytes - 1, weight_bytes + 1) == dict.fromkeys(rows, "cuBLAS")  # between
+
+
+def test_fused_tuning_names_a_bad_value():
+    with pytest.raises(ValueError, match="FusedTuning.skinny_rows must be an int >= 0"):
+        FusedTuning(skinny_rows=-1)
 
 
 def test_fused_ops_restores_after_an_exception_and_nests():

@@ -94,36 +94,44 @@ def test_gated_linear_rounds_as_silu_mul(dtype):
     assert (out == want).float().mean() > 0.95
 
 
-def test_gemm_launch_fits_the_device_shared_memory(monkeypatch):
-    """A launch asks its device for the per-block limit (faked here) and drops stages, then tile width, to fit it;
-    what the caller chose explicitly is kept, and a limit nothing fits is a clear error."""
-    from dustin_hf.kernels import triton_gemm
+def test_gemm_launch_fits_the_shared_memory_limit():
+    """Under a per-block limit the heuristic drops stages, then tile width, to fit it; what the caller chose
+    explicitly is kept, and a limit nothing fits is a clear error. (The launchers pass their device's limit:
+    ``smem_report.py`` compiles them on simulated GPUs.)"""
+    from dustin_hf.kernels.triton_gemm import launch_config
 
-    launched = []
-    monkeypatch.setattr(triton_gemm, "_skinny_gemm_kernel", type("Catch", (), {
-        "__getitem__": lambda self, grid: lambda *args, **kw: launched.append((kw["BLOCK_N"], kw["num_stages"]))})())
-    x, w, _ = _operands(16, 2 * 64, 896, False, torch.bfloat16)
-    for limit in (None, 101376, 60000):
-        monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device, limit=limit: limit)
-        triton_gemm.gated_linear(x, w)
-    triton_gemm.gated_linear(x, w, num_stages=4)  # explicit stages kept: the tiles narrow instead
-    assert launched == [(64, 4), (64, 3), (64, 2), (16, 4)]
-    monkeypatch.setattr(triton_gemm, "_smem_limit", lambda device: 1000)
+    def gated(limit, **overrides):  # the 16 x 896 input and [gate; up] weight of 2 x 64 rows, bf16
+        config = launch_config(16, 64, 896, 1, 2, gated=True, smem_limit=limit, **overrides)
+        return config.block_n, config.num_stages
+
+    assert [gated(limit) for limit in (None, 101376, 60000)] == [(64, 4), (64, 3), (64, 2)]
+    assert gated(60000, num_stages=4) == (16, 4)  # explicit stages kept: the tiles narrow instead
     with pytest.raises(ValueError, match="shared memory"):
-        triton_gemm.gated_linear(x, w)
+        gated(1000)
 
 
-def test_gemm_tiles_widen_past_32_rows(monkeypatch):
+def test_gemm_tiles_widen_past_32_rows():
     """32-column weight tiles up to a 32-row tile of x, 64 columns from a 64-row tile on (measured faster there)."""
-    from dustin_hf.kernels import triton_gemm
+    from dustin_hf.kernels.triton_gemm import launch_config
 
-    launched = []
-    monkeypatch.setattr(triton_gemm, "_skinny_gemm_kernel", type("Catch", (), {
-        "__getitem__": lambda self, grid: lambda *args, **kw: launched.append((kw["BLOCK_M"], kw["BLOCK_N"]))})())
-    for m in (16, 32, 33, 80):
-        x, w, _ = _operands(m, 256, 512, False, torch.bfloat16)
-        triton_gemm.skinny_linear(x, w)
-    assert launched == [(16, 32), (32, 32), (64, 64), (128, 64)]
+    tiles = [launch_config(m, 256, 512, 1, 2) for m in (16, 32, 33, 80)]
+    assert [(t.block_m, t.block_n) for t in tiles] == [(16, 32), (32, 32), (64, 64), (128, 64)]
+
+
+def test_gemm_tuning_sets_the_heuristic():
+    """A GemmTuning changes the heuristic's stages, split aim and gated tiles; the defaults are GemmTuning()'s."""
+    from dustin_hf.kernels.triton_gemm import launch_config
+    from dustin_hf.kernels.tuning import GemmTuning
+
+    default = launch_config(16, 896, 4864, 132, 2)  # the 0.5B draft's down projection on an H200
+    assert launch_config(16, 896, 4864, 132, 2, tuning=GemmTuning()) == default
+    assert (default.num_stages, default.split_k) == (6, 8)
+    tuned = launch_config(16, 896, 4864, 132, 2, tuning=GemmTuning(num_stages=3, max_splits=4))
+    assert (tuned.num_stages, tuned.split_k) == (3, 4)
+    gated = launch_config(16, 4864, 896, 132, 2, gated=True, tuning=GemmTuning(gated_block_n=32, gated_num_stages=3))
+    assert (gated.block_n, gated.num_stages, gated.split_k) == (32, 3, 1)
+    with pytest.raises(ValueError, match="GemmTuning.num_stages must be an int >= 1"):
+        GemmTuning(num_stages=0)
 
 
 def test_gated_linear_rejects_what_it_cannot_compute():

@@ -21,7 +21,7 @@ from dustin_hf.generate import attention_routed
 from dustin_hf.runtime.graphs import Pipeline, Stage
 from dustin_hf.plan import ForwardPlan
 
-from conftest import TRITON_RUNS, random_prompt, tiny_model
+from conftest import TRITON_RUNS, on_launch, package_kernels, random_prompt, tiny_model
 
 # These tests run the pipeline on CPU (stages cut on the CPU device), so the fused kernels need Triton's
 # interpreter; on a CUDA machine Triton compiles for the GPU instead and cannot take CPU tensors. There,
@@ -88,16 +88,17 @@ def test_pipeline_matches_the_model_forward(family, cuts, sparse):
             torch.testing.assert_close(got[:, :23], want[:, :23], rtol=0, atol=0)
 
 
-def _logits_and_tokens(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of ``model`` through the pipeline twice from the same prefill: the last two positions'
-    logits (fp32), then the greedy head's tokens."""
+def _logits_and_tokens(model, tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ``model`` through the pipeline (built with ``tuning``) twice from the same prefill: the
+    last two positions' logits (fp32), then the greedy head's tokens."""
     prompt, step_ids, plan = _step_inputs(sparse=False)
     outputs = []
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
         for tokens in (False, True):
             runner, step_plan = _prefilled_runner(model, prompt), plan()
             with runner.cache.forward_plan(step_plan):
-                outputs.append(Pipeline(model).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens))
+                outputs.append(Pipeline(model, tuning).forward(step_ids, step_plan, runner.cache, keep=2,
+                                                               tokens=tokens))
     return outputs[0], outputs[1]
 
 
@@ -111,18 +112,21 @@ def test_pipeline_tokens_are_the_argmax_of_its_logits(dtype):
 
 
 @needs_triton
-def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel(monkeypatch):
+def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel():
     """Where the argmax kernel runs (CUDA; here Triton's interpreter) a greedy head's tokens come from it: one
-    launch over the 16-bit logits, the same tokens as PyTorch's argmax of the fp32 logits."""
-    from dustin_hf.kernels import triton_argmax
+    launch over the 16-bit logits, the same tokens as PyTorch's argmax of the fp32 logits; the pipeline's tuning
+    sets its tile."""
+    from dustin_hf.kernels import KernelTuning, triton_argmax
+    from dustin_hf.kernels.tuning import ArgmaxTuning
 
-    calls, real = [], triton_argmax.argmax_triton
-    monkeypatch.setattr(triton_argmax, "argmax_triton", lambda x, **kw: calls.append(tuple(x.shape)) or real(x, **kw))
-    monkeypatch.setattr(fused, "_argmax_kernel_runs_on", fused._triton_runs_on)
     model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
-    logits, tokens = _logits_and_tokens(model)
-    assert calls == [(2, 2, model.config.vocab_size)]
-    assert torch.equal(tokens, logits.argmax(dim=-1))
+    for tuning, block in ((None, ArgmaxTuning().block), (KernelTuning(argmax=ArgmaxTuning(block=64)), 64)):
+        launched = []
+        with on_launch(package_kernels(triton_argmax), lambda name, args, kwargs: launched.append((args[0], kwargs))):
+            logits, tokens = _logits_and_tokens(model, tuning)
+        assert [(tuple(x.shape), x.dtype, kw["BLOCK"]) for x, kw in launched] == [
+            ((4, model.config.vocab_size), torch.bfloat16, block)]
+        assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
 def test_pipeline_stages_follow_the_devices_of_the_modules():
@@ -161,37 +165,34 @@ def _staged_and_expected(model, cuts, sparse=False, keep=2, caches=False):
     return logits, expected, pipeline, done
 
 
-def _count_add_norms(monkeypatch) -> list:
-    calls = []
-    real = fused.add_rms_norm
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
-    monkeypatch.setattr(fused, "add_rms_norm", counted)
-    return calls
-
-
 @needs_triton
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("cuts", [[], [3, 4]], ids=["one-stage", "mid-layers"])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_pipeline_matches_the_model_forward_bit_for_bit(family, cuts, sparse, dtype, monkeypatch):
+def test_fused_pipeline_matches_the_model_forward_bit_for_bit(family, cuts, sparse, dtype):
     """Residual adds fused into the norms, the MLP output pending across a stage boundary (``mid-layers``
     cuts between layers 0, 1 and 2), the final add on the kept positions only, cos/sin from the table; Qwen2's
     attention from its pieces, the rotary embedding and the K/V write in one launch (the same cache)."""
-    calls = _count_add_norms(monkeypatch)
+    from dustin_hf.kernels import triton_fused
+
     model = tiny_model(family, layers=3).to(dtype)
-    logits, expected, pipeline, done, (staged, reference) = _staged_and_expected(model, cuts, sparse, caches=True)
+    added = []  # the rows of every add + RMSNorm launch
+
+    def record(name, args, kwargs):
+        if kwargs.get("ADD"):
+            added.append(tuple(args[0].shape))
+
+    with on_launch(package_kernels(triton_fused), record):
+        logits, expected, pipeline, done, (staged, reference) = _staged_and_expected(model, cuts, sparse, caches=True)
     assert done.layers == 3 and done.rotary_tables == 1
     assert done.attentions == (3 if family == "qwen2" else 0)
     for layer in range(3):
         for got, want in zip(staged.layer_buffers(layer), reference.layer_buffers(layer)):
             assert torch.equal(got, want)
-    # per layer the post-attention norm, layers 1 and 2 their input norm, then the final norm (kept rows only)
-    assert calls == [(2, 3, 64)] * 5 + [(2, 2, 64)]
+    # per layer the post-attention norm, layers 1 and 2 their input norm, then the final norm (kept rows only):
+    # batch 2 x 3 positions, then 2 x 2
+    assert added == [(6, 64)] * 5 + [(4, 64)]
     head_dim = getattr(model.config, "head_dim", None) or 64 // 4
     assert pipeline._rotary_tables[torch.device("cpu")].shape == (2, 64, head_dim)
     assert torch.equal(logits, expected)

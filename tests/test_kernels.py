@@ -29,6 +29,8 @@ if not HAS_CUDA:
 
 from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noqa: E402
 from dustin_hf.kernels import varlen  # noqa: E402
+from dustin_hf.kernels._device import sm_count, tickets  # noqa: E402
+from dustin_hf.kernels.tuning import VerifyTuning  # noqa: E402
 from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
 
 from conftest import capture_graph, sm90_ptx_report  # noqa: E402
@@ -252,18 +254,19 @@ TRITON_CASES = {
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
 
-def _run_triton(inputs: Inputs, case: Case) -> torch.Tensor:
+def _run_triton(inputs: Inputs, case: Case, int32_offsets: bool = True) -> torch.Tensor:
     from dustin_hf.kernels import triton_verify
 
     n_keys = inputs.indices.shape[1] + case.n_queries if inputs.indices is not None else inputs.max_seqlen_k
-    config = triton_verify._config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries, case.head_dim,
-                                   n_keys, triton_verify._sm_count(inputs.q.device), sparse=inputs.indices is not None,
-                                   elem_bytes=inputs.q.element_size(), num_splits=case.num_splits,
-                                   block_n=case.block_n, merge=case.merge)
+    config = triton_verify.launch_config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries,
+                                         case.head_dim, n_keys, sm_count(inputs.q.device),
+                                         sparse=inputs.indices is not None, elem_bytes=inputs.q.element_size(),
+                                         num_splits=case.num_splits, block_n=case.block_n, merge=case.merge)
     if case.merge is not None:
         assert config.merge == case.merge, config
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    return triton_verify._verify_attention_triton(*args, **inputs.kwargs(), config=config)
+    return triton_verify.verify_attention_triton(*args, **inputs.kwargs(),
+                                                 config=dataclasses.replace(config, int32_offsets=int32_offsets))
 
 
 @needs_triton
@@ -277,45 +280,26 @@ def test_triton_matches_oracle(name, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["sparse-splits-g8", "sparse-ticket-5-of-8", "sparse-kernel-merge", "sparse-m-tiles"])
-def test_triton_new_tokens_in_the_key_loop(name, monkeypatch):
-    """With ``_TAIL_FIRST`` off, several queries' new tokens are the tail of the key loop (the path one
-    query always takes; the default attends to them first, which the cases above check)."""
-    from dustin_hf.kernels import triton_verify
-
-    monkeypatch.setattr(triton_verify, "_TAIL_FIRST", False)
-    case = dataclasses.replace(TRITON_CASES[name], seed=7)
-    assert case.n_queries > 1
-    inputs = _make_inputs(case, torch.float32)
-    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, new tokens in the loop]")
-
-
-@needs_triton
 @pytest.mark.parametrize("name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"])
-def test_triton_int64_slot_offsets(name, monkeypatch):
+def test_triton_int64_slot_offsets(name):
     """The loop over keys every row sees computes slot offsets in int32 where the cache allows it; the
     int64 path (a cache of more than 2^31 elements per batch row) gives the same result."""
-    from dustin_hf.kernels import triton_verify
-
-    monkeypatch.setattr(triton_verify, "_offsets_fit_int32", lambda cache: False)
     case = dataclasses.replace(TRITON_CASES[name], seed=11)
     inputs = _make_inputs(case, torch.float32)
-    _assert_matches_oracle(_run_triton(inputs, case), inputs, f"triton[{name}, int64 offsets]")
+    _assert_matches_oracle(_run_triton(inputs, case, int32_offsets=False), inputs, f"triton[{name}, int64 offsets]")
 
 
 @needs_triton
 def test_triton_ticket_merge_leaves_its_counters_at_zero():
     """Every launch hands the ticket counters back at zero; a counter left behind would stop the next
     launch's merge (no split would draw the last ticket) and leave that output unwritten."""
-    from dustin_hf.kernels import triton_verify
-
     case = dataclasses.replace(TRITON_CASES["sparse-ticket-3-splits"], seed=3)
     inputs = _make_inputs(case, torch.float32)
     first = _run_triton(inputs, case)
-    tickets = triton_verify._TICKET_BUFFERS[inputs.q.device][-1]
-    assert not tickets.any()
+    counters = tickets(inputs.q.device, 1)
+    assert not counters.any()
     second = _run_triton(inputs, case)
-    assert not tickets.any()
+    assert not counters.any()
     assert torch.equal(first, second)
     _assert_matches_oracle(second, inputs, "triton[ticket, second launch]")
 
@@ -337,9 +321,10 @@ def test_triton_schedule_on_sm90():
 
 
 def test_triton_fits_the_shared_memory_of_smaller_gpus():
-    """Compiled for sm_80 (A100) and sm_86 (RTX 30xx/40xx, A10, L4) without a GPU (``smem_report.py``): every
-    heuristic launch under that GPU's per-block limit fits it, and each module's ``_shared_bytes`` bounds what
-    the compiler allocates (exactly, for the GEMMs). Verification in fp32 with head dim 128 needed 115,200
+    """Compiled for sm_80 (A100) and sm_86 (RTX 30xx/40xx, A10, L4) without a GPU (``smem_report.py``, the public
+    launchers on those GPUs simulated: each asks the device for its per-block limit): every heuristic launch
+    there fits that limit, and each module's ``_shared_bytes`` bounds what the compiler allocates (exactly,
+    for the GEMMs). Verification in fp32 with head dim 128 needed 115,200
     bytes sparse and 180,480 dense, over sm_86's 101,376 (and dense over an A100's 166,912): those take fewer
     stages or 32-key tiles there. ``gated_linear``'s 4 stages needed 110,592 / 122,880 bytes at 16 / 32 rows:
     3 stages on sm_86."""
@@ -359,20 +344,20 @@ def test_triton_fits_the_shared_memory_of_smaller_gpus():
 def test_shared_memory_limit_changes_nothing_on_an_h100():
     """Under an H100/H200's 227 KiB per block the heuristic configs are the ones chosen without a limit
     (the benchmarks' launches are unchanged); under 99 KiB fp32 head dim 128 changes, 16 bits do not."""
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
     sm90, sm86 = 232448, 101376
     for elem_bytes, head_dim, n_queries, sparse, batch in itertools.product(
             (2, 4), (64, 128), (1, 5), (True, False), (1, 16)):
         args = (batch, 8, 8, n_queries, head_dim, 517 if sparse else 32773, 132)
-        free = _config(*args, sparse=sparse, elem_bytes=elem_bytes)
-        assert _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
-        small = _config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm86)
+        free = launch_config(*args, sparse=sparse, elem_bytes=elem_bytes)
+        assert launch_config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
+        small = launch_config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm86)
         over = elem_bytes == 4 and head_dim == 128 and not (sparse and n_queries == 1)  # one query sparse: 77 KiB
         assert (small != free) == over, (elem_bytes, head_dim, n_queries, sparse, batch)
     with pytest.raises(ValueError, match="shared memory"):
-        _config(1, 8, 8, 5, 512, 32773, 132, elem_bytes=4, smem_limit=sm86)  # head dim 512 in fp32: nothing fits
-    kept = _config(1, 8, 8, 5, 128, 32773, 132, elem_bytes=4, smem_limit=sm86, block_n=64, num_stages=3)
+        launch_config(1, 8, 8, 5, 512, 32773, 132, elem_bytes=4, smem_limit=sm86)  # head dim 512 in fp32: nothing fits
+    kept = launch_config(1, 8, 8, 5, 128, 32773, 132, elem_bytes=4, smem_limit=sm86, block_n=64, num_stages=3)
     assert (kept.block_n, kept.num_stages) == (64, 3)  # explicit choices are the caller's
 
 
@@ -383,27 +368,13 @@ def test_shared_memory_limit_is_the_one_triton_checks_launches_against():
     (227 KiB on an H100/H200), not PyTorch's 48 KiB default."""
     from triton.compiler.compiler import max_shared_mem
 
-    from dustin_hf.kernels.triton_verify import _smem_limit
+    from dustin_hf.kernels._device import smem_limit
 
     device = torch.device("cuda", torch.cuda.current_device())
-    assert _smem_limit(device) == _smem_limit(torch.device("cuda")) == max_shared_mem(device.index)
-    assert _smem_limit(device) > torch.cuda.get_device_properties(device).shared_memory_per_block
+    assert smem_limit(device) == smem_limit(torch.device("cuda")) == max_shared_mem(device.index)
+    assert smem_limit(device) > torch.cuda.get_device_properties(device).shared_memory_per_block
     if torch.cuda.get_device_capability(device) == (9, 0):
-        assert _smem_limit(device) == 227 * 1024
-
-
-def test_triton_launch_takes_the_device_shared_memory_limit(monkeypatch):
-    """A call asks its device for the per-block limit (here faked as sm_86's) and launches the config fitted to it."""
-    from dustin_hf.kernels import triton_verify
-
-    launched = []
-    monkeypatch.setattr(triton_verify, "_smem_limit", lambda device: 101376)
-    monkeypatch.setattr(triton_verify, "_launch", lambda *args: launched.append(args[-1]))
-    q = torch.zeros(2, 5, 16, 128)
-    cache = torch.zeros(2, 40, 2, 128)
-    triton_verify._verify_attention_triton(q, cache, cache, torch.tensor([30, 30], dtype=torch.int32),
-                                           softmax_scale=0.1, max_seqlen_k=35)
-    assert launched[0].block_n == 32 and launched[0].num_stages == 2  # fp32, head dim 128, 40 query rows
+        assert smem_limit(device) == 227 * 1024
 
 
 @needs_triton
@@ -429,52 +400,54 @@ def test_triton_rejects_mismatched_dtypes():
 
 @needs_triton
 def test_triton_split_heuristic_uses_host_sizes_only():
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
-    small = _config(1, 8, 8, 5, 128, 1029, sm_count=132)  # 72B layout, batch 1, budget 1024
+    small = launch_config(1, 8, 8, 5, 128, 1029, sm_count=132)  # 72B layout, batch 1, budget 1024
     assert small.num_splits > 1 and small.chunk % small.block_n == 0 and small.block_m == 64
     assert small.num_splits * small.chunk >= 1029 > (small.num_splits - 1) * small.chunk  # no empty split
-    busy = _config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
+    busy = launch_config(64, 8, 8, 5, 128, 1029, sm_count=132)  # enough programs already
     assert busy.num_splits == 1
-    assert _config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
+    assert launch_config(1, 8, 8, 5, 128, 5, sm_count=132).num_splits == 1  # nothing to split
     # budget 512 + 5 new tokens: unsplit once the programs fill half the SMs (measured faster on the H200)
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
-    assert _config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
-    assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132).num_splits == 1
+    assert launch_config(4, 8, 8, 5, 128, 517, sm_count=132).num_splits > 1
+    assert launch_config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # dense 32k keeps its splits
     # sparse: one program per SM (7B layout, batch 16: 64 programs -> 2 splits)
-    assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
-    assert _config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True, programs_per_sm=2).num_splits == 3
-    # one query (the 0.5B draft's decode step, _SPARSE_DECODE): a key tile per split, 2 warps, merged by a launch
-    decode = _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
+    assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
+    assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True,
+                         tuning=VerifyTuning(sparse_programs_per_sm=2)).num_splits == 3
+    # one query (a draft's decode step, VerifyTuning.decode_*): a key tile per split, 2 warps, merged by a launch
+    decode = launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
     assert (decode.num_splits, decode.chunk, decode.num_warps, decode.merge) == (9, 64, 2, "kernel")
-    assert _config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True, programs_per_sm=1).num_splits == 3  # as before
-    assert _config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
+    assert launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True,
+                         tuning=VerifyTuning(decode_programs_per_sm=1)).num_splits == 3  # one program per SM
+    assert launch_config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
 
 
 @needs_triton
 def test_triton_stages_heuristic():
-    from dustin_hf.kernels.triton_verify import _config
+    from dustin_hf.kernels.triton_verify import launch_config
 
-    headline = _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True)  # 72B layout, batch 16, budget 512
+    headline = launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True)  # 72B layout, batch 16, budget 512
     assert (headline.num_splits, headline.num_stages) == (1, 5)  # a K/V tile in flight
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True, elem_bytes=4).num_stages == 3  # fp32: smem
-    assert _config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True, elem_bytes=4).num_stages == 3  # fp32: smem
+    assert launch_config(16, 8, 8, 5, 128, 32768, sm_count=132).num_stages == 3  # dense: no index load to pipeline
 
 
 @needs_triton
 def test_triton_merge_heuristic():
-    from dustin_hf.kernels.triton_verify import _MAX_TICKET_SPLITS, _config
+    from dustin_hf.kernels.triton_verify import _MAX_TICKET_SPLITS, launch_config
 
-    assert _config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True).merge == "none"  # one split
-    few = _config(1, 8, 8, 5, 128, 517, sm_count=132, sparse=True)
+    assert launch_config(16, 8, 8, 5, 128, 517, sm_count=132, sparse=True).merge == "none"  # one split
+    few = launch_config(1, 8, 8, 5, 128, 517, sm_count=132, sparse=True)
     assert 1 < few.num_splits <= _MAX_TICKET_SPLITS and few.merge == "ticket"
-    many = _config(1, 8, 8, 5, 128, 32768, sm_count=132)
+    many = launch_config(1, 8, 8, 5, 128, 32768, sm_count=132)
     assert many.num_splits > _MAX_TICKET_SPLITS and many.merge == "kernel"
-    assert _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=4, merge="kernel").merge == "kernel"
+    assert launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=4, merge="kernel").merge == "kernel"
     with pytest.raises(ValueError, match="at most"):
-        _config(1, 8, 8, 5, 128, 32768, sm_count=132, merge="ticket")
+        launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, merge="ticket")
     with pytest.raises(ValueError, match="merge"):
-        _config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=2, merge="atomic")
+        launch_config(1, 8, 8, 5, 128, 32768, sm_count=132, num_splits=2, merge="atomic")
 
 
 @needs_cuda
@@ -535,16 +508,16 @@ def test_triton_ticket_merge_under_load(num_splits):
     sets = [_make_inputs(case, torch.bfloat16) for case in cases]
 
     def run(x, merge):
-        config = triton_verify._config(16, 8, 8, 5, 128, 512 + 5, triton_verify._sm_count(x.q.device), sparse=True,
-                                       block_n=32, num_splits=num_splits, merge=merge)
-        return triton_verify._verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
-                                                      config=config)
+        config = triton_verify.launch_config(16, 8, 8, 5, 128, 512 + 5, sm_count(x.q.device), sparse=True,
+                                             block_n=32, num_splits=num_splits, merge=merge)
+        return triton_verify.verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
+                                                     config=config)
 
     expected = [run(x, "kernel") for x in sets]
     for i in range(20):
         out = run(sets[i % 2], "ticket")
         torch.testing.assert_close(out, expected[i % 2], rtol=1e-2, atol=1e-2)
-    assert not triton_verify._TICKET_BUFFERS[sets[0].q.device][-1].any()
+    assert not tickets(sets[0].q.device, 1).any()
 
 
 # ----------------------------------------------------------------------------- varlen / flash-attn
@@ -607,17 +580,14 @@ VARLEN_CASES = {name: TRITON_CASES[name] for name in
 
 @pytest.mark.parametrize("flavour", ["torch-new", "torch-old", "flash-attn"])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
-def test_varlen_packing_with_fake_kernels(name, flavour, monkeypatch):
+def test_varlen_packing_with_fake_kernels(name, flavour):
     """The gather/packing/argument logic on CPU, with fake kernels of FlashAttention-2 semantics."""
-    if flavour == "flash-attn":
-        fns = (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache)
-        monkeypatch.setattr(varlen, "_flash_attn_fns", lambda: fns)
-    else:
-        fake = _fake_varlen_attn_new if flavour == "torch-new" else _fake_varlen_attn_old
-        monkeypatch.setattr(varlen, "_torch_varlen_fn", lambda: fake)
+    kernels = {"flash-attn": (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache),
+               "torch-new": (_fake_varlen_attn_new, None), "torch-old": (_fake_varlen_attn_old, None)}[flavour]
     inputs = _make_inputs(dataclasses.replace(VARLEN_CASES[name], seed=5), torch.float32, "cpu")
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn")
+    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn",
+                                         kernels=kernels)
     _assert_matches_oracle(out, inputs, f"varlen[{flavour}]")
 
 

@@ -9,14 +9,15 @@ import torch
 
 from dustin_hf.kernels import triton_launch
 
-from conftest import capture_graph, sm90_ptx_report
+from conftest import capture_graph, on_launch, package_kernels, sm90_ptx_report
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_every_kernel_waits_for_its_producers_before_touching_memory():
-    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 12 Triton kernels as
-    a programmatic dependent on meta tensors and compiles it for sm_90: the launch sets Triton's ``launch_pdl``
+    """``pdl_report.py`` (a subprocess without the interpreter) launches each of the package's 12 Triton kernels on a
+    simulated H200, where the package's own check launches them as programmatic dependents, and compiles it for
+    sm_90: the launch sets Triton's ``launch_pdl``
     and the ``PDL`` constexpr together, and the PTX executes ``griddepcontrol.wait`` once, before its first
     global load, store or atomic (one the compiler hoisted above the wait would read a producer's output early),
     then ``griddepcontrol.launch_dependents``."""
@@ -32,21 +33,19 @@ def test_every_kernel_waits_for_its_producers_before_touching_memory():
         assert r["first_wait"] < r["first_launch"] < r["first_memory"], r
 
 
-def test_dependent_launch_only_on_sm90_cuda_with_a_triton_that_has_it_and_when_switched_on(monkeypatch):
+def test_dependent_launch_only_where_the_gpu_and_triton_can(monkeypatch):
+    """Dependent launches need Triton 3.4+ (``griddepcontrol``), a CUDA tensor on sm_90 or later and compiled
+    kernels (not the interpreter); everywhere else every kernel launches serialized."""
     import triton
 
     major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    assert triton_launch._TRITON_HAS_PDL == ((major, minor) >= (3, 4))
-    cpu = torch.zeros(1)
-    assert not triton_launch.dependent_launch(cpu)
+    assert triton_launch._TRITON_HAS_GDC == ((major, minor) >= (3, 4))
+    assert not triton_launch.dependent_launch(torch.zeros(1))
     if torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         gpu = torch.zeros(1, device="cuda")
-        assert triton_launch.dependent_launch(gpu) == (HAS_SM90 and triton_launch._TRITON_HAS_PDL)
-        monkeypatch.setattr(triton_launch, "_TRITON_HAS_PDL", False)
-        assert not triton_launch.dependent_launch(gpu)
-        monkeypatch.setattr(triton_launch, "_TRITON_HAS_PDL", True)
-        monkeypatch.setattr(triton_launch, "_PDL", False)
+        assert triton_launch.dependent_launch(gpu) == (HAS_SM90 and triton_launch._TRITON_HAS_GDC)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not triton_launch.dependent_launch(gpu)
 
 
@@ -77,9 +76,9 @@ def _decode_layers(x, weights, caches, slots, seqlens, cos, sin, indices):
 @pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90+ CUDA device")
 def test_dependent_launches_in_a_graph_compute_what_serialized_launches_compute(monkeypatch):
     """A CUDA graph of four decoder layers (32 kernels, each reading the one before it) captured with programmatic
-    dependent launch, replayed on 8 fresh inputs, equals the same layers launched serialized, bit for bit. The
-    graph's buffers hold the previous replay's values, so a kernel reading its input before its producer ended
-    would read the last input's layer and differ."""
+    dependent launch, replayed on 8 fresh inputs, equals the same layers launched serialized (the host waits for
+    the GPU before every launch), bit for bit. The graph's buffers hold the previous replay's values, so a kernel
+    reading its input before its producer ended would read the last input's layer and differ."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, hidden, context = 16, 896, 2048
@@ -110,9 +109,13 @@ def test_dependent_launches_in_a_graph_compute_what_serialized_launches_compute(
         x.copy_(new)
         graph.replay()
         replayed.append(out.clone())
-    monkeypatch.setattr(triton_launch, "_PDL", False)
-    for new, got in zip(inputs, replayed):
-        x.copy_(new)
-        expected = layers()
-        assert torch.isfinite(expected).all()
-        assert torch.equal(got, expected)
+    from dustin_hf.kernels import triton_fused, triton_gemm, triton_verify
+
+    serialized = on_launch(package_kernels(triton_fused, triton_gemm, triton_verify),  # each waits for the last
+                           lambda *launch: torch.cuda.synchronize())
+    with serialized:
+        for new, got in zip(inputs, replayed):
+            x.copy_(new)
+            expected = layers()
+            assert torch.isfinite(expected).all()
+            assert torch.equal(got, expected)

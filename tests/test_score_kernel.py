@@ -131,7 +131,7 @@ def test_kernel_matches_reference_andexplicit_attention_mass(group, n_q):
         inputs = _make_inputs(case, dtype)
         q, keys, query_pos, heads, g, scale, num_positions = inputs
         span = int(query_pos.max()) + 1
-        small = kernel._config(3, 3, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
+        small = kernel.launch_config(3, 3, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
         for name, config in (("heuristic", None), ("small", small)):
             got = kernel.attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span,
                                                config=config)
@@ -217,7 +217,7 @@ def test_layers_in_one_pass_2_equal_the_sum_over_layers(launch):
                        for q, k, h in zip(queries, keys, heads))
     want = want * (torch.arange(num_positions, device=DEVICE)[None, :] < limit[:, None])
     rows = query_pos.shape[1] * sum(map(len, heads))
-    config = kernel._config(3, 3, 32, span, num_positions, 1, rows=rows, **launch) if launch else None
+    config = kernel.launch_config(3, 3, 32, span, num_positions, 1, rows=rows, **launch) if launch else None
     got = kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, num_positions, span,
                                               out=start.clone(), position_limit=limit, config=config)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -227,14 +227,14 @@ def test_split_tickets_are_reset_and_a_second_launch_is_identical():
     """The ticket merge leaves every counter at zero (what a replayed CUDA graph relies on), so the same
     launch twice, and then another shape, give the same results as before."""
     kernel = _kernel()
-    from dustin_hf.kernels.triton_verify import _tickets
+    from dustin_hf.kernels._device import tickets
 
     queries, keys, query_pos, heads = _layers_inputs(8, torch.float16)
-    config = kernel._config(3, 6, 32, 64, 56, 1, rows=24, block_n=16, num_splits=4)
+    config = kernel.launch_config(3, 6, 32, 64, 56, 1, rows=24, block_n=16, num_splits=4)
     run = lambda: kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, 56, 64,  # noqa: E731
                                                       config=config)
     first = run()
-    counters = _tickets(torch.device(DEVICE), 1)
+    counters = tickets(torch.device(DEVICE), 1)
     assert counters.abs().sum().item() == 0
     torch.testing.assert_close(run(), first, rtol=0, atol=0)
     kernel.attention_mass_triton(queries[1], keys[1], query_pos, heads[1], 2, 0.2, 30, 64)  # other splits
@@ -250,7 +250,7 @@ def test_layers_must_share_queries_head_dim_and_dtype():
     with pytest.raises(ValueError, match="entry per layer"):
         mass(queries, keys[:2], query_pos, heads, 2, 0.2, 56, 64)
     with pytest.raises(ValueError, match="block_p"):
-        _kernel()._config(3, 3, 32, 64, 56, 1, block_n=16, block_p=48)
+        _kernel().launch_config(3, 3, 32, 64, 56, 1, block_n=16, block_p=48)
 
 
 def test_query_that_sees_nothing_adds_nothing():
@@ -275,7 +275,8 @@ def test_never_written_buffer_cells_are_ignored(monkeypatch):
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    small = _kernel()._config(3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2, tile=32)
+    small = _kernel().launch_config(3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2,
+                                    tile=32)
     got = _kernel().attention_mass_triton(*_with_span(inputs), config=small)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)

@@ -57,7 +57,7 @@ def _kernel_rows(seqlens, draft, history, cfg, chunk=None) -> list[list[int]]:
     from dustin_hf.kernels import triton_select
 
     fill = cfg.budget - cfg.sink_tokens - cfg.recent_tokens - cfg.draft_share
-    config = triton_select._config(draft.shape[1], cfg.draft_share, fill, chunk=chunk)
+    config = triton_select.launch_config(draft.shape[1], cfg.draft_share, fill, chunk=chunk)
     out = triton_select.select_sparse_triton(draft, history, torch.tensor(seqlens, device=DEVICE),
                                              sink=cfg.sink_tokens, recent=cfg.recent_tokens, share=cfg.draft_share,
                                              fill=fill, config=config)

@@ -1,11 +1,10 @@
 """The verification attention kernel compiled for an H100/H200 (sm_90) without a GPU.
 
 Run as a script, without ``TRITON_INTERPRET`` (``tests/test_kernels.py`` does so in a subprocess):
-it calls the Triton verification kernel on meta tensors at the headline point of
-``benchmarks/attention.py`` (Qwen2.5-72B layout, batch 16, 512 selected positions + 5 new tokens,
-bf16), once with the heuristic launch config and once with two splits merged in the kernel,
-catches each launch instead of running it, compiles it for sm_90 (``kernel_ptx.compile_sm90``) and
-prints one JSON list: per launch, its config and what its PTX says about
+it calls the Triton verification kernel on a simulated H200 (``kernel_ptx.launches_on``) at the headline
+point of ``benchmarks/attention.py`` (Qwen2.5-72B layout, batch 16, 512 selected positions + 5 new tokens,
+bf16), once with the heuristic launch config and once with two splits merged in the kernel, compiles each
+launch for sm_90 and prints one JSON list: per launch, its config and what its PTX says about
 
 * ``max_wait_group``: the most ``cp.async`` groups the main loop leaves in flight while it computes
   a tile (3 groups per tile: K, V, the index load of a later tile);
@@ -24,32 +23,33 @@ import re
 
 import torch
 
-from kernel_ptx import capture_launches, compile_sm90, require_cuda_compiler
+from kernel_ptx import H200, Launch, compile_sm90, launches_on, require_cuda_compiler
 
-BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, SM_COUNT = 16, 8, 8, 5, 128, 512, 132
+BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET = 16, 8, 8, 5, 128, 512
 
 
-def verify_launches() -> list[tuple[str, object, dict, dict]]:
-    """``(label, kernel, arguments by name, launch options)`` of the main kernel at the headline point."""
+def verify_launches() -> list[tuple[str, Launch]]:
+    """``(label, launch)`` of the main kernel at the headline point on a simulated H200: the heuristic's launch,
+    and two splits merged in the kernel."""
     from dustin_hf.kernels import triton_verify
 
     def empty(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, device="meta", dtype=dtype)
+        return torch.empty(*shape, device="cuda", dtype=dtype)
 
-    q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
-    cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
-    seqlens, indices = empty(BATCH, dtype=torch.int32), empty(BATCH, BUDGET, dtype=torch.int32)
-    configs = {"heuristic": {}, "ticket": dict(num_splits=2, num_stages=5, merge="ticket")}
+    ticket = triton_verify.launch_config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, H200.sm_count,
+                                         sparse=True, elem_bytes=2, num_splits=2, num_stages=5, merge="ticket")
 
     def run():
-        for overrides in configs.values():
-            config = triton_verify._config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET + N_QUERIES, SM_COUNT,
-                                           sparse=True, elem_bytes=2, **overrides)
-            triton_verify._verify_attention_triton(q, cache, cache, seqlens, softmax_scale=HEAD_DIM**-0.5,
-                                                   indices=indices, num_indices=seqlens, config=config)
+        q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
+        cache = empty(BATCH, 32768 + N_QUERIES, N_KV_HEADS, HEAD_DIM)
+        seqlens = empty(BATCH, dtype=torch.int32)
+        indices = empty(BATCH, BUDGET, dtype=torch.int32)
+        kwargs = dict(softmax_scale=HEAD_DIM**-0.5, indices=indices, num_indices=seqlens)
+        triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs)
+        triton_verify.verify_attention_triton(q, cache, cache, seqlens, **kwargs, config=ticket)
 
-    launches = capture_launches(triton_verify, ("_verify_fwd_kernel",), run)
-    return [(label, *launch) for label, launch in zip(configs, launches, strict=True)]
+    launches = launches_on(H200, run)
+    return list(zip(("heuristic", "ticket"), launches, strict=True))
 
 
 def _ordered(ptx: str, before: str, middle: str, after: str) -> bool | None:
@@ -77,10 +77,9 @@ def summary(ptx: str) -> dict:
 def main() -> None:
     require_cuda_compiler()
     report = []
-    for label, kernel, args, options in verify_launches():
-        constexprs = {p.name: args[p.name] for p in kernel.params if p.is_constexpr}
-        report.append(dict(label=label, constexprs=constexprs, options=options,
-                           **summary(compile_sm90(kernel, args, options))))
+    for label, launch in verify_launches():
+        report.append(dict(label=label, constexprs=launch.constexprs, options=launch.options,
+                           **summary(compile_sm90(launch))))
     print(json.dumps(report))
 
 

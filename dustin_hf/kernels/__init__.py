@@ -10,20 +10,26 @@ Backends compute the function defined in :mod:`dustin_hf.kernels.reference`:
   dependency; needs a CUDA build of flash-attn).
 - ``"varlen"``: gather the selection, then PyTorch's bundled FA2 ``varlen_attn`` (CUDA only).
 
-``resolve_backend("auto", device)`` picks once; tests force a backend by name.
+``resolve_backend("auto", device)`` picks once; tests force a backend by name. The Triton kernels' launch
+heuristics take their constants as frozen dataclasses (:mod:`dustin_hf.kernels.tuning`, bundled in
+:class:`KernelTuning`), passed explicitly; ``None`` means the measured defaults.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 
 import torch
 
+from ._device import launch_device
 from .reference import verify_attention_reference
+from .tuning import ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectTuning, VerifyTuning
 
-__all__ = ["BACKENDS", "available_backends", "launch_device", "resolve_backend", "verify_attention"]
+__all__ = [
+    "BACKENDS", "ArgmaxTuning", "GemmTuning", "KernelTuning", "ScoreTuning", "SelectTuning", "VerifyTuning",
+    "available_backends", "launch_device", "resolve_backend", "verify_attention",
+]
 
 BACKENDS = ("reference", "triton", "flash_attn", "varlen")
 # Fastest first; "auto" takes the first one available on the device.
@@ -33,17 +39,6 @@ _AUTO_ORDER_CUDA = ("triton", "flash_attn", "varlen", "reference")
 @functools.cache
 def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
-
-
-def launch_device(t: torch.Tensor):
-    """Make ``t``'s CUDA device current around a Triton launch.
-
-    Triton launches on the *current* device and stream, not on its arguments' device. In a model that
-    accelerate split over GPUs the layers on ``cuda:1`` run while ``cuda:0`` is current: without this
-    the kernel would run on ``cuda:0``'s stream, unordered with the ``cuda:1`` work that produced its
-    inputs, reading ``cuda:1`` memory over the interconnect.
-    """
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _backend_unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -98,13 +93,15 @@ def verify_attention(
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     backend: str = "reference",
+    tuning: VerifyTuning | None = None,
 ) -> torch.Tensor:
     """Dispatch to ``backend`` (a concrete name from :func:`resolve_backend`).
 
     Shapes are those of :func:`dustin_hf.kernels.reference.verify_attention_reference`:
     ``q (batch, Q, nheads, headdim)``, ``k_cache/v_cache (batch, capacity, nheads_k, headdim)``,
     ``cache_seqlens (batch,)`` int32, ``indices (batch, W)`` int32, ``num_indices (batch,)`` int32;
-    returns ``(batch, Q, nheads, headdim)``.
+    returns ``(batch, Q, nheads, headdim)``. ``tuning``: the Triton kernel's launch heuristic (``None``: its
+    defaults); the other backends have none.
     """
     kwargs = dict(softmax_scale=softmax_scale, indices=indices, num_indices=num_indices, max_seqlen_k=max_seqlen_k)
     if backend == "reference":
@@ -113,7 +110,7 @@ def verify_attention(
         from .triton_verify import verify_attention_triton
 
         with launch_device(q):
-            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs)
+            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs, tuning=tuning)
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 

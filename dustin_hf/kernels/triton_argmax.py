@@ -1,11 +1,10 @@
 """``torch.argmax(x, dim=-1)`` over long rows (a model head's logits) in one Triton launch.
 
 Why: greedy decoding takes the argmax of every head output. PyTorch's reduction over a 152k vocabulary
-took 12.4 us for the draft's 16 rows and 26.6 us for the 7B target's 80 on an H200 (bf16, CUDA graphs),
-reading 4.9 and 24 MB: a few us of memory time. Here each row is cut into chunks of whole tiles, one
-program each, so the grid gives every SM about ``_PROGRAMS_PER_SM`` programs; and the launch can start as
-a programmatic dependent of the kernel before it, as the package's other kernels do: 7.0 and 19.6 us
-(``benchmarks/results/argmax_h200.json``).
+takes several times the memory time of the few MB it reads (the draft's 16 rows, a 7B target's 80). Here
+each row is cut into chunks of whole tiles, one program each, so the grid gives every SM about
+``ArgmaxTuning.programs_per_sm`` programs; and the launch can start as a programmatic dependent of the
+kernel before it, as the package's other kernels do.
 
 Algorithm: program ``(row, s)`` scans its chunk in ``BLOCK``-wide tiles, keeping the largest value and its
 first index (a later tile replaces it only when strictly greater), stores that partial and takes a ticket
@@ -18,20 +17,16 @@ ties go to the lowest index; a row of ``-inf`` gives 0.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import launch_device
+from ._device import launch_device, prepare_interpreter, sm_count, workspace
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count
+from .tuning import ArgmaxTuning
 
 __all__ = ["argmax_triton"]
 
-_BLOCK = 4096  # elements per tile
-_PROGRAMS_PER_SM = 4  # splits per row aim for about this many programs per SM
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -78,29 +73,25 @@ def _argmax_kernel(X, OUT, PART_K, PART_I, TICKETS, n_cols, stride_row, chunk,
             tl.atomic_xchg(TICKETS + row, 0)  # ready for the next launch (graph replays reuse the counters)
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the tickets
-    return to zero at the end of every launch. Two launches of one shape must not run concurrently."""
-    key = (device, rows, splits)
-    if key not in _workspaces:
-        _workspaces[key] = (torch.empty(rows * splits, dtype=torch.int32, device=device),
-                            torch.empty(rows * splits, dtype=torch.int32, device=device),
-                            torch.zeros(rows, dtype=torch.int32, device=device))
-    return _workspaces[key]
+    """The partial keys and indices and zeroed tickets of a launch shape
+    (:func:`~dustin_hf.kernels._device.workspace`)."""
+    return workspace(("argmax", device, rows, splits), lambda: (
+        torch.empty(rows * splits, dtype=torch.int32, device=device),
+        torch.empty(rows * splits, dtype=torch.int32, device=device),
+        torch.zeros(rows, dtype=torch.int32, device=device)))
 
 
-def _splits(rows: int, n_cols: int, sm_count: int) -> int:
-    """Chunks per row: about ``_PROGRAMS_PER_SM`` programs per SM, each at least one tile long."""
-    return max(1, min(triton.cdiv(n_cols, _BLOCK), triton.cdiv(_PROGRAMS_PER_SM * sm_count, rows)))
+def _splits(rows: int, n_cols: int, sm_count: int, tuning: ArgmaxTuning) -> int:
+    """Chunks per row: about ``tuning.programs_per_sm`` programs per SM, each at least one tile long."""
+    return max(1, min(triton.cdiv(n_cols, tuning.block), triton.cdiv(tuning.programs_per_sm * sm_count, rows)))
 
 
-def argmax_triton(x: torch.Tensor, *, splits: int | None = None) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, *, splits: int | None = None, tuning: ArgmaxTuning | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64, shape ``x.shape[:-1]``) for fp16/bf16/fp32 ``x`` with a last dimension below
     2**31; the same index as PyTorch's for every input (ties: the first; NaN: the first NaN). ``splits``: chunks
-    per row (benchmarks and tests; default: enough to fill the GPU)."""
+    per row (default: enough to fill the GPU); ``tuning``: the tile and the split's aim (``None``: the defaults)."""
+    tuning = tuning or ArgmaxTuning()
     if x.dtype not in _DTYPES:
         raise ValueError(f"argmax_triton takes fp16, bf16 or fp32; got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0:
@@ -112,20 +103,19 @@ def argmax_triton(x: torch.Tensor, *, splits: int | None = None) -> torch.Tensor
         x = x.contiguous()
     rows = x.reshape(-1, n_cols)
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     if rows.shape[0]:
         if splits is None:
-            splits = _splits(rows.shape[0], n_cols, _sm_count(x.device))
-        tiles = triton.cdiv(n_cols, _BLOCK)
-        chunk = triton.cdiv(tiles, max(1, min(splits, tiles))) * _BLOCK  # whole tiles per chunk
+            splits = _splits(rows.shape[0], n_cols, sm_count(x.device), tuning)
+        tiles = triton.cdiv(n_cols, tuning.block)
+        chunk = triton.cdiv(tiles, max(1, min(splits, tiles))) * tuning.block  # whole tiles per chunk
         splits = triton.cdiv(n_cols, chunk)  # no chunk without a column
         part_k, part_i, tickets = _workspace(x.device, rows.shape[0], splits) if splits > 1 else (out, out, out)
         pdl = dependent_launch(x)
         with launch_device(x):
             _argmax_kernel[(rows.shape[0], splits)](
                 rows, out, part_k, part_i, tickets, n_cols, rows.stride(0), chunk,
-                SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK=_BLOCK, PDL=pdl, num_warps=4,
+                SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK=tuning.block, PDL=pdl, num_warps=4,
                 launch_pdl=pdl,
             )
     return out.reshape(x.shape[:-1])

@@ -3,14 +3,14 @@ exactly where PyTorch does.
 
 :func:`dustin_hf.runtime.fused.fused_ops` swaps them into transformers' models; this module is only the kernels.
 
-Why: under CUDA graphs the decode step is made of thousands of ~2 us elementwise kernels. transformers'
+Why: under CUDA graphs the decode step is made of thousands of microsecond-long elementwise kernels. transformers'
 RMSNorm is about 8 of them (to fp32, pow, mean, add eps, rsqrt, mul, to the input dtype, mul by the
 weight), ``apply_rotary_pos_emb`` about 10 (for q and for k: ``q * cos``, neg, cat, mul, add). Each
 becomes one launch here, q and k together.
 
 Numerics. PyTorch's elementwise ops on fp16/bf16 tensors compute in fp32 and round the result to the
-tensor's dtype, once per op. The kernels compute in fp32 and round (:func:`_round`, to nearest, ties
-to even) after every op whose PyTorch output is 16-bit, in the dtype PyTorch's type promotion gives
+tensor's dtype, once per op. The kernels compute in fp32 and round (``round_to``, to nearest, ties to
+even) after every op whose PyTorch output is 16-bit, in the dtype PyTorch's type promotion gives
 that op. Products of two 16-bit values are exact in fp32, so each rounding matches PyTorch's bit for
 bit; so does every fp32 op, since the kernels are compiled with ``enable_fp_fusion=False`` (no
 multiply-add is contracted into one FMA, which rounds once where PyTorch rounds twice).
@@ -21,14 +21,13 @@ multiply-add is contracted into one FMA, which rounds once where PyTorch rounds 
   (a constexpr flag adds the load, add and store), so both outputs equal the two separate launches.
 * RMSNorm: ``mean(x**2)`` sums in another order than PyTorch's reduction (and ``rsqrt`` may differ
   by an ulp on the GPU), so the fp32 ``rsqrt(var + eps)`` can differ in its last bits, and the
-  16-bit ``y = x * rsqrt(...)`` can round one ulp the other way: 2 to 5 elements per million on an
-  H200 (bf16), which the weight multiply makes at most 2 ulps of a 16-bit output. Everything after
+  16-bit ``y = x * rsqrt(...)`` can round one ulp the other way (a few elements per million in bf16),
+  which the weight multiply makes at most 2 ulps of a 16-bit output. Everything after
   the reduction rounds as PyTorch does.
 
-Rounding to bf16 is done on the fp32 bit pattern with integer ops, not with a cast: Triton's
-interpreter (the CPU test path) truncates fp32 -> bf16 casts, while compiled kernels round to nearest;
-the integer version gives the same bits in both. Sizes come from host ints only and outputs from
-``torch.empty``: no host sync, so both kernels can be captured in a CUDA graph.
+The rounding (:mod:`dustin_hf.kernels._rounding`) gives the same bits in Triton's interpreter (the CPU test
+path) as compiled. Sizes come from host ints only and outputs from ``torch.empty``: no host sync, so both
+kernels can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -37,30 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_device
+from ._device import launch_device
+from ._rounding import TL_DTYPES, round_to
 from .triton_launch import await_producers, dependent_launch
 
 __all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "rotary_write_kv_triton", "silu_mul_triton"]
 
-_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
 _LOOP_BLOCK = 4096
 _ROTARY_TILE = 4096  # (heads x half head dim) elements per rotary tile
 _SILU_MUL_BLOCK = 1024
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to nearest (ties to even) in ``DTYPE``, returned as fp32 (exact in ``DTYPE``)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # carries into the exponent as it should
-        rounded = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
-    elif DTYPE == tl.float16:
-        rounded = x.to(tl.float16).to(tl.float32)  # fp16 casts round to nearest in both modes
-    else:
-        rounded = x
-    return rounded
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -73,7 +58,7 @@ def _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE: tl.constexpr, ADD: t
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:
         r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
-        x = _round(r + x, X_DTYPE)
+        x = round_to(r + x, X_DTYPE)
         if STORE:
             tl.store(res_row + cols, x.to(res_row.dtype.element_ty), mask=mask)
     return x
@@ -101,8 +86,8 @@ def _rms_norm_kernel(
         x = _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE, ADD, True)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N_COLS + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _round(x * rstd, X_DTYPE)  # .to(input_dtype)
-        out = _round(w * y, OUT_DTYPE)  # weight * y in the promoted dtype
+        y = round_to(x * rstd, X_DTYPE)  # .to(input_dtype)
+        out = round_to(w * y, OUT_DTYPE)  # weight * y in the promoted dtype
         tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # two passes over the row: sum of squares, then normalise (the second read mostly hits L2)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -116,7 +101,7 @@ def _rms_norm_kernel(
             mask = cols < N_COLS
             x = _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE, ADD, False)  # the same sum again
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            out = _round(w * _round(x * rstd, X_DTYPE), OUT_DTYPE)
+            out = round_to(w * round_to(x * rstd, X_DTYPE), OUT_DTYPE)
             tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -161,7 +146,7 @@ def add_rms_norm_triton(
 
 
 def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+    if x.dtype not in TL_DTYPES or weight.dtype not in TL_DTYPES:
         raise ValueError(f"rms_norm takes fp16, bf16 or fp32 tensors; got x {x.dtype}, weight {weight.dtype}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
@@ -193,7 +178,7 @@ def _rms_norm(x, residual, weight, eps, block) -> tuple[torch.Tensor, torch.Tens
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight.contiguous(), out, total_rows, rows.stride(0), res_rows.stride(0), n_cols,
             n_cols, float(eps),
-            N_COLS=n_cols, X_DTYPE=_DTYPES[x.dtype], OUT_DTYPE=_DTYPES[out_dtype], BLOCK=block,
+            N_COLS=n_cols, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype], BLOCK=block,
             ADD=residual is not None, PDL=pdl, num_warps=num_warps, enable_fp_fusion=False, launch_pdl=pdl,
         )
     return out, total
@@ -220,8 +205,10 @@ def _rotate_heads(
         src = x_ptr + h[:, None] * stride_h + d[None, :] * stride_d  # (BLOCK_H, BLOCK_HALF), first halves
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
-        out1 = _round(_round(x1 * cos1[None, :], COS_DTYPE) + _round(-x2 * sin1[None, :], SIN_DTYPE), OUT_DTYPE)
-        out2 = _round(_round(x2 * cos2[None, :], COS_DTYPE) + _round(x1 * sin2[None, :], SIN_DTYPE), OUT_DTYPE)
+        out1 = round_to(round_to(x1 * cos1[None, :], COS_DTYPE) + round_to(-x2 * sin1[None, :], SIN_DTYPE),
+                        OUT_DTYPE)
+        out2 = round_to(round_to(x2 * cos2[None, :], COS_DTYPE) + round_to(x1 * sin2[None, :], SIN_DTYPE),
+                        OUT_DTYPE)
         dst = out_ptr + h[:, None] * out_stride_h + d[None, :] * out_stride_d
         tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF * out_stride_d, out2.to(out_ptr.dtype.element_ty), mask=mask)
@@ -368,8 +355,8 @@ def _launch_rotary(q, k, cos, sin, q_out, k_out, *, cache=None) -> None:
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(n_q_heads, k.shape[1])), max(1, _ROTARY_TILE // block_half))
-    q_dtypes = [_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
-    k_dtypes = [_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
+    q_dtypes = [TL_DTYPES[t] for t in _rotary_dtypes(q, cos, sin)]
+    k_dtypes = [TL_DTYPES[t] for t in _rotary_dtypes(k, cos, sin)]
     if cache is None:
         cache_args = (q, q, q, 0, 0, 0, 0, 0, 0, 0)  # unused without a cache write
     else:
@@ -406,7 +393,7 @@ def _check_rotary(q, k, cos, sin, dim: int) -> None:
     if dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 or 2 (the head axis of q and k); got {dim}")
     for t in (q, k, cos, sin):
-        if t.dtype not in _DTYPES:
+        if t.dtype not in TL_DTYPES:
             raise ValueError(f"apply_rotary takes fp16, bf16 or fp32 tensors; got {t.dtype}")
     head_dim = q.shape[-1]
     if head_dim % 2 or head_dim > 512:
@@ -439,8 +426,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.c
     mask = cols < n_cols
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), DTYPE)
-    out = _round(silu * up, DTYPE)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), DTYPE)
+    out = round_to(silu * up, DTYPE)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -450,7 +437,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     Matches ``F.silu(gate) * up`` to the last bit except where the exponential's last fp32 bit decides a
     rounding (PyTorch's ``expf`` and Triton's ``exp`` may differ there by one fp32 ulp).
     """
-    if gate_up.dtype not in _DTYPES:
+    if gate_up.dtype not in TL_DTYPES:
         raise ValueError(f"silu_mul takes fp16, bf16 or fp32; got {gate_up.dtype}")
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up); got {tuple(gate_up.shape)}")
@@ -464,7 +451,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     pdl = dependent_launch(gate_up)
     with launch_device(gate_up):
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, _SILU_MUL_BLOCK))](
-            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK, PDL=pdl,
+            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=TL_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK, PDL=pdl,
             num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
         )
     return out

@@ -2,17 +2,14 @@
 
 Why: in a decode step the draft's projections see one token per row (``M`` = batch, 16 at most here),
 so each GEMM reads its weight once and does almost no arithmetic; its time is the weight read plus
-launch and memory latency. Profiled on an H200 (Qwen2.5-0.5B draft, batch 16, CUDA graphs), cuBLAS took
-4.8 us for the 2 MB q/k/v weight, 4.1 us for o_proj (1.6 MB), 7.7 us for gate/up (17 MB) and 6.4 + 1.7 us
-(a split-K GEMM and its separate reduction kernel) for down (8.7 MB): 2.3 TB/s at best. It takes up to
-:data:`MAX_ROWS` rows; at 32 (a draft's first forward of a step) it still edges cuBLAS, but at 80 rows
-(the 7B target verifying 16 rows x 5 tokens, ``benchmarks/results/gemm_h200_7b_verify.json``) its best
-launch configs took 1.2-1.7x cuBLAS's time. A variant with SiLU·mul as its prologue (the down projection
-reading ``[gate | up]``) took 24.0 us against 7.6 for ``silu_mul`` + cuBLAS (``gemm_h200.json``, code of
-9789029) and was dropped: elementwise work on the ``x`` operand between its load and ``tl.dot`` is what
-costs (an RMSNorm there measured the same way). As an *epilogue* SiLU·mul is cheap: :func:`gated_linear`
-runs the gate and up projections of a ``[gate; up]`` weight in one program and writes ``silu(gate) * up``,
-7.3 us against 8.9 for cuBLAS + ``silu_mul`` at the draft's 16 rows (``gemm_gated_h200.json``).
+launch and memory latency. cuBLAS runs these at well below the copy bandwidth, and a long ``K`` (the
+down projection) as a split-K GEMM plus a separate reduction launch. This kernel takes up to
+:data:`MAX_ROWS` rows; it pays off up to about 32 rows (a draft's first forward of a step), not at a
+target's verification (80 rows for a 7B at batch 16 x 5 tokens), where cuBLAS is faster. SiLU·mul as a
+*prologue* (the down projection reading ``[gate | up]``) does not pay: elementwise work on the ``x``
+operand between its load and ``tl.dot`` is what costs (an RMSNorm there as well). As an *epilogue* it is
+cheap: :func:`gated_linear` runs the gate and up projections of a ``[gate; up]`` weight in one program and
+writes ``silu(gate) * up``, one launch instead of cuBLAS's GEMM and ``silu_mul``.
 
 Algorithm: grid ``(n_tiles, split_k)``. Program ``(j, s)`` computes the ``(BLOCK_M, BLOCK_N)`` tile ``j``
 of the output over its share ``s`` of ``K`` with ``tl.dot`` (rows past ``M`` masked to zero), streaming
@@ -21,7 +18,7 @@ split it adds the bias and stores. With several, each split stores its fp32 part
 (an atomic counter per tile); the last to arrive sums every split's partial in split order (so the
 result does not depend on which split finished last: replays are bit-identical), adds the bias, stores
 the tile, and resets the counter for the next launch (CUDA-graph replay safe). The split count is
-chosen so the grid covers the SMs about ``_WAVES`` times. Rounding: fp32 accumulation, one rounding to
+chosen so the grid covers the SMs about ``GemmTuning.waves`` times. Rounding: fp32 accumulation, one rounding to
 the output dtype after the bias, as cuBLAS's bias epilogue; the reduction order differs from cuBLAS's,
 so results may differ from ``F.linear`` in the last bits.
 
@@ -31,41 +28,27 @@ All sizes come from host ints, so a call makes no host sync and can be captured 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import launch_device
-from .triton_fused import _DTYPES as _TL_DTYPES
-from .triton_fused import _round
+from ._device import launch_device, prepare_interpreter, sm_count, smem_limit, workspace
+from ._rounding import TL_DTYPES, round_to
+from .tuning import GemmTuning
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _smem_limit
 
-__all__ = ["MAX_ROWS", "gated_linear", "skinny_linear"]
+__all__ = ["MAX_ROWS", "LaunchConfig", "gated_linear", "launch_config", "skinny_linear"]
 
 MAX_ROWS = 128  # one BLOCK_M tile of rows (a power of two >= 16 covering M): the kernel is for decode-sized inputs
-_WAVES = 2  # programs per SM the split count aims for (each streams its weight tiles)
-_MIN_SPLIT_K_TILES = 16  # K shorter than this many tiles is not split
-_MAX_SPLITS = 16
-# Software-pipeline stages of the weight stream: 6 (5 tiles in flight; 3 until the weights were timed from HBM).
-# H200, CUDA graphs, bf16, 0.5B draft at 16 rows, weights rotated past the L2, dependent launches
-# (gemm_h200_pdl_stages.json): q/k/v 4.53 us with 3 stages, 3.68 with 6; o_proj 4.25 -> 3.34; down (8 splits of
-# 5 tiles) 6.31 -> 6.14 with 5. End to end (7B + 0.5B sparse draft, 32k, batch 16, same-process A/B,
-# e2e_h200_ab_gemm_stages.json): 3 stages 3386.3 tok/s, 4 3447.1, 6 3466.6; 5 against 6 (another machine,
-# _2.json) 3440.5 / 3446.6. Read at call time.
-_NUM_STAGES = 6
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# gated_linear's tiles: 64 columns of gate and of up, 4 stages. H200, CUDA graphs, bf16, the 0.5B draft's [gate; up]
-# (K = 896, 2 x 4864 rows; benchmarks/results/gemm_gated_h200.json): 7.3 us at 16 rows and 7.8 at 32, against
-# 7.9 / 11.0 with skinny_linear's 32 x 128 tiles and 3 stages, and 8.8 / 8.9 for cuBLAS + silu_mul. On a GPU whose
-# blocks have less shared memory (sm_86/89: 99 KiB) _fit_shared drops to 3 stages.
-_GATED_CONFIG = {"block_n": 64, "num_stages": 4}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class LaunchConfig:
+    """Launch parameters of one call; build with :func:`launch_config`. ``block_m`` is the rows' tile."""
+
+    block_m: int
     block_n: int
     block_k: int
     split_k: int
@@ -73,21 +56,28 @@ class _Config:
     num_stages: int
 
 
-def _config(n: int, k: int, sm_count: int, elem_bytes: int, block_m: int = 16, *, block_n: int | None = None,
-            block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, waves: int = _WAVES) -> _Config:
-    """``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights and ``block_m`` (the rows' tile) up to
-    32, ``64 x 128`` for more) and, for a long ``K`` only, enough splits of it for the grid to give every SM about
-    ``waves`` programs, each split at least two tiles long.
+def launch_config(rows: int, n: int, k: int, sm_count: int, elem_bytes: int, *, gated: bool = False,
+                  smem_limit: int | None = None, tuning: GemmTuning | None = None, block_n: int | None = None,
+                  block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> LaunchConfig:
+    """The launch of ``rows`` rows of ``x (rows, k)`` against an ``(n, k)`` weight (``gated``: the ``n`` columns of
+    :func:`gated_linear`, from a ``2n``-row weight), from host ints only.
 
-    Measured on an H200 under CUDA graphs (bf16, weights from HBM): at 16 rows
-    (``benchmarks/results/gemm_h200_pdl_stages.json``) 32-wide tiles were best or within 0.05 us for every
-    0.5B-draft shape; splitting pays for ``down`` (K = 4864: 8 splits 6.1 us, unsplit 10.7) and costs for K =
-    896 (o_proj: 3.3 us unsplit, 3.7 with 4 splits). With more rows 64-wide tiles beat 32-wide ones for every
-    shape timed: the 72B down projection at 40 rows (a 64-row tile, ``gemm_h200_72b_verify.json``) 123.1 us
-    against 148.1, the 7B target's q/k/v, o_proj, down and gate/up at 80 rows (``gemm_h200_7b_verify.json``,
-    best split of each) 21.4 / 16.3 / 58.6 / 107.0 us against 24.8 / 18.7 / 81.1 / 115.1. Stages: ``_NUM_STAGES``.
+    ``block_n x block_k`` weight tiles (``32 x 128`` for 16-bit weights and a rows' tile up to 32, ``64 x 128`` for
+    more: a wider tile spreads the load of a larger x tile over more columns) and, for a long ``K`` only
+    (``tuning.min_split_k_tiles`` tiles or more), enough splits of it for the grid to give every SM about
+    ``tuning.waves`` programs, each split at least two tiles long and at most ``tuning.max_splits`` of them;
+    ``tuning.num_stages`` stages. ``gated``: one split, ``tuning.gated_block_n`` wide tiles and
+    ``tuning.gated_num_stages`` stages. A launch keyword given is kept; with ``smem_limit`` (bytes a block may
+    use) the heuristic's stages, then its tile width, are reduced to fit (:func:`_fit_shared`).
     """
+    tuning = tuning or GemmTuning()
+    explicit = {name for name, value in (("block_n", block_n), ("num_stages", num_stages)) if value is not None}
+    block_m = max(16, triton.next_power_of_2(rows))
+    if gated:
+        if split_k not in (None, 1):
+            raise ValueError("gated_linear does not split K")
+        block_n, num_stages, split_k = block_n or tuning.gated_block_n, num_stages or tuning.gated_num_stages, 1
     if block_k is None:
         block_k = 128 if elem_bytes == 2 else 64
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
@@ -96,12 +86,13 @@ def _config(n: int, k: int, sm_count: int, elem_bytes: int, block_m: int = 16, *
     n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     if split_k is None:
-        split_k = 1 if k_tiles < _MIN_SPLIT_K_TILES else max(1, min((waves * sm_count) // n_tiles, k_tiles // 2,
-                                                                    _MAX_SPLITS))
+        split_k = 1 if k_tiles < tuning.min_split_k_tiles else max(1, min((tuning.waves * sm_count) // n_tiles,
+                                                                          k_tiles // 2, tuning.max_splits))
     split_k = max(1, min(split_k, k_tiles))
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no split without a tile
-    return _Config(block_n, block_k, split_k, num_warps or 4, num_stages or _NUM_STAGES)
+    cfg = LaunchConfig(block_m, block_n, block_k, split_k, num_warps or 4, num_stages or tuning.num_stages)
+    return _fit_shared(cfg, elem_bytes, gated, smem_limit, explicit=explicit)
 
 
 @triton.jit
@@ -149,8 +140,8 @@ def _skinny_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:  # F.silu(gate) * up on the two projections rounded to the output dtype, as silu_mul rounds
-            gate = _round(acc, OUT_DTYPE)
-            acc = _round(_round(gate / (1.0 + tl.exp(-gate)), OUT_DTYPE) * _round(acc_up, OUT_DTYPE), OUT_DTYPE)
+            gate = round_to(acc, OUT_DTYPE)
+            acc = round_to(round_to(gate / (1.0 + tl.exp(-gate)), OUT_DTYPE) * round_to(acc_up, OUT_DTYPE), OUT_DTYPE)
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
     else:
         part = PART + (j * SPLIT_K * BLOCK_M + rows[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -173,12 +164,13 @@ def _shared_bytes(block_m: int, block_n: int, block_k: int, elem_bytes: int, num
     return (num_stages - 1) * (block_m + (2 if gated else 1) * block_n) * block_k * elem_bytes
 
 
-def _fit_shared(cfg: _Config, block_m: int, elem_bytes: int, gated: bool, limit: int | None, *,
-                explicit: set[str]) -> _Config:
+def _fit_shared(cfg: LaunchConfig, elem_bytes: int, gated: bool, limit: int | None, *,
+                explicit: set[str]) -> LaunchConfig:
     """``cfg`` with fewer stages (down to 2), then narrower tiles (down to 16), where its shared memory would
     exceed ``limit`` (bytes a block may use; ``None``: no limit); what the caller gave (``explicit``) is kept.
     ``gated_linear``'s 4 stages of 64-wide tiles need 110,592 bytes at 16 rows, more than an sm_86/89 block may
     use (101,376)."""
+    block_m = cfg.block_m
     if limit is None or _shared_bytes(block_m, cfg.block_n, cfg.block_k, elem_bytes, cfg.num_stages, gated) <= limit:
         return cfg
     widths = [cfg.block_n] if "block_n" in explicit else [w for w in (cfg.block_n, cfg.block_n // 2, cfg.block_n // 4)
@@ -192,50 +184,43 @@ def _fit_shared(cfg: _Config, block_m: int, elem_bytes: int, gated: bool, limit:
                      f"({block_m} rows, {cfg.block_k}-wide K tiles, {elem_bytes}-byte elements)")
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, n_tiles: int, split_k: int, block_m: int,
                block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials and zeroed tickets for a launch shape, allocated once per (device, shape) and reused: the
-    tickets return to zero at the end of every launch, so a graph captured with them stays valid. Two
-    launches of one shape must not run concurrently on different streams."""
-    key = (device, n_tiles, split_k, block_m, block_n)
-    if key not in _workspaces:
-        part = torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device)
-        _workspaces[key] = (part, torch.zeros(n_tiles, dtype=torch.int32, device=device))
-    return _workspaces[key]
+    """The fp32 partials and zeroed tickets of a split-K launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
+    return workspace(("gemm", device, n_tiles, split_k, block_m, block_n), lambda: (
+        torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device),
+        torch.zeros(n_tiles, dtype=torch.int32, device=device)))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  **overrides) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  tuning: GemmTuning | None = None, **overrides) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)`` with at most :data:`MAX_ROWS` rows, one launch.
 
     ``weight (N, K)`` and ``bias (N,)`` as ``nn.Linear`` holds them (contiguous along ``K``); fp16, bf16 or
-    fp32, all one dtype. ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``)
-    are for benchmarks.
+    fp32, all one dtype. ``tuning``: the launch heuristic's constants (``None``: the defaults); ``overrides``
+    (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``): this call's launch choices
+    (:func:`launch_config`).
     """
-    return _skinny(x, weight, bias, False, overrides, explicit=set(overrides))
+    return _skinny(x, weight, bias, False, tuning, overrides)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, tuning: GemmTuning | None = None,
+                 **overrides) -> torch.Tensor:
     """``silu(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` (``2I x K``): what a gated MLP feeds its
     down projection, in one launch, for at most :data:`MAX_ROWS` rows.
 
     The two projections are rounded to ``x``'s dtype, then SiLU and the product round as
     :func:`~dustin_hf.kernels.triton_fused.silu_mul_triton` does (the same ops as ``F.silu(gate) * up``); the
-    GEMM reduces in another order than cuBLAS's. ``K`` is not split (``split_k`` is 1). ``overrides``:
-    ``block_n``, ``block_k``, ``num_warps``, ``num_stages`` (benchmarks).
+    GEMM reduces in another order than cuBLAS's. ``K`` is not split (``split_k`` is 1). ``tuning`` and
+    ``overrides`` (``block_n``, ``block_k``, ``num_warps``, ``num_stages``) as for :func:`skinny_linear`.
     """
     if weight.dim() != 2 or weight.shape[0] % 2:
         raise ValueError(f"weight must be [gate; up], (2I, K); got {tuple(weight.shape)}")
-    if overrides.get("split_k", 1) != 1:
-        raise ValueError("gated_linear does not split K")
-    return _skinny(x, weight, None, True, {**_GATED_CONFIG, **overrides, "split_k": 1}, explicit=set(overrides))
+    return _skinny(x, weight, None, True, tuning, overrides)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, overrides: dict, *,
-            explicit: set[str]) -> torch.Tensor:
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+            tuning: GemmTuning | None, overrides: dict) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m, n = rows.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]
@@ -251,13 +236,11 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     if weight.stride(-1) != 1:
         raise ValueError("weight must be contiguous along its input dimension")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreting:
-        _patch_interpreter_for_numpy_2_4()
+    interpreting = prepare_interpreter()
     if m and n:
-        block_m = max(16, triton.next_power_of_2(m))
-        cfg = _config(n, k, _sm_count(x.device), x.element_size(), block_m, **overrides)
-        cfg = _fit_shared(cfg, block_m, x.element_size(), gated, _smem_limit(x.device), explicit=explicit)
+        cfg = launch_config(m, n, k, sm_count(x.device), x.element_size(), gated=gated,
+                            smem_limit=smem_limit(x.device), tuning=tuning, **overrides)
+        block_m = cfg.block_m
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
         part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
@@ -268,7 +251,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
                 rows, weight, bias if bias is not None else weight, out, part, tickets,
                 m, n, k, k_tiles_per_split * cfg.block_k,
                 rows.stride(0), weight.stride(0), out.stride(0),
-                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=_TL_DTYPES[x.dtype],
+                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=TL_DTYPES[x.dtype],
                 UPCAST=interpreting and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,

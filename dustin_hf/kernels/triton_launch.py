@@ -1,10 +1,10 @@
 """Programmatic dependent launch (PDL) for the decode loop's Triton kernels.
 
-Why: at decode sizes most kernels run for a few microseconds (the 0.5B draft at 16 rows: ~9 launches a
-layer of 1.4-7 us each), and between two kernels of a CUDA graph the GPU idles while the second one's
-blocks are scheduled and start up (~0.5 us a boundary under the profiler, plus the ramp of the first
-loads). On sm_90 and later a kernel launched with the *programmatic stream serialization* attribute may
-start before the kernel it follows has finished, once every block of that one has signalled
+Why: at decode sizes most kernels run for a few microseconds (a 0.5B draft's layer at 16 rows is about 9
+launches), and between two kernels of a CUDA graph the GPU idles while the second one's blocks are
+scheduled and start up, plus the ramp of its first loads: a real share of such a short kernel. On sm_90
+and later a kernel launched with the *programmatic stream serialization* attribute may start before the
+kernel it follows has finished, once every block of that one has signalled
 ``griddepcontrol.launch_dependents`` (or exited); it must then execute ``griddepcontrol.wait``, which
 returns when the kernels before it have completed and their memory is visible, before it touches
 memory they might write or read.
@@ -16,11 +16,10 @@ before it started (they wait for it to complete). Kernels launched without the a
 PyTorch's) serialize as always. Where the attribute is ignored (a copy before the kernel) nothing
 changes either.
 
-:func:`dependent_launch` decides per call: sm_90+ CUDA tensors, not under ``TRITON_INTERPRET``, a Triton that
-has the launch attribute and ``griddepcontrol`` (3.4 and later; older ones launch every kernel serialized), and
-the module switch :data:`_PDL` (``benchmarks/ab_toggle.py dustin_hf.kernels.triton_launch._PDL False True``).
-Launch sites pass the answer twice: ``PDL=`` (the constexpr that compiles the wait in) and
-``launch_pdl=`` (Triton's launch attribute).
+:func:`dependent_launch` decides per call what the GPU and Triton can do: sm_90+ CUDA tensors, not under
+``TRITON_INTERPRET``, a Triton that has the launch attribute and ``griddepcontrol`` (3.4 and later). Everywhere
+else every kernel launches serialized. Launch sites pass the answer twice: ``PDL=`` (the constexpr that
+compiles the wait in) and ``launch_pdl=`` (Triton's launch attribute).
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ import triton.language as tl
 
 __all__ = ["await_producers", "dependent_launch"]
 
-_PDL = True  # read at each launch; False launches every kernel serialized, without the wait compiled in
-_TRITON_HAS_PDL = hasattr(tl.extra.cuda, "gdc_wait")  # Triton 3.4+: gdc_wait / gdc_launch_dependents, launch_pdl
+_TRITON_HAS_GDC = hasattr(tl.extra.cuda, "gdc_wait")  # Triton 3.4+: gdc_wait / gdc_launch_dependents, launch_pdl
 
 
 @functools.cache
@@ -45,7 +43,7 @@ def _capability_major(device: torch.device) -> int:
 
 def dependent_launch(t: torch.Tensor) -> bool:
     """Whether a Triton kernel launched for ``t``'s device may start before the kernel it follows ends."""
-    return (_PDL and _TRITON_HAS_PDL and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    return (_TRITON_HAS_GDC and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
             and _capability_major(t.device) >= 9)
 
 

@@ -28,8 +28,9 @@ Algorithm (one softmax per packed row, normalised across programs by log-sum-exp
   (tile, row). At its end it stores the split's log-sum-exp per row and takes a ticket from a
   counter per (batch row, row tile); the last split to arrive merges all splits' log-sum-exps into
   the row's ``lse`` and resets the counter to 0 (the ticket pattern of
-  :mod:`dustin_hf.kernels.triton_verify`, sharing its zeroed counters, so a captured graph replays
-  correctly; one split writes ``lse`` directly). The probability is then ``exp2(x + (m - lse))``:
+  :mod:`dustin_hf.kernels.triton_verify`, on the same per-device zeroed counters,
+  :func:`dustin_hf.kernels._device.tickets`, so a captured graph replays correctly; one split writes
+  ``lse`` directly). The probability is then ``exp2(x + (m - lse))``:
   one offset per (row, tile). Storing ``x`` rather than ``exp2(x)`` keeps the large probabilities
   (``x`` near 0, where fp16 is finest) about 3x more accurate.
 * **Pass 2** (:func:`_score_pass2_kernel`), grid ``(tiles, B)``: each program walks its positions
@@ -51,10 +52,10 @@ layer, 88 MB for the three together). At that point one step's pass 1 reads 134 
 201 MB of draft keys and writes 8 + 88 MB of scores: ~430 MB, ~100 us at an H200's ~4.2 TB/s copy
 bandwidth. Pass 2 reads those 96 MB of scores back (+ 1.6 MB of tile maxima) and writes the two
 2 MB fp32 outputs once each: ~25 us of bandwidth; its ex2s (16 x 32k x (8 + 88) rows, 50 M) take
-~12 us of an H200's special-function units, under the loads. Before this layout (issue #4) pass 2
-took 117 us there: every program re-merged all splits' log-sum-exps (up to 33 x 28 per row), each
-draft layer ran its own pass 2 re-reading and re-writing the output, and each loop step loaded
-1 KB (target) or 7 KB (a draft layer) and waited for it before computing, with nothing else in flight.
+~12 us of an H200's special-function units, under the loads. The layout avoids what would make pass 2
+slow: every program merging all splits' log-sum-exps (pass 1's last split merges them once), a pass 2
+per draft layer re-reading and re-writing the output (one pass 2 sums all layers), and loop steps that
+load a little and wait for it with nothing else in flight (the steps are large and pipelined).
 
 Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``heads``,
 ``key_span``, the SM count), so the call makes no host sync and can be captured in a CUDA graph.
@@ -63,46 +64,26 @@ Every size (grid, splits, buffers) comes from host ints only (``B``, ``n_q``, ``
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ..plan import select_heads
+from ._device import prepare_interpreter, sm_count, tickets
+from .tuning import ScoreTuning
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4, _sm_count, _tickets
 
-__all__ = ["attention_mass_layers_triton", "attention_mass_triton"]
+__all__ = ["LaunchConfig", "attention_mass_layers_triton", "attention_mass_triton", "call_config", "launch_config"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
 _MAX_BLOCK_M = 128
-_MIN_BLOCKS_PER_SPLIT = 4  # a split walks at least this many key tiles (amortises its q load)
-# Pass 1: aim for about this many programs per SM before splitting stops. Pass 1 streams keys: an SM
-# needs ~25-40 KB of loads in flight to keep its share of HBM busy, and every program also spends a
-# latency-bound stretch per tile (dot, row max/sum shuffles, the score store's layout change) with no
-# load issued; 4 programs of 4 warps, each with num_stages - 1 key tiles of ~16 KB prefetched, hide it
-# (the draft's pass 1 uses ~123 registers a thread, so 4 programs of 4 warps fill an SM's register file).
-_PROGRAMS_PER_SM = 4
-_TILE_BYTES = 16384  # pass 1: key bytes per tile (block_n * head_dim * key_bytes)
-# Pass 2 streams the scores (no dot; per score a convert, an add, an ex2, a compare, a select, an add).
-# Each loop step loads one block of about _PASS2_STEP_ELEMENTS scores (rows padded to row blocks of
-# _PASS2_BLOCK_R) through cp.async, _PASS2_STAGES - 1 steps ahead of the one computed; programs are sized to
-# _PASS2_WARPS_PER_SM warps an SM, in one wave. Compiled for sm_90 (tests/kernel_ptx.py) at the headline
-# shapes, on 4 warps: the target's 8 rows x 512 positions take 127 registers and 21 KB of shared memory,
-# the three draft layers' 84 (88) rows x 128 positions 95 registers and 50 KB, no spills, so 4 programs
-# fit an SM; 3 stages leave one step in flight while one is computed (2 wait for each step's loads).
-_PASS2_STEP_ELEMENTS = 4096
-_PASS2_BLOCK_R = 8
-_PASS2_STAGES = 3
-_PASS2_WARPS_PER_SM = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Launch parameters of one call; build with :func:`_config`.
+class LaunchConfig:
+    """Launch parameters of one call; build with :func:`launch_config` or :func:`call_config`.
 
     Attributes:
         block_n: key positions per tile (both passes; pass 2 indexes pass 1's per-tile maxima).
@@ -132,7 +113,7 @@ class _Config:
     layers_per_pass2: int = 0
 
 
-def _config(
+def launch_config(
     batch: int,
     pass1_programs_per_split: int,
     head_dim: int,
@@ -142,8 +123,7 @@ def _config(
     *,
     key_bytes: int = 2,
     rows: int = 32,
-    programs_per_sm: int = _PROGRAMS_PER_SM,
-    tile_bytes: int = _TILE_BYTES,
+    tuning: ScoreTuning | None = None,
     pass2_programs_per_sm: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
@@ -155,35 +135,36 @@ def _config(
     num_warps_reduce: int | None = None,
     num_stages_reduce: int | None = None,
     layers_per_pass2: int | None = None,
-) -> _Config:
+) -> LaunchConfig:
     """Tile sizes and split counts from host-known sizes only (no device data, so graph-safe).
 
     ``pass1_programs_per_split`` is ``B * sum over KV heads of m_tiles`` (of the largest layer): the
-    pass 1 programs that one split count multiplies; ``key_bytes`` is the keys' element size, ``rows`` pass 2's rows (all
-    layers'). Any keyword left ``None`` takes the heuristic value: key tiles of about ``tile_bytes``
-    (``block_n * head_dim * key_bytes``); enough splits to give every SM about ``programs_per_sm``
-    pass 1 programs, each walking at least ``_MIN_BLOCKS_PER_SPLIT`` tiles; pass 2 steps of about
-    ``_PASS2_STEP_ELEMENTS`` scores (rows padded to row blocks; at least one tile) on 4 warps, tiles
-    sized for ``pass2_programs_per_sm`` programs per SM (``_PASS2_WARPS_PER_SM`` warps). ``programs_per_sm``, ``tile_bytes`` and
-    ``pass2_programs_per_sm`` exist for benchmarks/select_timing.py's sweep.
+    pass 1 programs that one split count multiplies; ``key_bytes`` is the keys' element size, ``rows`` pass 2's
+    rows (all layers'); ``tuning`` the heuristic's constants (:class:`~dustin_hf.kernels.tuning.ScoreTuning`).
+    Any launch keyword left ``None`` takes the heuristic value: key tiles of about ``tuning.tile_bytes``
+    (``block_n * head_dim * key_bytes``); enough splits to give every SM about ``tuning.programs_per_sm``
+    pass 1 programs, each walking at least ``tuning.min_blocks_per_split`` tiles; pass 2 steps of about
+    ``tuning.pass2_step_elements`` scores (rows padded to row blocks; at least one tile) on 4 warps, tiles
+    sized for ``pass2_programs_per_sm`` programs per SM (``tuning.pass2_warps_per_sm`` warps).
     """
+    tuning = tuning or ScoreTuning()
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
-        block_n = max(32, min(128, tile_bytes // (block_d * key_bytes)))
+        block_n = max(32, min(128, tuning.tile_bytes // (block_d * key_bytes)))
     n_blocks = max(1, triton.cdiv(span, block_n))
     if num_splits is None:
-        by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, pass1_programs_per_split))
-        by_work = max(1, n_blocks // _MIN_BLOCKS_PER_SPLIT)
+        by_occupancy = max(1, (tuning.programs_per_sm * sm_count) // max(1, pass1_programs_per_split))
+        by_work = max(1, n_blocks // tuning.min_blocks_per_split)
         num_splits = min(by_occupancy, by_work)
     num_splits = max(1, min(num_splits, n_blocks, _MAX_SPLITS))
     blocks_per_split = triton.cdiv(n_blocks, num_splits)
     num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
 
-    block_r = block_r or _PASS2_BLOCK_R
+    block_r = block_r or tuning.pass2_block_r
     rows_padded = triton.cdiv(rows, block_r) * block_r if rows > block_r else triton.next_power_of_2(rows)
     out_blocks = max(1, triton.cdiv(num_positions, block_n))
     if block_p is None:
-        step_tiles = max(1, _PASS2_STEP_ELEMENTS // (rows_padded * block_n))
+        step_tiles = max(1, tuning.pass2_step_elements // (rows_padded * block_n))
         step_tiles = min(1 << (step_tiles.bit_length() - 1), triton.next_power_of_2(out_blocks))  # a power of two
         if tile is not None:  # an explicit tile: the largest such step that divides it
             while tile % (step_tiles * block_n):
@@ -195,26 +176,48 @@ def _config(
     num_warps_reduce = num_warps_reduce or 4  # a row block of 8 rows x 128 fp16 scores: 16 bytes a thread
     if tile is None:
         out_steps = triton.cdiv(out_blocks, step_tiles)
-        pass2_programs_per_sm = pass2_programs_per_sm or max(1, _PASS2_WARPS_PER_SM // num_warps_reduce)
+        pass2_programs_per_sm = pass2_programs_per_sm or max(1, tuning.pass2_warps_per_sm // num_warps_reduce)
         tiles_per_row = max(1, triton.cdiv(pass2_programs_per_sm * sm_count, batch))
         tile = triton.cdiv(out_steps, min(tiles_per_row, out_steps)) * block_p
     if tile % block_p:
         raise ValueError(f"tile ({tile}) must be a multiple of block_p ({block_p}) and block_n ({block_n})")
-    return _Config(
+    return LaunchConfig(
         block_n=block_n, num_splits=num_splits, chunk=blocks_per_split * block_n, tile=tile, block_p=block_p,
         block_r=block_r,
         num_warps=num_warps or (8 if key_bytes == 4 else 4),  # fp32: an FMA dot, more registers
         num_stages=num_stages or (3 if block_n * block_d <= 64 * 128 else 2),
         num_warps_reduce=num_warps_reduce,
-        num_stages_reduce=num_stages_reduce or _PASS2_STAGES, layers_per_pass2=layers_per_pass2 or 0,
+        num_stages_reduce=num_stages_reduce or tuning.pass2_stages, layers_per_pass2=layers_per_pass2 or 0,
     )
+
+
+def call_config(
+    queries: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    heads: Sequence[tuple[int, ...]],
+    group_size: int,
+    num_positions: int,
+    key_span: int,
+    *,
+    tuning: ScoreTuning | None = None,
+    **overrides,
+) -> LaunchConfig:
+    """The :func:`launch_config` that :func:`attention_mass_layers_triton` launches these layers with
+    (``overrides``: launch keywords of :func:`launch_config`); the inputs as that function takes them."""
+    n_queries, head_dim = queries[0].shape[1], queries[0].shape[3]
+    m_tiles = [[triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in _kv_groups(layer, group_size)]
+               for layer in heads]
+    batch = queries[0].shape[0]
+    return launch_config(batch, batch * max(sum(tiles) for tiles in m_tiles), head_dim, max(key_span, num_positions),
+                         num_positions, sm_count(keys[0].device), key_bytes=keys[0].element_size(),
+                         rows=n_queries * sum(len(layer) for layer in heads), tuning=tuning, **overrides)
 
 
 # Sizes that change every decode step (span, strides of per-call buffers) must not be specialised on:
 # each new divisibility pattern would compile a new kernel in the middle of decoding. The keys' strides are
 # the cache buffer's, fixed for a run, and are specialised: without their divisibility by 16 Triton cannot
-# prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined (pass 1 then ran at
-# ~1.1 TB/s on an H200). The per-call buffers' strides are multiples of BLOCK_N by construction, which
+# prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined, at a fraction of the copy
+# bandwidth. The per-call buffers' strides are multiples of BLOCK_N by construction, which
 # tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
 @triton.jit(do_not_specialize=[
     "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_lb", "stride_lr",
@@ -398,7 +401,8 @@ def attention_mass_triton(
     *,
     out: torch.Tensor | None = None,
     position_limit: torch.Tensor | None = None,
-    config: _Config | None = None,
+    config: LaunchConfig | None = None,
+    tuning: ScoreTuning | None = None,
     query_offset: int = 0,
     query_step: int = 0,
 ) -> torch.Tensor:
@@ -418,7 +422,8 @@ def attention_mass_triton(
             ``query_offset`` and ``query_step`` are 0), at most ``capacity``.
         out: ``(B, num_positions)`` fp32, contiguous rows, to add into instead of a fresh tensor.
         position_limit: ``(B,)`` int; zeroes ``out[b, p]`` for ``p >= position_limit[b]`` after the addition.
-        config: overrides the launch heuristic.
+        config: this call's launch parameters instead of the heuristic's (:func:`call_config`).
+        tuning: the launch heuristic's constants (``None``: the defaults).
         query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j * query_step``
             instead (host ints), so positions derived from a per-row length (the draft's ``L_b + j``, the
             target's ``L_b - 1``) can be passed as a stride-0 view of the lengths, with no kernel to make them.
@@ -428,7 +433,7 @@ def attention_mass_triton(
     """
     return attention_mass_layers_triton([queries], [keys], query_pos, [heads], group_size, softmax_scale,
                                         num_positions, key_span, out=out, position_limit=position_limit, config=config,
-                                        query_offset=query_offset, query_step=query_step)
+                                        tuning=tuning, query_offset=query_offset, query_step=query_step)
 
 
 def attention_mass_layers_triton(
@@ -443,7 +448,8 @@ def attention_mass_layers_triton(
     *,
     out: torch.Tensor | None = None,
     position_limit: torch.Tensor | None = None,
-    config: _Config | None = None,
+    config: LaunchConfig | None = None,
+    tuning: ScoreTuning | None = None,
     query_offset: int = 0,
     query_step: int = 0,
 ) -> torch.Tensor:
@@ -456,7 +462,7 @@ def attention_mass_layers_triton(
     Args:
         queries: per layer ``(B, n_q, len(heads[l]), D)``; one ``B``, ``n_q`` and ``D`` for all layers.
         keys: per layer ``(B, capacity_l, kv_heads_l, D)``, one dtype for all layers.
-        query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config,
+        query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config, tuning,
             query_offset, query_step: as in :func:`attention_mass_triton`; the queries of every layer sit
             at the same positions.
 
@@ -485,8 +491,7 @@ def attention_mass_layers_triton(
     n_rows = n_queries * total_heads
     given = config
     if config is None:  # splits sized per layer as for one layer alone (the largest layer's)
-        config = _config(batch, batch * max(sum(tiles) for tiles in m_tiles), head_dim, span, num_positions,
-                         _sm_count(device), key_bytes=keys[0].element_size(), rows=n_rows)
+        config = call_config(queries, keys, heads, group_size, num_positions, key_span, tuning=tuning)
     if 0 < config.layers_per_pass2 < len(queries):  # several pass 2s, each adding into the output
         step = config.layers_per_pass2
         for first in range(0, len(queries), step):
@@ -495,15 +500,14 @@ def attention_mass_layers_triton(
                                                heads[first:first + step], group_size, softmax_scale, num_positions,
                                                key_span, out=out, position_limit=position_limit if last else None,
                                                config=given,  # None: each group of layers sizes its own pass 2
-                                               query_offset=query_offset, query_step=query_step)
+                                               tuning=tuning, query_offset=query_offset, query_step=query_step)
         return out
     if out is None:
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
         accumulate = False
     else:
         accumulate = True
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
 
     n_tiles = triton.cdiv(span, config.block_n)
     shifted_dtype = torch.float32 if keys[0].dtype == torch.float32 else torch.float16  # scores - running max
@@ -513,17 +517,17 @@ def attention_mass_layers_triton(
     lse = torch.empty(batch, n_rows, dtype=torch.float32, device=device)  # (B, R)
     split = config.num_splits > 1
     lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=device) if split else lse
-    tickets = _tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
+    counters = tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     pdl = dependent_launch(out)
     head_offset = 0
     for layer_queries, layer_keys, layer_groups, layer_tiles in zip(queries, keys, groups, m_tiles):
         for (kv_head, members), tiles in zip(layer_groups, layer_tiles):
-            group_queries = select_heads(layer_queries, members)  # (B, n_q, n_h, D), a view if members are even
+            group_queries = _heads(layer_queries, members)  # (B, n_q, n_h, D)
             group_keys = layer_keys[:, :, kv_head]  # (B, capacity, D)
             rows = n_queries * len(members)
             _score_pass1_kernel[(config.num_splits * tiles, batch)](
-                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, tickets,
+                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, counters,
                 softmax_scale * _LOG2E,
                 *group_queries.stride(), *group_keys.stride(),
                 *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
@@ -551,6 +555,15 @@ def attention_mass_layers_triton(
         num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
     return out
+
+
+def _heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
+    """``queries[:, :, members]`` without an index tensor (a host copy, which a CUDA graph capture refuses): a
+    strided view where ``members`` are evenly spaced, else stacked views."""
+    step = members[1] - members[0] if len(members) > 1 else 1
+    if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
+        return queries[:, :, members[0]:members[-1] + 1:step]
+    return torch.stack([queries[:, :, i] for i in members], dim=2)
 
 
 def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[int]]]:

@@ -12,7 +12,7 @@ breaks ties arbitrarily: with ties at a threshold the two paths may pick differe
 equal score, and a different draft pick can change what the history fill sees.
 
 Why a kernel: the PyTorch path runs two ``topk`` over the whole ``(B, span)`` scores, masks, a
-scatter, a cat and a sort (about ten launches, ~0.16 ms at B = 16, 32k positions on an H200).
+scatter, a cat and a sort (about ten launches).
 
 Algorithm (a filter that keeps every winner, then an exact select among the survivors):
 
@@ -21,9 +21,8 @@ Algorithm (a filter that keeps every winner, then an exact select among the surv
   key bit by bit, from the top: 32 steps, each one count of the keys at or above a trial threshold.
   Keys above the threshold are in; of those equal to it, the first ``k - above`` in position order
   (an exclusive cumsum) are in. A step costs mostly its reduction's latency, so launch 1 runs its two
-  searches in one loop (:func:`_top_k_pair`: both counts packed in one int32, one reduction a step):
-  H200, batch 16, span 32768, budget 512: launch 1 24.1 us against 30.6 with the searches one after
-  the other.
+  searches in one loop (:func:`_top_k_pair`: both counts packed in one int32, one reduction a step
+  for both instead of one each).
 * **Launch 1** (:func:`_local_pools_kernel`), grid ``(n_chunks, B)``: chunk ``c`` of row ``b``
   (``chunk`` positions, in registers) keeps its local top ``share`` by draft score and its local top
   ``share + fill`` by history score, and writes each set compacted in position order to a pool
@@ -39,25 +38,23 @@ Algorithm (a filter that keeps every winner, then an exact select among the surv
 
 Launch sizes come from host ints only (``B``, the scores' width, the budget split), so the call
 makes no host sync and can be captured in a CUDA graph. The pools hold ``n_chunks * min(k, chunk)``
-entries in one program's registers, which bounds the span the kernels take (:func:`_config`).
+entries in one program's registers, which bounds the span the kernels take (:func:`launch_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._device import prepare_interpreter
+from .tuning import SelectTuning
 from .triton_launch import await_producers, dependent_launch
-from .triton_verify import _patch_interpreter_for_numpy_2_4
 
-__all__ = ["select_sparse_triton", "supports"]
+__all__ = ["LaunchConfig", "launch_config", "select_sparse_triton", "supports"]
 
-_MIN_CHUNK = 1024
-_TARGET_POOL = 4096  # grow chunks until the history pool is this small (launch 2 is one program per row)
 # Launch 1 holds a chunk's keys in registers, launch 2 the pools. Compiled for sm_90 (Triton 3.6), neither
 # spills up to 8192; at 16384 (16 warps) each spills 120-210 bytes per thread, slower but still correct.
 _MAX_CHUNK = 16384  # < 2**16: launch 1 packs two counts of a chunk's keys in one int32
@@ -65,8 +62,8 @@ _MAX_POOL = 16384
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Launch parameters of one call; build with :func:`_config`.
+class LaunchConfig:
+    """Launch parameters of one call; build with :func:`launch_config`.
 
     Attributes:
         chunk: positions per launch-1 program, a power of two.
@@ -84,25 +81,26 @@ def _pool_width(k: int, chunk: int) -> int:
     return min(k, chunk)
 
 
-def _config(span: int, share: int, fill: int, *, chunk: int | None = None, num_warps_local: int | None = None,
-            num_warps_merge: int | None = None) -> _Config | None:
+def launch_config(span: int, share: int, fill: int, *, tuning: SelectTuning | None = None, chunk: int | None = None,
+                  num_warps_local: int | None = None, num_warps_merge: int | None = None) -> LaunchConfig | None:
     """Launch parameters from host ints, or ``None`` when the pools would not fit one program's registers.
 
-    ``chunk`` left ``None``: the smallest power of two from ``_MIN_CHUNK`` whose history pool
-    (``n_chunks * min(share + fill, chunk)`` entries) is at most ``_TARGET_POOL``, else the largest chunk
+    ``chunk`` left ``None``: the smallest power of two from ``tuning.min_chunk`` whose history pool
+    (``n_chunks * min(share + fill, chunk)`` entries) is at most ``tuning.target_pool``, else the largest chunk
     (``_MAX_CHUNK``) as long as its pool stays within ``_MAX_POOL``. Warps: about 16 keys per thread.
     """
+    tuning = tuning or SelectTuning()
     largest_k = share + fill
     if chunk is None:
-        chunk = _MIN_CHUNK
-        while chunk < _MAX_CHUNK and triton.cdiv(span, chunk) * _pool_width(largest_k, chunk) > _TARGET_POOL:
+        chunk = tuning.min_chunk
+        while chunk < _MAX_CHUNK and triton.cdiv(span, chunk) * _pool_width(largest_k, chunk) > tuning.target_pool:
             chunk *= 2
     if chunk & (chunk - 1) or chunk > _MAX_CHUNK:
         raise ValueError(f"chunk must be a power of two up to {_MAX_CHUNK}; got {chunk}")
     pool = triton.cdiv(span, chunk) * _pool_width(largest_k, chunk)
     if pool > _MAX_POOL:
         return None
-    return _Config(
+    return LaunchConfig(
         chunk=chunk,
         num_warps_local=num_warps_local or _warps_for(chunk),
         num_warps_merge=num_warps_merge or _warps_for(triton.next_power_of_2(pool)),
@@ -114,10 +112,10 @@ def _warps_for(n: int) -> int:
     return min(16, max(4, n // 512))
 
 
-def supports(span: int, share: int, fill: int) -> bool:
+def supports(span: int, share: int, fill: int, tuning: SelectTuning | None = None) -> bool:
     """Whether :func:`select_sparse_triton` takes scores ``span`` wide with this budget split (its pools
     fit: with a 512 budget, spans up to ~500k positions)."""
-    return _config(span, share, fill) is not None
+    return launch_config(span, share, fill, tuning=tuning) is not None
 
 
 @triton.jit
@@ -275,7 +273,8 @@ def select_sparse_triton(
     recent: int,
     share: int,
     fill: int,
-    config: _Config | None = None,
+    config: LaunchConfig | None = None,
+    tuning: SelectTuning | None = None,
 ) -> torch.Tensor:
     """Each row's sparse read set (sinks, recent window, draft top ``share``, history top ``fill``).
 
@@ -286,7 +285,8 @@ def select_sparse_triton(
         lengths: ``(B,)`` int32/int64, cached positions ``L_b`` per row; a row is meant to satisfy
             ``budget < L_b <= span`` (other rows get an in-range but meaningless answer).
         sink, recent, share, fill: the budget split (host ints).
-        config: overrides the launch heuristic (:func:`_config`).
+        config: this call's launch parameters instead of the heuristic's (:func:`launch_config`).
+        tuning: the heuristic's constants (``None``: the defaults).
 
     Returns:
         ``(B, sink + recent + share + fill)`` int32, each row sorted ascending.
@@ -297,12 +297,11 @@ def select_sparse_triton(
     out = torch.empty(batch, budget, dtype=torch.int32, device=draft_scores.device)
     if batch == 0 or budget == 0:
         return out
-    config = config or _config(span, share, fill)
+    config = config or launch_config(span, share, fill, tuning=tuning)
     if config is None:
         raise ValueError(f"scores {span} wide with share {share} and fill {fill} overflow the selection kernel's "
                          f"pools; use the PyTorch path (select_positions(..., backend='reference'))")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     n_chunks = triton.cdiv(span, config.chunk)
     pool_d, pool_h = _pool_width(share, config.chunk), _pool_width(share + fill, config.chunk)
     device = draft_scores.device

@@ -20,18 +20,17 @@ Algorithm (flash-decoding):
   once by whichever split owns it. In sparse mode with several queries they are not in the loop:
   split 0 attends to them first, in a tile of ``BLOCK_T >= Q`` keys of their own, and the splits
   divide the ``W`` selected ordinals only. A budget of 512 is then 8 tiles of 64, not 8 and a ninth
-  holding 5 keys, which cost about as much as a full one (each tile waits for its gathers; H200, 72B
-  layout, batch 16: 8 tiles 13.2 us, with the ninth 14.4); the separate tile costs about two thirds of
-  that (14.0 us; ``_TAIL_FIRST``).
+  holding 5 keys, which costs about as much as a full one (each tile waits for its gathers); the
+  separate tile costs less. One query keeps its new token in the loop: there a tile of its own costs
+  more than the one key adds to the last tile.
 * **Open loops.** Where every row sees every key of the loop (sparse with the new tokens apart, or one
   query), the loop is lean (``OPEN_LOOP``): no causal mask, the scale and the mask of keys past the
   loop's end one multiply-add with a bias of 0 / ``-inf`` per key, no guard for rows that have seen
   nothing (each tile holds a visible key), the K/V gathers unmasked (ordinals past the end read slot
   0, a real row), their slot offsets in int32 where the cache allows and shared by K and V where the
-  strides agree. The kernel is bound by one warpgroup's instruction latency, not by memory (ncu on an
-  H200: its time scales with the SM clock; 3.3 cycles per instruction, one warp per scheduler), so
-  instructions are time: 781 SASS instructions a 64-key tile before, 509 after; 72B layout, batch 16,
-  budget 512: 14.0 -> 11.0 us. Dense mode with several queries keeps the masked loop.
+  strides agree. The kernel is bound by one warpgroup's instruction latency, not by memory (its time
+  follows the SM clock; one warp per scheduler), so instructions are time: the open loop's 64-key tile
+  takes about a third fewer than the masked one. Dense mode with several queries keeps the masked loop.
 * **GQA packing.** The ``G = Hq / Hkv`` query heads sharing one KV head and the ``Q`` queries are
   packed into one ``M = G * Q`` row block (row ``r`` is query ``r // G``, head ``r % G`` of the
   group), padded to ``BLOCK_M >= 16`` for ``tl.dot``. Each K/V tile is loaded once per group.
@@ -43,13 +42,14 @@ Algorithm (flash-decoding):
 * **Merge.** With one split the program normalises and writes the output directly. Otherwise it
   writes a normalised partial output (fp32) and its log-sum-exp (base 2), and the splits of each
   (row, query, head) are combined by log-sum-exp (empty splits get weight ``exp2(-inf) = 0``) in one
-  of two ways (``_Config.merge``): ``"ticket"``, in the same launch: each split takes a ticket from
+  of two ways (``LaunchConfig.merge``): ``"ticket"``, in the same launch: each split takes a ticket from
   an atomic counter per (batch row, kv head, row tile) once its partial is stored, and the last to
   arrive merges all of them and resets the counter to 0 for the next launch; or ``"kernel"``, a second
   launch of :func:`_merge_splits_kernel` (one program per output row, better when the splits are many
   and one program would read them all alone). The counters live in a zeroed buffer per device
-  (:func:`_tickets`), allocated once and left at zero by every launch, so a call captured in a CUDA
-  graph replays correctly; two ticket-merge launches on one device must not run concurrently.
+  (:func:`dustin_hf.kernels._device.tickets`), allocated once and left at zero by every launch, so a
+  call captured in a CUDA graph replays correctly; two ticket-merge launches on one device must not run
+  concurrently.
 * **Pipelining.** Triton's software pipeliner overlaps the K/V gathers of later tiles with the
   current one. In sparse mode it splits ``num_stages`` between the index load and the K/V gathers
   whose addresses depend on it (Triton 3.6, sm_90, read off the compiled TTGIR and PTX; checked by
@@ -57,73 +57,39 @@ Algorithm (flash-decoding):
   ``t`` is computed and are waited for right away, so every tile pays a full memory latency; with
   5-6 the gathers of one tile are in flight while another is computed, with 7-8 two, and the index
   loads are asynchronous copies issued further ahead. Sparse mode takes 5 stages when the buffers fit
-  (:func:`_num_stages`): on an H200 7 and 9 stages were slower again.
+  (:func:`_num_stages`): a second tile in flight costs more registers and shared memory than it hides.
 
 The number of splits and the tile sizes come only from host-known sizes (``B``, ``Hkv``, ``W`` or
 ``max_seqlen_k``, the SM count), so a call with ``max_seqlen_k`` given (or in sparse mode) makes no
-host sync and can be captured in a CUDA graph. :func:`_config` is the heuristic; benchmarks sweep
-it by passing a :class:`_Config` to :func:`_verify_attention_triton`.
+host sync and can be captured in a CUDA graph. :func:`launch_config` is the heuristic, its constants a
+:class:`~dustin_hf.kernels.tuning.VerifyTuning`; a call takes either, or an explicit :class:`LaunchConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._device import prepare_interpreter, sm_count, smem_limit, tickets
+from .tuning import VerifyTuning
 from .triton_launch import await_producers, dependent_launch
 
-__all__ = ["verify_attention_triton"]
+__all__ = ["LaunchConfig", "launch_config", "sparse_loop_keys", "verify_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
-_MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles (amortises q load + partial write)
-_PROGRAMS_PER_SM = 2  # aim for about this many programs per SM before splitting stops
-# Sparse mode: one program per SM. Its programs hold 3 K/V tiles of shared memory (5 stages), so a second
-# one per SM waits for the first, and a split costs its merge. H200, CUDA graphs, 32k, budget 512
-# (benchmarks/results/attention_h200_7b_splits_cudagraph.json, attention_h200_72b_b8_sweep_cudagraph.json):
-# Qwen2.5-7B layout, batch 16 (64 programs unsplit), 2 splits 12.5 us against 13.3 with 3 (the old choice);
-# 72B layout, batch 8, 2 splits 11.9 us against 12.8 with 4. End to end (7B + 0.5B sparse draft, batch 16,
-# same process alternating, e2e_h200_ab_sparse_programs_per_sm.json): 3207.1 / 3207.9 tok/s against 3189.2 /
-# 3193.8. The draft's 32 programs keep their 3 splits (3 tiles of 64 keys each).
-_SPARSE_PROGRAMS_PER_SM = 1
-# Sparse mode with one query (a draft's decode step) has little work per key tile, so it is split finer: the 0.5B
-# draft at batch 16 (32 programs a split, 9 tiles of 64 keys over budget 512 + the new token), H200, CUDA graphs,
-# 24 calls over 24 caches, dependent launches (draft_attention_h200_sweep_pdl.json): the rule above (3 splits,
-# 4 warps) 6.29 us, 9 splits of one tile 5.61, with 2 warps 5.36. End to end (7B + 0.5B sparse draft, 32k, batch
-# 16, same-process A/B, e2e_h200_ab_sparse_decode.json): 3449.7 against 3433.8 tok/s. Read at call time.
-_SPARSE_DECODE = {"programs_per_sm": 3, "min_blocks_per_split": 1, "num_warps": 2}
-# Sparse mode with several queries: split 0 attends to the new tokens first, in a tile of their own
-# (module docstring). H200, CUDA graphs, 32k, budget 512: 72B layout batch 16 14.0 us against 14.4, 7B
-# batch 16 11.9 against 12.3, 0.5B draft (5 queries) 7.0 against 7.4; with one query (the draft's decode)
-# it cost 0.7% end to end (7B + 0.5B sparse draft, batch 16, same-process A/B, e2e_h200_ab_tail_variants.json),
-# so one query keeps its new token in the loop (e2e_h200_ab_tail_first.json: this rule against none).
-# Read at call time (benchmarks/ab_toggle.py can flip it).
-_TAIL_FIRST = True
-# A short key range (a sparse read of a budget) already filling half a wave is not split: the merge
-# launch then costs more than the split saves (H200, 72B layout, batch 16, budget 512, CUDA graphs,
-# two-launch merge, 3 stages: 21.6 us with 2 splits, 18.2 us unsplit;
-# benchmarks/results/attention_h200_sweep_cudagraph.json).
-_SHORT_RANGE_BLOCKS = 16
 _MAX_BLOCK_M = 128
 # "ticket" merge up to this many splits: the last split reads every partial (splits x BLOCK_M x D fp32)
 # from L2 alone, while the merge kernel spreads that over one program per output row.
 _MAX_TICKET_SPLITS = 8
-_PIPELINE_SMEM_BYTES = 160 * 1024  # K/V pipeline buffers + q per program in sparse mode (sm_90: 227 KiB a block)
-# 1 or 0 K/V tiles in flight beyond the one computed (module docstring). Measured on an H200 (72B layout,
-# batch 16, budget 512, CUDA graphs, block_n 64): 5 stages 15.4 us, 7 stages 16.4, 9 stages 16.9, 3 stages
-# 18.1: a second tile in flight costs more (registers, shared memory) than it hides. With the lean key loop
-# (attention_h200_sweep6_cudagraph.json) 5 and 7 stages are equal: 10.9 and 11.0 us.
-_SPARSE_STAGES = (5, 3)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Launch parameters of one call; build with :func:`_config`.
+class LaunchConfig:
+    """Launch parameters of one call; build with :func:`launch_config`.
 
     Attributes:
         block_m: packed (query, head) rows per program, a power of two >= 16.
@@ -134,6 +100,9 @@ class _Config:
         num_warps, num_stages: Triton launch options of the main kernel.
         merge: how splits are combined: ``"none"`` (one split), ``"ticket"`` (the last split to
             finish, in the main kernel) or ``"kernel"`` (a second launch).
+        int32_offsets: the open loop computes slot offsets in int32 where every offset of the cache fits
+            (fewer instructions a tile); ``False``: in int64 always, as a cache of more than 2**31 elements
+            per row needs.
     """
 
     block_m: int
@@ -144,30 +113,7 @@ class _Config:
     num_warps: int
     num_stages: int
     merge: str
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (1 off CUDA, where the Triton interpreter runs)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _smem_limit(device: torch.device) -> int | None:
-    """Shared memory one block of ``device`` may use, ``None`` off CUDA (no limit): the opt-in maximum Triton's
-    driver reports, the number its launcher checks a compiled kernel against (``OutOfResources``). PyTorch's
-    device properties only give the 48 KiB default."""
-    if device.type != "cuda":
-        return None
-    return _cuda_smem_limit(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_smem_limit(index: int) -> int:
-    from triton.runtime import driver
-
-    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    int32_offsets: bool = True
 
 
 def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool) -> int:
@@ -195,7 +141,7 @@ def _fit_shared(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_s
                      f"(block_m {block_m}, head dim {block_d}, {elem_bytes}-byte elements); use 16-bit inputs")
 
 
-def _config(
+def launch_config(
     batch: int,
     n_kv_heads: int,
     group: int,
@@ -206,34 +152,34 @@ def _config(
     *,
     sparse: bool = False,
     elem_bytes: int = 2,
+    tuning: VerifyTuning | None = None,
+    smem_limit: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge: str | None = None,
-    programs_per_sm: int | None = None,
-    min_blocks_per_split: int | None = None,
-    smem_limit: int | None = None,
-) -> _Config:
+) -> LaunchConfig:
     """Tile sizes and split count from host-known sizes only (no device data, so graph-safe).
 
-    ``n_keys`` bounds the key ordinals the splits divide: ``W`` (sparse, several queries: the new tokens
-    are attended to apart), ``W + Q`` (sparse, one query) or ``max_seqlen_k`` (dense);
-    ``elem_bytes`` is the size of one q/k/v element. Any keyword left ``None`` takes the heuristic
-    value. Splits: none for a short key range (at most ``_SHORT_RANGE_BLOCKS`` tiles) whose programs
-    fill half the SMs already; otherwise enough programs to give every SM about ``programs_per_sm`` of
-    them (default ``_SPARSE_PROGRAMS_PER_SM`` sparse, ``_PROGRAMS_PER_SM`` dense; floor, so no partial
-    extra wave), but never fewer than ``min_blocks_per_split`` key tiles per split, and at most
-    ``_MAX_SPLITS`` (one query, sparse: ``_SPARSE_DECODE``'s values, warps too). Merge: ``"ticket"`` up to
+    ``n_keys`` bounds the key ordinals the splits divide (:func:`sparse_loop_keys` in sparse mode,
+    ``max_seqlen_k`` dense); ``elem_bytes`` is the size of one q/k/v element; ``tuning`` the heuristic's
+    constants (:class:`~dustin_hf.kernels.tuning.VerifyTuning`). Any launch keyword left ``None`` takes the
+    heuristic value. Splits: none for a short key range (at most ``tuning.short_range_blocks`` tiles) whose
+    programs fill half the SMs already; otherwise enough programs to give every SM about
+    ``tuning.sparse_programs_per_sm`` (sparse) or ``tuning.programs_per_sm`` (dense) of them (floor, so no
+    partial extra wave), but never fewer than ``tuning.min_blocks_per_split`` key tiles per split, and at most
+    ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge: ``"ticket"`` up to
     ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
     block may use): a heuristic key-tile width and stage count that would not fit are reduced
     (:func:`_fit_shared`); given ones are kept.
     """
+    tuning = tuning or VerifyTuning()
+    programs_per_sm = tuning.sparse_programs_per_sm if sparse else tuning.programs_per_sm
+    min_blocks_per_split = tuning.min_blocks_per_split
     if sparse and n_queries == 1:  # a draft's decode step: its own defaults
-        programs_per_sm = programs_per_sm or _SPARSE_DECODE.get("programs_per_sm")
-        min_blocks_per_split = min_blocks_per_split or _SPARSE_DECODE.get("min_blocks_per_split")
-        num_warps = num_warps or _SPARSE_DECODE.get("num_warps")
-    min_blocks_per_split = min_blocks_per_split or _MIN_BLOCKS_PER_SPLIT
+        programs_per_sm, min_blocks_per_split = tuning.decode_programs_per_sm, tuning.decode_min_blocks_per_split
+        num_warps = num_warps or tuning.decode_num_warps
     rows = group * n_queries
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
@@ -243,14 +189,13 @@ def _config(
         block_n = 64 if block_d <= 128 else 32
     if fit:
         block_n, num_stages = _fit_shared(block_m, block_n, block_d, elem_bytes,
-                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse), sparse,
+                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning), sparse,
                                           smem_limit)
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
     programs = batch * n_kv_heads * m_tiles
-    if num_splits is None and n_blocks <= _SHORT_RANGE_BLOCKS and 2 * programs >= sm_count:
+    if num_splits is None and n_blocks <= tuning.short_range_blocks and 2 * programs >= sm_count:
         num_splits = 1
     if num_splits is None:
-        programs_per_sm = programs_per_sm or (_SPARSE_PROGRAMS_PER_SM if sparse else _PROGRAMS_PER_SM)
         by_occupancy = max(1, (programs_per_sm * sm_count) // max(1, programs))
         by_work = max(1, n_blocks // min_blocks_per_split)
         num_splits = min(by_occupancy, by_work, _MAX_SPLITS)
@@ -260,7 +205,7 @@ def _config(
     if num_warps is None:
         num_warps = 8 if block_m * block_d >= 128 * 256 else 4
     if num_stages is None:
-        num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse)
+        num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning)
     if num_splits == 1:
         merge = "none"
     elif merge is None:
@@ -268,25 +213,27 @@ def _config(
     elif merge not in ("ticket", "kernel") or (merge == "ticket" and num_splits > _MAX_TICKET_SPLITS):
         raise ValueError(f"merge must be 'kernel', or 'ticket' with at most {_MAX_TICKET_SPLITS} splits; "
                          f"got {merge!r} with {num_splits} splits")
-    return _Config(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages, merge)
+    return LaunchConfig(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages,
+                        merge)
 
 
-def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool) -> int:
-    """Software-pipelining depth: in sparse mode the deepest of ``_SPARSE_STAGES`` that fits.
+def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool,
+                tuning: VerifyTuning) -> int:
+    """Software-pipelining depth: in sparse mode the deepest of ``tuning.sparse_stages`` that fits.
 
     Sparse mode needs 2 more stages per K/V tile kept in flight (the index loads take the others;
     see the module docstring); ``num_stages`` 5 / 3 keep 3 / 2 K and V buffers of
-    ``block_n x block_d`` each, which with q's tile must fit in ``_PIPELINE_SMEM_BYTES``. Dense mode
+    ``block_n x block_d`` each, which with q's tile must fit in ``tuning.pipeline_smem_bytes``. Dense mode
     has no index load: 3 stages (one K/V tile in flight) for tiles up to 64 x 128, else 2.
     """
     if not sparse:
         return 3 if block_n * block_d <= 64 * 128 else 2
     tile_bytes = 2 * block_n * block_d * elem_bytes  # one K and one V buffer
     q_bytes = block_m * block_d * elem_bytes
-    for stages in _SPARSE_STAGES:
-        if (stages + 1) // 2 * tile_bytes + q_bytes <= _PIPELINE_SMEM_BYTES:
+    for stages in tuning.sparse_stages:
+        if (stages + 1) // 2 * tile_bytes + q_bytes <= tuning.pipeline_smem_bytes:
             return stages
-    return _SPARSE_STAGES[-1]
+    return tuning.sparse_stages[-1]
 
 
 @triton.jit
@@ -379,7 +326,7 @@ def _verify_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
             key_ok = n < hi
-            pos = _key_positions(INDICES + b * stride_ib, stride_in, n, n_cached, cached_len, SPARSE)  # int64
+            pos = n.to(tl.int64)  # dense (sparse calls take the open loop): the key ordinal is the cache slot
             kv_mask = key_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + pos[:, None] * stride_kt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + pos[:, None] * stride_vt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
@@ -507,22 +454,6 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
 
 
 @triton.jit
-def _key_positions(idx_row, stride_in, n, n_cached, cached_len, SPARSE: tl.constexpr):
-    """Cache slot of each key ordinal ``n`` (BLOCK_N,) of one row, as int64.
-
-    Sparse: ``indices[b, n]`` for ``n < n_cached`` (entries past ``n_cached`` are never read), then
-    the new slots ``cached_len + n - n_cached``. Dense: the ordinal is the slot.
-    """
-    if SPARSE:
-        is_cached = n < n_cached
-        selected = tl.load(idx_row + n * stride_in, mask=is_cached, other=0).to(tl.int64)
-        pos = tl.where(is_cached, selected, (cached_len + n - n_cached).to(tl.int64))
-    else:
-        pos = n.to(tl.int64)
-    return pos
-
-
-@triton.jit
 def _merge_splits_kernel(
     OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
     num_splits,
@@ -558,6 +489,8 @@ def verify_attention_triton(
     indices: torch.Tensor | None = None,
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    tuning: VerifyTuning | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Attention of ``Q`` new queries per row over selected (or all) cached positions plus the new tokens.
 
@@ -574,38 +507,23 @@ def verify_attention_triton(
             rest is never read). ``None`` means all ``W``.
         max_seqlen_k: dense mode only: ``max(cache_seqlens) + Q`` as a host int. It sizes the grid;
             if ``None`` it is computed with one device->host sync (so pass it under CUDA graphs).
+        tuning: the launch heuristic's constants (``None``: the defaults).
+        config: this call's launch parameters instead of the heuristic's (:func:`launch_config`; ``n_keys``
+            from :func:`sparse_loop_keys` in sparse mode).
 
     Returns:
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype (contiguous).
 
     Calls on one device must not run concurrently (from different streams): a call that splits the
-    keys merges the splits through counters shared by the device's calls (see :func:`_tickets`).
+    keys merges the splits through counters shared by the device's calls (see
+    :func:`dustin_hf.kernels._device.tickets`).
     """
-    return _verify_attention_triton(
-        q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, indices=indices,
-        num_indices=num_indices, max_seqlen_k=max_seqlen_k,
-    )
-
-
-def _verify_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    indices: torch.Tensor | None = None,
-    num_indices: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-    config: _Config | None = None,
-) -> torch.Tensor:
-    """:func:`verify_attention_triton` with an optional explicit launch :class:`_Config` (for sweeps)."""
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     _check_inputs(q, k_cache, v_cache, cache_seqlens, indices)
     sparse = indices is not None
     if sparse:
-        n_keys = _sparse_loop_keys(indices.shape[1], n_queries)
+        n_keys = sparse_loop_keys(indices.shape[1], n_queries)
         if num_indices is None:
             num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
     else:
@@ -613,19 +531,21 @@ def _verify_attention_triton(
         indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
     group = n_heads // n_kv_heads
     if config is None:
-        config = _config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, _sm_count(q.device), sparse=sparse,
-                         elem_bytes=q.element_size(), smem_limit=_smem_limit(q.device))
+        config = launch_config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device),
+                               sparse=sparse, elem_bytes=q.element_size(), tuning=tuning,
+                               smem_limit=smem_limit(q.device))
     return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
 
 
 def _tail_first(n_queries: int) -> bool:
-    """Whether a sparse call attends to its new tokens before the key loop (see ``_TAIL_FIRST``)."""
-    return _TAIL_FIRST and n_queries > 1
+    """Whether a sparse call attends to its new tokens before the key loop: with several queries (module
+    docstring). One query keeps its new token at the loop's end, where it costs no tile of its own."""
+    return n_queries > 1
 
 
-def _sparse_loop_keys(width: int, n_queries: int) -> int:
-    """Key ordinals a sparse call's splits divide (``n_keys`` of :func:`_config`): the ``width`` selected
-    ones, plus the new tokens unless they are attended to before the loop."""
+def sparse_loop_keys(width: int, n_queries: int) -> int:
+    """Key ordinals a sparse call's splits divide (``n_keys`` of :func:`launch_config`): the ``width``
+    selected ones, plus the new tokens unless they are attended to before the loop."""
     return width + (0 if _tail_first(n_queries) else n_queries)
 
 
@@ -654,55 +574,9 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
         raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
 
 
-@functools.cache
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Let the Triton interpreter run loops with runtime bounds under numpy >= 2.4.
-
-    triton <= 3.6's interpreter turns a scalar into a Python int with ``int(array_of_shape_1)``, which
-    numpy 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172). Only called when
-    ``TRITON_INTERPRET=1``; wraps the interpreter's tensor patching so ``__index__`` squeezes first.
-    Compiled (GPU) kernels are unaffected.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4) or not hasattr(interpreter, "_patch_lang_tensor"):
-        return
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_dustin_squeezes", False):
-        return  # patched by an earlier call: wrapping again would nest a wrapper per launch
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_lang_tensor._dustin_squeezes = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-_TICKET_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` int32 ticket counters on ``device``, zero between launches.
-
-    Allocated zeroed on first use and never freed: a CUDA graph captured with a buffer keeps its
-    address, and every launch leaves the counters it used at zero again. A larger request allocates a
-    new buffer and keeps the old one alive for the graphs that hold it. One buffer per device (not per
-    stream: a buffer first made inside a graph capture would put its zeroing into every replay), so
-    two launches on one device must not run at the same time, which holds for launches on one stream
-    and for graphs replayed one after another.
-    """
-    buffers = _TICKET_BUFFERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
-def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: _Config):
+def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig):
     """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -710,7 +584,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
     single = cfg.num_splits == 1
     ticket = cfg.merge == "ticket"
-    tickets = _tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
+    counters = tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
     if single:
         out_part = lse_part = out  # unused placeholders
         part_strides, lse_strides = (0, 0, 0, 0), (0, 0, 0)
@@ -723,7 +597,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     tail_first = sparse and _tail_first(n_queries)
     pdl = dependent_launch(q)
     _verify_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, tickets,
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, counters,
         softmax_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
         *out.stride(), *part_strides, *lse_strides,
@@ -735,7 +609,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
         TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         OPEN_LOOP=tail_first or n_queries == 1,
-        OFFSETS_32=_offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
+        OFFSETS_32=cfg.int32_offsets and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
         SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )

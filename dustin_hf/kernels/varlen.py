@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["torch_varlen_available", "verify_attention_varlen"]
+__all__ = ["torch_varlen_available", "torch_varlen_flavour", "verify_attention_varlen"]
 
 
 @functools.cache
@@ -58,6 +58,13 @@ def torch_varlen_available() -> bool:
     return _torch_varlen_fn() is not None and torch.cuda.is_available()
 
 
+def torch_varlen_flavour() -> str:
+    """How PyTorch's ``varlen_attn`` runs here: ``"seqused_k"`` (padded rows, no host sync; dense mode over the
+    cache itself), ``"gather"`` (ragged packing, one host sync a call) or ``"n/a"`` (this torch has none)."""
+    fn = _torch_varlen_fn()
+    return "n/a" if fn is None else "seqused_k" if "seqused_k" in _params(fn) else "gather"
+
+
 def verify_attention_varlen(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -69,6 +76,7 @@ def verify_attention_varlen(
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     use_flash_attn: bool,
+    kernels: tuple[Callable, Callable | None] | None = None,
 ) -> torch.Tensor:
     """Attention of ``Q`` new queries per row over selected (or all) cached positions plus the new tokens.
 
@@ -82,6 +90,9 @@ def verify_attention_varlen(
         num_indices: ``(batch,)``, int; valid leading entries of each ``indices`` row (``None``: all).
         max_seqlen_k: ``max(cache_seqlens) + Q`` if known; dense mode only (else an upper bound is used).
         use_flash_attn: flash-attn's kernels if True, else PyTorch's ``varlen_attn``.
+        kernels: ``(varlen, with_kvcache)`` to call instead of the installed ones (flash-attn's
+            ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``; PyTorch's ``varlen_attn`` and ``None``):
+            functions of their signatures and FlashAttention-2's semantics (the CPU tests pass such fakes).
 
     Returns:
         ``(batch, Q, nheads, headdim)`` in ``q``'s dtype. May sync with the host (see the module doc).
@@ -90,12 +101,11 @@ def verify_attention_varlen(
     seqlens = cache_seqlens.to(torch.int32)
     if indices is not None and num_indices is None:
         num_indices = torch.full((batch,), indices.shape[1], dtype=torch.int32, device=q.device)
-    if use_flash_attn and indices is None and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
-        _, with_kvcache = _flash_attn_fns()
+    attend, with_kvcache = kernels or (_flash_attn_fns() if use_flash_attn else (_torch_varlen_fn(), None))
+    if with_kvcache is not None and indices is None and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
         lengths = seqlens + n_queries  # flash-attn counts the new tokens in cache_seqlens
         return with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, softmax_scale=softmax_scale, causal=True)
 
-    attend = _flash_attn_fns()[0] if use_flash_attn else _torch_varlen_fn()
     q_packed = q.reshape(batch * n_queries, n_heads, head_dim)  # (B*Q, Hq, D): every row has Q queries
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n_queries  # (B+1,)
     if "seqused_k" in _params(attend):

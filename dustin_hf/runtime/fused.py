@@ -5,14 +5,12 @@ Mistral and Qwen families, as a context.
         with fused_ops(target, draft):
             ...  # capture CUDA graphs / decode
 
-Why: a decode step replayed from CUDA graphs (Qwen2.5-7B target + 0.5B draft, batch 16) ran ~4400 tiny
-elementwise kernels, ~9 ms of GPU time. transformers' RMSNorm is ~8 of them per call (253 calls a step)
-and ``apply_rotary_pos_emb`` ~10 per layer. :func:`rms_norm` and :func:`apply_rotary` are one Triton
-launch each (:mod:`dustin_hf.kernels.triton_fused`) with transformers' numerics: rotary bit-exact;
-RMSNorm rounds as transformers does, but its sum of squares is reduced in another order, so a few
-elements per million (H200, bf16) round one ulp the other way, at most 2 ulps of a 16-bit output.
-Under CUDA graphs on an H200 (80 rows, bf16) a norm of 3584 took 1.9 us instead of 21 us, the rotary
-of 28 + 4 heads of 128 at batch 16 x 5 positions 2.7 us instead of 26 us.
+Why: a decode step replayed from CUDA graphs (Qwen2.5-7B target + 0.5B draft, batch 16) is thousands of
+tiny elementwise kernels. transformers' RMSNorm is ~8 of them per call (253 calls a step) and
+``apply_rotary_pos_emb`` ~10 per layer. :func:`rms_norm` and :func:`apply_rotary` are one Triton launch
+each (:mod:`dustin_hf.kernels.triton_fused`) with transformers' numerics: rotary bit-exact; RMSNorm
+rounds as transformers does, but its sum of squares is reduced in another order, so a few elements per
+million (bf16) round one ulp the other way, at most 2 ulps of a 16-bit output.
 
 What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.23 and 5.24):
 
@@ -33,13 +31,13 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
   bytecode, SiLU, no biases) runs one GEMM over ``[gate; up]`` and :func:`silu_mul` (both in one
-  :func:`gated_linear` launch for at most 32 rows and 32 MB of weight, a draft's, or at most 64 rows and at
-  least 512 MB, a large target's verification), and its down projection, for at most 32 rows, as
-  :func:`skinny_linear` (one launch where cuBLAS splits K and reduces in a second); an attention's
+  :func:`gated_linear` launch for a draft's weight at decode sizes, or a large target's at verification
+  sizes: :class:`FusedTuning`), and its down projection at decode sizes as :func:`skinny_linear` (one
+  launch where cuBLAS splits K and reduces in a second); an attention's
   ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when they are
   called on the same input, as every listed family's attention does: ``q_proj`` computes all three and
   ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). That GEMM and ``o_proj``
-  run as :func:`skinny_linear` for at most 32 rows and 8 MB of weight (a draft's: on sm_90 every kernel of its
+  run as :func:`skinny_linear` for a draft's small weights at decode sizes (on sm_90 every kernel of its
   decode layer is then a Triton launch that starts as a dependent of the one before). The weights are not
   copied: each projection's weight (and bias) becomes a view of the fused tensor while the context is open,
   and gets its own storage back on exit. Numerics: SiLU·mul rounds as PyTorch does; a fused GEMM (and a
@@ -83,10 +81,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..kernels.tuning import ArgmaxTuning, Checked, GemmTuning
 from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention524
 
 __all__ = [
-    "FusedOps", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer", "fused_norm",
+    "FusedOps", "FusedTuning", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer",
+    "fused_norm",
     "fused_ops", "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear",
     "static_rotary",
 ]
@@ -116,37 +116,40 @@ _ROTARY_CLASSES = frozenset({
     "Qwen2MoeRotaryEmbedding", "Qwen3RotaryEmbedding", "Qwen3MoeRotaryEmbedding",
 })
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-# An MLP's down projection of at most this many rows (a draft's decode step: 16 rows at batch 16, 32 in its
-# first forward of a step) runs as skinny_linear: cuBLAS(Lt) runs the 0.5B draft's (K = 4864) as split-K plus a
-# reduction launch (5.6 + 1.8 us on an H200 at 16 rows). Raising this from 16 to 32 measured +0.15% end to end
-# (7B + 0.5B sparse draft, 32k, batch 16, one process alternating: 3217.6 / 3218.3 -> 3221.2 / 3224.9 tok/s).
-_SKINNY_ROWS = 32
-# ... and, with at most this many bytes of [gate; up] weight, its gate/up GEMM and SiLU-mul as one gated_linear
-# launch (a latency-bound GEMM: the 0.5B draft's 17 MB).
-_GATED_MAX_BYTES = 32 * 2**20
-# ... and with at least this many bytes, at up to _GATED_ROWS rows (a large target's verification: 72B at batch 8
-# is 40 rows of 969 MB). H200, same-process A/B, Qwen2.5-72B shapes cut to 40 of 80 layers (one pipeline stage) +
-# 0.5B sparse draft, 32k, batch 8 (e2e_h200_ab_gated_rows_72b_proxy.json): 705.3 / 705.6 tok/s against 691.5 /
-# 692.0 with cuBLAS + silu_mul (+2.0%). The 7B's 272 MB at 40 rows lost (1838.9 / 1841.7 against 1849.4 / 1849.7,
-# e2e_h200_ab_gated_rows_7b_b8.json), so weights between the two limits keep cuBLAS; 32B's 566 MB at 40 rows (48 of
-# its 64 layers) gained 0.6%: 881.4 / 881.2 against 875.7 / 876.3 (e2e_h200_ab_gated_32b_proxy.json). The down
-# projection at 40 rows as skinny_linear lost 1.8% on the 72B slice (e2e_h200_ab_large_down_72b_proxy.json): it
-# stays cuBLAS. Both read at fuse time.
-_GATED_MIN_LARGE_BYTES = 512 * 2**20
-_GATED_ROWS = 64
-# ... and an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of weight (the 0.5B draft's 2.1
-# and 1.6 MB) as skinny_linear launches, which can start as dependents of the kernel before them (cuBLAS's cannot).
-# H200, 7B + 0.5B sparse draft, 32k, batch 16, same-process A/B (e2e_h200_ab_skinny_projections.json): 3361.5
-# against 3264.9 tok/s with cuBLAS (0). Larger weights keep cuBLAS, unmeasured with the kernel. Read at call time.
-_SKINNY_PROJECTION_MAX_BYTES = 8 * 2**20
-# The argmax of a greedy head as one Triton launch: on an H200 (bf16, 152k vocabulary, CUDA graphs; argmax_h200.json)
-# 7.0 us for the draft's 16 rows and 19.6 for the 7B target's 80, against 12.4 and 26.6 for PyTorch's reduction;
-# end to end (7B + 0.5B sparse draft, 32k, batch 16, same-process A/B, e2e_h200_ab_argmax.json) 3458.1 / 3454.3 tok/s
-# against 3447.6 / 3447.9 (+0.24%).
-_ARGMAX_KERNEL = True
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTuning(Checked):
+    """Which projections :func:`fused_ops` runs through the Triton GEMMs, by rows and weight bytes (0 turns a
+    path off).
+
+    Attributes:
+        skinny_rows: an MLP's down projection of at most this many rows (a draft's decode step: 16 rows at batch
+            16, 32 in its first forward of a step) runs as :func:`skinny_linear`: cuBLAS runs the 0.5B draft's
+            (K = 4864) as a split-K GEMM plus a reduction launch.
+        gated_max_bytes: with at most this many bytes of ``[gate; up]`` weight, at up to ``skinny_rows`` rows, an
+            MLP's gate/up GEMM and SiLU-mul run as one :func:`gated_linear` launch (a latency-bound GEMM: the
+            0.5B draft's 17 MB).
+        gated_min_large_bytes, gated_rows: ... and with at least ``gated_min_large_bytes``, at up to
+            ``gated_rows`` rows (a large target's verification: 72B at batch 8 is 40 rows of 969 MB). Weights
+            between the two limits (a 7B's 272 MB) keep cuBLAS, which is faster there; a down projection of
+            more than ``skinny_rows`` rows keeps it too.
+        skinny_projection_max_bytes: an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of
+            weight (the 0.5B draft's 2.1 and 1.6 MB), at up to ``skinny_rows`` rows, run as :func:`skinny_linear`
+            launches, which can start as dependents of the kernel before them (cuBLAS's cannot). Larger weights
+            keep cuBLAS.
+    """
+
+    minimum = 0
+
+    skinny_rows: int = 32
+    gated_max_bytes: int = 32 * 2**20
+    gated_min_large_bytes: int = 512 * 2**20
+    gated_rows: int = 64
+    skinny_projection_max_bytes: int = 8 * 2**20
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,33 +203,33 @@ def fused_ops_available(model: torch.nn.Module) -> bool:
     return importlib.util.find_spec("triton") is not None and all(p.is_cuda for p in model.parameters())
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for at most ``_SKINNY_ROWS`` rows in one Triton launch
-    (:func:`dustin_hf.kernels.triton_gemm.skinny_linear`)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tuning: GemmTuning | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a decode-sized ``x`` in one Triton launch
+    (:func:`dustin_hf.kernels.triton_gemm.skinny_linear`; ``tuning``: its heuristic, ``None``: the defaults)."""
     _check_device(x)
     from ..kernels.triton_gemm import skinny_linear as skinny
 
-    return skinny(x, weight, bias)
+    return skinny(x, weight, bias, tuning=tuning)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu_mul(F.linear(x, weight))`` for ``weight = [gate; up]`` and at most ``_SKINNY_ROWS`` rows, in one
-    Triton launch (:func:`dustin_hf.kernels.triton_gemm.gated_linear`)."""
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, tuning: GemmTuning | None = None) -> torch.Tensor:
+    """``silu_mul(F.linear(x, weight))`` for ``weight = [gate; up]`` and a decode-sized ``x``, in one Triton launch
+    (:func:`dustin_hf.kernels.triton_gemm.gated_linear`; ``tuning`` as for :func:`skinny_linear`)."""
     _check_device(x)
     from ..kernels.triton_gemm import gated_linear as gated
 
-    return gated(x, weight)
+    return gated(x, weight, tuning=tuning)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)``, the same indices; on CUDA one Triton launch
-    (:func:`dustin_hf.kernels.triton_argmax.argmax_triton`, split over the GPU, a programmatic dependent on sm_90)
-    while ``_ARGMAX_KERNEL`` is set (read at call time), else PyTorch's reduction."""
-    if _ARGMAX_KERNEL and _argmax_kernel_runs_on(x.device) and x.dtype in (torch.float16, torch.bfloat16,
-                                                                            torch.float32) and x.numel():
+def argmax(x: torch.Tensor, tuning: ArgmaxTuning | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)``, the same indices; where Triton runs (CUDA, or its interpreter on CPU) one launch
+    (:func:`dustin_hf.kernels.triton_argmax.argmax_triton`, split over the GPU, a programmatic dependent on sm_90;
+    ``tuning``: its split, ``None``: the defaults), else PyTorch's reduction."""
+    if _argmax_kernel_runs_on(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel():
         from ..kernels.triton_argmax import argmax_triton
 
-        return argmax_triton(x)
+        return argmax_triton(x, tuning=tuning)
     return x.argmax(dim=-1)
 
 
@@ -267,12 +270,15 @@ class FusedOps:
 
 
 @contextlib.contextmanager
-def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
+def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
+              gemm: GemmTuning | None = None) -> Iterator[FusedOps]:
     """Run ``models``' RMSNorms and rotary embeddings through the fused kernels while the context is open.
 
-    Raises ``ValueError`` for a model the kernels cannot run on (see :func:`fused_ops_available`; on
+    ``tuning``: which projections run as Triton GEMMs (``None``: the defaults); ``gemm``: those GEMMs' launch
+    heuristic. Raises ``ValueError`` for a model the kernels cannot run on (see :func:`fused_ops_available`; on
     CPU the Triton interpreter, ``TRITON_INTERPRET=1``, is accepted too). Yields a :class:`FusedOps`.
     """
+    tuning = tuning or FusedTuning()
     for model in models:
         if not (fused_ops_available(model) or (_interpreting() and importlib.util.find_spec("triton"))):
             devices = sorted({str(p.device) for p in model.parameters()})
@@ -285,9 +291,9 @@ def fused_ops(*models: torch.nn.Module) -> Iterator[FusedOps]:
         modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
         norms = sum(_fuse_norm(m, undo) for m in modules)
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
-        mlps = sum(_fuse_mlp(m, undo) for m in modules)
-        qkv = sum(_fuse_qkv(m, undo) for m in modules)
-        outputs = sum(_fuse_output(m, undo) for m in modules)
+        mlps = sum(_fuse_mlp(m, undo, tuning, gemm) for m in modules)
+        qkv = sum(_fuse_qkv(m, undo, tuning, gemm) for m in modules)
+        outputs = sum(_fuse_output(m, undo, tuning, gemm) for m in modules)
         layers = sum(_register(m, _standard_layer, undo) for m in modules)
         tables = sum(_register(m, _static_rotary, undo) for m in modules)
         attentions = sum(_register(m, _standard_attention, undo) for m in modules)
@@ -444,7 +450,7 @@ def _own_storage(linears) -> None:
                 param.data = param.data.clone()  # the fused tensor goes once every view is replaced
 
 
-def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
+def _fuse_mlp(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
     """``down(silu(gate(x)) * up(x))`` as one GEMM over ``[gate; up]`` and one :func:`silu_mul` launch."""
     cls = type(module)
     if cls.__name__ not in _MLP_CLASSES or not _same_code(cls.forward, _StandardMLP.forward):
@@ -459,22 +465,22 @@ def _fuse_mlp(module: torch.nn.Module, undo: list) -> bool:
     weight, _ = _share_storage((gate, up), undo)
     down = module.down_proj
     weight_bytes = weight.numel() * weight.element_size()
-    gated_rows = (_SKINNY_ROWS if weight_bytes <= _GATED_MAX_BYTES
-                  else _GATED_ROWS if weight_bytes >= _GATED_MIN_LARGE_BYTES else 0)
+    gated_rows = (tuning.skinny_rows if weight_bytes <= tuning.gated_max_bytes
+                  else tuning.gated_rows if weight_bytes >= tuning.gated_min_large_bytes else 0)
 
     def forward(x):
         if x.numel() <= gated_rows * x.shape[-1]:  # decode-sized: one launch, no gate_up tensor
-            hidden = gated_linear(x, weight)
+            hidden = gated_linear(x, weight, gemm)
         else:
             hidden = silu_mul(torch.nn.functional.linear(x, weight))
-        if hidden.numel() <= _SKINNY_ROWS * hidden.shape[-1]:  # decode-sized: no split-K + reduction launch
-            return skinny_linear(hidden, down.weight, down.bias)
+        if hidden.numel() <= tuning.skinny_rows * hidden.shape[-1]:  # decode-sized: no split-K + reduction launch
+            return skinny_linear(hidden, down.weight, down.bias, gemm)
         return down(hidden)
 
     return _replace_forward(module, forward, undo)
 
 
-def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
+def _fuse_qkv(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
     """``q_proj``, ``k_proj``, ``v_proj`` of one input as one GEMM over ``[q; k; v]``."""
     if type(module).__name__ not in _ATTENTION_CLASSES:
         return False
@@ -488,7 +494,7 @@ def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
     last = {}  # the input q_proj last saw and the fused projection of it, until v_proj takes its slice
 
     def q_forward(x):
-        out = _projection(x, weight, bias)
+        out = _projection(x, weight, bias, tuning, gemm)
         last.update(x=x, out=out)
         return out[..., :n_q]
 
@@ -509,20 +515,21 @@ def _fuse_qkv(module: torch.nn.Module, undo: list) -> bool:
     return True
 
 
-def _fuse_output(module: torch.nn.Module, undo: list) -> bool:
+def _fuse_output(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
     """An attention's ``o_proj`` through :func:`_projection` (one :func:`skinny_linear` launch at decode sizes)."""
     o = getattr(module, "o_proj", None)
     if type(module).__name__ not in _ATTENTION_CLASSES or not _plain_linears(o):
         return False
-    return _replace_forward(o, lambda x: _projection(x, o.weight, o.bias), undo)
+    return _replace_forward(o, lambda x: _projection(x, o.weight, o.bias, tuning, gemm), undo)
 
 
-def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``; for at most ``_SKINNY_ROWS`` rows and ``_SKINNY_PROJECTION_MAX_BYTES`` of weight one
-    :func:`skinny_linear` launch."""
-    if (x.numel() <= _SKINNY_ROWS * x.shape[-1]
-            and weight.numel() * weight.element_size() <= _SKINNY_PROJECTION_MAX_BYTES):
-        return skinny_linear(x, weight, bias)
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tuning: FusedTuning,
+                gemm: GemmTuning | None) -> torch.Tensor:
+    """``F.linear``; for at most ``tuning.skinny_rows`` rows and ``tuning.skinny_projection_max_bytes`` of weight
+    one :func:`skinny_linear` launch."""
+    if (x.numel() <= tuning.skinny_rows * x.shape[-1]
+            and weight.numel() * weight.element_size() <= tuning.skinny_projection_max_bytes):
+        return skinny_linear(x, weight, bias, gemm)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -742,8 +749,7 @@ def _has_triton() -> bool:
 
 
 def _argmax_kernel_runs_on(device: torch.device) -> bool:
-    """CUDA only: on CPU the interpreter would run every greedy head of the tests (they monkeypatch this)."""
-    return device.type == "cuda" and _has_triton()
+    return _has_triton() and _triton_runs_on(device)
 
 
 def _check_device(t: torch.Tensor) -> None:

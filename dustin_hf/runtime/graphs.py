@@ -46,6 +46,7 @@ import torch
 
 from . import fused
 from ..compat import CACHE_KWARG
+from ..kernels.tuning import KernelTuning
 from ..plan import DeviceTensors, ForwardPlan
 
 __all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
@@ -70,11 +71,13 @@ class Pipeline:
 
     It calls the model's own modules in the order the model's forward does (embedding, rotary table,
     decoder layers, final norm on the kept positions, head) with the arguments the model passes them,
-    so a stage computes what the model's forward computes; the tests check that logits match.
+    so a stage computes what the model's forward computes; the tests check that logits match. ``tuning``: the
+    kernels' launch heuristics (``None``: the defaults), of which the greedy head's argmax takes ``tuning.argmax``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, tuning: KernelTuning | None = None):
         self.model, self.decoder = model, model.base_model
+        self.tuning = tuning or KernelTuning()
         missing = [name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(self.decoder, name)]
         if missing or model.get_output_embeddings() is None:
             raise ValueError(
@@ -117,7 +120,7 @@ class Pipeline:
                 state = {"h": self._final_norm(state, keep)}
             elif step == "head":
                 logits = self.head(state["h"])
-                state = {"tokens": fused.argmax(logits)} if tokens else {"logits": logits.float()}
+                state = {"tokens": fused.argmax(logits, self.tuning.argmax)} if tokens else {"logits": logits.float()}
             elif fused.fused_decoder_layer(self.layers[step]) and fused._triton_runs_on(state["h"].device):
                 state = self._fused_layer(self.layers[step], state, plan, cache)
             else:
@@ -210,9 +213,8 @@ class Pipeline:
 def _embed(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """``embedding(ids)``; for a plain ``nn.Embedding`` without ``max_norm`` as ``weight[ids]`` (the same rows).
 
-    ``F.embedding`` runs CUDA's ``index_select``, whose kernel for few indices walks them one after another:
-    13 us for 16 ids into Qwen2.5-0.5B's 151936 x 896 table on an H200, where the indexing kernel copies the
-    rows in parallel."""
+    ``F.embedding`` runs CUDA's ``index_select``, whose kernel for few indices walks them one after another
+    (16 ids into Qwen2.5-0.5B's 151936 x 896 table), where the indexing kernel copies the rows in parallel."""
     if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
         return embedding.weight[ids]
     return embedding(ids)

@@ -13,12 +13,11 @@ __all__ = ["all_on_cuda", "prefer_cublaslt"]
 def prefer_cublaslt(device: torch.device):
     """Route PyTorch's GEMMs through cuBLASLt while decoding (restored after; CUDA only).
 
-    PyTorch's default, the cuBLAS API, runs the skinny down projections of decoding as split-K with a
-    reduction launch where cuBLASLt picks one kernel without: on an H200, bf16, 43.3 -> 38.1 us for
-    Qwen2.5-7B's at 80 rows, 124.5 -> 113.6 us for 72B's at 40 rows; the other projections (and the 0.5B
-    draft's down projection at 16 rows, split-K in both) run the same kernels either way
-    (``benchmarks/blas_choice.py``, ``benchmarks/results/blas_h200.json``). The setting is process-wide
-    while ``generate`` runs.
+    PyTorch's default, the cuBLAS API, runs the skinny down projections of a target's verification (a 7B's
+    at 80 rows, a 72B's at 40) as split-K with a reduction launch where cuBLASLt picks one kernel without,
+    which is faster; the other projections (and a 0.5B draft's down projection at 16 rows, split-K in both)
+    run the same kernels either way (``benchmarks/blas_choice.py`` compares them). The setting is
+    process-wide while ``generate`` runs.
     """
     if device.type != "cuda":
         yield
