@@ -1,9 +1,10 @@
-"""Same-process A/B of one module attribute on the end-to-end decoding benchmark.
+"""Same-process A/B of one tuning value on the end-to-end decoding benchmark.
 
 Builds the 7B + 0.5B models of ``e2e.py`` (or ``--pair``'s target, ``--target-layers`` of it) once
 (random bf16 weights, one GPU), then runs the speculative method ``--method`` at ``--context`` and
-``--batch`` once per value of the attribute, alternating the values for ``--rounds`` rounds, so every
-value sees the same models, allocator state and clocks. Small changes (~0.5%) sit below the run-to-run
+``--batch`` once per value of the tuning field (a dotted path of :class:`dustin_hf.runtime.tuning.Tuning`),
+alternating the values for ``--rounds`` rounds, so every value sees the same models, allocator state and
+clocks. Small changes (~0.5%) sit below the run-to-run
 spread of separate runs (and far below the spread between machines), which is why a launch heuristic is
 judged this way. Acceptance is replayed from the teacher-forced sparse-draft traces (as ``run_h200.sh
 e2e``); all compute is real.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -37,7 +37,8 @@ TRACE = ("benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instr
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("attribute", help="module.path.NAME, e.g. dustin_hf.runtime.fused._SKINNY_ROWS")
+    parser.add_argument("path", help="a Tuning field's dotted path, e.g. kernels.verify.sparse_programs_per_sm "
+                                     "(dustin_hf.runtime.tuning.Tuning.paths() lists them)")
     parser.add_argument("values", nargs="+", help="Python literals to alternate, e.g. 16 32")
     parser.add_argument("--rounds", type=int, default=2, help="times each value runs (default 2)")
     parser.add_argument("--method", default="dustin_sparse_draft", choices=[m for m in e2e.METHODS
@@ -52,15 +53,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    module_name, _, name = args.attribute.rpartition(".")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-        raise SystemExit(f"{module_name} has no attribute {name!r}")
+    from dustin_hf.runtime.tuning import Tuning
+
     try:
-        values = {text: ast.literal_eval(text) for text in args.values}
+        values = {text: Tuning().with_value(args.path, ast.literal_eval(text)) for text in args.values}
     except (ValueError, SyntaxError) as error:
-        raise SystemExit(f"values must be Python literals: {error}") from None
-    original = getattr(module, name)
+        raise SystemExit(f"values must be Python literals valid for {args.path}: {error}") from None
 
     replay = e2e.Replay.load([TRACE.format(4096), TRACE.format(8192)])
     devices = [torch.device("cuda:0")]
@@ -70,18 +68,15 @@ def main(argv=None) -> dict:
 
     dustin_hf.patch(target)
     runs: dict[str, list[float]] = {}
-    try:
-        for _ in range(args.rounds):
-            for text, value in values.items():
-                setattr(module, name, value)
-                row = e2e.run_speculative(target, draft, args.batch, args.context, args.method, replay, torch.bfloat16)
-                runs.setdefault(text, []).append(round(row["tokens_per_s"], 1))
-                failed = {part: graphs["failed"] for part, graphs in row.get("graphs", {}).items() if graphs["failed"]}
-                print(f"{args.attribute} = {text}: {row['tokens_per_s']:.1f} tok/s "
-                      f"(steady {row.get('steady_tokens_per_s', float('nan')):.1f})"
-                      + (f"; CUDA graphs that failed to capture: {failed}" if failed else ""), flush=True)
-    finally:
-        setattr(module, name, original)
+    for _ in range(args.rounds):
+        for text, tuning in values.items():
+            row = e2e.run_speculative(target, draft, args.batch, args.context, args.method, replay, torch.bfloat16,
+                                      tuning=tuning)
+            runs.setdefault(text, []).append(round(row["tokens_per_s"], 1))
+            failed = {part: graphs["failed"] for part, graphs in row.get("graphs", {}).items() if graphs["failed"]}
+            print(f"{args.path} = {text}: {row['tokens_per_s']:.1f} tok/s "
+                  f"(steady {row.get('steady_tokens_per_s', float('nan')):.1f})"
+                  + (f"; CUDA graphs that failed to capture: {failed}" if failed else ""), flush=True)
     result = dict(command=" ".join(["python3", *sys.argv]), gpu=torch.cuda.get_device_name(0),
                   versions=e2e._versions(), method=args.method, context=args.context, batch=args.batch,
                   pair=f"{e2e.pair_name(args.pair, args.target_layers)} + 0.5b", acceptance=replay.source,

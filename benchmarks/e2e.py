@@ -281,7 +281,8 @@ def _random_prefill(dtype):
 
 
 def run_speculative(target, draft, batch: int, context: int, method: str, replay: Replay, dtype,
-                    new_tokens: int = NEW_TOKENS, profile: bool | str = False, torch_trace: str | None = None) -> dict:
+                    new_tokens: int = NEW_TOKENS, profile: bool | str = False, torch_trace: str | None = None,
+                    tuning=None) -> dict:
     from transformers import GenerationConfig
 
     from dustin_hf import DustinConfig
@@ -298,7 +299,7 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
         draft.config)
     decoder = SpeculativeDecoder(
         target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
-        hooks=DecodeHooks(accept=replay.override(), prefill=_random_prefill(dtype), profile=profile),
+        hooks=DecodeHooks(accept=replay.override(), prefill=_random_prefill(dtype), profile=profile), tuning=tuning,
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None

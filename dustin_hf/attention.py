@@ -88,5 +88,6 @@ def dustin_attention(
         num_indices=tensors.num_indices if sparse else None,
         max_seqlen_k=dustin_plan.max_seqlen_k,
         backend=backend,
+        tuning=None if dustin_plan.tuning is None else dustin_plan.tuning.verify,
     )
     return out, None

@@ -53,6 +53,7 @@ from .rows import Rows, token_ids
 from .runner import ModelRunner, attention_scale, common_window, group_size, model_device, window_cuts
 from .runtime.fused import fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
+from .runtime.tuning import Tuning
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
 from .selection import Selection, dense_rows, with_dense_rows
 from .selector import Selector
@@ -129,6 +130,8 @@ class SpeculativeDecoder:
             whose parameters are all on CUDA, when the backend is ``"triton"``.
         hooks: what a benchmark or an evaluation plugs in (:class:`~dustin_hf.telemetry.DecodeHooks`: replayed
             acceptance, a stored prefill, phase timing); ``None`` for none.
+        tuning: the GPU path's launch heuristics and fused projections (:class:`~dustin_hf.runtime.tuning.Tuning`);
+            ``None``: the measured defaults. Benchmarks compare variants by passing their own.
 
     ``generate`` returns a :class:`DecodeResult` whose ``stats`` (also the target cache's ``stats``) say what
     the run did: step counts, acceptance, positions read, ``prefill_seconds``, ``decode_seconds``,
@@ -152,6 +155,7 @@ class SpeculativeDecoder:
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
         hooks: DecodeHooks | None = None,
+        tuning: Tuning | None = None,
     ):
         if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens (the draft's generation_config.num_assistant_tokens) must be an int "
@@ -174,6 +178,7 @@ class SpeculativeDecoder:
         self.final_draft_tokens: list[int] = []
         self.streamer = streamer
         self.hooks = hooks or DecodeHooks()
+        self.tuning = tuning or Tuning()
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
         # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         self.graphs = {
@@ -210,7 +215,8 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         # both entered before any graph is captured: graphs keep the fused kernels and the GEMMs cuBLASLt picked
-        with fused_ops(*fused) as report, prefer_cublaslt(model_device(self.target)):
+        with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm) as report, \
+                prefer_cublaslt(model_device(self.target)):
             result = self._generate(input_ids, attention_mask)
         result.stats.reports["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
                                              "mlps": report.mlps, "qkv": report.qkv, "outputs": report.outputs,
@@ -243,10 +249,12 @@ class SpeculativeDecoder:
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
                              graphs["target"], graph_width=read_width,
-                             dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only)
+                             dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only,
+                             tuning=self.tuning.kernels)
         draft_width = read_width + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                            graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only)
+                            graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
+                            tuning=self.tuning.kernels)
         target.record = (self.output_attentions, self.output_hidden_states)
         self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, self.output_attentions,
                                        self.output_hidden_states) if recording else None
@@ -273,7 +281,7 @@ class SpeculativeDecoder:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
                                      graphs=graphs["target"], window=common_window(self.target),
-                                     budgets=self.hooks.budgets)
+                                     budgets=self.hooks.budgets, tuning=self.tuning.kernels)
         synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()

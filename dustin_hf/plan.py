@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.tuning import KernelTuning
+
 __all__ = ["ForwardPlan", "DeviceTensors"]
 
 
@@ -60,6 +62,7 @@ class ForwardPlan:
         read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
             whose window fits in it reads its whole window instead of the selection within it.
         attention_weights: the attention function returns its probabilities (``output_attentions``; a slower path).
+        tuning: the kernels' launch heuristics (``None``: the defaults).
     """
 
     rows: slice
@@ -77,6 +80,7 @@ class ForwardPlan:
     hide_new: bool = False
     read_budget: int = 0
     attention_weights: bool = False
+    tuning: KernelTuning | None = None
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)

@@ -8,6 +8,7 @@ import torch
 
 from .cache import DustinCache
 from .compat import CACHE_KWARG
+from .kernels.tuning import KernelTuning
 from .plan import ForwardPlan
 from .runtime.graphs import GraphedForward, Pipeline
 
@@ -38,8 +39,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
-                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False):
-        self.model, self.cache, self.backend = model, cache, backend
+                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False, tuning: KernelTuning | None = None):
+        self.model, self.cache, self.backend, self.tuning = model, cache, backend, tuning
         self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
         self.dense_layers = dense_layers  # read in full even on sparse steps
         self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
@@ -53,7 +54,7 @@ class ModelRunner:
         self.prompt_outputs: list[tuple] = []
         self._graphs: dict | None = {} if cuda_graphs else None
         if cuda_graphs:
-            self.pipeline = Pipeline(model)
+            self.pipeline = Pipeline(model, tuning)
             # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
             self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
                                 for device in self.pipeline.devices}
@@ -92,7 +93,7 @@ class ModelRunner:
                 indices=indices, num_indices=num_indices,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                position_shift=self.position_shift, read_budget=self.graph_width,
+                position_shift=self.position_shift, read_budget=self.graph_width, tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
@@ -138,7 +139,7 @@ class ModelRunner:
                 piece = ids[start : start + chunk]
                 plan = ForwardPlan(
                     rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
-                    backend=self.backend, capture=capture, capture_last=True,
+                    backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
                 )
                 logits = self.forward(plan, piece[None], keep=1)[0, -1]
                 captured = plan.captured

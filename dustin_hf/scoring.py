@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.tuning import ScoreTuning
+
 __all__ = ["attention_mass", "target_history_scores", "draft_lookahead_scores"]
 
 
@@ -37,6 +39,7 @@ def attention_mass(
     query_offset: int = 0,
     query_step: int = 0,
     query_counts: torch.Tensor | None = None,
+    tuning: ScoreTuning | None = None,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -55,6 +58,7 @@ def attention_mass(
             path then launches nothing to make the positions).
         query_counts: ``(B,)`` int: row b counts only its first ``query_counts[b]`` queries (``None``: all);
             the PyTorch path only.
+        tuning: the Triton kernel's launch heuristic (``None``: the default).
 
     Returns:
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
@@ -66,7 +70,8 @@ def attention_mass(
 
         with launch_device(queries):
             return attention_mass_triton(queries, keys, query_pos.to(keys.device), heads, group_size, softmax_scale,
-                                         num_positions, key_span, query_offset=query_offset, query_step=query_step)
+                                         num_positions, key_span, query_offset=query_offset, query_step=query_step,
+                                         tuning=tuning)
     _check_backend(backend)
     batch, n_q = queries.shape[:2]
     query_pos = query_pos.long() + query_offset + query_step * torch.arange(n_q, device=query_pos.device)
@@ -98,6 +103,7 @@ def target_history_scores(
     softmax_scale: float,
     num_positions: int,
     backend: str = "reference",
+    tuning: ScoreTuning | None = None,
 ) -> torch.Tensor:
     """``S_target``: ``history_queries (B, len(heads), D)`` of the token at ``seqlens - 1`` -> ``(B, num_positions)``.
 
@@ -105,7 +111,7 @@ def target_history_scores(
     """
     return attention_mass(  # the query sits at L_b - 1: a view of the lengths and an offset, nothing computed
         history_queries[:, None], keys, seqlens[:, None], heads, group_size, softmax_scale, num_positions,
-        num_positions, backend=backend, query_offset=-1,
+        num_positions, backend=backend, query_offset=-1, tuning=tuning,
     )
 
 
@@ -119,6 +125,7 @@ def draft_lookahead_scores(
     num_positions: int,
     backend: str = "reference",
     query_counts: torch.Tensor | None = None,
+    tuning: ScoreTuning | None = None,
 ) -> torch.Tensor:
     """``S_draft`` summed over the draft scoring layers.
 
@@ -134,7 +141,7 @@ def draft_lookahead_scores(
     gamma = draft_queries[0].shape[1]
     if backend == "triton" and len({q.device for q in draft_queries}) == 1 and query_counts is None:
         return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
-                                       num_positions)
+                                       num_positions, tuning)
     _check_backend(backend)
     query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
     total = None
@@ -151,7 +158,7 @@ def draft_lookahead_scores(
 
 
 def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
-                            num_positions) -> torch.Tensor:
+                            num_positions, tuning) -> torch.Tensor:
     """The Triton path of :func:`draft_lookahead_scores`: one call for all layers (their scores summed in
     one pass 2, which also zeroes the draft tokens' own positions), the positions ``L_b + i`` taken from a
     view of the lengths: no elementwise kernels."""
@@ -163,7 +170,7 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_siz
     with launch_device(draft_queries[0]):
         return attention_mass_layers_triton(draft_queries, draft_keys, seqlens[:, None].expand(-1, gamma), heads,
                                             group_size, softmax_scale, num_positions, num_positions + gamma,
-                                            position_limit=seqlens, query_step=1)
+                                            position_limit=seqlens, query_step=1, tuning=tuning)
 
 
 def _check_backend(backend: str) -> None:

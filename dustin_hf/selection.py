@@ -26,6 +26,7 @@ import torch
 
 from .config import ResolvedConfig
 from .kernels import available_backends
+from .kernels.tuning import SelectTuning
 from .plan import device_tensor
 
 __all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "with_dense_rows"]
@@ -54,6 +55,7 @@ def select_positions(
     lengths: torch.Tensor | None = None,
     backend: str = "auto",
     window: int | None = None,
+    tuning: SelectTuning | None = None,
 ) -> Selection:
     """Choose each row's read set.
 
@@ -68,9 +70,10 @@ def select_positions(
         window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
             window the budget covers is read whole). ``None``: the whole context.
+        tuning: the Triton selection's launch heuristic (``None``: the default).
     """
     if window is not None and any(n - window + 1 > 0 for n in seqlens):
-        return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window)
+        return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window, tuning)
     device = draft_scores.device
     batch, span = draft_scores.shape
     dense = dense_rows(seqlens, config)
@@ -86,13 +89,13 @@ def select_positions(
     sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
     fill = config.budget - sink - recent - share
     history = _history_scores(draft_scores, target_scores, has_history)
-    if _resolve_backend(backend, draft_scores, share, fill) == "triton":
+    if _resolve_backend(backend, draft_scores, share, fill, tuning) == "triton":
         from .kernels import launch_device
         from .kernels.triton_select import select_sparse_triton
 
         with launch_device(draft_scores):
             indices = select_sparse_triton(draft_scores.contiguous(), history.contiguous(), lengths, sink=sink,
-                                           recent=recent, share=share, fill=fill)  # (B, budget)
+                                           recent=recent, share=share, fill=fill, tuning=tuning)  # (B, budget)
     else:
         indices = _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
     if any(dense):  # rows read in full: positions 0..L-1 (valid entries first, as counts say)
@@ -106,7 +109,8 @@ def select_positions(
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
 
 
-def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window) -> Selection:
+def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window,
+                      tuning) -> Selection:
     """:func:`select_positions` over each row's window ``[lo, L)``: the scores shifted by ``lo``, the selection
     made as for a context of ``L - lo`` positions (a row below ``min_context`` reads its whole window), and
     shifted back."""
@@ -123,7 +127,7 @@ def _select_in_window(seqlens, draft_scores, target_scores, has_history, config,
 
     whole = dataclasses.replace(config, min_context=0)
     chosen = select_positions(spans, shifted(draft_scores), shifted(target_scores), has_history, whole,
-                              backend=backend)
+                              backend=backend, tuning=tuning)
     counts = [span if n < config.min_context else c for n, span, c in zip(seqlens, spans, chosen.counts)]
     indices = chosen.indices
     if counts != chosen.counts:  # rows below min_context: their whole window
@@ -146,7 +150,8 @@ def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | No
     return torch.where(use_target, target_scores, draft_scores)
 
 
-def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill: int) -> str:
+def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill: int,
+                     tuning: SelectTuning | None = None) -> str:
     """``"auto"``: Triton for scores on CUDA (when triton is installed and its pools hold the span)."""
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown selection backend {backend!r}; choose 'auto', 'reference' or 'triton'")
@@ -155,7 +160,7 @@ def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill:
             return "reference"
         from .kernels.triton_select import supports
 
-        return "triton" if supports(draft_scores.shape[1], share, fill) else "reference"
+        return "triton" if supports(draft_scores.shape[1], share, fill, tuning) else "reference"
     return backend
 
 

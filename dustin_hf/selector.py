@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .config import ResolvedConfig
+from .kernels.tuning import KernelTuning
 from .runtime.graphs import GraphedCall
 from .scoring import draft_lookahead_scores, target_history_scores
 from .selection import Selection, dense_rows, select_by_recovery, select_positions
@@ -36,11 +37,14 @@ class Selector:
         window: the sliding window every target layer has (Mistral-style models), else ``None``: the read set is
             chosen inside it (:func:`~dustin_hf.selection.select_positions`).
         budgets: the quality knob's replayed counts (:attr:`~dustin_hf.telemetry.DecodeHooks.budgets`).
+        tuning: the kernels' launch heuristics (scoring and selection take theirs).
     """
 
     def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
-                 d_scale: float, graphs: bool, window: int | None = None, budgets=None):
+                 d_scale: float, graphs: bool, window: int | None = None, budgets=None,
+                 tuning: KernelTuning | None = None):
         self.config, self.backend, self.graphs, self.window, self.budgets = config, backend, graphs, window, budgets
+        self.tuning = tuning or KernelTuning()
         self.t_group, self.d_group, self.t_scale, self.d_scale = t_group, d_group, t_scale, d_scale
         self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
 
@@ -91,18 +95,19 @@ class Selector:
         score_backend = "triton" if triton else "reference"
         s_draft = draft_lookahead_scores(d_queries, d_keys, lengths.to(d_keys[0].device), cfg.draft_heads,
                                          self.d_group, self.d_scale, span, backend=score_backend,
-                                         query_counts=query_counts).to(lengths.device)
+                                         query_counts=query_counts, tuning=self.tuning.score).to(lengths.device)
         s_target = None
         if history_queries is not None:
             s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),
                                              cfg.target_heads, self.t_group, self.t_scale, span,
-                                             backend=score_backend).to(lengths.device)
+                                             backend=score_backend, tuning=self.tuning.score).to(lengths.device)
         if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
             counts = None if self.budgets is None else self.budgets(seqlens)
             return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
-                                backend="auto" if triton else "reference", window=self.window)
+                                backend="auto" if triton else "reference", window=self.window,
+                                tuning=self.tuning.select)
 
     @property
     def graph_report(self) -> dict:

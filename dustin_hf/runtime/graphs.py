@@ -265,7 +265,7 @@ class GraphedForward:
         self.plan = ForwardPlan(
             rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
             capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
-            dense_layers=runner.dense_layers,
+            dense_layers=runner.dense_layers, read_budget=runner.graph_width, tuning=runner.tuning,
         )
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.inputs: list[dict[str, torch.Tensor]] = []  # per stage: the buffers its input state is copied into
