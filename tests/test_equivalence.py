@@ -34,7 +34,7 @@ def test_full_budget_equals_greedy_and_stock_assisted(family, prompt_len, gamma)
     assert stats["steps"] > 0 and stats["accepted_tokens"] > 0  # the draft really was used
 
 
-def _select_everything(seqlens, draft_scores, target_scores, has_history, config, lengths=None, backend="auto"):
+def _select_everything(seqlens, draft_scores, target_scores, has_history, config, lengths=None, **options):
     """A "sparse" read set that happens to hold every cached position: sparse kernels, dense answer."""
     width = max(seqlens)
     indices = torch.arange(width, dtype=torch.int32).expand(len(seqlens), width).contiguous()
