@@ -26,9 +26,11 @@ One step (:meth:`SpeculativeDecoder._step`):
      roll back the rest (the target keeps x, d_1..d_n; the draft lags by one token).
 
 Performance notes, so the steps above stay fast on a GPU: every forward after prefill has a fixed shape and is
-replayed from a CUDA graph (:mod:`dustin_hf.runtime.graphs`); a step makes one device->host copy (accepted
-counts and tokens), queued before the next step's first draft forwards, so the GPU drafts while the host does
-its bookkeeping (:meth:`SpeculativeDecoder._queue_drafts`).
+replayed from a CUDA graph (:mod:`dustin_hf.runtime.graphs`); a greedy step at a constant γ makes one
+device->host copy (accepted counts and tokens), queued before the next step's first draft forwards, so the GPU
+drafts while the host does its bookkeeping (:meth:`SpeculativeDecoder._queue_drafts`). A confidence threshold
+reads each draft forward's confidences, the quality knob its counts, exact mode its confirmations: each one more
+wait for the device.
 """
 
 from __future__ import annotations
@@ -85,9 +87,8 @@ class _Drafts:
     """Step 1's output: every row's drafts, the draft's distributions and the scoring queries it kept."""
 
     tokens: torch.Tensor  # (B, γ): γ is the longest row's count; a row's drafts past its own count are ignored
-    probs: torch.Tensor | None  # (B, γ, Vd): the draft's processed distributions q (sampling, threshold)
+    probs: torch.Tensor | None  # (B, γ, V): the draft's processed distributions q on the target's vocabulary
     queries: dict  # {draft scoring layer: [(B, heads, D)] * γ}: the queries that produced the drafts
-    sparse_reads: bool  # the draft read a selection (DustinConfig.sparse_draft)
     row_gamma: list[int]  # the drafts each row proposed (finished rows: γ, of no consequence)
 
     @property
@@ -326,7 +327,7 @@ class SpeculativeDecoder:
         if calibrate:  # the target layer is chosen after prefill: keep every layer's last query
             t_capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in range(t_cfg.num_hidden_layers)}
         else:
-            t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+            t_capture = self._history_capture
         last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, t_capture)
         if self.recorder is not None:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
@@ -397,17 +398,7 @@ class SpeculativeDecoder:
             hidden, attentions = target.last_outputs
             for b in active:
                 self.recorder.keep_step(b, counts[b], hidden, attentions)
-        target.cache.rollback([L + k for L, k in zip(seqlens, counts)])  # keep x, d_1..d_{k-1}
-        draft.cache.rollback([L + k - 1 for L, k in zip(seqlens, counts)])  # the draft lags by one token
-        if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
-            queued = len(self._ahead.outputs)
-            draft.cache.advance(slice(0, rows.batch_size), [queued + 1] * rows.batch_size)
-            self.stats.draft_forwards_ahead += queued
-        if self.dustin is not None:  # the last committed token's query: the next step's target history
-            queries = captured[self.dustin.target_layer]  # (B, γ+1, heads, D)
-            picked = device_tensor([k - 1 for k in counts], queries.device)
-            history = queries[torch.arange(rows.batch_size, device=queries.device), picked]
-            target.cache.set_history(history, [L + k - 1 for L, k in zip(seqlens, counts)])
+        self._settle(target, draft, seqlens, counts, captured)  # keep x, d_1..d_{k-1}
         self._clock.mark("commit")
 
         self.stats.record_step(drafts.row_gamma, accepted, counts, active, sparse=selection is not None,
@@ -427,8 +418,10 @@ class SpeculativeDecoder:
         base = device_tensor(seqlens, device)
         short = dense_rows(seqlens, cfg)  # read in full anyway: what they accept is exact and committed at once
         wanted = [not done and schedule.wants(b, rows.tentative[b]) for b, done in enumerate(rows.finished)]
-        # one confirming row makes the step dense for it; every row holding tentative tokens confirms with it
-        confirming = [rows.tentative[b] > 0 and any(wanted) for b in range(batch)]
+        # greedy: one confirming row makes the step dense for it, and every row holding tentative tokens confirms
+        # with it (a greedy row's tokens do not depend on when it confirms). Sampling: each row on its own schedule,
+        # since when a row confirms decides which draws it makes
+        confirming = wanted if self.do_sample else [rows.tentative[b] > 0 and any(wanted) for b in range(batch)]
         dense = [s or c or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
 
         # 1. Draft d_1..d_γ after everything each row holds (its tentative tokens included).
@@ -439,8 +432,15 @@ class SpeculativeDecoder:
         # 2. Select: the sparse rows' read sets (and, with sparse_draft, what the draft reads next); dense rows read
         #    everything they hold before the step's first query.
         starts = [L - n if c else L for L, n, c in zip(seqlens, rows.tentative, confirming)]
-        selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
-                                         drafts.row_gamma) if sparse else None
+        selection = None
+        if sparse and self.do_sample:
+            # p~ must be a function of the prefix alone for p / p~ to confirm its samples exactly: score with the
+            # draft's query of x only (the later queries were fed the very drafts p~ is about to judge)
+            first = {layer: queries[:1] for layer, queries in drafts.queries.items()}
+            selection = self.selector.select(target, draft, seqlens, base, first, 1)
+        elif sparse:
+            selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
+                                             drafts.row_gamma)
         if selection is not None and selection.recovery is not None:
             self.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
                                    [b for b in rows.active if not dense[b]])
@@ -461,12 +461,12 @@ class SpeculativeDecoder:
         inputs = blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
         proposal = inputs[:, 1:]
         target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
-        t_capture = {cfg.target_layer: cfg.target_heads}
-        raw, captured = target.step(inputs, starts, keep=1 + width, capture=t_capture, capture_last=False,
-                                    selection=reads)
-        prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
-        scores = None if self._tokens_only else self.process(
-            raw, lambda b, i: torch.cat([prefixes[b], proposal[b : b + 1, :i]], dim=1))
+        raw, captured = target.step(inputs, starts, keep=1 + width, capture=self._history_capture,
+                                    capture_last=False, selection=reads)
+        scores = None
+        if not self._tokens_only:
+            prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
+            scores = self.process(raw, lambda b, i: torch.cat([prefixes[b], proposal[b : b + 1, :i]], dim=1))
         self._clock.mark("verify")
 
         # 4. Accept over each block: greedy, the agreeing prefix; sampling, min(1, p / proposal) with p~ as the
@@ -474,7 +474,7 @@ class SpeculativeDecoder:
         probs = None
         if self.do_sample:
             probs = block_proposals(drafts.probs, schedule.proposals, tentative, raw.shape[-1], width)
-        block = _Drafts(proposal, probs, drafts.queries, drafts.sparse_reads, gammas)
+        block = _Drafts(proposal, probs, drafts.queries, gammas)
         n_accepted, next_token = self._accept(block, raw, scores, tentative, dense)
         new_tokens = torch.cat([proposal, torch.zeros_like(proposal[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, 1 + width)
@@ -494,7 +494,7 @@ class SpeculativeDecoder:
         counts = rows.commit(new_tokens, [row[1:] for row in host], raw, scores, committing)
         kept = []  # inputs of each block whose K/V stay cached: x and the proposals before the next token
         for b in range(batch):
-            if rows.finished[b] and b not in active:
+            if b not in active:
                 kept.append(0)
             elif dense[b]:
                 kept.append(counts[b])
@@ -507,33 +507,42 @@ class SpeculativeDecoder:
                 kept.append(accepted[b] + 1)
                 if self.do_sample:  # p~ of each new tentative token: the sparse target's at its position
                     schedule.proposals[b].extend(scores[b, : accepted[b] + 1].softmax(dim=-1))
+                new = host[b][1 : accepted[b] + 2]  # the new tentative tokens, from the host copy
                 rows.tentative[b] += accepted[b] + 1
-                schedule.after_sparse(b, rows.would_stop(b, rows.held[b]))
+                schedule.after_sparse(b, schedule.must[b] or rows.would_stop(b, new))
         self._update_schedule(drafts.row_gamma, [min(max(n - t, 0), g) for n, t, g in
                                                  zip(accepted, tentative, drafts.row_gamma)], active)
         if self.recorder is not None:
             hidden, attentions = target.last_outputs
             for b in active:
                 self.recorder.keep_step(b, counts[b], hidden, attentions)
-        target.cache.rollback([s + k for s, k in zip(starts, kept)])
-        draft.cache.rollback([min(d, s + k - 1) for d, s, k in zip(draft.cache.seq_lengths, starts, kept)])
-        if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
-            queued = len(self._ahead.outputs)
-            draft.cache.advance(slice(0, batch), [queued + 1] * batch)
-            self.stats.draft_forwards_ahead += queued
-        queries = captured[cfg.target_layer]  # (B, 1 + width, heads, D): the last kept input's query is the history
-        picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)
-        history = queries[torch.arange(batch, device=queries.device), picked]
-        target.cache.set_history(history, [s + k - 1 for s, k in zip(starts, kept)])
+        self._settle(target, draft, starts, kept, captured)
         if any(confirming):
             schedule.stats.confirm_steps += 1
         self._clock.mark("commit")
 
-        self.stats.record_step(gammas, accepted, [c if dense[b] else 0 for b, c in enumerate(counts)], active,
+        self.stats.record_step(gammas, accepted, counts, active,
                                sparse=reads is not None,
                                attended=None if reads is None else self._attended(reads, starts, active))
         self._clock.mark("bookkeeping")
         self._clock.end_step()
+
+    def _settle(self, target: ModelRunner, draft: ModelRunner, starts: list[int], kept: list[int], captured) -> None:
+        """After a step: the target keeps the first ``kept[b]`` inputs of each row's block (from ``starts[b]``), the
+        draft one position fewer, plus the slots the next step's queued draft forwards wrote; the last kept
+        input's query on the scoring heads becomes the next step's target history."""
+        batch = len(starts)
+        target.cache.rollback([s + k for s, k in zip(starts, kept)])
+        draft.cache.rollback([s + k - 1 for s, k in zip(starts, kept)])  # the draft lags by one token
+        if self._ahead is not None:  # the queued forwards wrote the next 2, 3, ... slots of every row
+            queued = len(self._ahead.outputs)
+            draft.cache.advance(slice(0, batch), [queued + 1] * batch)
+            self.stats.draft_forwards_ahead += queued
+        if self.dustin is not None:
+            queries = captured[self.dustin.target_layer]  # (B, Q, heads, D)
+            picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)
+            history = queries[torch.arange(batch, device=queries.device), picked]
+            target.cache.set_history(history, [s + k - 1 for s, k in zip(starts, kept)])
 
     def _draft(self, draft: ModelRunner, seqlens: list[int], base: torch.Tensor, sparse: bool) -> _Drafts:
         """Step 1: up to γ draft forwards. The first feeds [tokens[L-1], tokens[L]] so that every row feeds two;
@@ -581,7 +590,8 @@ class SpeculativeDecoder:
                 kept_queries[layer].append(q[:, 0])  # (B, heads, D)
             feed = token[:, None]
             confident = None
-            if self.threshold is not None:  # q_i(d_i) of each row's own draft (transformers' ConfidenceCriteria)
+            if self.threshold is not None and i + 1 < max(planned):  # q_i(d_i) of each row's own draft
+                # (transformers' ConfidenceCriteria); after the last planned draft there is nothing to stop
                 confident = (probs[-1].gather(1, token[:, None]).squeeze(1) >= self.threshold).tolist()
             for b in range(rows.batch_size):
                 if drafting[b]:
@@ -594,7 +604,7 @@ class SpeculativeDecoder:
         gamma = len(tokens)
         row_gamma = [n if not done else gamma for n, done in zip(drafted, rows.finished)]
         return _Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, kept_queries,
-                       sparse_reads=reads is not None, row_gamma=row_gamma)
+                       row_gamma=row_gamma)
 
     def _update_schedule(self, row_gamma: list[int], accepted: list[int], active: list[int]) -> None:
         """transformers' ``num_assistant_tokens_schedule``, each row on its own: a row that kept all the drafts it
@@ -609,9 +619,8 @@ class SpeculativeDecoder:
                 selection: Selection | None):
         """Step 3: the target over [x, d_1..d_γ]; returns raw logits ``(B, γ+1, V)`` (or their argmax ``(B, γ+1)``
         when only tokens are needed), processed scores (``None`` then) and the kept history queries."""
-        t_capture = {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
         verify_in = torch.cat([self.rows.tokens.gather(1, base[:, None]), drafts.tokens], dim=1)  # (B, γ+1)
-        raw, captured = target.step(verify_in, seqlens, keep=drafts.gamma + 1, capture=t_capture,
+        raw, captured = target.step(verify_in, seqlens, keep=drafts.gamma + 1, capture=self._history_capture,
                                     capture_last=False, selection=selection)
         tokens = drafts.tokens.unbind(1)
         scores = None if self._tokens_only else self.process(raw, lambda b, i: self.rows.history(b, tokens[:i]))
@@ -649,6 +658,11 @@ class SpeculativeDecoder:
         return sum((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers
                    for b in active) / max(len(active), 1)
 
+    @property
+    def _history_capture(self) -> dict:
+        """The target's scoring queries to keep on a verification: its scoring layer's heads (Dustin only)."""
+        return {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+
     def _draft_capture(self, sparse: bool) -> dict:
         """The draft's scoring queries to keep on a step: its scoring layers' heads when the step is sparse."""
         return dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
@@ -670,7 +684,7 @@ class SpeculativeDecoder:
         step commits ``k = 0``. The host cuts ``k`` further only for rows that finish on this step (EOS,
         length, a stopping criterion), whose drafts are never used: their positions are capped so that the
         slots written stay inside the cache (a row still running next step is never capped: it holds fewer
-        than ``capacity - γ - 1`` positions). Queued only when the next step reads what this one did (a
+        than ``capacity - max_gamma - 1`` positions). Queued only when the next step reads what this one did (a
         sparse step stays sparse; a dense Dustin step may turn sparse) and the forwards' graphs are captured;
         else ``None`` (or fewer forwards) and the next step runs the rest.
         """

@@ -80,6 +80,13 @@ def run_assisted(
         )
     if synced_gpus:
         raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by dustin_hf's decoding loop")
+    for processor in logits_processor or []:
+        if type(processor).__name__ == "UnbatchedClassifierFreeGuidanceLogitsProcessor":
+            raise NotImplementedError(
+                "guidance_scale (classifier-free guidance) runs the model a second time inside its logits processor, "
+                "outside dustin_hf's decoding loop: it is not supported with an assistant model here; leave "
+                "guidance_scale unset"
+            )
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"dustin_hf's decoding loop does not pass these model inputs on: {sorted(unknown)}")

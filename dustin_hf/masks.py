@@ -50,11 +50,6 @@ class Prompt:
         """What the new tokens' position ids add to their cache slots (0 for a row whose last slot is real)."""
         return 0 if self.first_position is None else self.first_position - self.length
 
-    @property
-    def history(self) -> torch.Tensor:
-        """What a logits processor sees of the prompt."""
-        return self.tokens if self.view is None else self.view
-
 
 def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Prompt]:
     """Each row's :class:`Prompt`. A row with no unmasked slot is an error (stock would attend to nothing)."""

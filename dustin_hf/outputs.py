@@ -106,7 +106,7 @@ class OutputRecorder:
         if key == "hidden":  # (hidden,)
             full[b, 0] = value.to(full.dtype)
             return
-        # (H, S) over compact cache slots: the query of token t saw the prompt and the first t - 1 generated tokens
+        # (H, S) over compact cache slots: the query of token t saw the prompt and the first t generated tokens
         count = self.prompt_slots[b].numel() + t
         slots = self._slot_map(b, count)
         full[b, :, 0, slots] = value[:, :count].to(full.dtype)

@@ -119,19 +119,16 @@ class Rows:
             self.streamer.put(torch.tensor(host_tokens[0][: counts[0]], dtype=new_tokens.dtype))
         return counts
 
-    def would_stop(self, b: int, held: int) -> bool:
-        """Whether row ``b`` would end within the first ``held`` tokens it holds (EOS, length or a stopping
-        criterion) were they all committed: in exact mode such a row confirms its tentative tokens next."""
-        start = self.lens[b]
-        ahead = held - start
-        if self.generated[b] + ahead >= self.max_new:
-            return True
-        tail = self.tokens[b, start:held].tolist()
-        if any(token in self.eos for token in tail):
+    def would_stop(self, b: int, new: list[int]) -> bool:
+        """Whether row ``b`` would end within the tentative tokens it holds (EOS, length or a stopping criterion)
+        were they all committed, given the ``new`` ones (host ints, already counted in ``tentative[b]``; the
+        earlier ones were checked when they were new): in exact mode such a row confirms next."""
+        held = self.lens[b] + self.tentative[b]
+        if self.generated[b] + self.tentative[b] >= self.max_new or any(token in self.eos for token in new):
             return True
         return bool(self.row_criteria) and any(
-            bool(criterion(self.history(b, upto=start + j), None)[0])
-            for j in range(1, ahead + 1) for criterion in self.row_criteria)
+            bool(criterion(self.history(b, upto=held - len(new) + j), None)[0])
+            for j in range(1, len(new) + 1) for criterion in self.row_criteria)
 
     def _apply_row_criteria(self, b: int, start: int, k: int) -> int:
         for j in range(1, k + 1):

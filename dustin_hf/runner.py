@@ -43,7 +43,7 @@ class ModelRunner:
         self.model, self.cache, self.backend, self.tuning = model, cache, backend, tuning
         self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
         self.dense_layers = dense_layers  # read in full even on sparse steps
-        self.graph_width = graph_width  # the one sparse width worth a graph (the budget)
+        self.graph_width = graph_width  # the one sparse width worth a graph (the read width: budget or knob ceiling)
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self.position_shift: tuple[list[int], list[int]] | None = None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .plan import device_tensor
+
 __all__ = ["RowGenerators", "accept_greedy", "accept_sampled", "pick_tokens"]
 
 
@@ -38,7 +40,8 @@ class RowGenerators:
         drawn again by its next call)."""
         index = self.counters[:, None] + torch.arange(width, device=self.counters.device)  # (B, width)
         bits = _hash32(_hash32(index & 0xFFFFFFFF ^ self.seeds[:, None]) ^ (index >> 32) ^ self.seeds[:, None])
-        counts = torch.as_tensor(counts, device=self.counters.device)
+        if not isinstance(counts, torch.Tensor):
+            counts = device_tensor(counts, self.counters.device)
         self.counters += counts.to(torch.int64)
         return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
@@ -51,7 +54,7 @@ class RowGenerators:
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
         if rows is None:
             return picked
-        return torch.where(torch.tensor(rows, device=probs.device), picked, probs.argmax(dim=-1))
+        return torch.where(device_tensor(rows, probs.device), picked, probs.argmax(dim=-1))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +80,7 @@ def _within(gammas: list[int] | None, batch: int, width: int, device) -> torch.T
     """``(B, width)`` bool: position ``i`` of row ``b`` is one of its own ``gammas[b]`` drafts (``None``: all are)."""
     if gammas is None or all(g == width for g in gammas):
         return None
-    return torch.arange(width, device=device)[None, :] < torch.tensor(gammas, device=device)[:, None]
+    return torch.arange(width, device=device)[None, :] < device_tensor(gammas, device)[:, None]
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,

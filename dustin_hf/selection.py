@@ -209,30 +209,39 @@ def select_by_recovery(
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
     counts: list[int] | None = None,
+    window: int | None = None,
 ) -> Selection:
     """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
     positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
     ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
     :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
     ceiling, or more when a row is read in full. ``counts`` (benchmarks replaying recorded budgets): each row's
-    size instead of the one the target asks for (a count reaching the row's context reads it in full)."""
+    size instead of the one the target asks for (a count reaching the row's context reads it in full).
+    ``window``: a sliding window every layer has: only ``[L - window + 1, L)`` holds candidates (and mass), and the
+    sinks are the window's first positions."""
     device = draft_scores.device
     batch, span = draft_scores.shape
     lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
     target, floor, ceiling = config.min_recovery, config.budget, config.max_budget
     positions = torch.arange(span, device=device)[None, :]
+    low = torch.zeros_like(lengths) if window is None else (lengths - window + 1).clamp_min(0)
+    outside = positions < low[:, None]  # before the window: no query of the step can see it
+    if window is not None:
+        draft_scores = draft_scores.float().masked_fill(outside, 0.0)
+        target_scores = None if target_scores is None else target_scores.float().masked_fill(outside, 0.0)
     mass = estimated_mass(draft_scores, target_scores, has_history, lengths)  # (B, span)
-    forced = (positions < config.sink_tokens) | ((positions >= lengths[:, None] - config.recent_tokens)
-                                                   & (positions < lengths[:, None]))
+    inside = ~outside & (positions < lengths[:, None])
+    forced = inside & ((positions < low[:, None] + config.sink_tokens)
+                       | (positions >= lengths[:, None] - config.recent_tokens))
     n_forced = forced.sum(dim=1)  # (B,)
-    others = mass.masked_fill(forced | (positions >= lengths[:, None]), -1.0)
+    others = mass.masked_fill(forced | ~inside, -1.0)
     depth = min(span, ceiling)
     top = others.topk(depth, dim=1)  # by estimated mass, largest first
     reached = (mass * forced).sum(dim=1, keepdim=True) + top.values.clamp_min(0).cumsum(dim=1)  # (B, depth)
     # entries needed: the first count whose estimate reaches the target (never below the floor, above the ceiling)
     short = (reached < target).sum(dim=1)  # entries before the target is reached
-    room = (ceiling - n_forced).clamp_min(0)
-    out_of_reach = (short >= room) | (target >= 1.0)  # the ceiling does not reach it: read everything
+    room = torch.minimum(ceiling - n_forced, inside.sum(dim=1) - n_forced).clamp_min(0)  # candidates it may add
+    out_of_reach = (short >= room) | (target >= 1.0)  # the ceiling (or the context) falls short: read everything
     take = torch.minimum(short + 1, room).clamp_min(floor - n_forced)  # top entries to add
     if counts is not None:  # replayed sizes: the same order, the given count
         given = device_tensor(counts, device)
@@ -242,8 +251,8 @@ def select_by_recovery(
         1, top.indices, torch.arange(depth, device=device).expand(batch, depth))  # each position's place in `top`
     dense = dense_rows(seqlens, config)
     whole = out_of_reach | device_tensor(dense, device)
-    chosen = forced | (rank < take[:, None])
-    chosen = torch.where(whole[:, None], positions < lengths[:, None], chosen)
+    chosen = forced | ((rank < take[:, None]) & inside)
+    chosen = torch.where(whole[:, None], inside if window is not None else positions < lengths[:, None], chosen)
     counts_t = chosen.sum(dim=1)
     estimate = torch.where(whole, torch.ones_like(reached[:, 0]), (mass * chosen).sum(dim=1))
     host = torch.stack([counts_t.float(), estimate, out_of_reach.float()]).tolist()  # one sync: counts size the sets
@@ -257,7 +266,7 @@ def select_by_recovery(
                      fallback=fallback)
 
 
-def with_dense_rows(selection: Selection | None, starts: list[int], dense: list[bool]) -> Selection:
+def with_dense_rows(selection: Selection, starts: list[int], dense: list[bool]) -> Selection:
     """The read sets of a step where some rows read everything they hold (``starts[b]`` positions) and the others
     their selection: the dense rows' entries are ``0 .. starts[b] - 1``."""
     device = selection.indices.device

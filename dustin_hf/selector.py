@@ -103,7 +103,8 @@ class Selector:
                                              backend=score_backend, tuning=self.tuning.score).to(lengths.device)
         if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
             counts = None if self.budgets is None else self.budgets(seqlens)
-            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts)
+            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts,
+                                      window=self.window)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
                                 backend="auto" if triton else "reference", window=self.window,

@@ -71,5 +71,7 @@ def unregister_cache_implementation() -> None:
         _users -= 1
         if _users == 0:
             configuration_utils.ALL_CACHE_IMPLEMENTATIONS = _original
-            GenerationMixin._prepare_cache_for_generation = _original_prepare
+            current = GenerationMixin.__dict__.get("_prepare_cache_for_generation")
+            if getattr(current, "_dustin_guard", False):  # ours: put the original back (someone else's: leave it)
+                GenerationMixin._prepare_cache_for_generation = _original_prepare
             _original, _original_prepare = None, None

@@ -158,3 +158,31 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
 
     monkeypatch.setattr(decoding, "block_proposals", wrong)  # the loop's own reference
     assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
+
+
+def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
+    """p~ judges the tentative tokens' proposals, so it must not depend on them: a sampled exact step scores
+    positions with the draft's query of x alone (its later queries were fed the drafts p~ is about to judge);
+    greedy exact mode and sparse mode score with all γ."""
+    from dustin_hf.selector import Selector
+
+    seen = []
+    real = Selector.select
+
+    def recording(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma=None):
+        seen.append((gamma, {len(queries) for queries in kept_queries.values()}))
+        return real(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma)
+
+    monkeypatch.setattr(Selector, "select", recording)
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target, noise=0.3), 3)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (300, 200)])
+    config = dict(budget=8, min_context=16, sink_tokens=1, recent_tokens=1)
+    with dustin_hf.patch(target):
+        for mode, sample in (("exact", True), ("exact", False), ("sparse", True)):
+            seen.clear()
+            target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=sample, max_new_tokens=8,
+                            pad_token_id=PAD, cache_implementation="dustin", cache_config={**config, "mode": mode})
+            assert seen, mode
+            expected = (1, {1}) if (mode, sample) == ("exact", True) else (3, {3})
+            assert all(call == expected for call in seen), (mode, sample, seen)
