@@ -81,8 +81,10 @@ def build_old(folder: str | Path, commit: str = OLD_COMMIT) -> Path:
     attention.write_text(text.replace('ATTENTION_NAME = "dustin"\n', f'ATTENTION_NAME = "{OLD_ATTENTION}"\n'))
     revision = subprocess.run(["git", "-C", str(_REPO), "rev-parse", commit], capture_output=True, text=True,
                               check=True).stdout.strip()
+    # the new side's commit, kept here because the device machine's copy of the tree has no git history
     (folder / MARKER).write_text(json.dumps(dict(commit=revision, package=OLD_PACKAGE, attention=OLD_ATTENTION,
-                                                 rewritten_imports=sum(rewritten)), indent=1) + "\n")
+                                                 rewritten_imports=sum(rewritten), built_beside=_head()),
+                                            indent=1) + "\n")
     return folder
 
 
@@ -179,7 +181,9 @@ def main(argv=None) -> dict:
           f"{100 * TOLERANCE:.0f}%: {summary['within_tolerance']}; same steps: {summary['same_work']}")
     result = dict(command=" ".join(["python3", *sys.argv]),
                   device=torch.cuda.get_device_name(0) if devices[0].type == "cuda" else "cpu",
-                  versions=e2e._versions(), old=built, new=_head(), pair=f"{sizes[0]} + {sizes[1]}",
+                  versions=e2e._versions(), old=built, new=_head() if (_REPO / ".git").exists()
+                  else f"{built['built_beside']} (the checkout the old tree was built beside)",
+                  pair=f"{sizes[0]} + {sizes[1]}",
                   method=args.method, context=args.context, batch=args.batch, new_tokens=args.new_tokens,
                   acceptance=new_replay.source, order="a warm-up run of each code (not rated), then rounds "
                   "alternating which code runs first", runs=runs, summary=summary)
