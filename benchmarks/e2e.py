@@ -536,8 +536,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="run plain generate() (hf_dynamic, hf_static) once to warm up, then N times, and rate "
                              "it by the median of the N runs; all rates are kept in the row (default 3)")
     parser.add_argument("--smoke", action="store_true",
-                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}; without "
-                             "--predictions / --knob-traces every method replays SYNTHETIC traces (checks the script)")
+                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}; given no "
+                             "traces at all, every method replays SYNTHETIC ones (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
     return parser
@@ -557,12 +557,12 @@ def sources(args, parser=None) -> Sources:
                                                     "sparse draft's own acceptance not given)")
     predictions = load_predictions(args.predictions, GAMMA) if args.predictions else None
     budget = SMOKE_BUDGET if args.smoke and args.budget == BUDGET else args.budget
-    if predictions is None and args.smoke:
+    synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
+    if synthetic:
         predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]
     exact_budget = args.exact_budget or (budget if args.smoke else DustinConfig().budget)
     knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
-    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget,
-                   synthetic=args.smoke and not args.predictions)
+    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget, synthetic=synthetic)
 
 
 def _raise(message: str):
@@ -598,8 +598,11 @@ def main(argv=None) -> dict:
     print(f"exact mode ({exact_source}): budget {plan.exact_budget}, confirm_tokens {defaults.confirm_tokens}, "
           f"confirm_every {defaults.confirm_every}", flush=True)
     # every method at every context before any model is built: a missing trace fails in seconds, not minutes
-    methods = {(name, context): plan.method(name, context) for name in args.methods if not name.startswith("hf")
-               for context in args.contexts}
+    try:
+        methods = {(name, context): plan.method(name, context) for name in args.methods if not name.startswith("hf")
+                   for context in args.contexts}
+    except ValueError as error:  # a trace missing or recorded at another budget
+        parser.error(str(error))
     torch.manual_seed(0)
     layers = None if args.smoke else args.target_layers
     target = build_model(sizes[0], devices, dtype, layers)
