@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import e2e
+from replay import CountReplay
 
 TRACE = ("benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_teacher-forced_ctx{}_g4_"
          "dustin-sparse-draft_b512.json")
@@ -41,8 +42,8 @@ def main(argv=None) -> dict:
                                      "(dustin_hf.runtime.tuning.Tuning.paths() lists them)")
     parser.add_argument("values", nargs="+", help="Python literals to alternate, e.g. 16 32")
     parser.add_argument("--rounds", type=int, default=2, help="times each value runs (default 2)")
-    parser.add_argument("--method", default="dustin_sparse_draft", choices=[m for m in e2e.METHODS
-                                                                             if not m.startswith("hf")])
+    parser.add_argument("--method", default="dustin_sparse_draft", choices=("spec_dense", "dustin",
+                                                                             "dustin_sparse_draft"))
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
@@ -60,7 +61,9 @@ def main(argv=None) -> dict:
     except (ValueError, SyntaxError) as error:
         raise SystemExit(f"values must be Python literals valid for {args.path}: {error}") from None
 
-    replay = e2e.Replay.load([TRACE.format(4096), TRACE.format(8192)])
+    replay = CountReplay.load([TRACE.format(4096), TRACE.format(8192)], e2e.GAMMA)
+    method = e2e.Sources(None, {args.method: replay}, None, None, e2e.BUDGET, e2e.BUDGET).method(args.method,
+                                                                                             args.context)
     devices = [torch.device("cuda:0")]
     target = e2e.build_model(args.pair, devices, torch.bfloat16, args.target_layers)
     draft = e2e.build_model("0.5b", devices, torch.bfloat16)
@@ -70,8 +73,7 @@ def main(argv=None) -> dict:
     runs: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for text, tuning in values.items():
-            row = e2e.run_speculative(target, draft, args.batch, args.context, args.method, replay, torch.bfloat16,
-                                      tuning=tuning)
+            row = e2e.run_speculative(target, draft, args.batch, args.context, method, torch.bfloat16, tuning=tuning)
             runs.setdefault(text, []).append(round(row["tokens_per_s"], 1))
             failed = {part: graphs["failed"] for part, graphs in row.get("graphs", {}).items() if graphs["failed"]}
             print(f"{args.path} = {text}: {row['tokens_per_s']:.1f} tok/s "

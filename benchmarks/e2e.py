@@ -1,23 +1,30 @@
-"""End-to-end decoding throughput: plain generate(), classic speculative decoding, Dustin.
+"""End-to-end decoding throughput: plain generate(), classic speculative decoding, Dustin, exact mode, the knob.
 
 Target and draft have the real architectures (Qwen2.5-7B/32B/72B-Instruct and Qwen2.5-0.5B-Instruct,
 configs written below) with random bf16 weights: speed does not depend on weight values. Everything
 the GPU does is real (drafting, verification forwards, scoring, selection, cache work), with two
 stand-ins, both printed with the results:
 
-* acceptance is REPLAYED: random weights make the draft's proposals meaningless, so each step's
-  accepted count comes from recorded traces of the real Qwen2.5-Coder 0.5B/1.5B pair
-  (``benchmarks/traces/``, ``--trace-dense`` / ``--trace-dustin``), or from a fixed pattern with the
-  paper's mean of 2.2 tokens per step;
+* each step's outcome is REPLAYED (:mod:`replay`): random weights make the draft's proposals meaningless.
+  With ``--predictions`` (teacher-forced per-position predictions of the real Qwen2.5-Coder 1.5B/0.5B pair,
+  ``benchmarks/traces/*_predictions_*.json``) every method's drafts kept, tentative tokens confirmed and
+  confirmations come from the same recorded texts; without it the classic methods cycle the accepted counts
+  of acceptance traces (``--trace-dense`` / ``--trace-dustin``) or a fixed pattern with the paper's mean of 2.2
+  tokens per step. The quality knob's read-set sizes are replayed from recorded per-step budgets
+  (``--knob-traces``), scaled to the context;
 * prefill is REPLACED by filling the caches with random keys/values of the right shapes: the
   benchmark measures decoding at a given context; prefill costs the same for every method.
 
 Methods, each timed in the same run:
   hf_dynamic   plain ``generate()`` with transformers' default cache (what users run today)
   hf_static    plain ``generate()`` with ``cache_implementation="static"`` (preallocated cache)
-  spec_dense   batched speculative decoding, dense verification (dustin_hf's loop, no sparsity)
-  dustin       the same loop with Dustin's sparse verification (budget 512)
+  spec_dense   classic batched speculative decoding, dense verification (dustin_hf's loop, no sparsity)
+  dustin       the same loop with Dustin's sparse verification (``--budget``, 512)
   dustin_sparse_draft  Dustin whose draft also reads a selection (``DustinConfig(sparse_draft=True)``)
+  spec_sparse_draft    lossless, MagicDec-style: the sparse draft, every verification dense
+                       (``DustinConfig(mode="exact", confirm_tokens=0, sparse_draft=True)``)
+  dustin_exact  exact mode at ``DustinConfig()``'s budget and confirm schedule, with the sparse draft
+  dustin_knob   Dustin + sparse draft with the quality knob (``min_recovery``), budgets replayed
 
 Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
 graph capture are excluded), over the host-clock time the loop took for them, until the last row has
@@ -27,11 +34,12 @@ since rows that finish early leave the batch's later steps partly idle. Plain ``
 profiling pass per speculative method splits a step into phases: by default from CUDA events on the GPU timeline (an
 undisturbed step, idle stretches where the GPU waited for the host included; the host's own time
 per phase beside it), or ``--profile-mode sync``, synchronising between phases (each phase's own cost).
-The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth.
+The hardware bound per step is (weight bytes + KV bytes read) / the measured copy bandwidth, with the
+positions each run's verifications actually read.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e_h200.json          # one H200, 7B + 0.5B
     python benchmarks/e2e.py --pair 72b --batches 8 --out benchmarks/results/e2e_h200x2.json  # two H200s
-    python benchmarks/e2e.py --smoke                                          # tiny, CPU, seconds
+    python benchmarks/e2e.py --smoke                                          # tiny, CPU, every method
 """
 
 from __future__ import annotations
@@ -40,7 +48,6 @@ import argparse
 import gc
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -50,8 +57,11 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
+from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.plan import device_tensor
+from dustin_hf.telemetry import DecodeHooks
+from replay import (AcceptReplay, BudgetReplay, CountReplay, ExactReplay, at_budget, load_budgets, load_predictions,
+                    synthetic_budgets, synthetic_predictions)
 
 # ----------------------------------------------------------------------------- sweep constants
 CONTEXTS = (8192, 16384, 32768)
@@ -61,15 +71,20 @@ BUDGET = 512
 NEW_TOKENS = 256  # per row, speculative methods (--new-tokens)
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
-PAPER_TOKENS_PER_STEP = 2.2  # fallback replay when no trace is given: [1, 1, 1, 1, 2] accepted drafts
-METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")
+METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "spec_sparse_draft", "dustin_exact", "dustin_knob",
+           "hf_dynamic", "hf_static")
+DEFAULT_METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")
+# the methods that replay from per-position predictions only (exact mode's outcomes, the knob's step)
+PREDICTED_ONLY = ("spec_sparse_draft", "dustin_exact", "dustin_knob")
+# --smoke: tiny models on the CPU at contexts past a small budget, so that every sparse path runs
+SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # Run order: plain generate() first, in the fresh process's memory state a user's generate() runs in; the
 # static cache last (it may compile). generate()'s dynamic cache concatenates every layer's K/V each token
 # (tens of GB at 32k), and its speed depends on what the caching allocator holds: 72B over two H200s,
 # 32k, batch 8, it read 31.1 and 40.0 tok/s as a process's first run and 41.8 to 47.2 after the
 # speculative runs (benchmarks/results/e2e_h200x2*.json), so compare ratios against it with that spread.
-RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "hf_static")
-SPECULATIVE = {"spec_dense": None, "dustin": False, "dustin_sparse_draft": True}  # method -> Dustin's sparse_draft
+RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "spec_sparse_draft", "dustin_exact",
+             "dustin_knob", "hf_static")
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
 # each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
 COMPILE_STATIC = False
@@ -146,51 +161,83 @@ def random_kv(model, batch: int, length: int, layer: int, dtype: torch.dtype):
     return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
 
 
-# ----------------------------------------------------------------------------- acceptance replay
-@dataclass
-class Replay:
-    """Per step and row, the drafts accepted, cycled from a trace (or the paper's mean)."""
+# ----------------------------------------------------------------------------- methods and their replays
+@dataclass(frozen=True)
+class Method:
+    """One speculative method as the benchmark runs it: its Dustin settings and what replays its outcomes."""
 
-    counts: list[int]
-    source: str
+    name: str
+    config: DustinConfig | None  # None: dense verification (classic speculative decoding)
+    replays: tuple  # replay objects (module ``replay``), each giving some DecodeHooks fields
 
-    @classmethod
-    def load(cls, paths: list[str] | None) -> "Replay":
-        """Pool the per-step accepted counts of ``paths`` (dustin_hf acceptance traces, ``benchmarks/traces/``)."""
-        if not paths:
-            return cls([1, 1, 1, 1, 2], f"fixed pattern, mean {PAPER_TOKENS_PER_STEP} tokens per step (paper)")
-        from dustin_hf.research.traces import load_trace
-
-        flat, names = [], []
-        for path in paths:
-            record = load_trace(path)
-            if record["gamma"] != GAMMA:
-                raise ValueError(f"{path}: recorded with γ={record['gamma']}, the benchmark runs γ={GAMMA}")
-            flat += [n for seq in record["sequences"] for n in seq["accepted"]]
-            names.append(Path(path).name)
-        if not flat:
-            raise ValueError(f"{paths}: no accepted counts")
-        return cls(flat, f"recorded traces {', '.join(names)} ({len(flat)} steps, mean "
-                         f"{statistics.mean(flat) + 1:.2f} tokens/step; each row replays them in order from its own "
-                         "offset, cycled)")
-
-    def override(self):
-        step = [0]
-
-        def accept(n_accepted: torch.Tensor) -> torch.Tensor:
-            # Each row walks the recorded sequence in order from its own, evenly spaced, starting point, so
-            # every row sees the trace's acceptance (handing out consecutive counts across the rows instead
-            # gave row b only the counts at b mod batch whenever the trace length is a multiple of the batch).
-            batch, n = n_accepted.shape[0], len(self.counts)
-            values = [self.counts[(b * n // batch + step[0]) % n] for b in range(batch)]
-            step[0] += 1
-            return device_tensor(values, n_accepted.device)  # no host sync: the loop's own stays the only one
-
-        return accept
+    def hooks(self, **fields) -> DecodeHooks:
+        """Fresh hooks for one run: each replay's (new state per run) and ``fields`` (prefill, profile)."""
+        for replay in self.replays:
+            fields.update(replay.hooks())
+        return DecodeHooks(**fields)
 
     @property
-    def mean_tokens_per_step(self) -> float:
-        return statistics.mean(min(n, GAMMA) for n in self.counts) + 1
+    def acceptance(self) -> str:
+        """What is replayed, in words (printed and saved with the results)."""
+        return "; ".join(replay.source for replay in self.replays)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the methods' replayed outcomes come from, and the budgets the methods run at.
+
+    ``predictions``: per-position predictions of the real pair (``None``: the classic methods cycle ``counts``,
+    acceptance counts, and the methods in ``PREDICTED_ONLY`` cannot run); ``knob``: the knob traces' paths,
+    loaded per context (``None`` with ``synthetic``: SYNTHETIC budgets); ``budget``: dustin's and
+    dustin_sparse_draft's; ``exact_budget``: exact mode's (``DustinConfig().budget`` unless overridden)."""
+
+    predictions: list | None
+    counts: dict
+    knob: list[str] | None
+    knob_target: float | None
+    budget: int
+    exact_budget: int
+    synthetic: bool = False
+
+    def method(self, name: str, context: int) -> Method:
+        """``name``'s settings and replays at ``context``."""
+        plain = DustinConfig(budget=self.budget, min_context=min(DustinConfig().min_context, context))
+        if name == "spec_dense":
+            return Method(name, None, (self._accept(name, "draft", "dense"),))
+        if name == "dustin":
+            return Method(name, plain, (self._accept(name, "draft", "sparse"),))
+        if name == "dustin_sparse_draft":
+            return Method(name, plain.replace(sparse_draft=True), (self._accept(name, "draft_sparse", "sparse"),))
+        if self.predictions is None:
+            raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
+                             "--predictions benchmarks/traces/*_predictions_*.json")
+        exact = plain.replace(budget=self.exact_budget, mode="exact", sparse_draft=True)
+        if name in ("spec_sparse_draft", "dustin_exact"):
+            config = exact.replace(confirm_tokens=0) if name == "spec_sparse_draft" else exact
+            width = config.confirm_tokens + 2 * GAMMA + 2  # the most tentative tokens a row holds, with room
+            return Method(name, config, (ExactReplay(at_budget(self.predictions, config.budget), "draft_sparse", GAMMA,
+                                                     width),))
+        if name == "dustin_knob":
+            budgets = self._budgets(context)
+            config = plain.replace(budget=budgets.floor, min_recovery=budgets.min_recovery, max_budget=budgets.ceiling,
+                                   sparse_draft=True)
+            accept = AcceptReplay(at_budget(self.predictions, budgets.floor), "draft_sparse", "sparse", GAMMA,
+                                  note=" (the sparse target at the knob's floor: the knob's read sets hold at least as "
+                                       "many positions)")
+            return Method(name, config, (accept, budgets))
+        raise ValueError(f"not a speculative method: {name!r}")
+
+    def _accept(self, name: str, draft: str, verifier: str):
+        if self.predictions is None:
+            return self.counts[name]
+        return AcceptReplay(at_budget(self.predictions, self.budget), draft, verifier, GAMMA)
+
+    def _budgets(self, context: int) -> BudgetReplay:
+        if self.knob:
+            return load_budgets(self.knob, context, self.knob_target)
+        if self.synthetic:
+            return synthetic_budgets(context, self.budget, min(context, 2 * self.budget))
+        raise ValueError("dustin_knob replays recorded knob budgets: pass --knob-traces benchmarks/traces/*_knob_*.json")
 
 
 # ----------------------------------------------------------------------------- methods
@@ -280,31 +327,26 @@ def _random_prefill(dtype):
     return prefill
 
 
-def run_speculative(target, draft, batch: int, context: int, method: str, replay: Replay, dtype,
-                    new_tokens: int = NEW_TOKENS, profile: bool | str = False, torch_trace: str | None = None,
-                    tuning=None) -> dict:
+def run_speculative(target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int = NEW_TOKENS,
+                    profile: bool | str = False, torch_trace: str | None = None, tuning=None) -> dict:
     from transformers import GenerationConfig
 
-    from dustin_hf import DustinConfig
     from dustin_hf.config import resolve
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
-    from dustin_hf.telemetry import DecodeHooks
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
-    sparse_draft = SPECULATIVE[method]
-    resolved = None if sparse_draft is None else resolve(
-        DustinConfig(budget=BUDGET, min_context=min(2048, context), sparse_draft=sparse_draft), target.config,
-        draft.config)
+    resolved = None if method.config is None else resolve(method.config, target.config, draft.config)
     decoder = SpeculativeDecoder(
         target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
-        hooks=DecodeHooks(accept=replay.override(), prefill=_random_prefill(dtype), profile=profile), tuning=tuning,
+        hooks=method.hooks(prefill=_random_prefill(dtype), profile=profile), tuning=tuning,
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     if torch_trace:
-        _trace_steps(decoder, torch_trace)
+        exact = resolved is not None and resolved.mode == "exact"
+        _trace_steps(decoder, torch_trace, "_exact_step" if exact else "_step")
     with attention_routed(target, draft):
         result = decoder.generate(ids)
     stats = result.stats.as_dict()
@@ -314,7 +356,11 @@ def run_speculative(target, draft, batch: int, context: int, method: str, replay
     seconds = ends[-1] - ends[WARMUP_STEPS - 1]
     out = dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(steps),
                tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=stats["cuda_graphs"],
-               backend=decoder.backend, sparse_steps=stats["sparse_steps"], mean_attended=stats["mean_attended"])
+               backend=decoder.backend, sparse_steps=stats["sparse_steps"], dense_steps=stats["dense_steps"],
+               mean_attended=stats["mean_attended"])
+    for report in ("exact", "knob"):  # exact mode's confirmations, the knob's realised budgets
+        if report in stats:
+            out[report] = stats[report]
     # Steady state: the steps before any row reached its token limit (every row committing its replayed
     # count). Later steps cost the same (fixed shapes) while finished rows commit nothing, so the
     # all-steps rate above depends on how unevenly the replayed counts land on the rows.
@@ -336,12 +382,13 @@ def _mean_ms(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: 1e3 * sum(step.get(k, 0.0) for step in steps) / len(steps) for k in steps[0]}
 
 
-def _trace_steps(decoder, path: str, steps: int = 8) -> None:
-    """Record ``steps`` decode steps after the warm-up ones with torch.profiler; save a gzipped Chrome trace."""
+def _trace_steps(decoder, path: str, name: str, steps: int = 8) -> None:
+    """Record ``steps`` decode steps (the decoder's method ``name``) after the warm-up ones with torch.profiler;
+    save a gzipped Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    step, done = decoder._step, [0]
+    step, done = getattr(decoder, name), [0]
 
     def traced(target, draft):
         if done[0] == WARMUP_STEPS:
@@ -360,7 +407,7 @@ def _trace_steps(decoder, path: str, steps: int = 8) -> None:
                 shutil.copyfileobj(src, dst)
             Path(path.removesuffix(".gz")).unlink()
 
-    decoder._step = traced
+    setattr(decoder, name, traced)  # this decoder instance only
 
 
 def _release_memory() -> None:
@@ -395,21 +442,28 @@ def kv_bytes_per_position(model, elt: int = 2) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * elt  # K and V, all layers
 
 
-def step_bound_ms(method: str, target, draft, batch: int, context: int, copy_gbps: float) -> float:
-    """Fewest bytes one step must read (weights once per forward, KV it attends), over copy bandwidth."""
+def step_bound_ms(method: Method | None, row: dict, target, draft, batch: int, context: int, copy_gbps: float) -> float:
+    """Fewest bytes one step must read (weights once per forward, KV it attends), over copy bandwidth.
+
+    ``method``: ``None`` for plain ``generate()``; a speculative method's verifications read what its run
+    measured (``row``: the mean positions of its sparse steps, every position on its dense ones), and a sparse
+    draft reads the last selection plus the positions written since."""
     t_w, d_w = param_bytes(target), param_bytes(draft)
     t_kv, d_kv = kv_bytes_per_position(target), kv_bytes_per_position(draft)
-    if method.startswith("hf"):
-        total = t_w + batch * context * t_kv
+    if method is None:
+        return (t_w + batch * context * t_kv) / copy_gbps / 1e6
+    cfg = method.config
+    sparse, dense = row.get("sparse_steps", 0), row.get("dense_steps", 0)
+    read = (sparse * row.get("mean_attended", 0.0) + dense * context) / max(sparse + dense, 1)
+    if cfg is not None and cfg.sparse_draft:
+        draft_attended = (row["mean_attended"] if sparse else cfg.budget) + 2 * GAMMA + 1
     else:
-        draft_attended = BUDGET + 2 * GAMMA + 1 if method == "dustin_sparse_draft" else context + 1
-        draft_reads = GAMMA * (d_w + batch * draft_attended * d_kv)
-        attended = context + GAMMA + 1 if method == "spec_dense" else BUDGET + GAMMA + 1
-        total = draft_reads + t_w + batch * attended * t_kv
-        if method != "spec_dense":  # scoring: one target layer and three draft layers' keys of one KV head
-            cfg, dcfg = target.config, draft.config
-            total += batch * context * 2 * (cfg.hidden_size // cfg.num_attention_heads
-                                            + 3 * dcfg.hidden_size // dcfg.num_attention_heads)
+        draft_attended = context + 1
+    total = GAMMA * (d_w + batch * draft_attended * d_kv) + t_w + batch * (read + GAMMA + 1) * t_kv
+    if cfg is not None:  # scoring: one target layer and three draft layers' keys of one KV head
+        t_cfg, d_cfg = target.config, draft.config
+        total += batch * context * 2 * (t_cfg.hidden_size // t_cfg.num_attention_heads
+                                        + 3 * d_cfg.hidden_size // d_cfg.num_attention_heads)
     return total / copy_gbps / 1e6
 
 
@@ -427,7 +481,7 @@ def measure_copy_gbps(device: torch.device) -> float:
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv=None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
@@ -439,19 +493,35 @@ def main(argv=None) -> dict:
                              "not the model")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS,
+                        help=f"default: {' '.join(DEFAULT_METHODS)}; {', '.join(PREDICTED_ONLY)} need --predictions")
+    parser.add_argument("--budget", type=int, default=BUDGET, help=f"dustin's fixed budget (default {BUDGET})")
+    parser.add_argument("--exact-budget", type=int, default=None,
+                        help="exact mode's budget (spec_sparse_draft's draft reads, dustin_exact's sparse steps); "
+                             "default: DustinConfig()'s, printed")
+    parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",
+                        help="per-position predictions of the real pair (benchmarks/traces/*_predictions_*.json, "
+                             "dustin_hf.prediction_trace/1): every method replays its outcomes from them, each from "
+                             "the files recorded at its budget")
+    parser.add_argument("--knob-traces", nargs="+", default=None, metavar="TRACE",
+                        help="the knob's recorded per-step budgets (benchmarks/traces/*_knob_*.json, "
+                             "dustin_hf.knob_trace/1), replayed by dustin_knob scaled to the context")
+    parser.add_argument("--knob-target", type=float, default=None,
+                        help="use the knob traces recorded at this min_recovery (default: DustinConfig()'s if set, "
+                             "else the one target the traces share)")
     parser.add_argument("--trace-dense", nargs="+", default=None, metavar="TRACE",
-                        help="acceptance traces (benchmarks/traces/*_dense.json) replayed by spec_dense; "
-                             "default: the paper's mean")
+                        help="without --predictions: acceptance traces (benchmarks/traces/*_dense.json) replayed by "
+                             "spec_dense; default: the paper's mean")
     parser.add_argument("--trace-dustin", nargs="+", default=None, metavar="TRACE",
-                        help="acceptance traces (benchmarks/traces/*_dustin_b512.json) replayed by dustin; "
-                             "default: the paper's mean")
+                        help="without --predictions: acceptance traces (benchmarks/traces/*_dustin_b512.json) "
+                             "replayed by dustin; default: the paper's mean")
     parser.add_argument("--trace-dustin-sparse-draft", nargs="+", default=None, metavar="TRACE",
-                        help="acceptance traces replayed by dustin_sparse_draft (DustinConfig(sparse_draft=True)); "
-                             "default: the --trace-dustin traces, which is said in the output")
-    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
-                        help="tokens per row for the speculative methods; the all-steps rate includes the tail where "
-                             "rows that finished early idle, which weighs less the more tokens each row makes")
+                        help="without --predictions: acceptance traces replayed by dustin_sparse_draft; default: the "
+                             "--trace-dustin traces, which is said in the output")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help=f"tokens per row for the speculative methods (default {NEW_TOKENS}, --smoke "
+                             f"{SMOKE_TOKENS}); the all-steps rate includes the tail where rows that finished early "
+                             "idle, which weighs less the more tokens each row makes")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the per-phase profiling pass (run at the largest batch of each context)")
     parser.add_argument("--profile-mode", choices=("events", "sync"), default="events",
@@ -465,9 +535,42 @@ def main(argv=None) -> dict:
     parser.add_argument("--baseline-runs", type=int, default=3, metavar="N",
                         help="run plain generate() (hf_dynamic, hf_static) once to warm up, then N times, and rate "
                              "it by the median of the N runs; all rates are kept in the row (default 3)")
-    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, seconds (checks the script)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}; given no "
+                             "traces at all, every method replays SYNTHETIC ones (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
+    return parser
+
+
+def sources(args, parser=None) -> Sources:
+    """The replays' inputs and the methods' budgets from the command line (``--smoke``: SYNTHETIC by default)."""
+    fail = parser.error if parser is not None else _raise
+    if (args.trace_dense is None) != (args.trace_dustin is None):
+        fail("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
+    counts = {"spec_dense": CountReplay.load(args.trace_dense, GAMMA),
+              "dustin": CountReplay.load(args.trace_dustin, GAMMA)}
+    counts["dustin_sparse_draft"] = CountReplay.load(args.trace_dustin_sparse_draft or args.trace_dustin, GAMMA)
+    if args.trace_dustin_sparse_draft is None:
+        counts["dustin_sparse_draft"] = CountReplay(counts["dustin_sparse_draft"].counts,
+                                                    counts["dustin_sparse_draft"].source + " (Dustin's traces: the "
+                                                    "sparse draft's own acceptance not given)")
+    predictions = load_predictions(args.predictions, GAMMA) if args.predictions else None
+    budget = SMOKE_BUDGET if args.smoke and args.budget == BUDGET else args.budget
+    synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
+    if synthetic:
+        predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]
+    exact_budget = args.exact_budget or (budget if args.smoke else DustinConfig().budget)
+    knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
+    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget, synthetic=synthetic)
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def main(argv=None) -> dict:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.baseline_runs < 1:
         parser.error(f"--baseline-runs must be at least 1, got {args.baseline_runs}")
@@ -480,11 +583,26 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16
     if args.smoke:
         devices, sizes = [torch.device("cpu")], ("tiny", "tiny-draft")
-        args.contexts, args.batches, dtype = [64, 96], [2], torch.float32
+        if args.contexts == CONTEXTS:
+            args.contexts = list(SMOKE_CONTEXTS)
+        args.batches, dtype = [2], torch.float32
         args.methods = [m for m in args.methods if m != "hf_static"]
     else:
         n = args.devices or torch.cuda.device_count()
         devices, sizes = [torch.device(f"cuda:{i}") for i in range(n)], (args.pair, "0.5b")
+    new_tokens = args.new_tokens or (SMOKE_TOKENS if args.smoke else NEW_TOKENS)
+    plan = sources(args, parser)
+    defaults = DustinConfig()
+    exact_source = "DustinConfig() defaults" + (", budget from --exact-budget" if args.exact_budget
+                                                else ", --smoke's budget" if args.smoke else "")
+    print(f"exact mode ({exact_source}): budget {plan.exact_budget}, confirm_tokens {defaults.confirm_tokens}, "
+          f"confirm_every {defaults.confirm_every}", flush=True)
+    # every method at every context before any model is built: a missing trace fails in seconds, not minutes
+    try:
+        methods = {(name, context): plan.method(name, context) for name in args.methods if not name.startswith("hf")
+                   for context in args.contexts}
+    except ValueError as error:  # a trace missing or recorded at another budget
+        parser.error(str(error))
     torch.manual_seed(0)
     layers = None if args.smoke else args.target_layers
     target = build_model(sizes[0], devices, dtype, layers)
@@ -496,38 +614,21 @@ def main(argv=None) -> dict:
     dustin_hf.patch(target)  # registers the "dustin" attention, as a user's one line does
     copy_gbps = measure_copy_gbps(devices[0]) if devices[0].type == "cuda" else 1.0
     profile_mode = args.profile_mode if devices[0].type == "cuda" else "sync"
-    if (args.trace_dense is None) != (args.trace_dustin is None):
-        parser.error("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
-    replays = {"spec_dense": Replay.load(args.trace_dense), "dustin": Replay.load(args.trace_dustin)}
-    replays["dustin_sparse_draft"] = Replay.load(args.trace_dustin_sparse_draft or args.trace_dustin)
-    if args.trace_dustin_sparse_draft is None:
-        replays["dustin_sparse_draft"].source += " (Dustin's traces: the sparse draft's own acceptance not given)"
 
     rows = []
-    for method in sorted(args.methods, key=RUN_ORDER.index):  # method-major, in RUN_ORDER
+    for name in sorted(args.methods, key=RUN_ORDER.index):  # method-major, in RUN_ORDER
         for context in args.contexts:
             for batch in args.batches:
-                row = dict(method=method, context=context, batch=batch)
+                row = dict(method=name, context=context, batch=batch)
+                method = methods.get((name, context))
                 try:
-                    if method.startswith("hf"):
-                        row.update(run_hf_repeated(target, batch, context, method == "hf_static", dtype,
+                    if method is None:
+                        row.update(run_hf_repeated(target, batch, context, name == "hf_static", dtype,
                                                    args.baseline_runs))
                     else:
-                        replay = replays[method]
-                        row.update(run_speculative(target, draft, batch, context, method, replay, dtype,
-                                                   args.new_tokens))
-                        row["acceptance"] = replay.source
-                        if not args.no_profile and batch == max(args.batches):
-                            prof = run_speculative(target, draft, batch, context, method, replay, dtype,
-                                                   args.new_tokens, profile=profile_mode)
-                            row["phase_ms_per_step"] = prof["phase_ms_per_step"]
-                            row["host_ms_per_step"] = prof["host_ms_per_step"]
-                            row["phase_mode"] = profile_mode
-                        if args.torch_trace and batch == max(args.batches):  # a separate, untimed run
-                            Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
-                            run_speculative(target, draft, batch, context, method, replay, dtype, args.new_tokens,
-                                            torch_trace=f"{args.torch_trace}/{method}_{context}_{batch}.json.gz")
-                    bound_ms = step_bound_ms(method, target, draft, batch, context, copy_gbps)
+                        row.update(_run_method(target, draft, batch, context, method, dtype, new_tokens, args,
+                                               profile_mode if batch == max(args.batches) else None))
+                    bound_ms = step_bound_ms(method, row, target, draft, batch, context, copy_gbps)
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
                     row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
                 except torch.OutOfMemoryError as error:
@@ -537,29 +638,23 @@ def main(argv=None) -> dict:
                     row.pop("tokens_per_s", None)  # a later pass of this row failed: no partial result
                 rows.append(row)
                 _print_row(row)
-    for row in rows:
-        base = next((r for r in rows if r["method"] == "hf_dynamic" and r["context"] == row["context"]
-                     and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
-        dense = next((r for r in rows if r["method"] == "spec_dense" and r["context"] == row["context"]
-                      and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
-        if "tokens_per_s" in row:
-            row["x_vs_hf_dynamic"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
-            row["x_vs_spec_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
-            if "steady_tokens_per_s" in row:  # every row active: the rate a server sees between arrivals
-                for key, ref in (("steady_x_vs_hf_dynamic", base), ("steady_x_vs_spec_dense", dense)):
-                    row[key] = (row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
-                                if ref and "steady_tokens_per_s" in ref else None)
+    _add_ratios(rows)
+    acceptance = {}
+    for (name, _), method in methods.items():
+        acceptance.setdefault(name, method.acceptance)
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
-        versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=BUDGET,
-        new_tokens={"speculative": args.new_tokens, "generate": AR_TOKENS},
-        acceptance={m: r.source for m, r in replays.items()},
+        versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=plan.budget,
+        exact_mode=dict(budget=plan.exact_budget, confirm_tokens=defaults.confirm_tokens,
+                        confirm_every=defaults.confirm_every, source=exact_source),
+        new_tokens={"speculative": new_tokens, "generate": AR_TOKENS},
+        acceptance=acceptance,
         prefill="replaced by random K/V of the same shapes (decode-only measurement)",
         hf_static="torch.compile by transformers" if COMPILE_STATIC else "eager (transformers' auto-compile disabled)",
         rows=rows,
     )
-    _print_table(rows)
+    _print_table(rows, acceptance)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -567,6 +662,52 @@ def main(argv=None) -> dict:
         _plot(rows, args.plot, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {"summary": _summary(rows)}))
     return result
+
+
+def _run_method(target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int, args,
+                profile_mode: str | None) -> dict:
+    """One speculative row: the timed run, then (``profile_mode``) a profiling pass and (``--torch-trace``) a
+    traced one, neither timed."""
+    row = run_speculative(target, draft, batch, context, method, dtype, new_tokens)
+    row["acceptance"] = method.acceptance
+    row["config"] = _changed(method.config)
+    if profile_mode and not args.no_profile:
+        prof = run_speculative(target, draft, batch, context, method, dtype, new_tokens, profile=profile_mode)
+        row["phase_ms_per_step"] = prof["phase_ms_per_step"]
+        row["host_ms_per_step"] = prof["host_ms_per_step"]
+        row["phase_mode"] = profile_mode
+    if profile_mode and args.torch_trace:
+        Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
+        run_speculative(target, draft, batch, context, method, dtype, new_tokens,
+                        torch_trace=f"{args.torch_trace}/{method.name}_{context}_{batch}.json.gz")
+    return row
+
+
+def _changed(config: DustinConfig | None) -> dict | None:
+    """The fields of ``config`` that differ from ``DustinConfig()``'s (``None``: dense verification)."""
+    if config is None:
+        return None
+    defaults = DustinConfig().to_dict()
+    return {k: v for k, v in config.to_dict().items() if v != defaults[k]}
+
+
+# the references each row is rated against: plain generate(), classic speculative decoding, the lossless baseline
+_REFERENCES = ("hf_dynamic", "spec_dense", "spec_sparse_draft")
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """``x_vs_<reference>`` (and ``steady_x_vs_<reference>``) for each row with a rate, against the same
+    context and batch (``None`` where the reference did not run)."""
+    for row in rows:
+        if "tokens_per_s" not in row:
+            continue
+        for reference in _REFERENCES:
+            ref = next((r for r in rows if r["method"] == reference and r["context"] == row["context"]
+                        and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
+            row[f"x_vs_{reference}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+            if "steady_tokens_per_s" in row:  # every row active: the rate a server sees between arrivals
+                row[f"steady_x_vs_{reference}"] = (row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
+                                                   if ref and "steady_tokens_per_s" in ref else None)
 
 
 def _versions() -> dict:
@@ -584,12 +725,12 @@ def _versions() -> dict:
 
 def _print_row(row: dict) -> None:
     if "error" in row:
-        print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['error']}", flush=True)
+        print(f"{row['method']:<20} ctx {row['context']:>6} B {row['batch']:>3}  {row['error']}", flush=True)
         return
-    print(f"{row['method']:<11} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
+    print(f"{row['method']:<20} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
           f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
           f"({100 * row['fraction_of_bound']:.0f}%)  steady {row.get('steady_tokens_per_s', float('nan')):9.1f} tok/s  "
-          f"peak {row['peak_gib'] or 0:.1f} GiB" + _runs(row), flush=True)
+          f"peak {row['peak_gib'] or 0:.1f} GiB" + _runs(row) + _outcomes(row), flush=True)
 
 
 def _runs(row: dict) -> str:
@@ -600,25 +741,47 @@ def _runs(row: dict) -> str:
     return f"  median of {rates} (warm-up run {row['warmup_tokens_per_s']:.1f}, not rated)"
 
 
+def _outcomes(row: dict) -> str:
+    """Exact mode's confirmations and the knob's realised budgets, for a printed row."""
+    out = ""
+    if "exact" in row:
+        e = row["exact"]
+        out += (f"\n    exact: {e['confirmations']} confirmations, {100 * e['confirmed_fraction']:.0f}% of tentative "
+                f"tokens confirmed, {e['tokens_per_confirmation']:.2f} tokens per confirmation, row-steps "
+                f"{e['sparse_row_steps']} sparse / {e['dense_row_steps']} dense")
+    if "knob" in row:
+        k = row["knob"]
+        out += (f"\n    knob: budget mean {k['budget_mean']:.0f}, p50 {k['budget_p50']}, p95 {k['budget_p95']}, max "
+                f"{k['budget_max']}, {k['dense_fallbacks']} dense fallbacks of {k['row_steps']} row-steps")
+    return out
+
+
 def _summary(rows: list[dict]) -> list[dict]:
-    keys = ("method", "context", "batch", "tokens_per_s", "x_vs_hf_dynamic", "x_vs_spec_dense", "fraction_of_bound",
-            "steady_tokens_per_s", "steady_x_vs_hf_dynamic", "steady_x_vs_spec_dense")
+    keys = ("method", "context", "batch", "tokens_per_s", "tokens_per_step", "fraction_of_bound", "steady_tokens_per_s",
+            *(f"{prefix}x_vs_{ref}" for prefix in ("", "steady_") for ref in _REFERENCES))
     return [{k: row.get(k) for k in keys} for row in rows if "tokens_per_s" in row]
 
 
-def _print_table(rows: list[dict]) -> None:
-    print(f"\n{'method':<20}{'ctx':>7}{'B':>4}{'tok/s':>10}{'x hf_dyn':>10}{'x spec':>8}{'%bound':>8}"
-          f"{'steady':>9}{'x spec':>8}  phases (ms/step)")
+def _print_table(rows: list[dict], acceptance: dict[str, str]) -> None:
+    """The rows with their ratios (x classic: vs spec_dense; x ssd: vs spec_sparse_draft), then what each method
+    replays."""
+    ratios = ("x_vs_hf_dynamic", "x_vs_spec_dense", "x_vs_spec_sparse_draft", "steady_x_vs_spec_dense",
+              "steady_x_vs_spec_sparse_draft")
+    print(f"\n{'method':<20}{'ctx':>7}{'B':>4}{'tok/s':>10}{'tok/step':>9}{'x hf_dyn':>9}{'x classic':>10}{'x ssd':>7}"
+          f"{'%bound':>7}{'steady':>9}{'x classic':>10}{'x ssd':>7}  phases (ms/step)")
     for row in rows:
         if "tokens_per_s" not in row:
             continue
         phases = " ".join(f"{k}={v:.2f}" for k, v in row.get("phase_ms_per_step", {}).items())
-        ratio = {k: f"{row[k]:.2f}" if row.get(k) else "-" for k in ("x_vs_hf_dynamic", "x_vs_spec_dense",
-                                                                      "steady_x_vs_spec_dense")}
+        ratio = {k: f"{row[k]:.2f}" if row.get(k) else "-" for k in ratios}
         steady = f"{row['steady_tokens_per_s']:.1f}" if "steady_tokens_per_s" in row else "-"
         print(f"{row['method']:<20}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}"
-              f"{ratio['x_vs_hf_dynamic']:>10}{ratio['x_vs_spec_dense']:>8}{100 * row['fraction_of_bound']:>7.0f}%"
-              f"{steady:>9}{ratio['steady_x_vs_spec_dense']:>8}  {phases}")
+              f"{row['tokens_per_step']:>9.2f}{ratio['x_vs_hf_dynamic']:>9}{ratio['x_vs_spec_dense']:>10}"
+              f"{ratio['x_vs_spec_sparse_draft']:>7}{100 * row['fraction_of_bound']:>6.0f}%{steady:>9}"
+              f"{ratio['steady_x_vs_spec_dense']:>10}{ratio['steady_x_vs_spec_sparse_draft']:>7}  {phases}")
+    print("\nreplayed outcomes (the models have random weights):")
+    for name, source in acceptance.items():
+        print(f"  {name}: {source}")
 
 
 def _plot(rows: list[dict], path: str, result: dict) -> None:

@@ -8,12 +8,18 @@
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
 #   bash benchmarks/run_h200.sh tests2 OUT    the GPU tests that need two devices (a target split over both)
+#   bash benchmarks/run_h200.sh ab OUT        old code (03992c4) vs new, same process, Dustin + sparse draft, 7B + 0.5B,
+#                                             32k, batch 16; needs the old tree built here first and carried:
+#                                             python3 benchmarks/ab_old_new.py --build-old build/ab_old
+#   bash benchmarks/run_h200.sh e2e-exact OUT  classic, the lossless sparse-draft baseline, Dustin + sparse draft,
+#                                             exact mode and the knob, 7B + 0.5B, 32k, batch 16, one H200, replayed
+#                                             from the real pair's per-position predictions and knob budgets
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
 # windows of a held-out book, benchmarks/sparse_draft_cpu.py): every method's per-step accepted drafts on
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2|ab|e2e-exact}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -61,6 +67,20 @@ case $what in
   e2e2)
     timeout 560 python3 benchmarks/e2e.py --pair 72b --batches 8 --contexts 32768 "${trace[@]}" \
       --out "$out/e2e_h200x2.json" "$@" 2>&1 | tee "$out/e2e2.txt" | grep -v '^{' | tail -30 ;;
+  ab)  # issue #23: the two codes alternate on the same models; new / old of the median rates, within 2%?
+    timeout 560 python3 benchmarks/ab_old_new.py --old-tree "${OLD_TREE:-build/ab_old}" \
+      --out "$out/e2e_h200_ab_old_new.json" "$@" 2>&1 | tee "$out/ab_old_new.txt" | grep -v '^{' | tail -14 ;;
+  e2e-exact)  # issues #26, #27: every method in one process, ratios vs classic (spec_dense) and spec_sparse_draft
+    shopt -s nullglob
+    predictions=(benchmarks/traces/*_predictions_*.json); knob=(benchmarks/traces/*_knob_*.json)
+    if (( ${#predictions[@]} == 0 || ${#knob[@]} == 0 )); then
+      echo "e2e-exact needs benchmarks/traces/*_predictions_*.json and *_knob_*.json (found ${#predictions[@]}, ${#knob[@]})"
+      exit 2
+    fi
+    timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
+      --methods spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact dustin_knob \
+      --predictions "${predictions[@]}" --knob-traces "${knob[@]}" --out "$out/e2e_h200_exact.json" "$@" 2>&1 \
+      | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
   tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -k "two_gpus or two_devices" 2>&1 | tail -3 \
       | tee "$out/gpu_tests_two.txt" ;;
