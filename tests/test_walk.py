@@ -54,6 +54,36 @@ def test_budget_covering_the_context_equals_the_dense_walk_exactly(pair, state):
     assert walk.accepted["dense"] > 0  # the noisy-copy draft mostly agrees with its target
 
 
+def test_walk_keeps_every_prediction_per_position(pair, state):
+    """Entry j of each list is about the token at C + j given the true prefix: the dense lists equal a stock forward's
+    argmax over the whole text, a covering budget's equal dense, and each step's teacher-forced acceptance is the
+    agreeing prefix of the lists from the step's first draft."""
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24),
+                                "small_sd": _cfg(target, draft, 24, sparse_draft=True)}, recovery_every=0,
+                               progress=False)
+    n = walk.tokens
+    tokens = torch.cat([prefilled.tokens, continuation])
+    assert walk.truth == continuation[:n].tolist()
+    with torch.no_grad():
+        stock = target(tokens[None, : CONTEXT + n - 1]).logits[0, CONTEXT - 1 :].argmax(-1).tolist()
+        stock_draft = draft(tokens[None, : CONTEXT + n - 1]).logits[0, CONTEXT - 1 :].argmax(-1).tolist()
+    assert walk.predictions["dense"] == stock and walk.draft_predictions["dense"] == stock_draft
+    assert walk.predictions["full"] == walk.predictions["dense"]
+    assert walk.draft_predictions["small"] == walk.draft_predictions["dense"]  # the shared dense draft
+    assert walk.draft_predictions["small_sd"] != walk.draft_predictions["dense"]
+    assert walk.predictions["small"] != walk.predictions["dense"]
+    assert all(len(v) == n for v in [*walk.predictions.values(), *walk.draft_predictions.values()])
+    for name in walk.predictions:
+        verifier, drafted = walk.predictions[name], walk.draft_predictions[name]
+        for step, accepted in enumerate(walk.accepted_trace[name]):
+            first = step * (GAMMA + 1) + 1  # the step's first draft guesses the token after L
+            agree = [verifier[first + i] == drafted[first + i] for i in range(GAMMA)]
+            assert accepted == (agree + [False]).index(False)
+
+
 def test_dense_layers_in_the_walk(pair, state):
     """All target layers dense: a sparse step (selection made) scores exactly like the dense walk."""
     target, draft = pair

@@ -16,7 +16,11 @@ exactly the next γ tokens and all were accepted. Step ``s`` at ``L = C + s(γ+1
 Besides perplexity, each step compares greedy predictions on the same true prefix: the target's
 against the draft's (teacher-forced acceptance: how many leading drafts a greedy target would keep
 if the draft guessed each next token from the true text) and against the dense target's (top-1
-agreement). Unlike free-running generation, these compare every method on the same text.
+agreement). Unlike free-running generation, these compare every method on the same text. The walk
+also keeps every prediction: per position ``C + j``, each method's target argmax and the argmax of
+the draft it drafted with (the first one from the prefill, the draft's from step ``s``'s first query
+at ``L - 1``), so that a replay can derive any method's acceptance from them
+(:func:`dustin_hf.research.traces.prediction_record`).
 
 Every method (dense, each budget) keeps its own target cache (sparse steps write keys and values
 computed from sparse attention, as in decoding) and its own history; the draft cache is shared (the
@@ -74,6 +78,11 @@ class WalkResult:
     draft_agreement: dict[str, float] = field(default_factory=dict)
     accepted_trace: dict[str, list[int]] = field(default_factory=dict)  # per step, the leading agreements
     top1_agreement_with_dense: dict[str, float] = field(default_factory=dict)  # target argmax vs the dense method's
+    # per position j < tokens (the token at C + j, predicted on the true prefix [0, C + j)): the true token, each
+    # method's target argmax, and the argmax of the draft that method drafted with
+    truth: list[int] = field(default_factory=list)
+    predictions: dict[str, list[int]] = field(default_factory=dict)
+    draft_predictions: dict[str, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -89,6 +98,8 @@ class _Method:
         self.draft = draft  # its own draft (``sparse_draft``: what the draft reads follows this method's selections)
         self.last_selection = None  # (selection, [L]) of its last sparse step
         self.trace: list[int] = []  # per step: leading drafts a greedy target keeps
+        self.predictions: list[int] = []  # per position from C: the target's argmax
+        self.draft_predictions: list[int] = []  # per position from C: its draft's argmax
         self.nll = 0.0
         self.sparse_steps = 0
         self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
@@ -168,13 +179,15 @@ def teacher_forced_walk(
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
 
+    for run in runs:  # the token at C: every method predicts it from the (dense) prefill
+        run.predictions.append(int(state.last_logits.argmax()))
     start = time.perf_counter()
     with torch.no_grad(), dustin_attention_on(target, draft):
         for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress):
             at = context + step * (gamma + 1)  # L: cached positions of every target cache
             base = torch.tensor([at], device=device)
             # 1. the draft reads the true next tokens; its queries at L .. L+γ-1 score positions
-            draft_next, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
+            draft_guess, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
                                               d_scale)
             dense_next = None
             measure = bool(oracle) or (bool(recovery_every) and step % recovery_every == 0)
@@ -184,10 +197,10 @@ def teacher_forced_walk(
             for run in sorted(runs, key=lambda r: r.config is not None):  # dense first: its attention is the reference
                 selection = None
                 cfg = run.config
-                run_draft_next, run_s_draft = draft_next, s_draft
+                run_draft_guess, run_s_draft = draft_guess, s_draft
                 if run.draft is not None:  # a sparse draft: reads this method's last selection + what came since
                     reads = DraftReads.after(run.last_selection, cfg, gamma, capacity)
-                    run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
+                    run_draft_guess, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
                                                               tokens, at, gamma, backend, d_capture, base, d_group,
                                                               d_scale)
                 layer_indices = None
@@ -216,8 +229,10 @@ def teacher_forced_walk(
                     plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=layer_indices)
                 logits = run.model.forward(plan, verify_in, keep=gamma + 1)[0]  # (γ+1, V)
                 run.nll += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
-                target_next = logits.argmax(dim=-1)  # (γ+1,)
-                agree = (target_next[:gamma] == run_draft_next.to(target_next.device)).long()
+                target_next = logits.argmax(dim=-1)  # (γ+1,): guesses for tokens[L+1 : L+γ+2]
+                run.predictions.extend(target_next.tolist())
+                run.draft_predictions.extend(run_draft_guess.tolist())
+                agree = (target_next[:gamma] == run_draft_guess[1:].to(target_next.device)).long()
                 run.agreed += int(agree.sum())
                 run.trace.append(int(agree.cumprod(0).sum()))
                 if cfg is None:
@@ -257,6 +272,9 @@ def teacher_forced_walk(
         accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
         top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
+        truth=tokens[context : context + evaluated].tolist(),
+        predictions={r.name: r.predictions[:evaluated] for r in runs},
+        draft_predictions={r.name: r.draft_predictions for r in runs},
     )
     for run in runs:
         if run.recovery:
@@ -293,13 +311,14 @@ def _refresh(model: ModelRunner, tokens: torch.Tensor, start: int, end: int, bac
 
 def _draft_step(draft_model, selection, tokens, at, gamma, backend, d_capture, base, d_group, d_scale):
     """The draft over ``tokens[L-1 : L+γ]`` (all it has cached, or ``selection`` for a sparse draft): its greedy
-    guesses ``(γ,)`` for ``tokens[L+1 : L+γ+1]`` and its ``S_draft`` from the queries at ``L .. L+γ-1``."""
+    guesses ``(γ+1,)`` for ``tokens[L : L+γ+1]`` (the first is not a draft: the decoder's step starts after the
+    token at ``L``) and its ``S_draft`` from the queries at ``L .. L+γ-1``."""
     plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture,
                        indices=None if selection is None else selection.indices,
                        num_indices=None if selection is None else selection.num_indices)
     logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
     queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (1, γ, H, D)
-    return logits[1:].argmax(dim=-1), _DraftScores(draft_model, queries, base, d_group, d_scale, at)
+    return logits.argmax(dim=-1), _DraftScores(draft_model, queries, base, d_group, d_scale, at)
 
 
 def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
