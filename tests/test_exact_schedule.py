@@ -40,7 +40,7 @@ def test_baselines_and_agreement_bounds():
     baseline = exact_schedule.replay_exact(perfect, 512, 0, 1, 4, costs)
     assert baseline["confirmations"] == 0 and baseline["dense_row_steps_per_token"] == pytest.approx(
         1 / baseline["tokens_per_row_step"], rel=0.01)  # rows that finished early make a few steps partial
-    classic = exact_schedule.replay_classic(perfect, 4, costs)
+    classic = exact_schedule.replay_plain(perfect, "draft", "dense", 21.66, 4)
     assert classic["tokens_per_row_step"] == pytest.approx(baseline["tokens_per_row_step"])  # same lists, same counts
     exact = exact_schedule.replay_exact(perfect, 512, 8, 4, 4, costs)
     assert exact["confirmed_fraction"] == 1.0 and exact["tokens_per_s"] > baseline["tokens_per_s"]
