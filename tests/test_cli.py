@@ -59,7 +59,7 @@ def test_calibrate_writes_a_loadable_profile(profile, dirs):
 
 def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp_path):
     out = tmp_path / "fidelity.json"
-    code, stdout, _ = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice",
+    code, stdout, stderr = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice",
                            "--contexts", "120", "--budgets", "24,512", "--ppl-tokens", "17", "--new-tokens", "8",
                            "--needle-contexts", "120", "--needle-depths", "0.5", "--needle-books", "alice",
                            "--needle-new-tokens", "4", "--min-context", "32", "--out", str(out),
@@ -73,6 +73,11 @@ def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp
     assert row["24"]["recovery"] is not None and 0 < row["24"]["recovery"] < 1
     assert set(report["summary"]["needle_accuracy"]["120"]) == {"dense", "24", "512"}
     assert len(report["trace_files"]) == 6  # (continuation, needle) x (dense, 24, 512)
+    # exact mode beside sparse mode: at 24 the sparse continuation may differ, exact mode's may not
+    assert row["24"]["exact_identical"] and row["24"]["exact_token_agreement"] == 1.0
+    assert row["24"]["exact_sparse_row_steps"] > 0 and 0 <= row["24"]["exact_confirmed_fraction"] <= 1
+    assert report["summary"]["criteria"]["120"]["exact_identical_to_dense"]["pass"]
+    assert "exact mode (the same selection" in stderr
     trace = load_trace(report["trace_files"][0])
     assert trace["format"] == TRACE_FORMAT and trace["gamma"] == 4
     seq = trace["sequences"][0]
@@ -85,6 +90,7 @@ def test_demo_prints_what_was_measured(capsys, dirs):
     assert code == 0
     assert "Measured on cpu" in stdout and "classic speculative decoding" in stdout and "Dustin (budget 24" in stdout
     assert "sparse_steps" in stdout and "agreement with the dense text" in stdout and "tokens/s" in stdout
+    assert "exact Dustin (budget 24" in stdout and "confirmations kept" in stdout and "three levels" in stdout
 
 
 def test_demo_json(capsys, dirs):
@@ -92,7 +98,7 @@ def test_demo_json(capsys, dirs):
                                 "24", "--min-context", "32", "--book", "alice", "--json")
     assert code == 0
     result = json.loads(stdout)
-    assert set(result["runs"]) == {"dense", "dustin"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
+    assert set(result["runs"]) == {"dense", "dustin", "exact"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
     assert "Measured on" in stderr
     dense, dustin = result["runs"]["dense"], result["runs"]["dustin"]
     assert "stats" not in dense  # transformers' own assisted decoding: a DynamicCache
@@ -104,6 +110,9 @@ def test_demo_json(capsys, dirs):
     # the streamer's count of steps after the prompt matches Dustin's own (its first step follows the prompt)
     assert dustin["decode_steps"] == dustin["stats"]["steps"] and dustin["decode_tokens"] == 6 - 1
     assert 0 <= dustin["agreement_with_dense"]["prefix"] <= 6
+    exact = result["runs"]["exact"]
+    assert exact["agreement_with_dense"]["identical"] and exact["stats"]["sparse_steps"] > 0
+    assert exact["stats"]["exact"]["sparse_row_steps"] > 0 and exact["generate_kwargs"]["cache_config"] == {"mode": "exact"}
 
 
 def test_demo_calibrates_on_the_prompt(capsys, dirs, profile):

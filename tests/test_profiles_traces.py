@@ -6,7 +6,8 @@ import pytest
 
 from dustin_hf import DustinConfig
 from dustin_hf.research.profiles import config_for_budget, read_profile, write_profile
-from dustin_hf.research.traces import TRACE_FORMAT, load_trace, trace_filename, trace_record, write_trace
+from dustin_hf.research.traces import (PREDICTION_FORMAT, TRACE_FORMAT, load_predictions, load_trace,
+                                      prediction_record, trace_filename, trace_record, write_predictions, write_trace)
 
 
 def test_profile_round_trip_and_budget_rescaling(tmp_path):
@@ -40,3 +41,23 @@ def test_trace_file_round_trip(tmp_path):
     path.write_text(json.dumps({**record, "format": "other"}))
     with pytest.raises(ValueError, match=TRACE_FORMAT):
         load_trace(path)
+
+
+def test_prediction_trace_round_trip(tmp_path):
+    """The prediction trace keeps its five lists, summarises their agreement, and is found by the replay's glob."""
+    lists = {"truth": [1, 2, 3, 4], "dense": [1, 2, 9, 4], "sparse": [1, 2, 9, 5], "draft": [1, 7, 9, 4],
+             "draft_sparse": [1, 7, 9, 5]}
+    pair = {"target": "t/1.5b", "draft": "d"}
+    record = prediction_record(pair, {"kind": "python-source", "name": "stdlib:typing"}, 4096, 4, 512, {"budget": 512},
+                               lists, "float32", "cpu")
+    assert record["format"] == PREDICTION_FORMAT and record["positions"] == 4
+    assert record["agreement"]["sparse_vs_dense"] == 0.75 and record["agreement"]["dense_vs_truth"] == 0.75
+    path = write_predictions(tmp_path, record)
+    assert path.name == "t_1.5b+d_predictions_stdlib_typing_ctx4096_g4_b512.json"
+    assert list(tmp_path.glob("*_predictions_*.json")) == [path]
+    assert load_predictions(path) == json.loads(json.dumps(record))
+    with pytest.raises(ValueError, match="one length"):
+        prediction_record(pair, {"name": "x"}, 1, 4, 8, {}, {**lists, "sparse": [1]}, "float32", "cpu")
+    path.write_text(json.dumps({**record, "format": "other"}))
+    with pytest.raises(ValueError, match="not a dustin_hf.prediction_trace/1"):
+        load_predictions(path)

@@ -23,6 +23,21 @@ def test_unknown_book_names_the_choices():
         texts.load_text("ulysses")
 
 
+def test_standard_library_source_is_a_text():
+    """``stdlib:MODULE`` reads that module's source from this Python, and says which file it was."""
+    import hashlib
+    import typing
+
+    source = texts.load_text("stdlib:typing")
+    assert source == open(typing.__file__, encoding="utf-8").read()
+    info = texts.describe_text("stdlib:typing")
+    assert info["kind"] == "python-source" and info["path"].endswith("typing.py")
+    assert info["sha256"] == hashlib.sha256(source.encode("utf-8")).hexdigest()
+    assert texts.describe_text("emma")["kind"] == "book"
+    with pytest.raises(ValueError, match="not a pure-Python module of this Python's standard library"):
+        texts.load_text("stdlib:pytest")
+
+
 def test_token_window_and_too_short_error(tok):
     ids = texts.token_window(tok, "alice", 100, offset=10)
     assert ids.shape == (100,) and ids.tolist() == texts.book_tokens(tok, "alice")[10:110].tolist()

@@ -54,6 +54,53 @@ def test_budget_covering_the_context_equals_the_dense_walk_exactly(pair, state):
     assert walk.accepted["dense"] > 0  # the noisy-copy draft mostly agrees with its target
 
 
+def test_walk_keeps_every_prediction_per_position(pair, state):
+    """Entry j of each list is about the token at C + j given the true prefix: the dense lists equal a stock forward's
+    argmax over the whole text, a covering budget's equal dense, and each step's teacher-forced acceptance is the
+    agreeing prefix of the lists from the step's first draft."""
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24),
+                                "small_sd": _cfg(target, draft, 24, sparse_draft=True)}, recovery_every=0,
+                               progress=False)
+    n = walk.tokens
+    tokens = torch.cat([prefilled.tokens, continuation])
+    assert walk.truth == continuation[:n].tolist()
+    with torch.no_grad():
+        stock = target(tokens[None, : CONTEXT + n - 1]).logits[0, CONTEXT - 1 :].argmax(-1).tolist()
+        stock_draft = draft(tokens[None, : CONTEXT + n - 1]).logits[0, CONTEXT - 1 :].argmax(-1).tolist()
+    assert walk.predictions["dense"] == stock and walk.draft_predictions["dense"] == stock_draft
+    assert walk.predictions["full"] == walk.predictions["dense"]
+    assert walk.draft_predictions["small"] == walk.draft_predictions["dense"]  # the shared dense draft
+    assert walk.draft_predictions["small_sd"] != walk.draft_predictions["dense"]
+    assert walk.predictions["small"] != walk.predictions["dense"]
+    assert all(len(v) == n for v in [*walk.predictions.values(), *walk.draft_predictions.values()])
+    for name in walk.predictions:
+        verifier, drafted = walk.predictions[name], walk.draft_predictions[name]
+        for step, accepted in enumerate(walk.accepted_trace[name]):
+            first = step * (GAMMA + 1) + 1  # the step's first draft guesses the token after L
+            agree = [verifier[first + i] == drafted[first + i] for i in range(GAMMA)]
+            assert accepted == (agree + [False]).index(False)
+
+
+def test_a_method_does_not_depend_on_the_others_in_its_forward(pair, state):
+    """Methods share one forward per model (a row each): a method's results are the same walked alone with dense."""
+    target, draft = pair
+    prefilled, continuation = state
+    small, small_sd = _cfg(target, draft, 24), _cfg(target, draft, 24, sparse_draft=True)
+    together = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                                   {"dense": None, "small": small, "small_sd": small_sd,
+                                    "wide_sd": _cfg(target, draft, 40, sparse_draft=True)}, recovery_every=0,
+                                   progress=False)
+    for name, cfg in (("small", small), ("small_sd", small_sd)):
+        alone = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, name: cfg},
+                                    recovery_every=0, progress=False)
+        assert alone.predictions[name] == together.predictions[name]
+        assert alone.draft_predictions[name] == together.draft_predictions[name]
+        assert alone.nll[name] == pytest.approx(together.nll[name], rel=1e-5)
+
+
 def test_dense_layers_in_the_walk(pair, state):
     """All target layers dense: a sparse step (selection made) scores exactly like the dense walk."""
     target, draft = pair
@@ -180,7 +227,7 @@ def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
                                num_indices=torch.tensor([4], dtype=torch.int32) if sparse else None)
             runner.forward(plan, tokens[CONTEXT : CONTEXT + q][None], keep=1)
         written = [runners["sparse"].cache.layer_buffers(layer)[0][0, : CONTEXT + q].clone() for layer in range(3)]
-        _refresh(runners["sparse"], tokens, CONTEXT, CONTEXT + q, "reference")
+        _refresh(runners["sparse"], 0, tokens, CONTEXT, CONTEXT + q, "reference")
     assert runners["sparse"].cache.seq_lengths == [CONTEXT + q]
     for layer in range(3):
         dense_k = runners["dense"].cache.layer_buffers(layer)[0][0, : CONTEXT + q]

@@ -171,14 +171,16 @@ def _demo_args(parser):
                              "instead of --profile)")
 
 
-@register("demo", "dense speculative decoding vs Dustin on a long book prompt, through model.generate",
+@register("demo", "dense speculative decoding vs Dustin and exact Dustin on a long book prompt, through model.generate",
           "Take a long prompt from a bundled book and continue it greedily with each run, every one a public "
           "generate() call on the same patched target and draft: model.generate(..., assistant_model=draft) "
-          "(classic speculative decoding: the target verifies each step's drafts against its whole cache) and "
+          "(classic speculative decoding: the target verifies each step's drafts against its whole cache), "
           "model.generate(..., assistant_model=draft, cache_implementation='dustin') (sparse verification: against "
-          "--budget selected cached positions). Prints each text, acceptance (drafts kept per step), agreement with "
-          "the dense text (tokens identical before the first difference; sparse verification changes the text by "
-          "design), decode tokens/s (after both models read the prompt) and Dustin's stats. "
+          "--budget selected cached positions) and the same with cache_config={'mode': 'exact'} (exact Dustin: sparse "
+          "steps accept tentatively, periodic dense verifications confirm, so the text is the dense one). Prints each "
+          "text, acceptance (drafts kept per step), agreement with the dense text (tokens identical before the first "
+          "difference; sparse verification changes the text by design, exact mode does not), decode tokens/s (after "
+          "both models read the prompt) and Dustin's stats. "
           f"{_DEMO_NEEDS}", _demo_args)
 def demo(args, out: Output) -> dict:
     from ..config import DustinConfig
@@ -302,6 +304,8 @@ def _eval_args(parser):
     parser.add_argument("--needle-depths", type=_floats, default=d.needle_depths, help=f"needle depths in (0, 1) (default: {j(d.needle_depths)})")
     parser.add_argument("--needle-books", type=_names, default=d.needle_books, help=f"books for needle haystacks (default: {j(d.needle_books)})")
     parser.add_argument("--needle-new-tokens", type=int, default=d.needle_new_tokens, help=f"answer length limit (default: {d.needle_new_tokens})")
+    parser.add_argument("--no-exact", action="store_true", help="skip the exact-mode continuations (default: one "
+                                                                 "per budget, beside sparse mode's)")
     parser.add_argument("--recovery-every", type=int, default=d.recovery_every, help=f"measure recovery every N walk steps, 0 never (default: {d.recovery_every})")
     parser.add_argument("--min-context", type=int, help="override the profile's min_context (default: keep it)")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"needle seed (default: {d.seed})")
@@ -313,7 +317,8 @@ def _eval_args(parser):
 
 @register("eval", "perplexity, acceptance, needles and attention recovery: Dustin vs dense verification",
           "For each book window and context: one prefill, then greedy continuations with dense speculative decoding and "
-          "with Dustin at each budget (acceptance, token agreement, traces saved under --traces-dir), and a "
+          "with Dustin at each budget (acceptance, token agreement, traces saved under --traces-dir), in exact mode at "
+          "each budget (its continuation must be the dense one; confirm stats), and a "
           "teacher-forced walk over the next --ppl-tokens tokens (perplexity per budget, attention recovery of the "
           "calibrated and the default heads). Then needle-in-a-haystack accuracy. Writes a JSON report (with the "
           "command, machine and versions) and a PNG of quality vs budget; prints the acceptance criteria at budget 512.",
@@ -332,7 +337,7 @@ def eval_command(args, out: Output) -> dict:
         books=args.books, contexts=args.contexts, budgets=args.budgets, gamma=args.gamma, ppl_tokens=args.ppl_tokens,
         new_tokens=args.new_tokens, offset=args.offset, needle_contexts=args.needle_contexts,
         needle_depths=args.needle_depths, needle_books=args.needle_books, needle_new_tokens=args.needle_new_tokens,
-        recovery_every=args.recovery_every, min_context=args.min_context, seed=args.seed,
+        recovery_every=args.recovery_every, min_context=args.min_context, seed=args.seed, exact=not args.no_exact,
     )
     config, fraction, profile = DustinConfig(), None, None
     if args.profile:
@@ -392,6 +397,17 @@ def _print_summary(out: Output, report: dict, settings) -> None:
                     f"{_fmt(r.get('top1_agreement_with_dense'), '.3f'):>6} {_fmt(r['token_agreement'], '.2f'):>6} "
                     f"{_fmt(r['recovery']):>7} {_fmt(r['recovery_calibrated']):>8} {_fmt(r['recovery_default']):>8} "
                     f"{_fmt(r.get('recovery_oracle')):>7}")
+    exact = [(c, b, r) for c, row in summary["per_context"].items() for b, r in row.items() if "exact_identical" in r]
+    if exact:
+        out.say("", "exact mode (the same selection; sparse steps accept tentatively, dense ones confirm): agreement of "
+                    "its continuation with dense (1.00 by construction), tokens per step, confirmed share of tentative tokens",
+                f"{'context':>8} {'budget':>7} {'agree':>6} {'dense':>6} {'sparse':>7} {'exact':>6} {'confirmed':>10} "
+                f"{'tok/confirm':>12}")
+        for context, budget, r in exact:
+            out.say(f"{context:>8} {budget:>7} {r['exact_token_agreement']:>6.2f} "
+                    f"{r['dense_mean_accepted_per_step'] + 1:>6.2f} {r['mean_accepted_per_step'] + 1:>7.2f} "
+                    f"{r['exact_tokens_per_step']:>6.2f} {r['exact_confirmed_fraction']:>10.3f} "
+                    f"{r['exact_tokens_per_confirmation']:>12.2f}")
     for context, acc in summary["needle_accuracy"].items():
         out.say(f"needles @ {context}: " + ", ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     out.say("", f"criteria at budget {settings.criteria_budget}:")

@@ -17,6 +17,9 @@ What the numbers mean:
   top two candidates were close a greedy choice flips and the texts part ways from there. That is
   sparse verification by design (an approximation of the dense target), not an error: with a budget
   that covers the context the texts are identical.
+- **exact mode** (``DustinConfig(mode="exact")``) reads the same selection, but what a sparse step
+  accepts is only tentative until a dense verification confirms it, so its text is the dense one,
+  token for token; its stats say how many tentative tokens the dense checks kept.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def demo_runs(budget: int, context: int) -> list[DemoRun]:
     return [
         DemoRun("dense", "classic speculative decoding (dense verification)"),
         DemoRun("dustin", f"Dustin (budget {budget} of {context} cached positions)", {"cache_implementation": "dustin"}),
+        DemoRun("exact", f"exact Dustin (budget {budget}, sparse steps confirmed by dense ones)",
+                {"cache_implementation": "dustin", "cache_config": {"mode": "exact"}}),
     ]
 
 
@@ -158,6 +163,12 @@ def print_runs(results: dict, gamma: int, say) -> None:
             say(f"  stats: sparse_steps {s['sparse_steps']}, dense_steps {s['dense_steps']}, mean_attended "
                 f"{s['mean_attended']:.0f} cached positions read per sparse step, mean_accepted_per_step "
                 f"{s['mean_accepted_per_step']:.2f}")
+            if "exact" in s:
+                e = s["exact"]
+                say(f"  exact: {e['confirmations']} confirmations kept {e['tentative_confirmed']} tentative tokens and "
+                    f"rejected {e['tentative_rejected']} (confirmed fraction {e['confirmed_fraction']:.2f}), "
+                    f"{e['tokens_per_confirmation']:.1f} tokens committed per confirmation; "
+                    f"{e['sparse_row_steps']} sparse and {e['dense_row_steps']} dense steps without tentative tokens")
             if "calibration" in s:
                 c = s["calibration"]
                 say(f"  calibrated on the prompt: {c['skipped']}" if "skipped" in c else
@@ -170,4 +181,11 @@ def print_runs(results: dict, gamma: int, say) -> None:
         "greedy text; Dustin's target reads only the budget's cached positions when it verifies, so where two "
         "candidates were close a greedy choice can flip and the texts part ways: sparse verification changes the "
         "text by design (with a budget covering the context it would not).",
+        "three levels: the draft proposes, the sparse target (reading the budget's positions) verifies, the dense "
+        "target (reading them all) confirms. Classic speculative decoding uses the dense target alone; Dustin "
+        "commits what the sparse target accepts; exact Dustin holds it as tentative, and every few steps (once a row "
+        "holds confirm_tokens tentative tokens, or confirm_every sparse steps after its last check) one dense "
+        "verification keeps the longest prefix the dense target agrees with, puts the dense target's token at the "
+        "first disagreement, and checks the new drafts after them. Only confirmed tokens are committed, so its text "
+        "is the dense one at any budget; it is fast when most tentative tokens survive.",
         "decode tokens/s: tokens committed after both models read the prompt, over the time since.")

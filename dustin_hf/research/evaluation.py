@@ -5,6 +5,8 @@ For each book window and context ``C`` (one prefill, reused by every run below):
 * **continuations**: greedy speculative decoding of ``new_tokens`` tokens, dense and with Dustin at
   each budget (fixed γ, no early stop): mean accepted drafts per step, tokens per step, token
   agreement with the dense continuation, decode tokens/s; per-step acceptance traces are saved;
+  with ``settings.exact`` also Dustin's exact mode at each budget (the same selection, sparse steps
+  confirmed by dense ones): its continuation must be the dense one, and its confirm stats are kept;
 * **teacher-forced walk** (:mod:`dustin_hf.research.walk`) over the next ``ppl_tokens`` tokens of the book:
   perplexity per budget and its ratio to dense; attention recovery of the selections actually made,
   and of the calibrated and the default heads' selections from the same (dense) signals.
@@ -14,11 +16,13 @@ Then **needles** (:mod:`dustin_hf.research.needle`): accuracy of dense and of ea
 ``criteria`` checks the targets at ``criteria_budget`` (512) for every context evaluated:
 perplexity within 1% of dense, mean accepted length >= 97% of dense (in free-running generation,
 where the Dustin and dense texts may diverge, and teacher-forced on the same text), needle accuracy
-equal to dense, calibrated recovery above the default heads'.
+equal to dense, calibrated recovery above the default heads', and exact mode's continuations
+identical to dense.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict
 
@@ -141,7 +145,8 @@ class _Evaluation:
         self.needles = make_needles(tok, list(settings.needle_books), list(settings.needle_contexts),
                                     list(settings.needle_depths), settings.seed) if settings.needle_contexts else []
         self.methods = [None] + budgets
-        per_window = len(self.methods) + (1 if settings.ppl_tokens else 0)
+        self.exact = {b: dataclasses.replace(self.profile[b], mode="exact") for b in budgets} if settings.exact else {}
+        per_window = len(self.methods) + len(self.exact) + (1 if settings.ppl_tokens else 0)
         total = len(settings.books) * len(settings.contexts) * per_window + len(self.needles) * len(self.methods)
         self.bar = tqdm(total=total, desc="eval", unit="run", disable=not progress)
         self.report = {
@@ -158,10 +163,10 @@ class _Evaluation:
         self.report["prefill_seconds"].append({"what": what, "seconds": state.seconds})
         return self.store.add(state)
 
-    def _generate(self, prompt, budget, max_new, what):
-        self.bar.set_postfix_str(f"{what}: {'dense' if budget is None else f'budget {budget}'}")
-        out = speculative_continuation(self.pair.target, self.pair.draft, prompt,
-                                       config=None if budget is None else self.profile[budget], gamma=self.settings.gamma,
+    def _generate(self, prompt, budget, max_new, what, exact=False):
+        self.bar.set_postfix_str(f"{what}: {'dense' if budget is None else f'budget {budget}'}{' exact' if exact else ''}")
+        config = None if budget is None else (self.exact if exact else self.profile)[budget]
+        out = speculative_continuation(self.pair.target, self.pair.draft, prompt, config=config, gamma=self.settings.gamma,
                                        max_new_tokens=max_new, eos_token_ids=self.eos, store=self.store)
         self.bar.update()
         return out
@@ -182,6 +187,10 @@ class _Evaluation:
             if b is not None:
                 entry["budgets"][str(b)] = {**_acceptance([runs[b]]), **token_agreement(runs[None]["tokens"], runs[b]["tokens"]),
                                             "text": tok.decode(runs[b]["tokens"])}
+        for b in self.exact:
+            run = self._generate(prompt, b, s.new_tokens, what, exact=True)
+            entry["budgets"][str(b)]["exact"] = {**_acceptance([run]), **token_agreement(runs[None]["tokens"], run["tokens"]),
+                                                 "stats": run["stats"]["exact"]}
         self.report["continuations"].append(entry)
         if s.ppl_tokens:
             self.bar.set_postfix_str(f"{what}: teacher-forced walk")
@@ -273,6 +282,7 @@ def summarize(report: dict, settings: EvalSettings) -> dict:
                 "dense_tf_accepted": _mean(w.get("dense_tf_accepted") for w in walks if w.get("dense_tf_accepted") is not None),
                 "top1_agreement_with_dense": _mean(w["budgets"][key].get("top1_agreement_with_dense") for w in walks
                                                    if w["budgets"][key].get("top1_agreement_with_dense") is not None),
+                **_exact_summary([c["budgets"][key]["exact"] for c in conts if "exact" in c["budgets"][key]]),
             }
         out["per_context"][str(context)] = row
     for context in sorted({n["context"] for n in report["needles"]}):
@@ -281,6 +291,22 @@ def summarize(report: dict, settings: EvalSettings) -> dict:
             m: sum(c["results"][m]["found"] for c in cases) / len(cases) for m in ["dense"] + [str(b) for b in budgets]}
     out["criteria"] = _criteria(out, settings)
     return out
+
+
+def _exact_summary(runs: list[dict]) -> dict:
+    """Exact mode's continuations at one budget and context: agreement with dense (1.0 unless exact mode is
+    broken), tokens per step, and the confirm stats pooled."""
+    if not runs:
+        return {}
+    stats = [r["stats"] for r in runs]
+    checked = sum(s["tentative_confirmed"] + s["tentative_rejected"] for s in stats)
+    confirmations = sum(s["confirmations"] for s in stats)
+    return {"exact_token_agreement": _mean(r["agreement"] for r in runs), "exact_identical": all(r["identical"] for r in runs),
+            "exact_tokens_per_step": _pool(runs)["mean_tokens_per_step"],
+            "exact_confirmed_fraction": sum(s["tentative_confirmed"] for s in stats) / checked if checked else 1.0,
+            "exact_tokens_per_confirmation": sum(s["tokens_per_confirmation"] * s["confirmations"] for s in stats)
+            / confirmations if confirmations else 0.0,
+            "exact_sparse_row_steps": sum(s["sparse_row_steps"] for s in stats)}
 
 
 def _pool(entries: list[dict]) -> dict:
@@ -315,6 +341,8 @@ def _criteria(summary: dict, settings: EvalSettings) -> dict:
         needles = summary["needle_accuracy"].get(context)
         if needles is not None:
             checks["needle_equal_dense"] = {"dense": needles["dense"], "dustin": needles[b], "pass": needles[b] >= needles["dense"]}
+        if "exact_identical" in r:
+            checks["exact_identical_to_dense"] = {"value": r["exact_token_agreement"], "pass": r["exact_identical"]}
         if r["recovery_calibrated"] is not None and r["recovery_default"] is not None:
             checks["recovery_above_default"] = {"calibrated": r["recovery_calibrated"], "default": r["recovery_default"],
                                                 "pass": r["recovery_calibrated"] > r["recovery_default"]}

@@ -60,16 +60,18 @@ def dustin_attention_on(target, draft):
             handle.unpatch()
 
 
-def clone_cache(src: DustinCache, capacity: int | None = None) -> DustinCache:
-    """A new cache holding ``src``'s rows and lengths (contents copied, at least ``capacity`` slots)."""
-    dst = DustinCache(len(src.layers), src.batch_size, max(capacity or 0, max(src.seq_lengths) + 1))
+def clone_cache(src: DustinCache, capacity: int | None = None, rows: int | None = None) -> DustinCache:
+    """A new cache holding ``src``'s rows and lengths (contents copied, at least ``capacity`` slots); with ``rows``,
+    a one-row ``src`` copied into each of ``rows`` rows."""
+    dst = DustinCache(len(src.layers), rows or src.batch_size, max(capacity or 0, max(src.seq_lengths) + 1))
     copy_cache_into(src, dst)
     return dst
 
 
 def copy_cache_into(src: DustinCache, dst: DustinCache) -> None:
-    """Write ``src``'s cached positions and lengths into ``dst`` (same layers and rows; ``dst`` grows if needed)."""
-    if len(src.layers) != len(dst.layers) or src.batch_size != dst.batch_size:
+    """Write ``src``'s cached positions and lengths into ``dst`` (same layers; the same rows, or one row copied into
+    each of ``dst``'s; ``dst`` grows if needed)."""
+    if len(src.layers) != len(dst.layers) or src.batch_size not in (1, dst.batch_size):
         raise ValueError(f"cannot copy {src!r} into {dst!r}: layers or rows differ")
     length = max(src.seq_lengths)
     dst.ensure_capacity(length)
@@ -80,7 +82,7 @@ def copy_cache_into(src: DustinCache, dst: DustinCache) -> None:
         d_keys, d_values = d_layer.buffers()
         d_keys[:, :length].copy_(keys[:, :length])
         d_values[:, :length].copy_(values[:, :length])
-    dst.seq_lengths = list(src.seq_lengths)
+    dst.seq_lengths = list(src.seq_lengths) * (dst.batch_size // src.batch_size)
 
 
 def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int = 4096,

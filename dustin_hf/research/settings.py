@@ -70,6 +70,7 @@ class EvalSettings:
         offset: first token of each book window.
         needle_contexts, needle_depths, needle_books: the needle cases (their cross product).
         needle_new_tokens: answer length limit.
+        exact: also continue each window in exact mode at every budget (``DustinConfig(mode="exact")``).
         recovery_every: measure recovery every this many walk steps (0: never).
         min_context: override the profile's ``min_context`` (``None``: keep it).
         criteria_budget: the budget the acceptance criteria are checked at.
@@ -87,6 +88,7 @@ class EvalSettings:
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     needle_books: tuple[str, ...] = ("prideprejudice",)
     needle_new_tokens: int = 16
+    exact: bool = True
     recovery_every: int = 1
     min_context: int | None = None
     criteria_budget: int = 512

@@ -25,6 +25,33 @@ architectures with random weights and replays recorded acceptance (``Speculative
 ``accepted[i]`` is the number of drafts (0..γ) the target kept at step ``i`` of that sequence, before
 the cut at EOS or ``max_new_tokens`` (each step commits ``accepted + 1`` tokens until then).
 Sequences were decoded one at a time (batch 1); a batched replay can stack them as rows.
+
+Methods whose steps mix verifiers (exact mode: sparse steps, then dense confirmations) cannot be
+replayed from counts recorded with one verifier. A **prediction trace** keeps, per position of a
+teacher-forced walk (:mod:`dustin_hf.research.walk`), every model's greedy prediction on the true
+prefix, so that a replay derives any method's acceptance:
+
+    {
+      "format": "dustin_hf.prediction_trace/1",
+      "model_pair": {"target": ..., "draft": ...},
+      "text": {"kind": "book", "name": "emma", "offset": 0, ...},   # or a python-source file (path, sha256)
+      "context": 4096, "gamma": 4, "budget": 512,
+      "config": {...},                  # the resolved settings of the sparse methods (sparse_draft=True)
+      "positions": 400,
+      "predictions": {                  # entry j: the token at position context + j, predicted on tokens [0, context + j)
+        "truth": [...],                 # the text's own token
+        "dense": [...],                 # the target's argmax, reading every cached position
+        "sparse": [...],                # the target's argmax, reading Dustin's selection of `budget` positions
+        "draft": [...],                 # the draft's argmax, reading its whole cache
+        "draft_sparse": [...]           # the draft's argmax, reading the previous selection + what came since
+      },
+      "agreement": {"sparse_vs_dense": 0.86, ...}, "dtype": "float32", "device": "cpu"
+    }
+
+Acceptance of d drafts proposed from position p against a verifier v is the longest prefix i <= d with
+``draft[p + i] == v[p + i]``. Entry 0 of every target list comes from the prefill (dense for all); the
+sparse target's entries after it were predicted by sparse steps of γ+1 queries each (the walk's step
+boundaries: a replay whose steps fall elsewhere reads them as the sparse target's at that position).
 """
 
 from __future__ import annotations
@@ -33,14 +60,21 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["TRACE_FORMAT", "load_trace", "trace_filename", "trace_record", "write_trace"]
+__all__ = ["PREDICTION_FORMAT", "PREDICTION_KEYS", "TRACE_FORMAT", "load_predictions", "load_trace", "prediction_record",
+           "trace_filename", "trace_record", "write_predictions", "write_trace"]
 
 TRACE_FORMAT = "dustin_hf.acceptance_trace/1"
+PREDICTION_FORMAT = "dustin_hf.prediction_trace/1"
+PREDICTION_KEYS = ("truth", "dense", "sparse", "draft", "draft_sparse")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", text)
 
 
 def trace_filename(pair: dict, task: str, context: int, gamma: int, method: str, budget: int | None) -> str:
     """``<target>+<draft>_<task>_ctx<context>_g<γ>_<method>[_b<budget>].json`` (file-system safe)."""
-    slug = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"{pair['target']}+{pair['draft']}")
+    slug = _slug(f"{pair['target']}+{pair['draft']}")
     suffix = f"_b{budget}" if budget is not None else ""
     return f"{slug}_{task}_ctx{context}_g{gamma}_{method}{suffix}.json"
 
@@ -75,4 +109,52 @@ def load_trace(path: str | Path) -> dict:
     record = json.loads(Path(path).read_text())
     if record.get("format") != TRACE_FORMAT:
         raise ValueError(f"{path}: not a {TRACE_FORMAT} file (format={record.get('format')!r})")
+    return record
+
+
+def prediction_record(pair: dict, text: dict, context: int, gamma: int, budget: int, config: dict,
+                      predictions: dict[str, list[int]], dtype: str, device: str) -> dict:
+    """The prediction-trace object above; ``predictions`` holds the five lists of :data:`PREDICTION_KEYS`, of one
+    length. ``agreement`` summarises them: per position, the share where two lists agree."""
+    lengths = {key: len(predictions[key]) for key in PREDICTION_KEYS}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"prediction lists must have one length, got {lengths}")
+    p = predictions
+
+    def share(a, b):
+        return sum(x == y for x, y in zip(p[a], p[b])) / len(p[a]) if p[a] else 1.0
+
+    agreement = {"sparse_vs_dense": share("sparse", "dense"), "draft_vs_dense": share("draft", "dense"),
+                 "draft_vs_sparse": share("draft", "sparse"), "draft_sparse_vs_dense": share("draft_sparse", "dense"),
+                 "draft_sparse_vs_sparse": share("draft_sparse", "sparse"), "dense_vs_truth": share("dense", "truth")}
+    return {"format": PREDICTION_FORMAT, "model_pair": pair, "text": text, "context": context, "gamma": gamma,
+            "budget": budget, "config": config, "positions": lengths["truth"],
+            "predictions": {key: list(p[key]) for key in PREDICTION_KEYS}, "agreement": agreement, "dtype": dtype,
+            "device": device}
+
+
+def write_predictions(directory: str | Path, record: dict) -> Path:
+    """Write a prediction trace as ``<target>+<draft>_predictions_<text>_ctx<C>_g<γ>_b<budget>.json``; return the path.
+    Each list goes on one line, so a diff shows which changed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    pair, text = record["model_pair"], record["text"]
+    name = (f"{_slug(pair['target'] + '+' + pair['draft'])}_predictions_{_slug(text['name'])}_ctx{record['context']}"
+            f"_g{record['gamma']}_b{record['budget']}.json")
+    head = {k: v for k, v in record.items() if k != "predictions"}
+    lists = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in record["predictions"].items())
+    body = json.dumps(head, indent=1)[:-2] + ',\n "predictions": {\n' + lists + "\n }\n}\n"
+    path = directory / name
+    path.write_text(body)
+    return path
+
+
+def load_predictions(path: str | Path) -> dict:
+    """Read a prediction trace, checking its format tag and that its lists have one length."""
+    record = json.loads(Path(path).read_text())
+    if record.get("format") != PREDICTION_FORMAT:
+        raise ValueError(f"{path}: not a {PREDICTION_FORMAT} file (format={record.get('format')!r})")
+    lengths = {key: len(record["predictions"].get(key, ())) for key in PREDICTION_KEYS}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{path}: prediction lists of different lengths {lengths}")
     return record

@@ -16,12 +16,19 @@ exactly the next γ tokens and all were accepted. Step ``s`` at ``L = C + s(γ+1
 Besides perplexity, each step compares greedy predictions on the same true prefix: the target's
 against the draft's (teacher-forced acceptance: how many leading drafts a greedy target would keep
 if the draft guessed each next token from the true text) and against the dense target's (top-1
-agreement). Unlike free-running generation, these compare every method on the same text.
+agreement). Unlike free-running generation, these compare every method on the same text. The walk
+also keeps every prediction: per position ``C + j``, each method's target argmax and the argmax of
+the draft it drafted with (the first one from the prefill, the draft's from step ``s``'s first query
+at ``L - 1``), so that a replay can derive any method's acceptance from them
+(:func:`dustin_hf.research.traces.prediction_record`).
 
-Every method (dense, each budget) keeps its own target cache (sparse steps write keys and values
-computed from sparse attention, as in decoding) and its own history; the draft cache is shared (the
-draft attends densely), except for a ``sparse_draft`` method: its own draft reads that method's last
-selection plus the positions written since, as the decoder's draft does. Attention recovery is measured against the dense method's queries
+Every method (dense, each budget) keeps its own row of one target cache (sparse steps write keys and
+values computed from sparse attention, as in decoding) and its own history; the draft's row is shared
+(the draft attends densely), except for a ``sparse_draft`` method: its own draft row reads that
+method's last selection plus the positions written since, as the decoder's draft does. Each step runs
+one forward of each model over all their rows (each row reading its own selection, a dense row
+everything), since a forward's cost on a CPU is mostly reading the weights; methods with other dense
+layers, and oracles, forward on their own. Attention recovery is measured against the dense method's queries
 and keys at the same step: for the selection each budget actually used, and for selections made
 from the dense method's signals by any number of extra configurations (e.g. the default heads),
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
@@ -46,7 +53,7 @@ from ..draft_reads import DraftReads
 from ..config import ResolvedConfig
 from ..kernels import resolve_backend
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
-from ..plan import ForwardPlan, select_heads
+from ..plan import ForwardPlan, device_tensor, select_heads
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
 from ..recovery import position_weights, selection_recovery
 from ..scoring import draft_lookahead_scores, target_history_scores
@@ -74,6 +81,11 @@ class WalkResult:
     draft_agreement: dict[str, float] = field(default_factory=dict)
     accepted_trace: dict[str, list[int]] = field(default_factory=dict)  # per step, the leading agreements
     top1_agreement_with_dense: dict[str, float] = field(default_factory=dict)  # target argmax vs the dense method's
+    # per position j < tokens (the token at C + j, predicted on the true prefix [0, C + j)): the true token, each
+    # method's target argmax, and the argmax of the draft that method drafted with
+    truth: list[int] = field(default_factory=list)
+    predictions: dict[str, list[int]] = field(default_factory=dict)
+    draft_predictions: dict[str, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -81,14 +93,18 @@ class WalkResult:
 
 
 class _Method:
-    """One verification method's target state along the walk."""
+    """One verification method's state along the walk: its row of the shared target cache (and of the draft cache,
+    0 for the shared dense draft) and what it measured."""
 
-    def __init__(self, name: str, config: ResolvedConfig | None, model: ModelRunner, history: torch.Tensor | None,
-                 draft: ModelRunner | None = None):
-        self.name, self.config, self.model, self.history = name, config, model, history
-        self.draft = draft  # its own draft (``sparse_draft``: what the draft reads follows this method's selections)
-        self.last_selection = None  # (selection, [L]) of its last sparse step
+    def __init__(self, name: str, config: ResolvedConfig | None, row: int, history: torch.Tensor | None,
+                 draft_row: int):
+        self.name, self.config, self.row, self.history, self.draft_row = name, config, row, history, draft_row
+        self.selection: Selection | None = None  # this step's read set (None: everything)
+        self.layer_indices: dict | None = None  # an oracle's per-layer read sets this step
+        self.last_selection = None  # (selection, [L]) of its last step, for its own draft (``sparse_draft``)
         self.trace: list[int] = []  # per step: leading drafts a greedy target keeps
+        self.predictions: list[int] = []  # per position from C: the target's argmax
+        self.draft_predictions: list[int] = []  # per position from C: its draft's argmax
         self.nll = 0.0
         self.sparse_steps = 0
         self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
@@ -156,98 +172,90 @@ def teacher_forced_walk(
     d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for c in all_configs for layer in c.draft_layers}
     capacity = context + continuation.numel() + 1
 
-    draft_model = ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
+    # rows: dense methods first, then the sparse ones grouped by their dense layers, oracles last (a forward covers
+    # a contiguous slice of rows, and an oracle's per-layer read sets need a forward of its own)
+    order = sorted(methods, key=lambda n: (n in oracle, methods[n] is not None, _dense_layers(methods[n])))
+    own_drafts = [n for n in order if methods[n] is not None and methods[n].sparse_draft]
+    target_model = ModelRunner(target, clone_cache(state.target_cache, capacity, rows=len(order)), backend)
+    draft_model = ModelRunner(draft, clone_cache(state.draft_cache, capacity, rows=1 + len(own_drafts)), backend)
     runs = []
-    for name, cfg in methods.items():
+    for row, name in enumerate(order):
+        cfg = methods[name]
         history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
-        runner = ModelRunner(target, clone_cache(state.target_cache, capacity), backend)
-        own_draft = None
-        if cfg is not None and cfg.sparse_draft:
-            own_draft = ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
-        runs.append(_Method(name, cfg, runner, history, own_draft))
+        runs.append(_Method(name, cfg, row, history, 1 + own_drafts.index(name) if name in own_drafts else 0))
+    by_name = {run.name: run for run in runs}
+    groups = _forward_groups(runs, oracle)
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
+    scoring_layers = {c.target_layer for c in methods.values() if c is not None} | set(dense_history)
 
+    for run in runs:  # the token at C: every method predicts it from the (dense) prefill
+        run.predictions.append(int(state.last_logits.argmax()))
     start = time.perf_counter()
     with torch.no_grad(), dustin_attention_on(target, draft):
         for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress):
-            at = context + step * (gamma + 1)  # L: cached positions of every target cache
+            at = context + step * (gamma + 1)  # L: cached positions of every target row
             base = torch.tensor([at], device=device)
-            # 1. the draft reads the true next tokens; its queries at L .. L+γ-1 score positions
-            draft_next, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
-                                              d_scale)
-            dense_next = None
+            # 1. every draft row reads the true next tokens in one forward (the shared dense draft all it holds, a
+            #    sparse draft its method's last selection + what came since); queries at L .. L+γ-1 score positions
+            reads = [DraftReads.after(by_name[n].last_selection, methods[n], gamma, capacity) for n in own_drafts]
+            guesses, s_draft = _draft_step(draft_model, [None] + [None if r is None else r.at([at - 1]) for r in reads],
+                                           tokens, at, gamma, backend, d_capture, base, d_group, d_scale)
+            dense_next, weights = None, None
             measure = bool(oracle) or (bool(recovery_every) and step % recovery_every == 0)
             verify_in = tokens[at : at + gamma + 1][None]
             labels = tokens[at + 1 : at + gamma + 2]
-            weights = None
-            for run in sorted(runs, key=lambda r: r.config is not None):  # dense first: its attention is the reference
-                selection = None
-                cfg = run.config
-                run_draft_next, run_s_draft = draft_next, s_draft
-                if run.draft is not None:  # a sparse draft: reads this method's last selection + what came since
-                    reads = DraftReads.after(run.last_selection, cfg, gamma, capacity)
-                    run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
-                                                              tokens, at, gamma, backend, d_capture, base, d_group,
-                                                              d_scale)
-                layer_indices = None
-                if cfg is not None and not all(dense_rows([at], cfg)) and run.name in oracle:
-                    selection, layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
+            layers = set(range(t_cfg.num_hidden_layers)) if measure else scoring_layers
+            for group in groups:  # the dense group first: its attention is the reference
+                for run in group:  # 2. select (per method)
+                    cfg, run.selection, run.layer_indices = run.config, None, None
+                    if cfg is None or all(dense_rows([at], cfg)):
+                        continue
                     run.sparse_steps += 1
-                elif cfg is not None and not all(dense_rows([at], cfg)):
-                    selection = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
-                    run.sparse_steps += 1
-                if run.draft is not None:
-                    run.last_selection = None if selection is None else (selection, [at])
-                capture = {cfg.target_layer: cfg.target_heads} if cfg is not None else {}
-                if cfg is None and measure:
-                    capture = {layer: all_t_heads for layer in range(t_cfg.num_hidden_layers)}
-                elif cfg is None:
-                    capture = {layer: all_t_heads for layer in dense_history}
-                plan_kwargs = dict(
-                    rows=slice(0, 1), cache_seqlens=[at], q_len=gamma + 1, backend=backend,
-                    indices=None if selection is None else selection.indices,
-                    num_indices=None if selection is None else selection.num_indices, capture=capture,
-                    dense_layers=() if cfg is None else cfg.dense_layers,
-                )
-                if layer_indices is None:
-                    plan = ForwardPlan(**plan_kwargs)
-                else:  # per-layer read sets: the plain-PyTorch path
-                    plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=layer_indices)
-                logits = run.model.forward(plan, verify_in, keep=gamma + 1)[0]  # (γ+1, V)
-                run.nll += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
-                target_next = logits.argmax(dim=-1)  # (γ+1,)
-                agree = (target_next[:gamma] == run_draft_next.to(target_next.device)).long()
-                run.agreed += int(agree.sum())
-                run.trace.append(int(agree.cumprod(0).sum()))
-                if cfg is None:
-                    dense_next = target_next
-                run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
-                if run.name in refresh_every and (step + 1) % refresh_every[run.name] == 0:
-                    _refresh(run.model, tokens, context + (step + 1 - refresh_every[run.name]) * (gamma + 1),
-                             at + gamma + 1, backend)
-                if cfg is not None:
-                    run.history = plan.captured[cfg.target_layer][:, gamma]  # (1, heads, D): the query at L+γ
-                    if weights is not None and layer_indices is not None:
-                        run.recovery.append(oracle_recovery(weights, torch.cat(list(layer_indices.values()))))
-                    elif weights is not None and selection is not None:
-                        run.recovery.append(selection_recovery(weights, selection.indices[0], selection.counts[0]))
-                    continue
-                if measure:  # dense: the reference attention of this step, then selections from dense signals
-                    t_keys = {layer: run.model.cache.layer_buffers(layer)[0][0] for layer in plan.captured}
-                    weights = position_weights({l: q[0] for l, q in plan.captured.items()}, t_keys, at, t_scale)
-                    mean_weights = weights.mean(dim=0)  # (L,): recovery is linear, so its top-k is the best shared set
-                    for budget in sorted({c.budget for c in recovery_configs.values()}):
-                        best = 1.0 if budget >= at else float(mean_weights.topk(budget).values.sum())
-                        signals_recovery.setdefault(f"oracle@{budget}", []).append(best)
-                    for name, rcfg in recovery_configs.items():
-                        sel = _select_from(rcfg, dense_history[rcfg.target_layer], run.model, s_draft, base, t_group,
-                                           t_scale, at)
-                        share = 1.0 if sel is None else float(selection_recovery(weights, sel.indices[0], sel.counts[0]).mean())
-                        signals_recovery[name].append(share)
-                dense_history = {layer: plan.captured[layer][:, gamma] for layer in dense_history}
+                    if run.name in oracle:
+                        run.selection, run.layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
+                    else:
+                        keys = target_model.cache.layer_buffers(cfg.target_layer)[0][run.row : run.row + 1]
+                        run.selection = _select(run.history, cfg, keys, s_draft[run.draft_row], base, t_group,
+                                                t_scale, at)
+                # 3. verify: one forward of the group's rows, each against its selection (dense: everything)
+                logits, captured = _verify(target_model, group, verify_in, at, gamma, backend,
+                                           {layer: all_t_heads for layer in layers})
+                for i, run in enumerate(group):
+                    if run.config is not None:
+                        continue
+                    dense_next = logits[i].argmax(dim=-1)
+                    if measure:  # the reference attention of this step, then selections from dense signals
+                        weights = _dense_recovery(target_model, run.row, {l: q[i] for l, q in captured.items()}, at,
+                                                  t_scale, recovery_configs, dense_history, s_draft[0], base, t_group,
+                                                  signals_recovery)
+                    dense_history = {layer: captured[layer][i : i + 1, gamma] for layer in dense_history}
+                for i, run in enumerate(group):
+                    cfg = run.config
+                    run.nll += float(torch.nn.functional.cross_entropy(logits[i], labels, reduction="sum"))
+                    target_next = logits[i].argmax(dim=-1)  # (γ+1,): guesses for tokens[L+1 : L+γ+2]
+                    run.predictions.extend(target_next.tolist())
+                    run.draft_predictions.extend(guesses[run.draft_row].tolist())
+                    agree = (target_next[:gamma] == guesses[run.draft_row, 1:].to(target_next.device)).long()
+                    run.agreed += int(agree.sum())
+                    run.trace.append(int(agree.cumprod(0).sum()))
+                    run.same_as_dense += int((target_next == dense_next).sum()) if dense_next is not None else 0
+                    if run.draft_row:
+                        run.last_selection = None if run.selection is None else (run.selection, [at])
+                    if run.name in refresh_every and (step + 1) % refresh_every[run.name] == 0:
+                        _refresh(target_model, run.row, tokens,
+                                 context + (step + 1 - refresh_every[run.name]) * (gamma + 1), at + gamma + 1, backend)
+                    if cfg is None:
+                        continue
+                    run.history = select_heads(captured[cfg.target_layer][i : i + 1, gamma], cfg.target_heads, dim=1)
+                    if weights is not None and run.layer_indices is not None:
+                        run.recovery.append(oracle_recovery(weights, torch.cat(list(run.layer_indices.values()))))
+                    elif weights is not None and run.selection is not None:
+                        run.recovery.append(selection_recovery(weights, run.selection.indices[0],
+                                                               run.selection.counts[0]))
             # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the next step
 
+    runs = [by_name[name] for name in methods]
     evaluated = steps * (gamma + 1)
     result = WalkResult(
         tokens=evaluated, steps=steps,
@@ -257,6 +265,9 @@ def teacher_forced_walk(
         accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
         top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
+        truth=tokens[context : context + evaluated].tolist(),
+        predictions={r.name: r.predictions[:evaluated] for r in runs},
+        draft_predictions={r.name: r.draft_predictions for r in runs},
     )
     for run in runs:
         if run.recovery:
@@ -268,43 +279,118 @@ def teacher_forced_walk(
 
 
 class _DraftScores:
-    """``S_draft`` of one step, computed once per distinct (draft layers, heads)."""
+    """``S_draft`` of one draft row at one step, computed once per distinct (draft layers, heads)."""
 
-    def __init__(self, draft_model, queries, base, group, scale, span):
-        self.model, self.queries, self.base, self.group, self.scale, self.span = draft_model, queries, base, group, scale, span
+    def __init__(self, draft_model, row, queries, base, group, scale, span):
+        self.model, self.row, self.queries = draft_model, row, queries
+        self.base, self.group, self.scale, self.span = base, group, scale, span
         self._memo: dict = {}
 
     def __call__(self, cfg: ResolvedConfig) -> torch.Tensor:
         key = (cfg.draft_layers, cfg.draft_heads)
         if key not in self._memo:
-            keys = [self.model.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
+            keys = [self.model.cache.layer_buffers(layer)[0][self.row : self.row + 1] for layer in cfg.draft_layers]
             queries = [select_heads(self.queries[layer], heads) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads)]
             self._memo[key] = draft_lookahead_scores(queries, keys, self.base.to(keys[0].device), cfg.draft_heads,
                                                      self.group, self.scale, self.span).to(self.base.device)
         return self._memo[key]
 
 
-def _refresh(model: ModelRunner, tokens: torch.Tensor, start: int, end: int, backend: str) -> None:
-    """Rewrite ``model``'s keys and values at positions ``[start, end)`` with one dense forward over them."""
-    model.cache.rollback([start])  # the positions are written again, by the same tokens
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[start], q_len=end - start, backend=backend)
+def _dense_layers(cfg: ResolvedConfig | None) -> tuple[int, ...]:
+    return () if cfg is None else cfg.dense_layers
+
+
+def _forward_groups(runs: list[_Method], oracle: dict[str, str]) -> list[list[_Method]]:
+    """Consecutive rows that share one target forward: the same dense layers, no oracle (each its own forward)."""
+    groups: list[list[_Method]] = []
+    for run in runs:
+        last = groups[-1][0] if groups else None
+        if last is not None and run.name not in oracle and last.name not in oracle \
+                and _dense_layers(last.config) == _dense_layers(run.config):
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    return groups
+
+
+def _stacked(selections: list[Selection | None], cached: list[int]) -> Selection | None:
+    """One read set for a forward over several rows: each row's own one-row selection, or (``None``) all the
+    ``cached[i]`` positions it holds; ``None`` when every row reads everything."""
+    present = [sel for sel in selections if sel is not None]
+    if not present:
+        return None
+    device = present[0].indices.device
+    width = max([sel.indices.shape[1] for sel in present] + [n for sel, n in zip(selections, cached) if sel is None])
+    rows = [torch.arange(width, device=device, dtype=torch.int32) if sel is None
+            else torch.nn.functional.pad(sel.indices[0], (0, width - sel.indices.shape[1])) for sel in selections]
+    counts = [n if sel is None else sel.counts[0] for sel, n in zip(selections, cached)]
+    return Selection(torch.stack(rows), device_tensor(counts, device, torch.int32), counts)
+
+
+def _verify(model: ModelRunner, group: list[_Method], verify_in, at, gamma, backend, capture):
+    """The target over ``tokens[L : L+γ+1]`` for the group's rows in one forward, each row reading its selection;
+    returns ``(logits (rows, γ+1, V), captured queries {layer: (rows, γ+1, heads, D)})``."""
+    first, rows = group[0].row, len(group)
+    reads = _stacked([run.selection for run in group], [at] * rows)
+    plan_kwargs = dict(
+        rows=slice(first, first + rows), cache_seqlens=[at] * rows, q_len=gamma + 1, backend=backend,
+        indices=None if reads is None else reads.indices, num_indices=None if reads is None else reads.num_indices,
+        capture=capture, dense_layers=_dense_layers(group[0].config),
+    )
+    if group[0].layer_indices is None:
+        plan = ForwardPlan(**plan_kwargs)
+    else:  # an oracle's per-layer read sets (a group of its own): the plain-PyTorch path
+        plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=group[0].layer_indices)
+    logits = model.forward(plan, verify_in.expand(rows, -1), keep=gamma + 1)
+    return logits, plan.captured
+
+
+def _dense_recovery(model, row, queries, at, scale, recovery_configs, dense_history, s_draft, base, group, signals):
+    """The dense row's attention at this step ``(n_layers, L)`` (the reference for recovery and oracles); appends
+    to ``signals`` the best recovery any set of each budget reaches and that of each recovery config's selection made
+    from the dense row's own signals."""
+    t_keys = {layer: model.cache.layer_buffers(layer)[0][row] for layer in queries}
+    weights = position_weights(queries, t_keys, at, scale)
+    mean_weights = weights.mean(dim=0)  # (L,): recovery is linear, so its top-k is the best shared set
+    for budget in sorted({c.budget for c in recovery_configs.values()}):
+        best = 1.0 if budget >= at else float(mean_weights.topk(budget).values.sum())
+        signals.setdefault(f"oracle@{budget}", []).append(best)
+    for name, cfg in recovery_configs.items():
+        keys = model.cache.layer_buffers(cfg.target_layer)[0][row : row + 1]
+        sel = _select_from(cfg, dense_history[cfg.target_layer], keys, s_draft, base, group, scale, at)
+        signals[name].append(1.0 if sel is None else float(selection_recovery(weights, sel.indices[0], sel.counts[0]).mean()))
+    return weights
+
+
+def _refresh(model: ModelRunner, row: int, tokens: torch.Tensor, start: int, end: int, backend: str) -> None:
+    """Rewrite row ``row``'s keys and values at positions ``[start, end)`` with one dense forward over them."""
+    lengths = list(model.cache.seq_lengths)
+    lengths[row] = start  # the positions are written again, by the same tokens
+    model.cache.rollback(lengths)
+    plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[start], q_len=end - start, backend=backend)
     model.forward(plan, tokens[start:end][None], keep=1)
 
 
-def _draft_step(draft_model, selection, tokens, at, gamma, backend, d_capture, base, d_group, d_scale):
-    """The draft over ``tokens[L-1 : L+γ]`` (all it has cached, or ``selection`` for a sparse draft): its greedy
-    guesses ``(γ,)`` for ``tokens[L+1 : L+γ+1]`` and its ``S_draft`` from the queries at ``L .. L+γ-1``."""
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend, capture=d_capture,
-                       indices=None if selection is None else selection.indices,
-                       num_indices=None if selection is None else selection.num_indices)
-    logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None], keep=gamma + 1)[0]
-    queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (1, γ, H, D)
-    return logits[1:].argmax(dim=-1), _DraftScores(draft_model, queries, base, d_group, d_scale, at)
+def _draft_step(draft_model, selections, tokens, at, gamma, backend, d_capture, base, d_group, d_scale):
+    """Every draft row over ``tokens[L-1 : L+γ]`` in one forward, each reading all it has cached or its own one-row
+    selection (``selections[row]``): greedy guesses ``(rows, γ+1)`` for ``tokens[L : L+γ+1]`` (the first is not a
+    draft: the decoder's step starts after the token at ``L``) and each row's ``S_draft`` from its queries at
+    ``L .. L+γ-1``."""
+    rows = len(selections)
+    reads = _stacked(selections, [at - 1] * rows)
+    plan = ForwardPlan(rows=slice(0, rows), cache_seqlens=[at - 1] * rows, q_len=gamma + 1, backend=backend,
+                       capture=d_capture, indices=None if reads is None else reads.indices,
+                       num_indices=None if reads is None else reads.num_indices)
+    logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None].expand(rows, -1), keep=gamma + 1)
+    queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (rows, γ, H, D)
+    scores = [_DraftScores(draft_model, r, {layer: q[r : r + 1] for layer, q in queries.items()}, base, d_group,
+                           d_scale, at) for r in range(rows)]
+    return logits.argmax(dim=-1), scores
 
 
-def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
-    keys = run.model.cache.layer_buffers(cfg.target_layer)[0]
-    s_target = target_history_scores(run.history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
+def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at):
+    """A method's selection at ``L``: ``S_target`` from its ``history (1, heads, D)`` over ``keys (1, cap, H, D)``."""
+    s_target = target_history_scores(history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
                                      t_group, t_scale, at).to(base.device)
     return select_positions([at], s_draft(cfg), s_target, [True], cfg)
 
@@ -318,9 +404,9 @@ def _oracle_selection(weights, cfg, kind):
     return selection, per_layer
 
 
-def _select_from(cfg, history_all_heads, model, s_draft, base, t_group, t_scale, at):
+def _select_from(cfg, history_all_heads, keys, s_draft, base, t_group, t_scale, at):
     """The selection ``cfg`` would make from the dense method's state (``None``: ``cfg`` reads densely)."""
     if all(dense_rows([at], cfg)):
         return None
-    run = _Method("", cfg, model, select_heads(history_all_heads[:, None], cfg.target_heads)[:, 0])
-    return _select(run, cfg, s_draft, base, t_group, t_scale, at)
+    history = select_heads(history_all_heads[:, None], cfg.target_heads)[:, 0]
+    return _select(history, cfg, keys, s_draft, base, t_group, t_scale, at)

@@ -1,0 +1,131 @@
+"""How often sparse verification picks the dense target's token, on the real pair, and the traces the GPU replay walks.
+
+Exact mode (``DustinConfig(mode="exact")``) commits a sparse step's tokens only once a dense verification agrees
+with them, so what it gains depends on the top-1 agreement of the sparse target (the target reading Dustin's
+selection) with the dense target. This walks texts teacher-forced (:mod:`dustin_hf.research.walk`, the same text
+for every method) with dense verification and, at each budget, Dustin with the sparse draft (the calibrated
+profile, ``sparse_draft=True``: exact mode's setting, so its selections are scored by the sparse draft's queries),
+and with ``--dense-draft-budgets`` also plain Dustin (the dense draft), and reports per (text, context, budget)
+the agreement of every pair of predictors on the same positions. Each walk writes one prediction trace per budget
+(:func:`dustin_hf.research.traces.prediction_record`: per position the true token, the dense and the sparse
+target's argmax, the dense and the sparse draft's) under ``--traces``.
+
+    python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 4096 --budgets 512 1024 2048 \\
+        --out benchmarks/results/agreement_cpu_4k.json
+    python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 8192 \\
+        --budgets 512 1024 2048 4096 --out benchmarks/results/agreement_cpu_8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dustin_hf.config import resolve
+from dustin_hf.research.models import fetch_pair
+from dustin_hf.research.pair import describe_machine, load_pair
+from dustin_hf.research.prefilled import prefill_pair
+from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_hf.research.texts import describe_text, token_window
+from dustin_hf.research.traces import prediction_record, write_predictions
+from dustin_hf.research.walk import teacher_forced_walk
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
+GAMMA = 4
+MIN_CONTEXT = 1024  # every walk step is sparse at 4k and 8k
+
+
+def _shown(path) -> str:
+    """``path`` relative to the checkout when it is inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _share(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def _row(walk, text: str, context: int, budgets: list[int], dense_draft_budgets: list[int], seconds: float) -> dict:
+    dense, draft = walk.predictions["dense"], walk.draft_predictions["dense"]
+    row = {"text": text, "context": context, "positions": walk.tokens, "steps": walk.steps, "seconds": seconds,
+           "dense_vs_truth": _share(dense, walk.truth), "draft_vs_dense": _share(draft, dense),
+           "dense_ppl": walk.ppl["dense"], "budgets": {}}
+    for b in budgets:
+        name = f"sd{b}"
+        sparse, draft_sparse = walk.predictions[name], walk.draft_predictions[name]
+        entry = {"sparse_vs_dense": _share(sparse, dense), "draft_vs_sparse": _share(draft, sparse),
+                 "draft_sparse_vs_sparse": _share(draft_sparse, sparse),
+                 "draft_sparse_vs_dense": _share(draft_sparse, dense), "ppl_ratio": walk.ppl[name] / walk.ppl["dense"],
+                 "tf_accepted": walk.accepted[name]}
+        if b in dense_draft_budgets:
+            entry["dense_draft_sparse_vs_dense"] = _share(walk.predictions[f"b{b}"], dense)
+        row["budgets"][str(b)] = entry
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--texts", nargs="+", default=["emma", "stdlib:typing"],
+                        help="bundled books (emma, alice, prideprejudice are held out from calibration) or "
+                             "stdlib:MODULE (that module's source in this Python)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--dense-draft-budgets", type=int, nargs="*", default=[512],
+                        help="also walk plain Dustin (dense draft) at these budgets")
+    parser.add_argument("--tokens", type=int, default=401, help="teacher-forced tokens walked per text and context")
+    parser.add_argument("--offset", type=int, default=0, help="token offset of the window in each text")
+    parser.add_argument("--profile", default=str(PROFILE))
+    parser.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill forward (memory)")
+    parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"), help="'' for none")
+    parser.add_argument("--out", default=None, help="save the report JSON here (after every walk)")
+    args = parser.parse_args(argv)
+
+    torch.set_grad_enabled(False)
+    pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
+    names = pair.describe()
+    pair_names = {"target": names["target"]["name"], "draft": names["draft"]["name"]}
+    config, fraction, _ = read_profile(args.profile)
+    t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
+    report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "machine": describe_machine(pair.device),
+              "model_pair": names, "profile": _shown(args.profile),
+              "gamma": GAMMA, "min_context": MIN_CONTEXT, "results": [], "traces": []}
+    for context in args.contexts:
+        budgets = [b for b in args.budgets if b < context]
+        configs = {b: config_for_budget(config, fraction, b).replace(min_context=MIN_CONTEXT) for b in budgets}
+        methods = {"dense": None,
+                   **{f"sd{b}": resolve(configs[b].replace(sparse_draft=True), t_cfg, d_cfg) for b in budgets},
+                   **{f"b{b}": resolve(configs[b], t_cfg, d_cfg) for b in args.dense_draft_budgets if b in configs}}
+        scoring_layer = methods[f"sd{budgets[0]}"].target_layer
+        for text in args.texts:
+            window = token_window(pair.tokenizer, text, context + args.tokens, args.offset)
+            started = time.perf_counter()
+            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), args.prefill_chunk)
+            walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
+                                       recovery_every=0, desc=f"walk {text}@{context}")
+            row = _row(walk, text, context, budgets, args.dense_draft_budgets, time.perf_counter() - started)
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)
+            source = {**describe_text(text), "offset": args.offset}
+            for b in budgets if args.traces else ():
+                name = f"sd{b}"
+                predictions = {"truth": walk.truth, "dense": walk.predictions["dense"],
+                               "sparse": walk.predictions[name], "draft": walk.draft_predictions["dense"],
+                               "draft_sparse": walk.draft_predictions[name]}
+                record = prediction_record(pair_names, source, context, GAMMA, b, asdict(methods[name]), predictions,
+                                           names["dtype"], names["device"])
+                report["traces"].append(_shown(write_predictions(args.traces, record)))
+            if args.out:
+                Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
