@@ -23,6 +23,19 @@ def test_unknown_book_names_the_choices():
         texts.load_text("ulysses")
 
 
+def test_python_source_is_a_text(tok):
+    """py:MODULE is that standard-library module's source on this Python; anything else is refused by name."""
+    import typing
+
+    assert texts.load_text("py:typing") == open(typing.__file__, encoding="utf-8").read()
+    assert texts.token_window(tok, "py:typing", 50).shape == (50,)
+    described = texts.describe_text("py:typing")
+    assert described["path"] == typing.__file__ and len(described["sha256"]) == 64 and described["python"]
+    for name in ("py:no_such_module", "py:pytest", "py:"):
+        with pytest.raises(ValueError, match="standard-library module"):
+            texts.load_text(name)
+
+
 def test_token_window_and_too_short_error(tok):
     ids = texts.token_window(tok, "alice", 100, offset=10)
     assert ids.shape == (100,) and ids.tolist() == texts.book_tokens(tok, "alice")[10:110].tolist()

@@ -7,6 +7,10 @@ size are checked against ``SHA256SUMS`` on every load.
     from dustin_hf.research import texts
     texts.list_books()                                   # ['alice', 'emma', ...]
     ids = texts.token_window(tokenizer, "emma", 4096)    # (4096,) int64, from the book's start
+
+Source code works the same way: ``"py:typing"`` names the source of the standard-library module ``typing``
+of the Python running this (held out from calibration, and what a coder pair is for); its file, Python
+version and sha256 are in :func:`describe_text`, since they differ between Pythons.
 """
 
 from __future__ import annotations
@@ -14,13 +18,19 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import importlib.util
+import platform
+import sysconfig
 from importlib import resources
+from pathlib import Path
 
 import torch
 
-__all__ = ["TextTooShortError", "list_books", "load_text", "book_tokens", "token_window"]
+__all__ = ["PYTHON_SOURCE", "TextTooShortError", "list_books", "load_text", "book_tokens", "describe_text",
+           "token_window"]
 
 _PACKAGE_DIR = "data/texts"
+PYTHON_SOURCE = "py:"  # prefix of a text name that is a standard-library module's source
 
 
 class TextTooShortError(ValueError):
@@ -49,7 +59,10 @@ def list_books() -> list[str]:
 
 @functools.cache
 def load_text(name: str) -> str:
-    """The full UTF-8 text of book ``name``, checked against its recorded sha256 and size."""
+    """The full UTF-8 text of book ``name``, checked against its recorded sha256 and size (or, for
+    ``"py:MODULE"``, that standard-library module's source)."""
+    if name.startswith(PYTHON_SOURCE):
+        return _stdlib_source(name.removeprefix(PYTHON_SOURCE)).read_text(encoding="utf-8")
     table = _checksums()
     if name not in table:
         raise ValueError(f"unknown book {name!r}; the bundled books are {list_books()}")
@@ -58,6 +71,28 @@ def load_text(name: str) -> str:
     if len(raw) != size or hashlib.sha256(raw).hexdigest() != digest:
         raise RuntimeError(f"bundled book {name!r} is corrupt (size or sha256 differs from SHA256SUMS); reinstall dustin-hf")
     return raw.decode("utf-8")
+
+
+def _stdlib_source(module: str) -> Path:
+    """The ``.py`` file of standard-library module ``module`` (a clear error for anything else)."""
+    spec = importlib.util.find_spec(module) if module else None
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    inside = origin is not None and stdlib in origin.resolve().parents and not {"site-packages", "dist-packages"} & set(
+        origin.resolve().relative_to(stdlib).parts)
+    if not inside or origin.suffix != ".py":
+        raise ValueError(f"{PYTHON_SOURCE}{module}: not a pure-Python standard-library module of this Python "
+                         f"(try {PYTHON_SOURCE}typing or {PYTHON_SOURCE}inspect)")
+    return origin
+
+
+def describe_text(name: str) -> dict:
+    """Where text ``name`` comes from: the bundled book, or the module file with the Python version and sha256."""
+    if not name.startswith(PYTHON_SOURCE):
+        return {"name": name, "kind": "book", "sha256": _checksums()[name][0] if name in _checksums() else None}
+    path = _stdlib_source(name.removeprefix(PYTHON_SOURCE))
+    return {"name": name, "kind": "python source", "path": str(path), "python": platform.python_version(),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "chars": len(load_text(name))}
 
 
 _TOKEN_CACHE: dict[tuple[int, str], torch.Tensor] = {}
