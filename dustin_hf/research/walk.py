@@ -27,6 +27,12 @@ from the dense method's signals by any number of extra configurations (e.g. the 
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
 selection, so no set of that size captures more).
 
+A method whose config sets ``min_recovery`` (the quality knob) reads, at each step, the smallest set whose
+estimated recovery reaches its target (:func:`~dustin_hf.selection.select_by_recovery`), as the decoder does.
+Per step and sparse method the walk records the positions read, the selection's estimated recovery (the
+scoring heads' share, :func:`~dustin_hf.selection.estimated_mass`) and its true recovery (over every layer,
+head and query of the dense method, when measured): the knob's cost and the estimate against the truth.
+
 An ``oracle`` method (an experiment, :mod:`dustin_hf.research.oracle`) verifies, at each step, with read sets taken
 from that reference attention instead of its own signals: one set shared by all layers, or one per layer.
 Its gap to dense is the loss a perfect scorer would still have with sets of that shape and size.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -50,9 +57,9 @@ from ..plan import ForwardPlan, select_heads
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
 from ..recovery import position_weights, selection_recovery
 from ..scoring import draft_lookahead_scores, target_history_scores
-from ..selection import Selection, dense_rows, select_positions
+from ..selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
-__all__ = ["WalkResult", "teacher_forced_walk"]
+__all__ = ["DenseStep", "WalkResult", "teacher_forced_walk"]
 
 
 @dataclass
@@ -74,6 +81,11 @@ class WalkResult:
     draft_agreement: dict[str, float] = field(default_factory=dict)
     accepted_trace: dict[str, list[int]] = field(default_factory=dict)  # per step, the leading agreements
     top1_agreement_with_dense: dict[str, float] = field(default_factory=dict)  # target argmax vs the dense method's
+    # per step of each sparse method: positions read (the context on a dense step), the read set's estimated recovery
+    # and its true recovery (None: a dense step, or recovery not measured at that step; an oracle has no estimate)
+    read_counts: dict[str, list[int]] = field(default_factory=dict)
+    estimated_recovery: dict[str, list[float | None]] = field(default_factory=dict)
+    true_recovery: dict[str, list[float | None]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -94,6 +106,29 @@ class _Method:
         self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
         self.same_as_dense = 0  # positions where the target's greedy prediction equals the dense method's
         self.recovery: list[torch.Tensor] = []  # per recovery step: (n_layers,)
+        self.read: list[int] = []  # per step: positions read
+        self.estimates: list[float | None] = []  # per step: the read set's estimated recovery
+        self.truths: list[float | None] = []  # per step: its true recovery, mean over layers
+
+
+@dataclass(frozen=True)
+class DenseStep:
+    """What the dense method saw at one step, handed to :func:`teacher_forced_walk`'s ``probe``.
+
+    ``at`` is ``L``, the cached positions; ``weights`` the reference attention ``(n_layers, L)``
+    (:func:`~dustin_hf.recovery.position_weights`). Keys are row 0's cache buffers, ``(T, Hkv, D)`` with
+    ``T > L + γ``: a probe reads ``[:L]`` (the draft's ``[:L + γ]``) and must not keep them past the call.
+    """
+
+    step: int
+    at: int
+    weights: torch.Tensor
+    target_keys: dict[int, torch.Tensor]  # every target layer
+    history: dict[int, torch.Tensor]  # per target layer, (H, D): the query of the token at L - 1 (step 0: prefill's)
+    draft_keys: dict[int, torch.Tensor]  # the draft layers of ``draft_queries``
+    draft_queries: dict[int, torch.Tensor]  # per draft layer, (γ, H, D): the queries at L .. L+γ-1
+    target_scale: float
+    draft_scale: float
 
 
 def teacher_forced_walk(
@@ -109,6 +144,7 @@ def teacher_forced_walk(
     desc: str = "walk",
     refresh_every: dict[str, int] | None = None,
     oracle: dict[str, str] | None = None,
+    probe: Callable[[DenseStep], None] | None = None,
 ) -> WalkResult:
     """Walk ``continuation (N,)`` after ``state``'s prompt in steps of γ+1 teacher-forced tokens.
 
@@ -126,6 +162,9 @@ def teacher_forced_walk(
             each layer its own; :mod:`dustin_hf.research.oracle`) instead of its own selection. Its config still decides
             when a step is sparse and which layers read densely. Needs a dense method; recovery is then
             measured every step.
+        probe: called at every step with the dense method's :class:`DenseStep` (every target layer's history
+            query, every draft layer's queries), e.g. to study estimators of recovery offline. Needs a dense
+            method; recovery is then measured every step.
 
     Returns a :class:`WalkResult` over ``(N - 1) // (γ+1)`` steps.
     """
@@ -145,15 +184,16 @@ def teacher_forced_walk(
     if steps < 1:
         raise ValueError(f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}")
     dense_name = next((n for n, c in methods.items() if c is None), None)
-    if (recovery_every or recovery_configs or oracle) and dense_name is None:
-        raise ValueError("measuring recovery and oracles need a dense method (a name mapped to None) in methods")
+    if (recovery_every or recovery_configs or oracle or probe) and dense_name is None:
+        raise ValueError("measuring recovery, oracles and probes need a dense method (a name mapped to None) in methods")
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
     t_group, d_group = group_size(t_cfg), group_size(d_cfg)
     t_scale, d_scale = attention_scale(target, t_cfg), attention_scale(draft, d_cfg)
     backend = resolve_backend("auto", device)
     all_t_heads = tuple(range(t_cfg.num_attention_heads))
     all_configs = [c for c in methods.values() if c is not None] + list(recovery_configs.values())
-    d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for c in all_configs for layer in c.draft_layers}
+    d_layers = range(d_cfg.num_hidden_layers) if probe else sorted({l for c in all_configs for l in c.draft_layers})
+    d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for layer in d_layers}
     capacity = context + continuation.numel() + 1
 
     draft_model = ModelRunner(draft, clone_cache(state.draft_cache, capacity), backend)
@@ -167,6 +207,7 @@ def teacher_forced_walk(
         runs.append(_Method(name, cfg, runner, history, own_draft))
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
+    probe_history = {layer: q[0] for layer, q in state.history.items()}  # every layer's, once the dense method has run
 
     start = time.perf_counter()
     with torch.no_grad(), dustin_attention_on(target, draft):
@@ -177,7 +218,7 @@ def teacher_forced_walk(
             draft_next, s_draft = _draft_step(draft_model, None, tokens, at, gamma, backend, d_capture, base, d_group,
                                               d_scale)
             dense_next = None
-            measure = bool(oracle) or (bool(recovery_every) and step % recovery_every == 0)
+            measure = bool(oracle) or probe is not None or (bool(recovery_every) and step % recovery_every == 0)
             verify_in = tokens[at : at + gamma + 1][None]
             labels = tokens[at + 1 : at + gamma + 2]
             weights = None
@@ -190,12 +231,12 @@ def teacher_forced_walk(
                     run_draft_next, run_s_draft = _draft_step(run.draft, None if reads is None else reads.at([at - 1]),
                                                               tokens, at, gamma, backend, d_capture, base, d_group,
                                                               d_scale)
-                layer_indices = None
+                layer_indices, estimate = None, None
                 if cfg is not None and not all(dense_rows([at], cfg)) and run.name in oracle:
                     selection, layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
                     run.sparse_steps += 1
                 elif cfg is not None and not all(dense_rows([at], cfg)):
-                    selection = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
+                    selection, estimate = _select(run, cfg, run_s_draft, base, t_group, t_scale, at)
                     run.sparse_steps += 1
                 if run.draft is not None:
                     run.last_selection = None if selection is None else (selection, [at])
@@ -232,10 +273,19 @@ def teacher_forced_walk(
                         run.recovery.append(oracle_recovery(weights, torch.cat(list(layer_indices.values()))))
                     elif weights is not None and selection is not None:
                         run.recovery.append(selection_recovery(weights, selection.indices[0], selection.counts[0]))
+                    run.read.append(at if selection is None else selection.counts[0])
+                    run.estimates.append(estimate)
+                    run.truths.append(float(run.recovery[-1].mean()) if weights is not None and selection is not None
+                                      else None)
                     continue
                 if measure:  # dense: the reference attention of this step, then selections from dense signals
                     t_keys = {layer: run.model.cache.layer_buffers(layer)[0][0] for layer in plan.captured}
                     weights = position_weights({l: q[0] for l, q in plan.captured.items()}, t_keys, at, t_scale)
+                    if probe is not None:
+                        d_keys = {layer: draft_model.cache.layer_buffers(layer)[0][0] for layer in s_draft.queries}
+                        probe(DenseStep(step, at, weights, t_keys, probe_history, d_keys,
+                                        {layer: q[0] for layer, q in s_draft.queries.items()}, t_scale, d_scale))
+                        probe_history = {layer: q[0, gamma] for layer, q in plan.captured.items()}
                     mean_weights = weights.mean(dim=0)  # (L,): recovery is linear, so its top-k is the best shared set
                     for budget in sorted({c.budget for c in recovery_configs.values()}):
                         best = 1.0 if budget >= at else float(mean_weights.topk(budget).values.sum())
@@ -257,6 +307,9 @@ def teacher_forced_walk(
         accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
         top1_agreement_with_dense={r.name: r.same_as_dense / evaluated for r in runs} if dense_name else {},
+        read_counts={r.name: r.read for r in runs if r.config is not None},
+        estimated_recovery={r.name: r.estimates for r in runs if r.config is not None},
+        true_recovery={r.name: r.truths for r in runs if r.config is not None},
     )
     for run in runs:
         if run.recovery:
@@ -302,11 +355,18 @@ def _draft_step(draft_model, selection, tokens, at, gamma, backend, d_capture, b
     return logits[1:].argmax(dim=-1), _DraftScores(draft_model, queries, base, d_group, d_scale, at)
 
 
-def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at):
+def _select(run: _Method, cfg, s_draft, base, t_group, t_scale, at) -> tuple[Selection, float]:
+    """The read set ``cfg`` makes from ``run``'s history and ``s_draft`` (the knob's with ``min_recovery``), and its
+    estimated recovery (:func:`~dustin_hf.selection.estimated_mass` summed over the set)."""
     keys = run.model.cache.layer_buffers(cfg.target_layer)[0]
     s_target = target_history_scores(run.history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
                                      t_group, t_scale, at).to(base.device)
-    return select_positions([at], s_draft(cfg), s_target, [True], cfg)
+    if cfg.min_recovery is not None:
+        selection = select_by_recovery([at], s_draft(cfg), s_target, [True], cfg)
+        return selection, selection.recovery[0]
+    selection = select_positions([at], s_draft(cfg), s_target, [True], cfg)
+    mass = estimated_mass(s_draft(cfg), s_target, [True], base)[0]
+    return selection, float(mass[selection.indices[0, : selection.counts[0]].long()].sum())
 
 
 def _oracle_selection(weights, cfg, kind):
@@ -323,4 +383,4 @@ def _select_from(cfg, history_all_heads, model, s_draft, base, t_group, t_scale,
     if all(dense_rows([at], cfg)):
         return None
     run = _Method("", cfg, model, select_heads(history_all_heads[:, None], cfg.target_heads)[:, 0])
-    return _select(run, cfg, s_draft, base, t_group, t_scale, at)
+    return _select(run, cfg, s_draft, base, t_group, t_scale, at)[0]
