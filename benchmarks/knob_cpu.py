@@ -52,6 +52,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--profile", default=str(PROFILE))
     parser.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="model folders (default: the offline pair)")
+    parser.add_argument("--prefill-chunk", type=int, default=1024,
+                        help="prompt tokens per prefill forward (smaller: a lower memory peak on a shared machine)")
     parser.add_argument("--features", action="store_true", help="also write every step's estimator features")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_knob", help="per-unit reports and features")
     parser.add_argument("--out", required=True, help="the merged report (its plot: the same path with .png)")
@@ -92,6 +94,7 @@ def _run_units(args, settings: EvalSettings, units, scratch: Path) -> None:
 
     torch.set_grad_enabled(False)
     config, fraction, _ = read_profile(args.profile)
+    config = config.replace(prefill_chunk=args.prefill_chunk)
     pair = None
     for text, context in units:
         path = _unit_path(scratch, text, context)
