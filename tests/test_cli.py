@@ -84,6 +84,32 @@ def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp
     assert len(seq["accepted"]) == len(seq["gammas"]) and all(0 <= a <= 4 for a in seq["accepted"])
 
 
+
+def test_eval_sweeps_the_knob_beside_the_budgets(capsys, dirs, profile, tmp_path):
+    """--targets: per target the perplexity and acceptance against dense and the positions read (a target of 1.0
+    reads every step in full, so it is dense verification); the estimate against the truth; the plot."""
+    out = tmp_path / "knob.json"
+    code, stdout, stderr = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice,stdlib:typing",
+                           "--contexts", "120", "--budgets", "24,48", "--targets", "0.6,1.0", "--target-budget", "24",
+                           "--max-budget", "64", "--ppl-tokens", "41", "--new-tokens", "6", "--needle-contexts", "",
+                           "--min-context", "32", "--out", str(out), "--traces-dir", str(tmp_path / "traces"),
+                           "--plot", str(tmp_path / "knob.png"), "--json")
+    assert code == 0
+    report = json.loads(stdout)
+    knob, criteria = report["summary"]["knob"]["120"], report["summary"]["knob_criteria"]["120"]
+    assert set(knob) == set(criteria) == {"0.6", "1.0"}
+    assert knob["1.0"]["ppl_ratio"] == 1.0 and knob["1.0"]["tf_accepted_ratio"] == 1.0 and criteria["1.0"]["pass"]
+    assert knob["1.0"]["read"]["read_in_full"] == knob["1.0"]["read"]["steps"] == 2 * 8  # two texts, 8 steps each
+    assert 24 <= knob["0.6"]["read"]["mean"] <= knob["1.0"]["read"]["mean"] and knob["0.6"]["read"]["max"] <= 155
+    assert 0.6 <= knob["0.6"]["estimated_recovery"] <= 1 and 0 < knob["0.6"]["recovery"] <= 1
+    walk = report["perplexity"][0]["targets"]["0.6"]
+    assert len(walk["steps_read"]) == len(walk["steps_estimated_recovery"]) == len(walk["accepted_trace"]) == 8
+    assert report["summary"]["estimate_vs_truth"]["120"]["budget 24"]["n"] == 16
+    assert "stats" not in report["continuations"][0]["targets"]["0.6"] and report["continuations"][0]["targets"]["0.6"]["knob"]
+    assert (tmp_path / "knob.png").stat().st_size > 0 and report["plot"] == str(tmp_path / "knob.png")
+    assert "quality knob" in stderr and "estimate vs truth @ 120" in stderr
+
+
 def test_demo_prints_what_was_measured(capsys, dirs):
     code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "8", "--budget", "24",
                            "--min-context", "32", "--book", "alice")

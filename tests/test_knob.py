@@ -100,3 +100,15 @@ def test_a_target_of_one_reproduces_dense_verification():
 def test_invalid_knob_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         DustinConfig(budget=512, **fields)
+
+
+def test_budget_summary_and_correlation():
+    from dustin_hf.research.knob import budget_summary, correlation
+
+    summary = budget_summary([512, 600, 4096, 700], [4096, 4096, 4096, 5000])
+    assert summary["steps"] == 4 and summary["read_in_full"] == 1 and summary["max"] == 4096
+    assert summary["mean"] == 1477.0 and summary["p50"] == 650.0
+    assert correlation([1, 2, 3, 4], [10, 20, 30, 41])["spearman"] == 1.0
+    tied = correlation([1, 1, 2, 3], [2, 2, 3, 9])  # ties share their mean rank: the ranks are equal
+    assert tied["spearman"] == pytest.approx(1.0) and 0.9 < tied["pearson"] < 1
+    assert correlation([1, 2], [2, 1])["pearson"] is None and correlation([1, 1, 1], [1, 2, 3])["pearson"] is None

@@ -6,8 +6,9 @@ import pytest
 
 from dustin_hf import DustinConfig
 from dustin_hf.research.profiles import config_for_budget, read_profile, write_profile
-from dustin_hf.research.traces import (PREDICTION_FORMAT, TRACE_FORMAT, load_predictions, load_trace,
-                                      prediction_record, trace_filename, trace_record, write_predictions, write_trace)
+from dustin_hf.research.traces import (KNOB_TRACE_FORMAT, PREDICTION_FORMAT, TRACE_FORMAT, knob_trace_record,
+                                      load_knob_trace, load_predictions, load_trace, prediction_record, trace_filename,
+                                      trace_record, write_knob_trace, write_predictions, write_trace)
 
 
 def test_profile_round_trip_and_budget_rescaling(tmp_path):
@@ -61,3 +62,19 @@ def test_prediction_trace_round_trip(tmp_path):
     path.write_text(json.dumps({**record, "format": "other"}))
     with pytest.raises(ValueError, match="not a dustin_hf.prediction_trace/1"):
         load_predictions(path)
+
+
+def test_knob_trace_round_trip(tmp_path):
+    pair = {"target": "t-1.5b", "draft": "d"}
+    config = {"min_recovery": 0.9, "budget": 512, "max_budget": 2048}
+    record = knob_trace_record(pair, {"name": "stdlib:typing", "offset": 0}, 4096, 4, config, [[4096], [4101], [4106]],
+                               [[600], [4101], [512]], [[2], [0], [4]], "float32", "cpu")
+    assert record["format"] == KNOB_TRACE_FORMAT and (record["min_recovery"], record["max_budget"]) == (0.9, 2048)
+    assert record["summary"]["read_in_full"] == 1 and record["summary"]["max"] == 4101
+    assert record["summary"]["mean_accepted_per_step"] == 2.0
+    path = write_knob_trace(tmp_path, record)
+    assert path.name == "t-1.5b+d_knob_stdlib_typing_ctx4096_g4_r0.9.json" and load_knob_trace(path) == record
+    with pytest.raises(ValueError, match=TRACE_FORMAT):
+        load_trace(path)  # an acceptance-trace reader refuses it
+    with pytest.raises(ValueError, match="one entry per step"):
+        knob_trace_record(pair, {"name": "x"}, 8, 4, config, [[8]], [], [], "float32", "cpu")

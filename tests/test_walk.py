@@ -6,9 +6,12 @@ import torch
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
 from dustin_hf.research.continuations import speculative_continuation, token_agreement
+from dustin_hf.research.estimators import Estimator, library_estimator, study
+from dustin_hf.research.knob import EstimatorFeatures, load_features
 from dustin_hf.research.prefilled import PrefillStore, clone_cache, prefill_pair
 from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
 from dustin_hf.scoring import attention_mass
+from dustin_hf.selection import estimated_mass
 from dustin_hf.research.walk import teacher_forced_walk
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
@@ -332,3 +335,57 @@ def test_oracle_methods_in_the_walk(pair, state):
     with pytest.raises(ValueError, match="unknown oracle"):
         teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, "s": small}, progress=False,
                             oracle={"s": "per-head"})
+
+
+def test_knob_methods_in_the_walk(pair, state):
+    """A knob method reads, per step, a set its estimate holds the target in (between the floor and the ceiling),
+    else the whole context; a target of 1.0 reads everything, as dense verification does; every sparse method
+    records each step's read count, estimated and true recovery."""
+    target, draft = pair
+    prefilled, continuation = state
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                               {"dense": None, "knob": _cfg(target, draft, 24, min_recovery=0.6, max_budget=60),
+                                "all": _cfg(target, draft, 24, min_recovery=1.0), "fixed": _cfg(target, draft, 24)},
+                               progress=False)
+    contexts = [CONTEXT + step * (GAMMA + 1) for step in range(walk.steps)]
+    assert walk.read_counts["all"] == contexts and walk.nll["all"] == walk.nll["dense"]
+    assert walk.read_counts["fixed"] == [24] * walk.steps
+    read, estimates, truths = walk.read_counts["knob"], walk.estimated_recovery["knob"], walk.true_recovery["knob"]
+    assert any(n == at for n, at in zip(read, contexts)) and any(n < at for n, at in zip(read, contexts))
+    for n, at, estimate, truth in zip(read, contexts, estimates, truths):
+        assert (n == at and estimate == truth == 1.0) or (24 <= n <= 60 and estimate >= 0.6 and 0 < truth < 1)
+    for name in ("knob", "fixed"):  # the per-step truths are the recovery the walk reports
+        assert sum(walk.true_recovery[name]) / walk.steps == pytest.approx(walk.recovery[name], rel=1e-5)
+        assert all(0 < e <= 1 for e in walk.estimated_recovery[name])
+
+
+def test_the_probe_sees_what_the_scores_and_the_recovery_are_made_of(pair, state, tmp_path):
+    """EstimatorFeatures keeps, per step, every head's history and lookahead attention and the true weights: the
+    library's estimator recipe over them is estimated_mass of the scoring heads' scores, and the paper's fill made
+    from them recovers what the walk measures from the dense signals."""
+    target, draft = pair
+    _, continuation = state
+    tokens = random_prompt(CONTEXT + 33, seed=5)[0]
+    everything = prefill_pair(target, draft, tokens[:CONTEXT], tuple(range(target.config.num_hidden_layers)))
+    cfg = _cfg(target, draft, 24, min_recovery=0.5, max_budget=48)
+    fixed = _cfg(target, draft, 24)
+    walk = teacher_forced_walk(target, draft, everything, continuation, GAMMA, {"dense": None},
+                               recovery_configs={"fixed": fixed}, probe=EstimatorFeatures(tmp_path), progress=False)
+    steps = load_features(tmp_path)
+    assert [s["at"] for s in steps] == [CONTEXT + step * (GAMMA + 1) for step in range(walk.steps)]
+    library = library_estimator(cfg)
+    for s in steps:
+        assert s["truth"].sum() == pytest.approx(1.0, abs=1e-4)
+        assert torch.allclose(s["history"].float().sum(-1), torch.ones(s["history"].shape[:2]), atol=1e-2)
+        s_draft = sum(s["draft"][layer, list(heads)].float().sum(0) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads))
+        s_target = s["history"][cfg.target_layer, list(cfg.target_heads)].float().sum(0)
+        expected = estimated_mass(s_draft[None], s_target[None], [True], torch.tensor([s["at"]]))[0]
+        assert torch.allclose(library.mass(s), expected, atol=1e-6)
+    report = study({"text": steps}, cfg, {"library": library, "flat": Estimator(library.target, library.draft, power=0.5)},
+                   targets=[0.5, 0.9], budgets=[24])
+    assert report["fixed_fill"]["24"]["mean_truth"] == pytest.approx(walk.recovery_dense_signals["fixed"], abs=5e-3)
+    for name in ("library", "flat"):
+        knob = report["estimators"][name]["knob"]
+        assert 24 <= knob["0.5"]["pooled"]["mean_read"] <= knob["0.9"]["pooled"]["mean_read"]
+        assert knob["0.5"]["pooled"]["mean_truth"] <= knob["0.9"]["pooled"]["mean_truth"] <= 1
+        assert report["estimators"][name]["proxy"]["24"]["pooled"]["n"] == len(steps)

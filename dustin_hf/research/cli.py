@@ -8,6 +8,7 @@ one JSON object on stdout and everything human-readable goes to stderr.
     dustin-hf demo                     # offline Qwen2.5-Coder 1.5B + 0.5B, fetched on first use
     dustin-hf calibrate --time-limit 1500 --out profiles/pair.json
     dustin-hf eval --profile profiles/pair.json --contexts 4096,8192 --budgets 128,256,512,1024
+    dustin-hf eval --profile profiles/pair.json --budgets 512,1024 --targets 0.8,0.9,0.95 --new-tokens 0
 """
 
 from __future__ import annotations
@@ -293,12 +294,21 @@ def _eval_args(parser):
     d = S()
     j = lambda v: ",".join(map(str, v))  # noqa: E731
     parser.add_argument("--profile", help="calibration profile to evaluate (default: DustinConfig()'s heads)")
-    parser.add_argument("--books", type=_names, default=d.books, help=f"books for continuations and perplexity (default: {j(d.books)})")
+    parser.add_argument("--books", type=_names, default=d.books, help=f"books for continuations and perplexity, or "
+                                                                     f"stdlib:MODULE for a standard-library module's source "
+                                                                     f"(default: {j(d.books)})")
     parser.add_argument("--contexts", type=_ints, default=d.contexts, help=f"prompt lengths (default: {j(d.contexts)})")
     parser.add_argument("--budgets", type=_ints, default=d.budgets, help=f"Dustin budgets (default: {j(d.budgets)})")
+    parser.add_argument("--targets", type=_floats, default=d.targets,
+                        help="quality-knob targets (min_recovery) beside the budgets, e.g. 0.8,0.9,0.95 (default: none)")
+    parser.add_argument("--target-budget", type=int, default=d.target_budget,
+                        help=f"the knob's floor: its budget (default: {d.target_budget})")
+    parser.add_argument("--max-budget", type=int, default=d.max_budget,
+                        help="the knob's ceiling (default: four times --target-budget)")
     parser.add_argument("--gamma", type=int, default=d.gamma, help=f"draft tokens per step (default: {d.gamma})")
     parser.add_argument("--ppl-tokens", type=int, default=d.ppl_tokens, help=f"tokens walked teacher-forced for perplexity; 0 skips the walk (default: {d.ppl_tokens})")
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens per generated continuation (default: {d.new_tokens})")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens per generated continuation; 0 skips "
+                                                                             f"the continuations (default: {d.new_tokens})")
     parser.add_argument("--offset", type=int, default=d.offset, help=f"first token of each book window (default: {d.offset})")
     parser.add_argument("--needle-contexts", type=_ints, default=d.needle_contexts, help=f"needle prompt lengths; empty for none (default: {j(d.needle_contexts)})")
     parser.add_argument("--needle-depths", type=_floats, default=d.needle_depths, help=f"needle depths in (0, 1) (default: {j(d.needle_depths)})")
@@ -320,8 +330,10 @@ def _eval_args(parser):
           "with Dustin at each budget (acceptance, token agreement, traces saved under --traces-dir), in exact mode at "
           "each budget (its continuation must be the dense one; confirm stats), and a "
           "teacher-forced walk over the next --ppl-tokens tokens (perplexity per budget, attention recovery of the "
-          "calibrated and the default heads). Then needle-in-a-haystack accuracy. Writes a JSON report (with the "
-          "command, machine and versions) and a PNG of quality vs budget; prints the acceptance criteria at budget 512.",
+          "calibrated and the default heads). With --targets, the quality knob at each target beside the budgets (positions "
+          "read per step, estimated against true recovery). Then needle-in-a-haystack accuracy. Writes a JSON report "
+          "(with the command, machine and versions) and a PNG of quality vs positions read; prints the acceptance "
+          "criteria at budget 512 and, with --targets, each target's.",
           _eval_args)
 def eval_command(args, out: Output) -> dict:
     from ..config import DustinConfig
@@ -334,7 +346,8 @@ def eval_command(args, out: Output) -> dict:
     from .texts import token_window
 
     settings = EvalSettings(
-        books=args.books, contexts=args.contexts, budgets=args.budgets, gamma=args.gamma, ppl_tokens=args.ppl_tokens,
+        books=args.books, contexts=args.contexts, budgets=args.budgets, targets=args.targets,
+        target_budget=args.target_budget, max_budget=args.max_budget, gamma=args.gamma, ppl_tokens=args.ppl_tokens,
         new_tokens=args.new_tokens, offset=args.offset, needle_contexts=args.needle_contexts,
         needle_depths=args.needle_depths, needle_books=args.needle_books, needle_new_tokens=args.needle_new_tokens,
         recovery_every=args.recovery_every, min_context=args.min_context, seed=args.seed, exact=not args.no_exact,
@@ -415,10 +428,29 @@ def _print_summary(out: Output, report: dict, settings) -> None:
         for name, check in checks.items():
             out.say(f"  {context:>6} {name:<24} {'PASS' if check['pass'] else 'FAIL'}  "
                     + ", ".join(f"{k}={_fmt(v) if isinstance(v, float) else v}" for k, v in check.items() if k != "pass"))
+    _print_knob(out, summary)
     cal = summary.get("criteria_calibration")
     if cal:
         out.say(f"  calibration recovery (profile's own steps): calibrated {cal['calibrated']:.4f} vs default "
                 f"{cal['default']:.4f} {'PASS' if cal['pass'] else 'FAIL'}")
+
+
+def _print_knob(out: Output, summary: dict) -> None:
+    if not summary.get("knob"):
+        return
+    out.say("", "quality knob (teacher-forced): positions read per step (mean / p95 / max, steps read in full), "
+                "estimated and true recovery of the read sets",
+            f"{'context':>8} {'target':>7} {'PPL/dense':>10} {'tf.acc':>7} {'mean':>7} {'p95':>6} {'max':>6} {'full':>5} "
+            f"{'est.':>7} {'true':>7} {'criteria':>9}")
+    for context, rows in summary["knob"].items():
+        for target, r in rows.items():
+            read, verdict = r["read"], summary["knob_criteria"][context][target]["pass"]
+            out.say(f"{context:>8} {target:>7} {_fmt(r['ppl_ratio']):>10} {_fmt(r['tf_accepted_ratio'], '.3f'):>7} "
+                    f"{read['mean']:>7.0f} {read['p95']:>6.0f} {read['max']:>6} {read['read_in_full']:>5} "
+                    f"{_fmt(r['estimated_recovery']):>7} {_fmt(r['recovery']):>7} {'PASS' if verdict else 'FAIL':>9}")
+    for context, groups in summary["estimate_vs_truth"].items():
+        out.say(f"  estimate vs truth @ {context}: " + "; ".join(
+            f"{name} r={_fmt(g['pearson'], '.2f')} rho={_fmt(g['spearman'], '.2f')} (n={g['n']})" for name, g in groups.items()))
 
 
 # --------------------------------------------------------------------------------------- main

@@ -9,8 +9,11 @@ __all__ = ["plot_fidelity"]
 
 
 def plot_fidelity(report: dict, path: str | Path) -> Path | None:
-    """Four panels against the budget, one line per context: perplexity ratio to dense, acceptance
-    ratio to dense, attention recovery (calibrated vs default heads, and the oracle), needle accuracy.
+    """Four panels, one line per context. Against the positions read per step: perplexity ratio to dense and
+    acceptance ratio to dense (teacher-forced when the walk ran, else in the continuations), the fixed budgets'
+    curve and, when the report has quality-knob targets, the knob's curve (each target at its mean positions
+    read) on the same axes. Against the budget: attention recovery (calibrated vs default heads, and the
+    oracle) and needle accuracy.
 
     Returns the PNG's path, or ``None`` (with a warning) when matplotlib is not installed.
     """
@@ -22,20 +25,25 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
     except ImportError:
         warnings.warn("matplotlib is not installed: skipping the plot (pip install 'dustin-hf[models]')", stacklevel=2)
         return None
-    per_context = report["summary"]["per_context"]
+    summary = report["summary"]
+    per_context = summary["per_context"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [
-        (axes[0, 0], "ppl_ratio", "perplexity / dense (teacher-forced)", 1.0),
-        (axes[0, 1], "accepted_ratio", "mean accepted drafts / dense", 1.0),
-    ]
-    for ax, key, title, ref in panels:
+    teacher_forced = any(r.get("tf_accepted_ratio") is not None for row in per_context.values() for r in row.values())
+    acceptance = "tf_accepted_ratio" if teacher_forced else "accepted_ratio"
+    panels = [(axes[0, 0], "ppl_ratio", "perplexity / dense (teacher-forced)"),
+              (axes[0, 1], acceptance, "drafts kept per step / dense" + (" (teacher-forced)" if teacher_forced else ""))]
+    for ax, key, title in panels:
         for context, row in per_context.items():
             budgets = sorted(int(b) for b in row)
-            values = [row[str(b)][key] for b in budgets]
-            if any(v is not None for v in values):
-                ax.plot(budgets, [v if v is not None else float("nan") for v in values], marker="o", label=f"context {context}")
-        ax.axhline(ref, color="gray", lw=0.8, ls="--")
+            line = _curve(ax, budgets, [row[str(b)].get(key) for b in budgets], f"budget, context {context}", "-", "o")
+            knob = summary.get("knob", {}).get(context, {})
+            targets = sorted(knob, key=lambda t: knob[t]["mean_read"])
+            _curve(ax, [knob[t]["mean_read"] for t in targets], [knob[t].get(key) for t in targets],
+                   f"knob ({', '.join(targets)}), context {context}", "--", "s",
+                   color=None if line is None else line.get_color())
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_title(title)
+        ax.set_xlabel("positions read per step (fixed budget, or the knob's mean)")
     ax = axes[1, 0]
     for context, row in per_context.items():
         budgets = sorted(int(b) for b in row)
@@ -52,9 +60,10 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
         ax.axhline(accuracy["dense"], color=line[0].get_color(), lw=0.8, ls="--", label=f"dense, context {context}")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("needle accuracy")
+    for ax in axes[1]:
+        ax.set_xlabel("budget (cached positions read per step)")
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (cached positions read per step)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -68,3 +77,11 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _curve(ax, xs, ys, label, style, marker, color=None):
+    """One line of ``(x, y)`` points (``None`` values skipped); returns it, or ``None`` when nothing is plotted."""
+    points = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if not points:
+        return None
+    return ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, ls=style, label=label, color=color)[0]

@@ -64,9 +64,13 @@ class EvalSettings:
         books: bundled books for continuations and the walk (one window per book and context).
         contexts: prompt lengths in tokens.
         budgets: Dustin budgets to compare with dense verification.
+        targets: quality-knob targets (``min_recovery``) to compare as well, each with the floor ``target_budget``
+            and the ceiling ``max_budget``; empty: none.
+        target_budget: the knob's floor (its ``budget``).
+        max_budget: the knob's ceiling (``None``: four times ``target_budget``).
         gamma: drafts per step (fixed).
         ppl_tokens: tokens after the prompt walked teacher-forced for perplexity (``(n-1)//(γ+1)`` steps).
-        new_tokens: tokens generated per continuation.
+        new_tokens: tokens generated per continuation (0: no continuations).
         offset: first token of each book window.
         needle_contexts, needle_depths, needle_books: the needle cases (their cross product).
         needle_new_tokens: answer length limit.
@@ -80,6 +84,9 @@ class EvalSettings:
     books: tuple[str, ...] = ("emma",)
     contexts: tuple[int, ...] = (4096, 8192)
     budgets: tuple[int, ...] = (128, 256, 512, 1024)
+    targets: tuple[float, ...] = ()
+    target_budget: int = 512
+    max_budget: int | None = None
     gamma: int = 4
     ppl_tokens: int = 256
     new_tokens: int = 48
@@ -95,9 +102,11 @@ class EvalSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.gamma < 1 or self.new_tokens < 1 or self.needle_new_tokens < 1:
-            raise ValueError("gamma, new_tokens and needle_new_tokens must be >= 1")
+        if self.gamma < 1 or self.new_tokens < 0 or self.needle_new_tokens < 1:
+            raise ValueError("gamma and needle_new_tokens must be >= 1, new_tokens >= 0")
         if self.ppl_tokens and self.ppl_tokens < self.gamma + 2:
             raise ValueError(f"ppl_tokens must be 0 (no walk) or >= gamma + 2 = {self.gamma + 2}")
         if not self.budgets or min(self.budgets) < 1 or not self.contexts or min(self.contexts) < 2:
             raise ValueError("budgets and contexts must be non-empty lists of positive ints")
+        if any(not 0 < t <= 1 for t in self.targets):
+            raise ValueError(f"targets are recovery shares in (0, 1] (e.g. 0.8,0.9,0.95), got {self.targets}")

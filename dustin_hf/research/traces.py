@@ -52,6 +52,23 @@ Acceptance of d drafts proposed from position p against a verifier v is the long
 ``draft[p + i] == v[p + i]``. Entry 0 of every target list comes from the prefill (dense for all); the
 sparse target's entries after it were predicted by sparse steps of γ+1 queries each (the walk's step
 boundaries: a replay whose steps fall elsewhere reads them as the sparse target's at that position).
+
+**Knob traces** record what the quality knob (``min_recovery``) read at each step of a teacher-forced walk,
+for a benchmark to replay the budgets (``DecodeHooks.budgets``) scaled to its own context:
+
+    {
+      "format": "dustin_hf.knob_trace/1",
+      "model_pair": {...}, "task": "teacher-forced", "text": {"name": "emma", "offset": 0, ...},
+      "context": 4096, "gamma": 4,
+      "min_recovery": 0.9, "budget": 512, "max_budget": 2048,    # the target, floor and ceiling
+      "config": {...},                   # the resolved Dustin settings
+      "dtype": "float32", "device": "cpu",
+      "seqlens":  [[4096], [4101], ...], # per step, per row: cached positions L before the step
+      "counts":   [[812], [1024], ...],  # per step, per row: positions read (== L: read in full, a dense fallback)
+      "accepted": [[2], [0], ...],       # per step, per row: drafts a greedy target kept (teacher-forced)
+      "summary": {"steps": 51, "mean": 903.2, "p50": ..., "p95": ..., "max": ..., "read_in_full": 0,
+                  "mean_share_of_context": 0.21, "mean_accepted_per_step": 1.1}
+    }
 """
 
 from __future__ import annotations
@@ -60,11 +77,13 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["PREDICTION_FORMAT", "PREDICTION_KEYS", "TRACE_FORMAT", "load_predictions", "load_trace", "prediction_record",
-           "trace_filename", "trace_record", "write_predictions", "write_trace"]
+__all__ = ["KNOB_TRACE_FORMAT", "PREDICTION_FORMAT", "PREDICTION_KEYS", "TRACE_FORMAT", "knob_trace_record",
+           "load_knob_trace", "load_predictions", "load_trace", "prediction_record", "trace_filename", "trace_record",
+           "write_knob_trace", "write_predictions", "write_trace"]
 
 TRACE_FORMAT = "dustin_hf.acceptance_trace/1"
 PREDICTION_FORMAT = "dustin_hf.prediction_trace/1"
+KNOB_TRACE_FORMAT = "dustin_hf.knob_trace/1"
 PREDICTION_KEYS = ("truth", "dense", "sparse", "draft", "draft_sparse")
 
 
@@ -104,11 +123,50 @@ def write_trace(directory: str | Path, record: dict) -> Path:
     return path
 
 
+def knob_trace_record(pair: dict, text: dict, context: int, gamma: int, config: dict, seqlens: list[list[int]],
+                      counts: list[list[int]], accepted: list[list[int]], dtype: str, device: str) -> dict:
+    """The knob trace above; ``config`` is the resolved settings (``min_recovery``, ``budget``, ``max_budget``)."""
+    from .knob import budget_summary
+
+    if not len(seqlens) == len(counts) == len(accepted):
+        raise ValueError(f"a knob trace needs one entry per step in seqlens, counts and accepted, got "
+                         f"{len(seqlens)}, {len(counts)}, {len(accepted)}")
+    flat_accepted = [a for row in accepted for a in row]
+    summary = budget_summary([c for row in counts for c in row], [n for row in seqlens for n in row])
+    return {
+        "format": KNOB_TRACE_FORMAT, "model_pair": pair, "task": "teacher-forced", "text": text, "context": context,
+        "gamma": gamma, "min_recovery": config["min_recovery"], "budget": config["budget"],
+        "max_budget": config["max_budget"], "config": config, "dtype": dtype, "device": device, "seqlens": seqlens,
+        "counts": counts, "accepted": accepted,
+        "summary": {**summary, "mean_accepted_per_step": sum(flat_accepted) / len(flat_accepted) if flat_accepted else 0.0},
+    }
+
+
+def write_knob_trace(directory: str | Path, record: dict) -> Path:
+    """Write a knob trace as ``<target>+<draft>_knob_<text>_ctx<context>_g<γ>_r<min_recovery>.json``."""
+    slug = _slug(f"{record['model_pair']['target']}+{record['model_pair']['draft']}")
+    text = _slug(record["text"]["name"])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{slug}_knob_{text}_ctx{record['context']}_g{record['gamma']}_r{record['min_recovery']}.json"
+    path.write_text(json.dumps(record) + "\n")
+    return path
+
+
 def load_trace(path: str | Path) -> dict:
-    """Read a trace, checking its format tag."""
+    """Read an acceptance trace, checking its format tag."""
+    return _load(path, TRACE_FORMAT)
+
+
+def load_knob_trace(path: str | Path) -> dict:
+    """Read a knob trace, checking its format tag."""
+    return _load(path, KNOB_TRACE_FORMAT)
+
+
+def _load(path: str | Path, expected: str) -> dict:
     record = json.loads(Path(path).read_text())
-    if record.get("format") != TRACE_FORMAT:
-        raise ValueError(f"{path}: not a {TRACE_FORMAT} file (format={record.get('format')!r})")
+    if record.get("format") != expected:
+        raise ValueError(f"{path}: not a {expected} file (format={record.get('format')!r})")
     return record
 
 
@@ -151,9 +209,7 @@ def write_predictions(directory: str | Path, record: dict) -> Path:
 
 def load_predictions(path: str | Path) -> dict:
     """Read a prediction trace, checking its format tag and that its lists have one length."""
-    record = json.loads(Path(path).read_text())
-    if record.get("format") != PREDICTION_FORMAT:
-        raise ValueError(f"{path}: not a {PREDICTION_FORMAT} file (format={record.get('format')!r})")
+    record = _load(path, PREDICTION_FORMAT)
     lengths = {key: len(record["predictions"].get(key, ())) for key in PREDICTION_KEYS}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"{path}: prediction lists of different lengths {lengths}")

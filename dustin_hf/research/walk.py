@@ -34,6 +34,12 @@ from the dense method's signals by any number of extra configurations (e.g. the 
 and the oracle: the top positions of the reference attention itself (recovery is linear in the
 selection, so no set of that size captures more).
 
+A method whose config sets ``min_recovery`` (the quality knob) reads, at each step, the smallest set whose
+estimated recovery reaches its target (:func:`~dustin_hf.selection.select_by_recovery`), as the decoder does.
+Per step and sparse method the walk records the positions read, the selection's estimated recovery (the
+scoring heads' share, :func:`~dustin_hf.selection.estimated_mass`) and its true recovery (over every layer,
+head and query of the dense method, when measured): the knob's cost and the estimate against the truth.
+
 An ``oracle`` method (an experiment, :mod:`dustin_hf.research.oracle`) verifies, at each step, with read sets taken
 from that reference attention instead of its own signals: one set shared by all layers, or one per layer.
 Its gap to dense is the loss a perfect scorer would still have with sets of that shape and size.
@@ -44,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -57,9 +64,9 @@ from ..plan import ForwardPlan, device_tensor, select_heads
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
 from ..recovery import position_weights, selection_recovery
 from ..scoring import draft_lookahead_scores, target_history_scores
-from ..selection import Selection, dense_rows, select_positions
+from ..selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
-__all__ = ["WalkResult", "teacher_forced_walk"]
+__all__ = ["DenseStep", "WalkResult", "teacher_forced_walk"]
 
 
 @dataclass
@@ -86,6 +93,11 @@ class WalkResult:
     truth: list[int] = field(default_factory=list)
     predictions: dict[str, list[int]] = field(default_factory=dict)
     draft_predictions: dict[str, list[int]] = field(default_factory=dict)
+    # per step of each sparse method: positions read (the context on a dense step), the read set's estimated recovery
+    # and its true recovery (None: a dense step, or recovery not measured at that step; an oracle has no estimate)
+    read_counts: dict[str, list[int]] = field(default_factory=dict)
+    estimated_recovery: dict[str, list[float | None]] = field(default_factory=dict)
+    true_recovery: dict[str, list[float | None]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -101,6 +113,7 @@ class _Method:
         self.name, self.config, self.row, self.history, self.draft_row = name, config, row, history, draft_row
         self.selection: Selection | None = None  # this step's read set (None: everything)
         self.layer_indices: dict | None = None  # an oracle's per-layer read sets this step
+        self.estimate: float | None = None  # this step's read set's estimated recovery (None: dense, an oracle)
         self.last_selection = None  # (selection, [L]) of its last step, for its own draft (``sparse_draft``)
         self.trace: list[int] = []  # per step: leading drafts a greedy target keeps
         self.predictions: list[int] = []  # per position from C: the target's argmax
@@ -110,6 +123,29 @@ class _Method:
         self.agreed = 0  # positions where the draft's and the target's greedy predictions agree
         self.same_as_dense = 0  # positions where the target's greedy prediction equals the dense method's
         self.recovery: list[torch.Tensor] = []  # per recovery step: (n_layers,)
+        self.read: list[int] = []  # per step: positions read
+        self.estimates: list[float | None] = []  # per step: the read set's estimated recovery
+        self.truths: list[float | None] = []  # per step: its true recovery, mean over layers
+
+
+@dataclass(frozen=True)
+class DenseStep:
+    """What the dense method saw at one step, handed to :func:`teacher_forced_walk`'s ``probe``.
+
+    ``at`` is ``L``, the cached positions; ``weights`` the reference attention ``(n_layers, L)``
+    (:func:`~dustin_hf.recovery.position_weights`). Keys are row 0's cache buffers, ``(T, Hkv, D)`` with
+    ``T > L + γ``: a probe reads ``[:L]`` (the draft's ``[:L + γ]``) and must not keep them past the call.
+    """
+
+    step: int
+    at: int
+    weights: torch.Tensor
+    target_keys: dict[int, torch.Tensor]  # every target layer
+    history: dict[int, torch.Tensor]  # per target layer, (H, D): the query of the token at L - 1 (step 0: prefill's)
+    draft_keys: dict[int, torch.Tensor]  # the draft layers of ``draft_queries``
+    draft_queries: dict[int, torch.Tensor]  # per draft layer, (γ, H, D): the queries at L .. L+γ-1
+    target_scale: float
+    draft_scale: float
 
 
 def teacher_forced_walk(
@@ -125,6 +161,7 @@ def teacher_forced_walk(
     desc: str = "walk",
     refresh_every: dict[str, int] | None = None,
     oracle: dict[str, str] | None = None,
+    probe: Callable[[DenseStep], None] | None = None,
 ) -> WalkResult:
     """Walk ``continuation (N,)`` after ``state``'s prompt in steps of γ+1 teacher-forced tokens.
 
@@ -142,6 +179,9 @@ def teacher_forced_walk(
             each layer its own; :mod:`dustin_hf.research.oracle`) instead of its own selection. Its config still decides
             when a step is sparse and which layers read densely. Needs a dense method; recovery is then
             measured every step.
+        probe: called at every step with the dense method's :class:`DenseStep` (every target layer's history
+            query, every draft layer's queries), e.g. to study estimators of recovery offline. Needs a dense
+            method; recovery is then measured every step.
 
     Returns a :class:`WalkResult` over ``(N - 1) // (γ+1)`` steps.
     """
@@ -161,15 +201,16 @@ def teacher_forced_walk(
     if steps < 1:
         raise ValueError(f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}")
     dense_name = next((n for n, c in methods.items() if c is None), None)
-    if (recovery_every or recovery_configs or oracle) and dense_name is None:
-        raise ValueError("measuring recovery and oracles need a dense method (a name mapped to None) in methods")
+    if (recovery_every or recovery_configs or oracle or probe) and dense_name is None:
+        raise ValueError("measuring recovery, oracles and probes need a dense method (a name mapped to None) in methods")
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
     t_group, d_group = group_size(t_cfg), group_size(d_cfg)
     t_scale, d_scale = attention_scale(target, t_cfg), attention_scale(draft, d_cfg)
     backend = resolve_backend("auto", device)
     all_t_heads = tuple(range(t_cfg.num_attention_heads))
     all_configs = [c for c in methods.values() if c is not None] + list(recovery_configs.values())
-    d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for c in all_configs for layer in c.draft_layers}
+    d_layers = range(d_cfg.num_hidden_layers) if probe else sorted({l for c in all_configs for l in c.draft_layers})
+    d_capture = {layer: tuple(range(d_cfg.num_attention_heads)) for layer in d_layers}
     capacity = context + continuation.numel() + 1
 
     # rows: dense methods first, then the sparse ones grouped by their dense layers, oracles last (a forward covers
@@ -188,6 +229,7 @@ def teacher_forced_walk(
     dense_history = {layer: state.history[layer] for c in recovery_configs.values() for layer in [c.target_layer]}
     signals_recovery: dict[str, list[float]] = {name: [] for name in recovery_configs}
     scoring_layers = {c.target_layer for c in methods.values() if c is not None} | set(dense_history)
+    probe_history = {layer: q[0] for layer, q in state.history.items()}  # every layer's, once the dense method has run
 
     for run in runs:  # the token at C: every method predicts it from the (dense) prefill
         run.predictions.append(int(state.last_logits.argmax()))
@@ -202,13 +244,13 @@ def teacher_forced_walk(
             guesses, s_draft = _draft_step(draft_model, [None] + [None if r is None else r.at([at - 1]) for r in reads],
                                            tokens, at, gamma, backend, d_capture, base, d_group, d_scale)
             dense_next, weights = None, None
-            measure = bool(oracle) or (bool(recovery_every) and step % recovery_every == 0)
+            measure = bool(oracle) or probe is not None or (bool(recovery_every) and step % recovery_every == 0)
             verify_in = tokens[at : at + gamma + 1][None]
             labels = tokens[at + 1 : at + gamma + 2]
             layers = set(range(t_cfg.num_hidden_layers)) if measure else scoring_layers
             for group in groups:  # the dense group first: its attention is the reference
                 for run in group:  # 2. select (per method)
-                    cfg, run.selection, run.layer_indices = run.config, None, None
+                    cfg, run.selection, run.layer_indices, run.estimate = run.config, None, None, None
                     if cfg is None or all(dense_rows([at], cfg)):
                         continue
                     run.sparse_steps += 1
@@ -216,8 +258,8 @@ def teacher_forced_walk(
                         run.selection, run.layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
                     else:
                         keys = target_model.cache.layer_buffers(cfg.target_layer)[0][run.row : run.row + 1]
-                        run.selection = _select(run.history, cfg, keys, s_draft[run.draft_row], base, t_group,
-                                                t_scale, at)
+                        run.selection, run.estimate = _select(run.history, cfg, keys, s_draft[run.draft_row], base,
+                                                              t_group, t_scale, at)
                 # 3. verify: one forward of the group's rows, each against its selection (dense: everything)
                 logits, captured = _verify(target_model, group, verify_in, at, gamma, backend,
                                            {layer: all_t_heads for layer in layers})
@@ -226,9 +268,17 @@ def teacher_forced_walk(
                         continue
                     dense_next = logits[i].argmax(dim=-1)
                     if measure:  # the reference attention of this step, then selections from dense signals
-                        weights = _dense_recovery(target_model, run.row, {l: q[i] for l, q in captured.items()}, at,
-                                                  t_scale, recovery_configs, dense_history, s_draft[0], base, t_group,
-                                                  signals_recovery)
+                        queries = {l: q[i] for l, q in captured.items()}
+                        weights = _dense_recovery(target_model, run.row, queries, at, t_scale, recovery_configs,
+                                                  dense_history, s_draft[0], base, t_group, signals_recovery)
+                        if probe is not None:
+                            t_keys = {layer: target_model.cache.layer_buffers(layer)[0][run.row] for layer in queries}
+                            d_keys = {layer: draft_model.cache.layer_buffers(layer)[0][0]
+                                      for layer in s_draft[0].queries}
+                            probe(DenseStep(step, at, weights, t_keys, probe_history, d_keys,
+                                            {layer: q[0] for layer, q in s_draft[0].queries.items()}, t_scale,
+                                            d_scale))
+                            probe_history = {layer: q[gamma] for layer, q in queries.items()}
                     dense_history = {layer: captured[layer][i : i + 1, gamma] for layer in dense_history}
                 for i, run in enumerate(group):
                     cfg = run.config
@@ -253,6 +303,10 @@ def teacher_forced_walk(
                     elif weights is not None and run.selection is not None:
                         run.recovery.append(selection_recovery(weights, run.selection.indices[0],
                                                                run.selection.counts[0]))
+                    run.read.append(at if run.selection is None else run.selection.counts[0])
+                    run.estimates.append(run.estimate)
+                    run.truths.append(float(run.recovery[-1].mean()) if weights is not None and run.selection is not None
+                                      else None)
             # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the next step
 
     runs = [by_name[name] for name in methods]
@@ -268,6 +322,9 @@ def teacher_forced_walk(
         truth=tokens[context : context + evaluated].tolist(),
         predictions={r.name: r.predictions[:evaluated] for r in runs},
         draft_predictions={r.name: r.draft_predictions for r in runs},
+        read_counts={r.name: r.read for r in runs if r.config is not None},
+        estimated_recovery={r.name: r.estimates for r in runs if r.config is not None},
+        true_recovery={r.name: r.truths for r in runs if r.config is not None},
     )
     for run in runs:
         if run.recovery:
@@ -388,11 +445,18 @@ def _draft_step(draft_model, selections, tokens, at, gamma, backend, d_capture, 
     return logits.argmax(dim=-1), scores
 
 
-def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at):
-    """A method's selection at ``L``: ``S_target`` from its ``history (1, heads, D)`` over ``keys (1, cap, H, D)``."""
+def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at) -> tuple[Selection, float]:
+    """A method's selection at ``L`` (the knob's with ``min_recovery``): ``S_target`` from its ``history (1, heads,
+    D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery (:func:`~dustin_hf.selection.estimated_mass`
+    summed over the set)."""
     s_target = target_history_scores(history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
                                      t_group, t_scale, at).to(base.device)
-    return select_positions([at], s_draft(cfg), s_target, [True], cfg)
+    if cfg.min_recovery is not None:
+        selection = select_by_recovery([at], s_draft(cfg), s_target, [True], cfg)
+        return selection, selection.recovery[0]
+    selection = select_positions([at], s_draft(cfg), s_target, [True], cfg)
+    mass = estimated_mass(s_draft(cfg), s_target, [True], base)[0]
+    return selection, float(mass[selection.indices[0, : selection.counts[0]].long()].sum())
 
 
 def _oracle_selection(weights, cfg, kind):
@@ -409,4 +473,4 @@ def _select_from(cfg, history_all_heads, keys, s_draft, base, t_group, t_scale, 
     if all(dense_rows([at], cfg)):
         return None
     history = select_heads(history_all_heads[:, None], cfg.target_heads)[:, 0]
-    return _select(history, cfg, keys, s_draft, base, t_group, t_scale, at)
+    return _select(history, cfg, keys, s_draft, base, t_group, t_scale, at)[0]
