@@ -10,8 +10,14 @@ the agreement of every pair of predictors on the same positions. Each walk write
 (:func:`dustin_hf.research.traces.prediction_record`: per position the true token, the dense and the sparse
 target's argmax, the dense and the sparse draft's) under ``--traces``.
 
+With ``--targets`` the same walk (no extra prefill) also runs the quality knob (``min_recovery``, the sparse draft,
+floor ``--knob-floor``, ceiling ``--knob-ceiling``) and measures true recovery at every step: per target the
+perplexity and teacher-forced acceptance against dense, the realised budget per step, the correlation of the
+scoring heads' estimated recovery with the true one (every layer, head and query of the dense target), and one knob
+trace per target (:func:`dustin_hf.research.traces.knob_trace_record`) for the GPU replay.
+
     python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 4096 --budgets 512 1024 2048 \\
-        --out benchmarks/results/agreement_cpu_4k.json
+        --targets 0.9 0.95 --out benchmarks/results/agreement_cpu_4k.json
     python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 8192 \\
         --budgets 512 1024 2048 4096 --out benchmarks/results/agreement_cpu_8k.json
 """
@@ -33,7 +39,8 @@ from dustin_hf.research.pair import describe_machine, load_pair
 from dustin_hf.research.prefilled import prefill_pair
 from dustin_hf.research.profiles import config_for_budget, read_profile
 from dustin_hf.research.texts import describe_text, token_window
-from dustin_hf.research.traces import prediction_record, write_predictions
+from dustin_hf.research.knob import budget_summary, correlation
+from dustin_hf.research.traces import knob_trace_record, prediction_record, write_knob_trace, write_predictions
 from dustin_hf.research.walk import teacher_forced_walk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +77,20 @@ def _row(walk, text: str, context: int, budgets: list[int], dense_draft_budgets:
     return row
 
 
+def _knob_row(walk, name: str, context: int) -> dict:
+    """The knob at one target: quality against dense, what it read, and its estimate against the truth."""
+    contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]
+    pairs = [(e, t) for e, t in zip(walk.estimated_recovery[name], walk.true_recovery[name])
+             if e is not None and t is not None]
+    return {"ppl_ratio": walk.ppl[name] / walk.ppl["dense"], "tf_accepted": walk.accepted[name],
+            "tf_accepted_ratio": walk.accepted[name] / walk.accepted["dense"] if walk.accepted["dense"] else None,
+            "sparse_vs_dense": _share(walk.predictions[name], walk.predictions["dense"]),
+            "budget": budget_summary(walk.read_counts[name], contexts),
+            "mean_estimated_recovery": sum(e for e, _ in pairs) / len(pairs) if pairs else None,
+            "mean_true_recovery": sum(t for _, t in pairs) / len(pairs) if pairs else None,
+            "estimate_vs_truth": correlation([e for e, _ in pairs], [t for _, t in pairs])}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -80,6 +101,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--dense-draft-budgets", type=int, nargs="*", default=[512],
                         help="also walk plain Dustin (dense draft) at these budgets")
+    parser.add_argument("--targets", type=float, nargs="*", default=[],
+                        help="also walk the quality knob (min_recovery) at these targets, with the sparse draft")
+    parser.add_argument("--knob-floor", type=int, default=512, help="the knob's budget (its floor)")
+    parser.add_argument("--knob-ceiling", type=int, default=2048, help="the knob's max_budget")
     parser.add_argument("--tokens", type=int, default=401, help="teacher-forced tokens walked per text and context")
     parser.add_argument("--offset", type=int, default=0, help="token offset of the window in each text")
     parser.add_argument("--profile", default=str(PROFILE))
@@ -103,14 +128,20 @@ def main(argv=None) -> dict:
         methods = {"dense": None,
                    **{f"sd{b}": resolve(configs[b].replace(sparse_draft=True), t_cfg, d_cfg) for b in budgets},
                    **{f"b{b}": resolve(configs[b], t_cfg, d_cfg) for b in args.dense_draft_budgets if b in configs}}
+        floor = config_for_budget(config, fraction, args.knob_floor).replace(min_context=MIN_CONTEXT, sparse_draft=True)
+        for t in args.targets:
+            methods[f"k{t}"] = resolve(floor.replace(min_recovery=t, max_budget=args.knob_ceiling), t_cfg, d_cfg)
         scoring_layer = methods[f"sd{budgets[0]}"].target_layer
         for text in args.texts:
             window = token_window(pair.tokenizer, text, context + args.tokens, args.offset)
             started = time.perf_counter()
             state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), args.prefill_chunk)
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
-                                       recovery_every=0, desc=f"walk {text}@{context}")
+                                       recovery_every=1 if args.targets else 0, desc=f"walk {text}@{context}")
             row = _row(walk, text, context, budgets, args.dense_draft_budgets, time.perf_counter() - started)
+            row["knob"] = {str(t): _knob_row(walk, f"k{t}", context) for t in args.targets}
+            for b in budgets if args.targets else ():  # the fixed budgets on the same footing (every step measured)
+                row["budgets"][str(b)]["mean_true_recovery"] = walk.recovery.get(f"sd{b}")
             report["results"].append(row)
             print(json.dumps(row), flush=True)
             source = {**describe_text(text), "offset": args.offset}
@@ -122,6 +153,13 @@ def main(argv=None) -> dict:
                 record = prediction_record(pair_names, source, context, GAMMA, b, asdict(methods[name]), predictions,
                                            names["dtype"], names["device"])
                 report["traces"].append(_shown(write_predictions(args.traces, record)))
+            for t in args.targets if args.traces else ():
+                name = f"k{t}"
+                seqlens = [[context + step * (GAMMA + 1)] for step in range(walk.steps)]
+                record = knob_trace_record(pair_names, source, context, GAMMA, asdict(methods[name]), seqlens,
+                                           [[n] for n in walk.read_counts[name]],
+                                           [[a] for a in walk.accepted_trace[name]], names["dtype"], names["device"])
+                report["traces"].append(_shown(write_knob_trace(args.traces, record)))
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -378,8 +378,12 @@ def _stacked(selections: list[Selection | None], cached: list[int]) -> Selection
         return None
     device = present[0].indices.device
     width = max([sel.indices.shape[1] for sel in present] + [n for sel, n in zip(selections, cached) if sel is None])
-    rows = [torch.arange(width, device=device, dtype=torch.int32) if sel is None
-            else torch.nn.functional.pad(sel.indices[0], (0, width - sel.indices.shape[1])) for sel in selections]
+    every = torch.arange(width, device=device, dtype=torch.int32)
+    # a row read in full lists its positions, then zeros (a selection wider than the row's cache, e.g. the knob's
+    # ceiling, must not name positions past it)
+    rows = [torch.where(every < n, every, 0) if sel is None
+            else torch.nn.functional.pad(sel.indices[0], (0, width - sel.indices.shape[1]))
+            for sel, n in zip(selections, cached)]
     counts = [n if sel is None else sel.counts[0] for sel, n in zip(selections, cached)]
     return Selection(torch.stack(rows), device_tensor(counts, device, torch.int32), counts)
 
