@@ -139,6 +139,10 @@ def test_demo_json(capsys, dirs):
     exact = result["runs"]["exact"]
     assert exact["agreement_with_dense"]["identical"] and exact["stats"]["sparse_steps"] > 0
     assert exact["stats"]["exact"]["sparse_row_steps"] > 0 and exact["generate_kwargs"]["cache_config"] == {"mode": "exact"}
+    # its confirming steps forward more than γ + 1 tokens, and are steps, not prompt reading (the streamer sees
+    # confirmed tokens only: a sparse step commits nothing)
+    assert exact["stats"]["exact"]["confirm_steps"] > 0 and 1 <= exact["decode_steps"] <= exact["stats"]["steps"]
+    assert exact["decode_seconds"] > 0 and exact["decode_tokens_per_s"] > 0
 
 
 def test_demo_calibrates_on_the_prompt(capsys, dirs, profile):

@@ -59,22 +59,21 @@ def demo_runs(budget: int, context: int) -> list[DemoRun]:
 
 class _StepClock(BaseStreamer):
     """Times one ``generate()`` call: each step's committed tokens (as a streamer) and the end of the prompt's
-    reading (forward hooks: a forward of more than ``γ + 1`` tokens reads the prompt)."""
+    reading (forward hooks: a forward of more than ``γ + 1`` tokens before the first commit reads the prompt)."""
 
     def __init__(self, target, draft, gamma: int):
         self.target, self.gamma = target, gamma
         self.device = target.get_input_embeddings().weight.device
         self.prompt_seen = False
-        self.reading = True  # the target's last forward read the prompt: what it commits is part of prefill
+        self.reading = True  # until the first commit, which the forward that read the prompt makes
         self.prefill_end = 0.0
         self.steps: list[tuple[float, int]] = []  # (time, tokens committed) per verification step after prefill
         self._hooks = [m.register_forward_hook(self._forward_done, with_kwargs=True) for m in (target, draft)]
 
     def _forward_done(self, module, args, kwargs, output) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        reads_prompt = ids is not None and ids.shape[-1] > self.gamma + 1
-        if module is self.target:
-            self.reading = reads_prompt
+        # before the first commit only: exact mode's confirming steps forward more than γ + 1 tokens too
+        reads_prompt = self.reading and ids is not None and ids.shape[-1] > self.gamma + 1
         if reads_prompt:
             synchronize(self.device)
             self.prefill_end = time.perf_counter()
@@ -82,8 +81,9 @@ class _StepClock(BaseStreamer):
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() streams the prompt first
             self.prompt_seen = True
-        elif self.reading:  # committed by the forward that read the prompt
+        elif self.reading:  # the first commit: by the forward that read the prompt
             self.prefill_end = time.perf_counter()
+            self.reading = False
         else:
             self.steps.append((time.perf_counter(), value.numel()))
 
