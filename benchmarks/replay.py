@@ -339,15 +339,27 @@ class BudgetReplay:
 
     @property
     def mean(self) -> float:
-        return statistics.mean(self.counts)
+        """Mean positions read over the replayed steps that did not read their row in full."""
+        sparse = [c for c in self.counts if c != _FULL]
+        return statistics.mean(sparse) if sparse else float("nan")
+
+    @property
+    def read_in_full(self) -> float:
+        """The share of replayed row-steps that read their row in full (dense fallbacks)."""
+        return sum(c == _FULL for c in self.counts) / len(self.counts)
+
+
+_FULL = 2**31 - 1  # a replayed count that reads the row in full: it reaches any row's cached positions
 
 
 def load_budgets(paths: list[str], context: int, min_recovery: float | None = None) -> BudgetReplay:
     """Read ``dustin_hf.knob_trace/1`` files and scale their per-step counts to ``context``.
 
     Each count recorded at context ``C`` becomes ``round(count * context / C)``, clamped to ``[budget,
-    max_budget * context / C]`` (the recorded floor stays the floor). ``min_recovery``: use only the files
-    recorded at that target (``None``: every file must share one)."""
+    max_budget * context / C]`` (the recorded floor stays the floor); a step that read its row in full (a dense
+    fallback: the count reached the row's recorded ``seqlens``) reads the benchmark's row in full too (``context``
+    and more). ``min_recovery``: use only the files recorded at that target (``None``: every file must share
+    one). The files are :func:`dustin_hf.research.traces.knob_trace_record`'s."""
     records = []
     for path in paths:
         record = json.loads(Path(path).read_text())
@@ -366,20 +378,23 @@ def load_budgets(paths: list[str], context: int, min_recovery: float | None = No
         scale = context / record["context"]
         ceiling = max(floor, round(record["max_budget"] * scale))
         ceilings.append(ceiling)
-        rows = max((len(step) for step in record["steps"]), default=0)
+        steps = list(zip(record["counts"], record["seqlens"]))
+        rows = max((len(step) for step, _ in steps), default=0)
         for r in range(rows):  # each recorded row's steps in order, rows one after another
-            counts += [min(max(round(step[r] * scale), floor), ceiling) for step in record["steps"]
-                       if r < len(step) and step[r] is not None]
+            counts += [_FULL if step[r] >= seqlens[r] else min(max(round(step[r] * scale), floor), ceiling)
+                       for step, seqlens in steps if r < len(step) and step[r] is not None]
     if not counts:
         raise ValueError(f"knob traces {[name for name, _ in records]}: no counts")
+    full = sum(c == _FULL for c in counts)
     names = ", ".join(name for name, _ in records)
     scales = ", ".join(sorted({f"{context}/{r['context']}" for _, r in records}))
     pairs = sorted({" + ".join(str(v) for v in r["model_pair"].values()) for _, r in records if r.get("model_pair")})
     return BudgetReplay(tuple(counts), floor, max(ceilings), float(targets[0]),
                         f"knob budgets recorded{' on ' + ', '.join(pairs) if pairs else ''} at min_recovery="
                         f"{targets[0]} ({names}; {len(counts)} row-steps), scaled by {scales} and clamped to [{floor}, "
-                        f"{max(ceilings)}]: mean {statistics.mean(counts):.0f} positions, each row cycling from its "
-                        "own offset")
+                        f"{max(ceilings)}]: mean {statistics.mean([c for c in counts if c != _FULL] or [0]):.0f} "
+                        f"positions over the steps that did not read in full, {full} of {len(counts)} row-steps read in full (dense "
+                        "fallbacks), each row cycling from its own offset")
 
 
 def synthetic_budgets(context: int, floor: int, ceiling: int, seed: int = 0) -> BudgetReplay:

@@ -172,18 +172,28 @@ def test_load_predictions_checks_format_gamma_and_lists(tmp_path):
 
 
 def _knob_record(**changes) -> dict:
-    return {"format": replay.KNOB_FORMAT, "context": 4096, "min_recovery": 0.9, "budget": 512, "max_budget": 2048,
-            "steps": [[600, 512], [3000, None], [300]]} | changes
+    """A knob trace as the walk's writer makes it (two rows; row 1 has no third step)."""
+    from dustin_hf.research.traces import knob_trace_record
+
+    config = {"min_recovery": 0.9, "budget": 512, "max_budget": 3200}
+    seqlens, counts = [[4096, 4096], [4101, 4101], [4106]], [[600, 512], [3000, 4101], [300]]
+    record = knob_trace_record({"target": "t", "draft": "d"}, {"name": "emma"}, 4096, 4, config, seqlens, counts,
+                               [[1, 2], [0, 3], [4]], "float32", "cpu")
+    return record | changes
 
 
 def test_load_budgets_scales_to_the_context_and_clamps(tmp_path):
     budgets = load_budgets([_write(tmp_path / "k.json", _knob_record())], 32768)
-    # x8, within [512, 2048 x 8]: row 0's steps 4800, 16384 (24000 clamped), 2400; row 1's 4096
-    assert budgets.counts == (4800, 16384, 2400, 4096)
-    assert (budgets.floor, budgets.ceiling, budgets.min_recovery) == (512, 16384, 0.9)
-    assert "scaled by 32768/4096" in budgets.source
+    # x8, within [512, 3200 x 8]: row 0's steps 4800, 24000, 2400; row 1's 4096 and a step read in full
+    full = replay._FULL
+    assert budgets.counts == (4800, 24000, 2400, 4096, full)
+    assert (budgets.floor, budgets.ceiling, budgets.min_recovery) == (512, 25600, 0.9)
+    assert budgets.read_in_full == 1 / 5 and budgets.mean == (4800 + 24000 + 2400 + 4096) / 4
+    assert "scaled by 32768/4096" in budgets.source and "1 of 5 row-steps read in full" in budgets.source
     step = budgets.hooks()["budgets"]
-    assert step([0, 0]) == [4800, 2400] and step([0, 0]) == [16384, 4096]
+    assert step([0, 0]) == [4800, 2400] and step([0, 0]) == [24000, 4096]
+    clamped = load_budgets([_write(tmp_path / "c.json", _knob_record(max_budget=2048))], 32768)
+    assert clamped.counts[1] == 2048 * 8  # 24000 over the ceiling
 
 
 def test_load_budgets_wants_one_target(tmp_path):
