@@ -128,6 +128,8 @@ def test_demo_json(capsys, dirs):
     assert "Measured on" in stderr
     dense, dustin = result["runs"]["dense"], result["runs"]["dustin"]
     assert "stats" not in dense  # transformers' own assisted decoding: a DynamicCache
+    for run in (dense, dustin, result["runs"]["exact"]):  # each model reads the 120-token prompt in one forward
+        assert run["prompt_forwards"] == 2
     for run in (dense, dustin):
         assert len(run["tokens"]) == 6 and run["decode_steps"] >= 1
         # the forward that read the prompt committed the rest: one token (Dustin), or a first step (transformers)

@@ -59,31 +59,38 @@ def demo_runs(budget: int, context: int) -> list[DemoRun]:
 
 class _StepClock(BaseStreamer):
     """Times one ``generate()`` call: each step's committed tokens (as a streamer) and the end of the prompt's
-    reading (forward hooks: a forward of more than ``γ + 1`` tokens before the first commit reads the prompt)."""
+    reading (forward hooks). Each model reads the prompt in forwards of more than ``γ + 1`` tokens before its first
+    forward of at most ``γ + 1`` (so exact mode's wider confirming steps are steps); the first commit comes from the
+    target's prompt forward (Dustin's loop reads the draft's prompt after it, transformers' before it)."""
 
     def __init__(self, target, draft, gamma: int):
-        self.target, self.gamma = target, gamma
+        self.gamma = gamma
         self.device = target.get_input_embeddings().weight.device
         self.prompt_seen = False
-        self.reading = True  # until the first commit, which the forward that read the prompt makes
+        self.committed = False  # the first commit (the prompt forward's) has been streamed
         self.prefill_end = 0.0
+        self.prompt_forwards = 0
+        self._reading = {id(target): True, id(draft): True}  # the model has not yet run a step-sized forward
         self.steps: list[tuple[float, int]] = []  # (time, tokens committed) per verification step after prefill
         self._hooks = [m.register_forward_hook(self._forward_done, with_kwargs=True) for m in (target, draft)]
 
     def _forward_done(self, module, args, kwargs, output) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        # before the first commit only: exact mode's confirming steps forward more than γ + 1 tokens too
-        reads_prompt = self.reading and ids is not None and ids.shape[-1] > self.gamma + 1
-        if reads_prompt:
+        if ids is None:
+            return
+        if ids.shape[-1] <= self.gamma + 1:
+            self._reading[id(module)] = False
+        elif self._reading[id(module)] and not self.steps:
             synchronize(self.device)
             self.prefill_end = time.perf_counter()
+            self.prompt_forwards += 1
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() streams the prompt first
             self.prompt_seen = True
-        elif self.reading:  # the first commit: by the forward that read the prompt
-            self.prefill_end = time.perf_counter()
-            self.reading = False
+        elif not self.committed:  # committed by the forward that read the prompt
+            self.committed = True
+            self.prefill_end = max(self.prefill_end, time.perf_counter())
         else:
             self.steps.append((time.perf_counter(), value.numel()))
 
@@ -101,6 +108,7 @@ class _StepClock(BaseStreamer):
             "decode_tokens": tokens,
             "decode_seconds": seconds,
             "decode_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "prompt_forwards": self.prompt_forwards,  # forwards counted as reading the prompt (both models)
             "mean_accepted_per_step": tokens / len(self.steps) - 1 if self.steps else 0.0,
         }
 
