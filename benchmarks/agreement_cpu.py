@@ -63,7 +63,7 @@ def _row(walk, text: str, context: int, budgets: list[int], dense_draft_budgets:
     dense, draft = walk.predictions["dense"], walk.draft_predictions["dense"]
     row = {"text": text, "context": context, "positions": walk.tokens, "steps": walk.steps, "seconds": seconds,
            "dense_vs_truth": _share(dense, walk.truth), "draft_vs_dense": _share(draft, dense),
-           "dense_ppl": walk.ppl["dense"], "budgets": {}}
+           "dense_ppl": walk.ppl["dense"], "dense_tf_accepted": walk.accepted["dense"], "budgets": {}}
     for b in budgets:
         name = f"sd{b}"
         sparse, draft_sparse = walk.predictions[name], walk.draft_predictions[name]
@@ -77,11 +77,17 @@ def _row(walk, text: str, context: int, budgets: list[int], dense_draft_budgets:
     return row
 
 
+def _estimate_truth_pairs(walk, name: str, contexts: list[int]) -> list[tuple[float, float]]:
+    """(estimated, true) recovery of ``name``'s read set at each step that did not read the whole context (a
+    dense fallback's 1.0 and 1.0 would say nothing about the estimate)."""
+    return [(e, t) for e, t, n, at in zip(walk.estimated_recovery[name], walk.true_recovery[name],
+                                         walk.read_counts[name], contexts) if e is not None and t is not None and n < at]
+
+
 def _knob_row(walk, name: str, context: int) -> dict:
     """The knob at one target: quality against dense, what it read, and its estimate against the truth."""
     contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]
-    pairs = [(e, t) for e, t in zip(walk.estimated_recovery[name], walk.true_recovery[name])
-             if e is not None and t is not None]
+    pairs = _estimate_truth_pairs(walk, name, contexts)
     return {"ppl_ratio": walk.ppl[name] / walk.ppl["dense"], "tf_accepted": walk.accepted[name],
             "tf_accepted_ratio": walk.accepted[name] / walk.accepted["dense"] if walk.accepted["dense"] else None,
             "sparse_vs_dense": _share(walk.predictions[name], walk.predictions["dense"]),
@@ -140,8 +146,13 @@ def main(argv=None) -> dict:
                                        recovery_every=1 if args.targets else 0, desc=f"walk {text}@{context}")
             row = _row(walk, text, context, budgets, args.dense_draft_budgets, time.perf_counter() - started)
             row["knob"] = {str(t): _knob_row(walk, f"k{t}", context) for t in args.targets}
+            contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]
             for b in budgets if args.targets else ():  # the fixed budgets on the same footing (every step measured)
-                row["budgets"][str(b)]["mean_true_recovery"] = walk.recovery.get(f"sd{b}")
+                pairs = _estimate_truth_pairs(walk, f"sd{b}", contexts)
+                row["budgets"][str(b)].update(
+                    mean_true_recovery=walk.recovery.get(f"sd{b}"),
+                    mean_estimated_recovery=sum(e for e, _ in pairs) / len(pairs) if pairs else None,
+                    estimate_vs_truth=correlation([e for e, _ in pairs], [t for _, t in pairs]))
             report["results"].append(row)
             print(json.dumps(row), flush=True)
             source = {**describe_text(text), "offset": args.offset}

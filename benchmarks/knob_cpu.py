@@ -6,12 +6,12 @@ continuations or needles, which the walk's same-text comparison replaces). Each 
 ``--scratch`` as soon as it is done, so an interrupted run resumes where it stopped; with ``--features`` the
 walk's probe also writes the estimator features of every step there (:class:`~dustin_hf.research.knob.EstimatorFeatures`,
 read by ``benchmarks/knob_estimator.py``). Then the units are merged into one report (the summary recomputed
-over all of them), its plot, and, for each ``--trace-target``, one knob trace per text and context (the
-per-step positions read and drafts kept, for the GPU benchmark to replay).
+over all of them) and its plot. The knob traces the GPU benchmark replays come from ``benchmarks/agreement_cpu.py
+--targets`` (the sparse draft, as the benchmark's ``dustin_knob``), not from here.
 
     python benchmarks/knob_cpu.py --texts emma prideprejudice stdlib:typing --contexts 4096 8192 \\
         --budgets 512 1024 2048 --targets 0.8 0.9 0.95 --features --out benchmarks/results/knob_cpu.json
-    python benchmarks/knob_cpu.py ... --merge-only --trace-target 0.9      # merge again, write the traces
+    python benchmarks/knob_cpu.py ... --merge-only                         # merge the finished units again
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from dustin_hf.research.plotting import plot_fidelity
 from dustin_hf.research.profiles import read_profile
 from dustin_hf.research.settings import EvalSettings
 from dustin_hf.research.texts import describe_text
-from dustin_hf.research.traces import knob_trace_record, write_knob_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
@@ -57,8 +56,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--features", action="store_true", help="also write every step's estimator features")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_knob", help="per-unit reports and features")
     parser.add_argument("--out", required=True, help="the merged report (its plot: the same path with .png)")
-    parser.add_argument("--traces-dir", default=str(ROOT / "benchmarks" / "traces"))
-    parser.add_argument("--trace-target", type=float, nargs="*", default=[], help="write knob traces of these targets")
     parser.add_argument("--merge-only", action="store_true", help="merge the units in --scratch, run nothing")
     args = parser.parse_args(argv)
 
@@ -73,8 +70,6 @@ def main(argv=None) -> dict:
     if not reports:
         parser.error(f"no finished units in {scratch}")
     merged = _merge(reports, settings, args)
-    for target in args.trace_target:
-        merged["knob_traces"] += _write_traces(merged, target, settings, args.traces_dir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=1) + "\n")
@@ -128,28 +123,9 @@ def _merge(reports: list[dict], settings: EvalSettings, args) -> dict:
                          for r in reports],
                   perplexity=[w for r in reports for w in r["perplexity"]],
                   prefill_seconds=[p for r in reports for p in r["prefill_seconds"]],
-                  continuations=[], needles=[], partial=len(reports) < len(args.texts) * len(args.contexts),
-                  knob_traces=[])
+                  continuations=[], needles=[], partial=len(reports) < len(args.texts) * len(args.contexts))
     merged["summary"] = summarize(merged, settings)
     return merged
-
-
-def _write_traces(report: dict, target: float, settings: EvalSettings, directory) -> list[str]:
-    key = str(target)
-    if key not in report["knob_resolved"]:
-        raise SystemExit(f"--trace-target {target}: not one of the targets run ({', '.join(report['knob_resolved'])})")
-    pair = {"target": report["model_pair"]["target"]["name"], "draft": report["model_pair"]["draft"]["name"]}
-    texts = {u["text"]["name"]: u["text"] for u in report["units"]}
-    paths = []
-    for walk in report["perplexity"]:
-        run = walk["targets"][key]
-        seqlens = [[walk["context"] + step * (settings.gamma + 1)] for step in range(walk["steps"])]
-        record = knob_trace_record(pair, {**texts[walk["book"]], "offset": settings.offset}, walk["context"],
-                                   settings.gamma, report["knob_resolved"][key], seqlens,
-                                   [[n] for n in run["steps_read"]], [[a] for a in run["accepted_trace"]],
-                                   report["model_pair"]["dtype"], report["model_pair"]["device"])
-        paths.append(_relative(write_knob_trace(directory, record)))
-    return paths
 
 
 def _relative(path) -> str | None:

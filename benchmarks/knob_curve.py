@@ -7,7 +7,7 @@ the criteria of the quality knob are checked on every walk: perplexity within 1%
 acceptance >= 97% of dense, mean realised budget <= 1024. Reports the estimate-vs-truth correlation too.
 
     python benchmarks/knob_curve.py benchmarks/results/agreement_cpu_4k.json benchmarks/results/agreement_cpu_8k.json \\
-        --out benchmarks/results/knob_cpu.json
+        --out benchmarks/results/knob_curve_cpu.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
-PPL_LIMIT, ACCEPT_LIMIT, BUDGET_LIMIT = 1.01, 0.97, 1024
+from dustin_hf.research.evaluation import KNOB_BUDGET_LIMIT as BUDGET_LIMIT
+
+PPL_LIMIT, ACCEPT_LIMIT = 1.01, 0.97  # the criteria of dustin-hf eval, checked here on every walk (the worst one)
 
 
 def _walks(reports: list[dict]) -> list[dict]:
@@ -29,10 +31,15 @@ def curve(walks: list[dict]) -> dict:
     """Per walk: the fixed budgets' and each target's (positions read, perplexity ratio, acceptance ratio)."""
     out = {}
     for w in walks:
-        any_target = next(iter(w["knob"].values()))
-        dense_accepted = any_target["tf_accepted"] / any_target["tf_accepted_ratio"]
-        fixed = {b: {"read": int(b), "ppl_ratio": r["ppl_ratio"], "tf_accepted_ratio": r["tf_accepted"] / dense_accepted,
-                     "sparse_vs_dense": r["sparse_vs_dense"], "mean_true_recovery": r.get("mean_true_recovery")}
+        dense_accepted = w.get("dense_tf_accepted")
+        if dense_accepted is None:  # reports from before the field: dense's from a target's ratio
+            k = next((k for k in w["knob"].values() if k["tf_accepted_ratio"]), None)
+            dense_accepted = None if k is None else k["tf_accepted"] / k["tf_accepted_ratio"]
+        fixed = {b: {"read": int(b), "ppl_ratio": r["ppl_ratio"],
+                     "tf_accepted_ratio": r["tf_accepted"] / dense_accepted if dense_accepted else None,
+                     "sparse_vs_dense": r["sparse_vs_dense"], "mean_true_recovery": r.get("mean_true_recovery"),
+                     "mean_estimated_recovery": r.get("mean_estimated_recovery"),
+                     "estimate_vs_truth": r.get("estimate_vs_truth")}
                  for b, r in w["budgets"].items()}
         knob = {t: {"read": k["budget"]["mean"], "p95": k["budget"]["p95"], "read_in_full": k["budget"]["read_in_full"],
                     "ppl_ratio": k["ppl_ratio"], "tf_accepted_ratio": k["tf_accepted_ratio"],
@@ -114,8 +121,11 @@ def main(argv=None) -> dict:
     for name, p in points.items():
         print(name)
         for b, r in sorted(p["fixed"].items(), key=lambda kv: int(kv[0])):
-            print(f"  budget {b:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{r['tf_accepted_ratio']:.3f}"
-                  f"  top-1 vs dense {r['sparse_vs_dense']:.3f}")
+            corr = r.get("estimate_vs_truth") or {}
+            print(f"  budget {b:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{r['tf_accepted_ratio'] or float('nan'):.3f}"
+                  f"  top-1 vs dense {r['sparse_vs_dense']:.3f}  recovery true {r['mean_true_recovery'] or float('nan'):.3f}"
+                  f"  est {r['mean_estimated_recovery'] or float('nan'):.3f}"
+                  f" (pearson {corr.get('pearson')}, spearman {corr.get('spearman')})")
         for t, r in sorted(p["knob"].items(), key=lambda kv: float(kv[0])):
             corr = r["estimate_vs_truth"]
             print(f"  knob {t:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{r['tf_accepted_ratio']:.3f}"
