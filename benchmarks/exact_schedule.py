@@ -3,8 +3,8 @@
 Exact mode's speed depends on how often the sparse target's tokens survive the dense check, on how many a row
 gathers before it confirms (``confirm_tokens`` / ``confirm_every``) and on the budget (a larger one agrees more and
 costs more per sparse step). This replays the loop's own schedule (:class:`dustin_hf.exact.ConfirmSchedule`, driven
-with :meth:`SpeculativeDecoder._exact_step`'s batch rules: when one row confirms, every row holding tentative
-tokens confirms in the same forward) on the prediction traces that ``benchmarks/agreement_cpu.py`` records
+with :meth:`SpeculativeDecoder._exact_step`'s greedy batch rules: when one row confirms, every row holding tentative
+tokens confirms in the same forward and every other row verifies densely in it; no row's limit drops below 1) on the prediction traces that ``benchmarks/agreement_cpu.py`` records
 (teacher-forced, per position: the dense / sparse target's and the dense / sparse draft's argmax), for batch 16,
 256 tokens per row, each row from its own offset. Acceptance of d drafts from position p against a verifier is the
 agreeing prefix of the two lists from p; a tentative token at p is the sparse target's ``sparse[p]``, kept while
@@ -83,7 +83,7 @@ def replay_exact(p: dict, budget: int, confirm_tokens: int, confirm_every: int, 
                  batch: int = BATCH, new_tokens: int = NEW_TOKENS) -> dict:
     """Exact mode with the sparse draft on prediction lists ``p``: committed tokens, steps, estimated ms, stats."""
     n = len(p["truth"])
-    schedule = ConfirmSchedule(batch, confirm_tokens, confirm_every)
+    schedule = ConfirmSchedule(batch, confirm_tokens, confirm_every, min_limit=1)  # greedy
     pos = [b * n // batch for b in range(batch)]  # each row's next uncommitted position
     tentative, generated = [0] * batch, [0] * batch
     steps = dense_row_steps = 0
@@ -92,7 +92,7 @@ def replay_exact(p: dict, budget: int, confirm_tokens: int, confirm_every: int, 
         active = [b for b in range(batch) if generated[b] < new_tokens]
         wanted = [schedule.wants(b, tentative[b]) for b in active]
         confirming = {b for b in active if tentative[b] > 0 and any(wanted)}
-        dense = {b for b in active if b in confirming or schedule.dense(b)}
+        dense = set(active) if confirming else {b for b in active if schedule.dense(b)}  # greedy: all at a confirm
         width = max(tentative[b] if b in confirming else 0 for b in active) + gamma
         for b in active:
             t, end = tentative[b], pos[b] + tentative[b]

@@ -57,7 +57,7 @@ from .runtime.fused import fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .runtime.tuning import Tuning
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
-from .selection import Selection, dense_rows, with_dense_rows
+from .selection import Selection, dense_rows, truncated, with_dense_rows
 from .selector import Selector
 from .stats import RunStats
 from .telemetry import DecodeHooks, PhaseClock, synchronize
@@ -252,7 +252,7 @@ class SpeculativeDecoder:
                              graphs["target"], graph_width=read_width,
                              dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only,
                              tuning=self.tuning.kernels)
-        draft_width = read_width + DraftReads.extra(self.max_gamma) if self._sparse_draft else 0
+        draft_width = read_width + DraftReads.extra_for(cfg, self.max_gamma) if self._sparse_draft else 0
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
@@ -265,7 +265,8 @@ class SpeculativeDecoder:
         self.process.for_batch([p.pad for p in prompts])
         self.rng = RowGenerators(batch, device) if self.do_sample else None
         self.row_gamma = [self.gamma] * batch  # each row's draft length for its next step (the schedule's state)
-        self.confirm = ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every) \
+        self.confirm = ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every,
+                                       min_limit=0 if self.do_sample else 1) \
             if cfg is not None and cfg.mode == "exact" else None
         self._last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self._ahead: _QueuedDraft | None = None  # the next step's first draft forwards, already queued
@@ -422,7 +423,9 @@ class SpeculativeDecoder:
         # with it (a greedy row's tokens do not depend on when it confirms). Sampling: each row on its own schedule,
         # since when a row confirms decides which draws it makes
         confirming = wanted if self.do_sample else [rows.tentative[b] > 0 and any(wanted) for b in range(batch)]
-        dense = [s or c or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
+        # greedy: a confirming step reads every row densely (one dense kernel, not a mixed step)
+        everyone = not self.do_sample and any(confirming)
+        dense = [s or c or everyone or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
 
         # 1. Draft d_1..d_γ after everything each row holds (its tentative tokens included).
         sparse = not all(short)
@@ -445,10 +448,11 @@ class SpeculativeDecoder:
             self.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
                                    [b for b in rows.active if not dense[b]])
         reads = None if all(dense) else with_dense_rows(selection, starts, dense)
-        # what the sparse draft reads next: a confirming row rewrites its tentative positions (the selection made
-        # before may point past what it keeps), so it drafts from everything next step
-        self._last_selection = None if selection is None else (
-            with_dense_rows(selection, seqlens, confirming) if any(confirming) else selection, seqlens)
+        # what the sparse draft reads next: a confirming row rewrites its positions from its confirmed start, so it
+        # keeps the part of this selection below that start and reads everything written from it on
+        self._last_selection = None if selection is None else (selection, seqlens) if not any(confirming) else (
+            truncated(selection, [s if c else L for s, L, c in zip(starts, seqlens, confirming)]),
+            [s if c else L for s, L, c in zip(starts, seqlens, confirming)])
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed

@@ -27,7 +27,7 @@ class DraftReads:
     knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification;
     for a dense row ``0 .. W - 1``, of which it reads its first ``cached`` (all it holds). After the verification
     a row committed ``k <= γ+1`` tokens and the draft writes up to γ more, so at most ``extra = 2γ`` positions are
-    new; ``W`` is ``S + 2γ``, or more when a dense row holds more.
+    new (more in exact mode: :meth:`extra_for`); ``W`` is ``S + extra``, or more when a dense row holds more.
     """
 
     indices: torch.Tensor
@@ -40,6 +40,15 @@ class DraftReads:
     def extra(gamma: int) -> int:
         return 2 * gamma
 
+    @staticmethod
+    def extra_for(config: ResolvedConfig | None, gamma: int) -> int:
+        """Positions a row may write after its last selection before its next draft forward. In exact mode a
+        confirming row keeps its read set below its confirmed start, then rewrites up to ``confirm_tokens + γ``
+        tentative positions and commits ``γ + 1`` more before drafting γ: ``confirm_tokens + 3γ + 1``."""
+        if config is not None and config.mode == "exact":
+            return config.confirm_tokens + 3 * gamma + 1
+        return DraftReads.extra(gamma)
+
     @classmethod
     def after(cls, last, config: ResolvedConfig, gamma: int, capacity: int) -> "DraftReads | None":
         """From ``(selection, seqlens)`` of the last verification (``None``: no sparse step yet, the draft reads
@@ -47,7 +56,7 @@ class DraftReads:
         if last is None:
             return None
         selection, seqlens = last
-        extra = cls.extra(gamma)
+        extra = cls.extra_for(config, gamma)
         dense = [c >= n for c, n in zip(selection.counts, seqlens)]  # read in full (count = the row's length)
         if all(dense):
             return None

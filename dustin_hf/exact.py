@@ -16,9 +16,10 @@ The limit adapts per row: after a confirmation that rejected some tentative toke
 kept (a row whose sparse steps keep being wrong confirms sooner; at 0 it verifies densely every step, as the
 lossless sparse-draft baseline does, and probes one tentative token again after ``confirm_every`` dense steps);
 after one that kept them all it doubles, up to ``confirm_tokens``. When one row confirms, every row holding
-tentative tokens confirms in the same forward: the step reads densely anyway, so its batch-mates' confirmations
-cost only their own reads, and rows that confirm together keep their sparse steps in phase (a row's tokens do
-not depend on when it confirms: confirmation is exact whenever it happens).
+tentative tokens confirms in the same forward, and in a greedy batch every other row verifies densely in it too:
+the step reads densely anyway (one dense kernel for the batch), rows that confirm together keep their sparse steps
+in phase, and a greedy row's tokens do not depend on when it confirms (confirmation is exact whenever it happens).
+Greedy rows never drop below a limit of 1 (``min_limit``), so sparse steps stay sparse for the whole batch.
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ class ConfirmSchedule:
         confirm_tokens: the most tentative tokens a row holds before it confirms (0: every verification dense).
         confirm_every: sparse steps after which a row confirms at the latest (and dense steps after which a row
             at limit 0 tries one tentative token again).
+        min_limit: the lowest a row's limit drops after a rejection (greedy batches: 1, so that no row verifies
+            densely alone: its dense reads would make the batch's sparse steps mixed, which read that row's whole
+            cache through the sparse kernel and run without CUDA graphs; one tentative token and the batch's next
+            confirmation cost less).
     """
 
     batch: int
     confirm_tokens: int
     confirm_every: int
+    min_limit: int = 0
     limit: list[int] = field(init=False)
     since: list[int] = field(init=False)  # sparse steps since the row's last confirmation (dense steps at limit 0)
     must: list[bool] = field(init=False)  # the row would stop within its tentative tokens: confirm next step
@@ -111,7 +117,8 @@ class ConfirmSchedule:
         stats.tentative_confirmed += kept
         stats.tentative_rejected += tentative - kept
         stats.committed_by_confirmations += committed
-        self.limit[b] = min(self.confirm_tokens, max(1, 2 * self.limit[b])) if kept == tentative else kept
+        floor = min(self.min_limit, self.confirm_tokens)
+        self.limit[b] = min(self.confirm_tokens, max(1, 2 * self.limit[b])) if kept == tentative else max(kept, floor)
         self.since[b], self.must[b] = 0, False
         self.proposals[b] = []
 

@@ -29,7 +29,8 @@ from .kernels import available_backends
 from .kernels.tuning import SelectTuning
 from .plan import device_tensor
 
-__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "with_dense_rows"]
+__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "truncated",
+           "with_dense_rows"]
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,16 @@ def select_by_recovery(
     fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
     return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
                      fallback=fallback)
+
+
+def truncated(selection: Selection, limits: list[int]) -> Selection:
+    """``selection`` with each row's entries at positions ``>= limits[b]`` dropped (indices are sorted, so what is
+    kept is a prefix): the read set a row still has after its positions from ``limits[b]`` on are rewritten."""
+    device = selection.indices.device
+    column = torch.arange(selection.indices.shape[1], device=device)[None, :]
+    keep = (column < selection.num_indices[:, None].to(device)) & (selection.indices < device_tensor(limits, device)[:, None])
+    counts_t = keep.sum(dim=1).to(torch.int32)
+    return Selection(selection.indices, counts_t, [int(c) for c in counts_t.tolist()])
 
 
 def with_dense_rows(selection: Selection, starts: list[int], dense: list[bool]) -> Selection:

@@ -83,3 +83,16 @@ def test_random_scores_give_valid_selections(seed):
         rest = [p for p in free if p not in best_draft]
         best_target = sorted(rest, key=lambda p: -target[b, p].item())[: 32 - 4 - 8 - 7]
         assert set(best_target) <= set(row.tolist())
+
+
+def test_truncated_keeps_each_rows_entries_below_its_limit():
+    """After exact mode's confirmation a row's positions from its confirmed start are rewritten: its read set keeps
+    the sorted prefix below that start (the sparse draft reads the rest as positions written since)."""
+    from dustin_hf.selection import Selection, truncated
+
+    indices = torch.tensor([[0, 1, 5, 9, 12, 0], [0, 2, 3, 4, 0, 0]], dtype=torch.int32)
+    selection = Selection(indices, torch.tensor([5, 4], dtype=torch.int32), [5, 4])
+    cut = truncated(selection, [9, 100])
+    assert cut.counts == [3, 4] and cut.num_indices.tolist() == [3, 4]
+    assert torch.equal(cut.indices, indices)  # the entries stay in place; only the counts shrink
+    assert truncated(selection, [0, 3]).counts == [0, 2]
