@@ -198,6 +198,7 @@ class Sources:
     budget: int
     exact_budget: int
     synthetic: bool = False
+    confirm: tuple[int, int] | None = None  # exact mode's (confirm_tokens, confirm_every); None: DustinConfig()'s
 
     def method(self, name: str, context: int) -> Method:
         """``name``'s settings and replays at ``context``."""
@@ -212,6 +213,8 @@ class Sources:
             raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
                              "--predictions benchmarks/traces/*_predictions_*.json")
         exact = plain.replace(budget=self.exact_budget, mode="exact", sparse_draft=True)
+        if self.confirm is not None:
+            exact = exact.replace(confirm_tokens=self.confirm[0], confirm_every=self.confirm[1])
         if name in ("spec_sparse_draft", "dustin_exact"):
             config = exact.replace(confirm_tokens=0) if name == "spec_sparse_draft" else exact
             width = config.confirm_tokens + 2 * GAMMA + 2  # the most tentative tokens a row holds, with room
@@ -499,6 +502,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exact-budget", type=int, default=None,
                         help="exact mode's budget (spec_sparse_draft's draft reads, dustin_exact's sparse steps); "
                              "default: DustinConfig()'s, printed")
+    parser.add_argument("--confirm", type=int, nargs=2, default=None, metavar=("TOKENS", "EVERY"),
+                        help="dustin_exact's confirm_tokens and confirm_every; default: DustinConfig()'s, printed")
     parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",
                         help="per-position predictions of the real pair (benchmarks/traces/*_predictions_*.json, "
                              "dustin_hf.prediction_trace/1): every method replays its outcomes from them, each from "
@@ -562,7 +567,8 @@ def sources(args, parser=None) -> Sources:
         predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]
     exact_budget = args.exact_budget or (budget if args.smoke else DustinConfig().budget)
     knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
-    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget, synthetic=synthetic)
+    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget, synthetic=synthetic,
+                   confirm=None if args.confirm is None else tuple(args.confirm))
 
 
 def _raise(message: str):
@@ -593,10 +599,12 @@ def main(argv=None) -> dict:
     new_tokens = args.new_tokens or (SMOKE_TOKENS if args.smoke else NEW_TOKENS)
     plan = sources(args, parser)
     defaults = DustinConfig()
+    confirm = plan.confirm or (defaults.confirm_tokens, defaults.confirm_every)
     exact_source = "DustinConfig() defaults" + (", budget from --exact-budget" if args.exact_budget
-                                                else ", --smoke's budget" if args.smoke else "")
-    print(f"exact mode ({exact_source}): budget {plan.exact_budget}, confirm_tokens {defaults.confirm_tokens}, "
-          f"confirm_every {defaults.confirm_every}", flush=True)
+                                                else ", --smoke's budget" if args.smoke else "") + (
+        ", schedule from --confirm" if plan.confirm else "")
+    print(f"exact mode ({exact_source}): budget {plan.exact_budget}, confirm_tokens {confirm[0]}, "
+          f"confirm_every {confirm[1]}", flush=True)
     # every method at every context before any model is built: a missing trace fails in seconds, not minutes
     try:
         methods = {(name, context): plan.method(name, context) for name in args.methods if not name.startswith("hf")
@@ -646,8 +654,8 @@ def main(argv=None) -> dict:
         command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
         versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=plan.budget,
-        exact_mode=dict(budget=plan.exact_budget, confirm_tokens=defaults.confirm_tokens,
-                        confirm_every=defaults.confirm_every, source=exact_source),
+        exact_mode=dict(budget=plan.exact_budget, confirm_tokens=confirm[0], confirm_every=confirm[1],
+                        source=exact_source),
         new_tokens={"speculative": new_tokens, "generate": AR_TOKENS},
         acceptance=acceptance,
         prefill="replaced by random K/V of the same shapes (decode-only measurement)",

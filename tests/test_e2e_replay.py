@@ -221,6 +221,9 @@ def test_methods_have_the_settings_the_issues_name():
     defaults = e2e.DustinConfig()
     assert (exact.mode, exact.sparse_draft, exact.confirm_tokens, exact.confirm_every) == \
         ("exact", True, defaults.confirm_tokens, defaults.confirm_every)
+    scheduled = _sources(confirm=(12, 8)).method("dustin_exact", 96).config  # e2e.py --confirm 12 8
+    assert (scheduled.confirm_tokens, scheduled.confirm_every) == (12, 8)
+    assert _sources(confirm=(12, 8)).method("spec_sparse_draft", 96).config.confirm_tokens == 0
     knob = sources.method("dustin_knob", 96)
     assert knob.config.min_recovery is not None and knob.config.sparse_draft
     assert knob.config.max_budget == knob.replays[1].ceiling and "SYNTHETIC" in knob.acceptance
