@@ -79,8 +79,7 @@ class DustinConfig:
             lowers a row's own limit after a confirmation that rejected some, and raises it back after ones that
             kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
             baseline, MagicDec's method). 4: at 32k and batch 16 on an H200 it ran faster than 8 and 12 (a
-            confirming step's width grows with it), and the schedule replay on the real pair's predictions
-            (``benchmarks/exact_schedule.py``) ranks it first at budget 512.
+            confirming step's width, ``1 + confirm_tokens + 2γ`` queries per row, grows with it).
         confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.
         min_recovery: the quality knob: each row and step reads the smallest set whose *estimated recovery* (the
             share of the scoring heads' attention mass it holds: the mean of the target history's and the draft
