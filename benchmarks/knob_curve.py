@@ -97,6 +97,10 @@ def plot(points: dict, path: Path) -> Path | None:
     return path
 
 
+def _f(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -122,16 +126,17 @@ def main(argv=None) -> dict:
         print(name)
         for b, r in sorted(p["fixed"].items(), key=lambda kv: int(kv[0])):
             corr = r.get("estimate_vs_truth") or {}
-            print(f"  budget {b:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{r['tf_accepted_ratio'] or float('nan'):.3f}"
-                  f"  top-1 vs dense {r['sparse_vs_dense']:.3f}  recovery true {r['mean_true_recovery'] or float('nan'):.3f}"
-                  f"  est {r['mean_estimated_recovery'] or float('nan'):.3f}"
+            print(f"  budget {b:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{_f(r['tf_accepted_ratio'])}"
+                  f"  top-1 vs dense {r['sparse_vs_dense']:.3f}  recovery true {_f(r['mean_true_recovery'])}"
+                  f"  est {_f(r['mean_estimated_recovery'])}"
                   f" (pearson {corr.get('pearson')}, spearman {corr.get('spearman')})")
         for t, r in sorted(p["knob"].items(), key=lambda kv: float(kv[0])):
             corr = r["estimate_vs_truth"]
-            print(f"  knob {t:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{r['tf_accepted_ratio']:.3f}"
+            print(f"  knob {t:>5}: ppl x{r['ppl_ratio']:.4f}  accepted x{_f(r['tf_accepted_ratio'])}"
                   f"  top-1 vs dense {r['sparse_vs_dense']:.3f}  read mean {r['read']:.0f} p95 {r['p95']:.0f}"
-                  f"  recovery est {r['mean_estimated_recovery']:.3f} true {r['mean_true_recovery']:.3f}"
-                  f"  (pearson {corr['pearson']}, spearman {corr['spearman']})")
+                  f" ({r['read_in_full']} steps in full)  recovery est {_f(r['mean_estimated_recovery'])}"
+                  f" true {_f(r['mean_true_recovery'])}  (pearson {corr['pearson']}, spearman {corr['spearman']};"
+                  " steps read in full left out)")
     for t, c in summary["criteria"].items():
         print(f"target {t}: worst ppl x{c['ppl_ratio']:.4f}, accepted x{c['tf_accepted_ratio']:.3f}, "
               f"mean budget {c['mean_budget']:.0f} over {c['walks']} walks: {'PASS' if c['pass'] else 'fail'}")
