@@ -80,13 +80,13 @@ def _row(walk, text: str, context: int, budgets: list[int], dense_draft_budgets:
 def _estimate_truth_pairs(walk, name: str, contexts: list[int]) -> list[tuple[float, float]]:
     """(estimated, true) recovery of ``name``'s read set at each step that did not read the whole context (a
     dense fallback's 1.0 and 1.0 would say nothing about the estimate)."""
-    return [(e, t) for e, t, n, at in zip(walk.estimated_recovery[name], walk.true_recovery[name],
-                                         walk.read_counts[name], contexts) if e is not None and t is not None and n < at]
+    steps = zip(walk.estimated_recovery[name], walk.true_recovery[name], walk.read_counts[name], contexts)
+    return [(e, t) for e, t, n, at in steps if e is not None and t is not None and n < at]
 
 
-def _knob_row(walk, name: str, context: int) -> dict:
-    """The knob at one target: quality against dense, what it read, and its estimate against the truth."""
-    contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]
+def _knob_row(walk, name: str, contexts: list[int]) -> dict:
+    """The knob at one target (``contexts``: cached positions at each step): quality against dense, what it read,
+    and its estimate against the truth."""
     pairs = _estimate_truth_pairs(walk, name, contexts)
     return {"ppl_ratio": walk.ppl[name] / walk.ppl["dense"], "tf_accepted": walk.accepted[name],
             "tf_accepted_ratio": walk.accepted[name] / walk.accepted["dense"] if walk.accepted["dense"] else None,
@@ -145,8 +145,8 @@ def main(argv=None) -> dict:
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
                                        recovery_every=1 if args.targets else 0, desc=f"walk {text}@{context}")
             row = _row(walk, text, context, budgets, args.dense_draft_budgets, time.perf_counter() - started)
-            row["knob"] = {str(t): _knob_row(walk, f"k{t}", context) for t in args.targets}
-            contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]
+            contexts = [context + step * (GAMMA + 1) for step in range(walk.steps)]  # L at each step
+            row["knob"] = {str(t): _knob_row(walk, f"k{t}", contexts) for t in args.targets}
             for b in budgets if args.targets else ():  # the fixed budgets on the same footing (every step measured)
                 pairs = _estimate_truth_pairs(walk, f"sd{b}", contexts)
                 row["budgets"][str(b)].update(
@@ -166,9 +166,8 @@ def main(argv=None) -> dict:
                 report["traces"].append(_shown(write_predictions(args.traces, record)))
             for t in args.targets if args.traces else ():
                 name = f"k{t}"
-                seqlens = [[context + step * (GAMMA + 1)] for step in range(walk.steps)]
-                record = knob_trace_record(pair_names, source, context, GAMMA, asdict(methods[name]), seqlens,
-                                           [[n] for n in walk.read_counts[name]],
+                record = knob_trace_record(pair_names, source, context, GAMMA, asdict(methods[name]),
+                                           [[n] for n in contexts], [[n] for n in walk.read_counts[name]],
                                            [[a] for a in walk.accepted_trace[name]], names["dtype"], names["device"])
                 report["traces"].append(_shown(write_knob_trace(args.traces, record)))
             if args.out:

@@ -450,9 +450,9 @@ class SpeculativeDecoder:
         reads = None if all(dense) else with_dense_rows(selection, starts, dense)
         # what the sparse draft reads next: a confirming row rewrites its positions from its confirmed start, so it
         # keeps the part of this selection below that start and reads everything written from it on
+        kept_from = [s if c else L for s, L, c in zip(starts, seqlens, confirming)]
         self._last_selection = None if selection is None else (selection, seqlens) if not any(confirming) else (
-            truncated(selection, [s if c else L for s, L, c in zip(starts, seqlens, confirming)]),
-            [s if c else L for s, L, c in zip(starts, seqlens, confirming)])
+            truncated(selection, kept_from), kept_from)
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed

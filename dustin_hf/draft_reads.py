@@ -37,17 +37,13 @@ class DraftReads:
     extra_slots: int  # 2γ
 
     @staticmethod
-    def extra(gamma: int) -> int:
-        return 2 * gamma
-
-    @staticmethod
     def extra_for(config: ResolvedConfig | None, gamma: int) -> int:
-        """Positions a row may write after its last selection before its next draft forward. In exact mode a
+        """Positions a row may write after its last selection before its next draft forward: ``2γ``. In exact mode a
         confirming row keeps its read set below its confirmed start, then rewrites up to ``confirm_tokens + γ``
         tentative positions and commits ``γ + 1`` more before drafting γ: ``confirm_tokens + 3γ + 1``."""
         if config is not None and config.mode == "exact":
             return config.confirm_tokens + 3 * gamma + 1
-        return DraftReads.extra(gamma)
+        return 2 * gamma
 
     @classmethod
     def after(cls, last, config: ResolvedConfig, gamma: int, capacity: int) -> "DraftReads | None":
