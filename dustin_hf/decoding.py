@@ -458,10 +458,15 @@ class SpeculativeDecoder:
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
         #    token (its tentative tokens follow it as proposals), any other row's x is the last token it holds.
         tentative = [rows.tentative[b] if confirming[b] else 0 for b in range(batch)]
-        gammas = [n + g for n, g in zip(tentative, drafts.row_gamma)]
-        # a confirming step's blocks take one width, the widest a block can be (a row confirms once it holds its
-        # limit <= confirm_tokens, after a step that added at most γ+1): one forward shape, one CUDA graph
-        width = cfg.confirm_tokens + 2 * self.max_gamma if any(confirming) else max(gammas)
+        # a confirming step's blocks take one width (one forward shape, one CUDA graph): the most tentative tokens
+        # a row can hold (it confirms once it holds its limit <= confirm_tokens, after a step that added at most
+        # γ+1, so confirm_tokens + γ), then as many of its new drafts as fit. Not confirm_tokens + 2γ: that many
+        # queries pack more rows per KV head than the dense kernel reads at full bandwidth (a 7-head group: 13
+        # queries 0.41 ms a layer at 32k, batch 16, 9 queries 0.26 ms; confirm_probe_h200.json), and a row's
+        # drafts past the width count only when every tentative token before them is confirmed
+        width = cfg.confirm_tokens + self.max_gamma if any(confirming) else max(drafts.row_gamma)
+        verified = [min(g, width - n) for n, g in zip(tentative, drafts.row_gamma)]  # new drafts in each block
+        gammas = [n + g for n, g in zip(tentative, verified)]
         inputs = blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
         proposal = inputs[:, 1:]
         target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
@@ -514,8 +519,8 @@ class SpeculativeDecoder:
                 new = host[b][1 : accepted[b] + 2]  # the new tentative tokens, from the host copy
                 rows.tentative[b] += accepted[b] + 1
                 schedule.after_sparse(b, schedule.must[b] or rows.would_stop(b, new))
-        self._update_schedule(drafts.row_gamma, [min(max(n - t, 0), g) for n, t, g in
-                                                 zip(accepted, tentative, drafts.row_gamma)], active)
+        self._update_schedule(verified, [min(max(n - t, 0), g) for n, t, g in zip(accepted, tentative, verified)],
+                              [b for b in active if verified[b]])  # a block with no new drafts tells nothing
         if self.recorder is not None:
             hidden, attentions = target.last_outputs
             for b in active:
