@@ -23,7 +23,9 @@ Methods, each timed in the same run:
   dustin_sparse_draft  Dustin whose draft also reads a selection (``DustinConfig(sparse_draft=True)``)
   spec_sparse_draft    lossless, MagicDec-style: the sparse draft, every verification dense
                        (``DustinConfig(mode="exact", confirm_tokens=0, sparse_draft=True)``)
-  dustin_exact  exact mode at ``DustinConfig()``'s budget and confirm schedule, with the sparse draft
+  dustin_exact  exact mode at ``DustinConfig(mode="exact")``'s budget (2048) and confirm schedule, with the sparse
+                draft; ``--exact-budget 2048 512`` adds a row per budget (``dustin_exact@512``), and the first budget
+                is spec_sparse_draft's too
   dustin_knob   Dustin + sparse draft with the quality knob (``min_recovery``), budgets replayed
 
 Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import platform
 import sys
@@ -189,19 +192,24 @@ class Sources:
     ``predictions``: per-position predictions of the real pair (``None``: the classic methods cycle ``counts``,
     acceptance counts, and the methods in ``PREDICTED_ONLY`` cannot run); ``knob``: the knob traces' paths,
     loaded per context (``None`` with ``synthetic``: SYNTHETIC budgets); ``budget``: dustin's and
-    dustin_sparse_draft's; ``exact_budget``: exact mode's (``DustinConfig().budget`` unless overridden)."""
+    dustin_sparse_draft's; ``exact_budgets``: exact mode's, one dustin_exact row each
+    (``DustinConfig(mode="exact").budget`` unless overridden), the first also spec_sparse_draft's draft reads."""
 
     predictions: list | None
     counts: dict
     knob: list[str] | None
     knob_target: float | None
     budget: int
-    exact_budget: int
+    exact_budgets: tuple[int, ...]
     synthetic: bool = False
     confirm: tuple[int, int] | None = None  # exact mode's (confirm_tokens, confirm_every); None: DustinConfig()'s
 
-    def method(self, name: str, context: int) -> Method:
-        """``name``'s settings and replays at ``context``."""
+    @property
+    def exact_budget(self) -> int:
+        return self.exact_budgets[0]
+
+    def method(self, name: str, context: int, exact_budget: int | None = None) -> Method:
+        """``name``'s settings and replays at ``context`` (dustin_exact: at ``exact_budget``, default the first)."""
         plain = DustinConfig(budget=self.budget, min_context=min(DustinConfig().min_context, context))
         if name == "spec_dense":
             return Method(name, None, (self._accept(name, "draft", "dense"),))
@@ -212,7 +220,7 @@ class Sources:
         if self.predictions is None:
             raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
                              "--predictions benchmarks/traces/*_predictions_*.json")
-        exact = plain.replace(budget=self.exact_budget, mode="exact", sparse_draft=True)
+        exact = plain.replace(budget=exact_budget or self.exact_budget, mode="exact", sparse_draft=True)
         if self.confirm is not None:
             exact = exact.replace(confirm_tokens=self.confirm[0], confirm_every=self.confirm[1])
         if name in ("spec_sparse_draft", "dustin_exact"):
@@ -499,9 +507,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS,
                         help=f"default: {' '.join(DEFAULT_METHODS)}; {', '.join(PREDICTED_ONLY)} need --predictions")
     parser.add_argument("--budget", type=int, default=BUDGET, help=f"dustin's fixed budget (default {BUDGET})")
-    parser.add_argument("--exact-budget", type=int, default=None,
-                        help="exact mode's budget (spec_sparse_draft's draft reads, dustin_exact's sparse steps); "
-                             "default: DustinConfig()'s, printed")
+    parser.add_argument("--exact-budget", type=int, nargs="+", default=None,
+                        help="exact mode's budget (dustin_exact's sparse steps and draft reads; the first also "
+                             "spec_sparse_draft's draft reads); several: one dustin_exact@BUDGET row each, in the same "
+                             "run; default: DustinConfig()'s, printed")
     parser.add_argument("--confirm", type=int, nargs=2, default=None, metavar=("TOKENS", "EVERY"),
                         help="dustin_exact's confirm_tokens and confirm_every; default: DustinConfig()'s, printed")
     parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",
@@ -565,9 +574,9 @@ def sources(args, parser=None) -> Sources:
     synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
     if synthetic:
         predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]
-    exact_budget = args.exact_budget or (budget if args.smoke else DustinConfig().budget)
+    exact_budgets = tuple(args.exact_budget or (budget if args.smoke else DustinConfig(mode="exact").budget,))
     knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
-    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budget, synthetic=synthetic,
+    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budgets, synthetic=synthetic,
                    confirm=None if args.confirm is None else tuple(args.confirm))
 
 
@@ -600,15 +609,16 @@ def main(argv=None) -> dict:
     plan = sources(args, parser)
     defaults = DustinConfig()
     confirm = plan.confirm or (defaults.confirm_tokens, defaults.confirm_every)
-    exact_source = "DustinConfig() defaults" + (", budget from --exact-budget" if args.exact_budget
+    exact_source = 'DustinConfig(mode="exact") defaults' + (", budget from --exact-budget" if args.exact_budget
                                                 else ", --smoke's budget" if args.smoke else "") + (
         ", schedule from --confirm" if plan.confirm else "")
-    print(f"exact mode ({exact_source}): budget {plan.exact_budget}, confirm_tokens {confirm[0]}, "
+    print(f"exact mode ({exact_source}): budget {', '.join(map(str, plan.exact_budgets))}, "
+          f"confirm_tokens {confirm[0]}, "
           f"confirm_every {confirm[1]}", flush=True)
     # every method at every context before any model is built: a missing trace fails in seconds, not minutes
     try:
-        methods = {(name, context): plan.method(name, context) for name in args.methods if not name.startswith("hf")
-                   for context in args.contexts}
+        methods = {(name, context): _variants(plan, name, context) for name in args.methods
+                   if not name.startswith("hf") for context in args.contexts}
     except ValueError as error:  # a trace missing or recorded at another budget
         parser.error(str(error))
     torch.manual_seed(0)
@@ -626,9 +636,8 @@ def main(argv=None) -> dict:
     rows = []
     for name in sorted(args.methods, key=RUN_ORDER.index):  # method-major, in RUN_ORDER
         for context in args.contexts:
-            for batch in args.batches:
-                row = dict(method=name, context=context, batch=batch)
-                method = methods.get((name, context))
+            for batch, (label, method) in itertools.product(args.batches, methods.get((name, context), [(name, None)])):
+                row = dict(method=label, context=context, batch=batch)
                 try:
                     if method is None:
                         row.update(run_hf_repeated(target, batch, context, name == "hf_static", dtype,
@@ -648,13 +657,14 @@ def main(argv=None) -> dict:
                 _print_row(row)
     _add_ratios(rows)
     acceptance = {}
-    for (name, _), method in methods.items():
-        acceptance.setdefault(name, method.acceptance)
+    for variants in methods.values():
+        for label, method in variants:
+            acceptance.setdefault(label, method.acceptance)
     result = dict(
         command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
         versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=plan.budget,
-        exact_mode=dict(budget=plan.exact_budget, confirm_tokens=confirm[0], confirm_every=confirm[1],
+        exact_mode=dict(budget=list(plan.exact_budgets), confirm_tokens=confirm[0], confirm_every=confirm[1],
                         source=exact_source),
         new_tokens={"speculative": new_tokens, "generate": AR_TOKENS},
         acceptance=acceptance,
@@ -670,6 +680,14 @@ def main(argv=None) -> dict:
         _plot(rows, args.plot, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {"summary": _summary(rows)}))
     return result
+
+
+def _variants(plan: Sources, name: str, context: int) -> list[tuple[str, Method]]:
+    """``(row label, method)`` of each row ``name`` runs as: dustin_exact one per exact budget when several
+    (``dustin_exact@BUDGET``), any other method one."""
+    if name == "dustin_exact" and len(plan.exact_budgets) > 1:
+        return [(f"{name}@{b}", plan.method(name, context, b)) for b in plan.exact_budgets]
+    return [(name, plan.method(name, context))]
 
 
 def _run_method(target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int, args,

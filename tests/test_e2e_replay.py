@@ -208,7 +208,7 @@ def test_load_budgets_wants_one_target(tmp_path):
 # ----------------------------------------------------------------------------- the methods
 def _sources(**changes) -> e2e.Sources:
     fields = dict(predictions=[synthetic_predictions(budget=32)], counts={}, knob=None, knob_target=None, budget=32,
-                  exact_budget=32, synthetic=True)
+                  exact_budgets=(32,), synthetic=True)
     return e2e.Sources(**(fields | changes))
 
 
@@ -224,6 +224,12 @@ def test_methods_have_the_settings_the_issues_name():
     scheduled = _sources(confirm=(12, 8)).method("dustin_exact", 96).config  # e2e.py --confirm 12 8
     assert (scheduled.confirm_tokens, scheduled.confirm_every) == (12, 8)
     assert _sources(confirm=(12, 8)).method("spec_sparse_draft", 96).config.confirm_tokens == 0
+    several = _sources(exact_budgets=(32, 64), predictions=[synthetic_predictions(budget=b) for b in (32, 64)])
+    # e2e.py --exact-budget 32 64: one dustin_exact row each
+    assert [(label, m.config.budget) for label, m in e2e._variants(several, "dustin_exact", 96)] == \
+        [("dustin_exact@32", 32), ("dustin_exact@64", 64)]
+    assert [label for label, _ in e2e._variants(sources, "dustin_exact", 96)] == ["dustin_exact"]
+    assert several.method("spec_sparse_draft", 96).config.budget == 32  # the lossless baseline's: the first
     knob = sources.method("dustin_knob", 96)
     assert knob.config.min_recovery is not None and knob.config.sparse_draft
     assert knob.config.max_budget == knob.replays[1].ceiling and "SYNTHETIC" in knob.acceptance
