@@ -16,6 +16,7 @@ import itertools
 import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -73,8 +74,7 @@ def main(argv=None):
                   versions=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version()),
                   batch=args.batch, context=args.context, rows=rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 
