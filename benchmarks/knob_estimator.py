@@ -11,6 +11,12 @@ the knob's order and stop (see there), per text and pooled.
     python benchmarks/knob_estimator.py --collect mobydick paradise_lost --context 4096 --steps-per-book 24 \\
         --save /tmp/knob_calibration_features.pt --out /tmp/knob_estimator_calibration.json
     python benchmarks/knob_estimator.py --walks /tmp/dustin_hf_knob/features/* --out benchmarks/results/knob_estimator_cpu.json
+
+``--orders`` runs :func:`dustin_hf.research.estimators.order_study` instead (the library's estimate only): the knob's
+order against the paper's fixed fill at a ladder of budgets, each split by the estimate and by the truth.
+
+    python benchmarks/knob_estimator.py --load /tmp/knob_calibration_features_8k.pt --orders \
+        --out benchmarks/results/knob_order_cpu_8k.json
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 import torch
 
 from dustin_hf.config import resolve
-from dustin_hf.research.estimators import Estimator, library_estimator, study
+from dustin_hf.research.estimators import Estimator, library_estimator, order_study, study
 from dustin_hf.research.knob import load_features
 from dustin_hf.research.profiles import config_for_budget, read_profile
 
@@ -51,6 +57,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--budgets", type=int, nargs="+", default=BUDGETS)
     parser.add_argument("--floor", type=int, default=512, help="the knob's floor (its budget)")
     parser.add_argument("--ceiling", type=int, default=2048, help="the knob's ceiling (max_budget)")
+    parser.add_argument("--orders", action="store_true", help="the order study (order_study) instead of the estimators")
+    parser.add_argument("--ladder", type=int, nargs="+", help="with --orders: the rungs (default floor..ceiling by 128)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -66,16 +74,19 @@ def main(argv=None) -> dict:
         steps = {Path(d).name: load_features(d) for d in args.walks}
     t_cfg, d_cfg = _text_configs()
     resolved = resolve(knob, t_cfg, d_cfg)
-    estimators = _estimators(resolved, t_cfg, d_cfg)
+    if args.orders:
+        study_report = order_study(steps, resolved, args.targets, args.ladder)
+    else:
+        study_report = study(steps, resolved, _estimators(resolved, t_cfg, d_cfg), args.targets, args.budgets)
     report = {"command": shlex.join(["python", "benchmarks/knob_estimator.py", *sys.argv[1:]]), "machine": machine,
               "model_pair": pair_names, "profile": str(Path(args.profile).name), "floor": args.floor,
               "ceiling": args.ceiling, "texts": {t: {"steps": len(s), "contexts": sorted({x["at"] for x in s})[::8]}
                                                  for t, s in steps.items()},
-              **study(steps, resolved, estimators, args.targets, args.budgets)}
+              **study_report}
     report["seconds"] = time.perf_counter() - started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    _print(report, args)
+    (_print_orders if args.orders else _print)(report, args)
     return report
 
 
@@ -154,6 +165,19 @@ def _print(report: dict, args) -> None:
                         for t in args.targets)
         print(f"{name:<32} {proxy}  {knob}")
     print("fixed fill: " + ", ".join(f"{b}: {v['mean_truth']:.3f}" for b, v in report["fixed_fill"].items()))
+
+
+def _print_orders(report: dict, args) -> None:
+    names = ("library_knob", "ladder_knob", "oracle_ladder", "oracle_library", "ladder_knob_no_fallback")
+    print(f"{'target':>7} " + " ".join(f"{n + ' read/full/mean/p10':>36}" for n in names))
+    for t in args.targets:
+        cells = []
+        for n in names:
+            p = report[n][str(t)]["pooled"]
+            cells.append(f"{p['mean_read']:>8.0f} {p['read_in_full']:>3} {p['mean_truth']:.3f} {p['p10_truth']:.3f}")
+        print(f"{t:>7} " + " ".join(f"{c:>36}" for c in cells))
+    for read, curves in report["at_read"].items():
+        print(f"at mean read {read}: " + ", ".join(f"{n} {_f(v['mean_truth'])}/{_f(v['p10_truth'])}" for n, v in curves.items()))
 
 
 def _f(value):

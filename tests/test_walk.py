@@ -6,7 +6,7 @@ import torch
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
 from dustin_hf.research.continuations import speculative_continuation, token_agreement
-from dustin_hf.research.estimators import Estimator, library_estimator, study
+from dustin_hf.research.estimators import Estimator, library_estimator, order_study, study
 from dustin_hf.research.knob import EstimatorFeatures, load_features
 from dustin_hf.research.prefilled import PrefillStore, clone_cache, prefill_pair
 from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
@@ -389,3 +389,15 @@ def test_the_probe_sees_what_the_scores_and_the_recovery_are_made_of(pair, state
         assert 24 <= knob["0.5"]["pooled"]["mean_read"] <= knob["0.9"]["pooled"]["mean_read"]
         assert knob["0.5"]["pooled"]["mean_truth"] <= knob["0.9"]["pooled"]["mean_truth"] <= 1
         assert report["estimators"][name]["proxy"]["24"]["pooled"]["n"] == len(steps)
+    orders = order_study({"text": steps}, cfg, targets=[0.5, 0.9], ladder=[24, 32, 48], reads=(24, 32))
+    assert orders["by_count"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    assert orders["library_knob"] == report["estimators"]["library"]["knob"]
+    assert orders["at_read"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    for t in (0.5, 0.9):  # the oracle splits reach the target on every step (reading everything, 1.0, at worst)
+        for name in ("oracle_ladder", "oracle_library"):
+            assert orders[name][str(t)]["pooled"]["p10_truth"] >= t - 1e-4
+        ladder = orders["ladder_knob"][str(t)]["pooled"]
+        assert 24 <= ladder["mean_read"] and orders["ladder_knob_no_fallback"][str(t)]["pooled"]["mean_read"] <= 48
+    best = orders["best_mean_ladder"]
+    assert best[0]["mean_read"] == 24 and best[0]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    assert [p["mean_read"] for p in best] == sorted(p["mean_read"] for p in best)

@@ -14,6 +14,11 @@ the mass, for signals sharper than the truth), computed from :class:`~dustin_hf.
   made from the estimator's mass at each target: the positions read, the true recovery they reach (mean and
   10th percentile over steps), so that estimators and the fixed budgets compare at the same mean read.
 
+:func:`order_study` separates the knob's order from its split of the reads across steps: with the library's
+estimate it compares the knob (positions by estimated mass) with a knob over the paper's order (the fixed fill at
+a ladder of budgets, the smallest rung whose estimate reaches the target, else everything), and with both orders
+split by the *true* recovery (an oracle: the best any split can do with that order at the ladder's steps).
+
 A monotone map from estimate to truth (a calibration) moves every row's stop the same way a different target
 does, so it relabels the knob's curve without moving it; what moves the curve is a mass that ranks steps
 (and positions) more like the truth does.
@@ -30,7 +35,7 @@ from ..config import ResolvedConfig
 from ..selection import select_by_recovery, select_positions
 from .knob import correlation
 
-__all__ = ["Estimator", "library_estimator", "study"]
+__all__ = ["Estimator", "library_estimator", "order_study", "study"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +174,109 @@ def _knob_summary(rows: dict[str, list[tuple[int, int, float, float]]]) -> dict:
 
 def _quantile(values: list[float], q: float) -> float:
     return float(torch.tensor(values, dtype=torch.float64).quantile(q))
+
+
+def order_study(steps: dict[str, list[dict]], config: ResolvedConfig, targets: list[float],
+                ladder: list[int] | None = None, reads: tuple[int, ...] = (1024, 2048)) -> dict:
+    """The knob's order against the paper's, each with the estimate's split and the truth's (see the module docstring).
+
+    ``ladder``: the rungs (default ``budget`` to ``max_budget`` in steps of 128); the fixed fill of each rung uses
+    :func:`_fixed_fills`' draft share rule. Rows (as :func:`study`'s knob rows, per target):
+
+    * ``library_knob``: :func:`~dustin_hf.selection.select_by_recovery` (positions by estimated mass);
+    * ``ladder_knob``: the smallest rung whose fixed fill's estimate reaches the target, else every position;
+    * ``oracle_ladder``: the smallest rung whose fixed fill's *true* recovery reaches it, else every position;
+    * ``oracle_library``: the same over the library's order cut at the rungs' counts;
+    * ``ladder_knob_no_fallback``: ``ladder_knob`` with the top rung where no rung reaches the target.
+
+    ``best_mean_ladder``, ``best_mean_library``: per order, the split maximising the mean true recovery at each mean
+    read (:func:`_best_mean`; a bound on the mean, where the oracle rows bound a threshold split).
+
+    ``by_count``: per rung, the true recovery of each order at that count on every step (the orders alone).
+    ``at_read``: each curve's mean and 10th-percentile truth interpolated linearly at each of ``reads`` mean reads.
+    """
+    ladder = sorted(ladder or range(config.budget, config.max_budget + 1, 128))
+    library = library_estimator(config)
+    fills = {b: _fixed_fills(steps, config, b) for b in ladder}
+    per_step = {}  # text -> per step: mass, and per rung (count, paper estimate, paper truth, library-order truth)
+    for text, rows in steps.items():
+        per_step[text] = []
+        for i, s in enumerate(rows):
+            mass = library.mass(s)
+            rungs = []
+            for b in ladder:
+                f = fills[b][text][i]
+                ordered = select_by_recovery([s["at"]], mass[None], None, [False], config, counts=[len(f)])
+                own = ordered.indices[0, : ordered.counts[0]].long()
+                rungs.append((len(f), float(mass[f].sum()), _truth(s, f), _truth(s, own), float(mass[own].sum())))
+            per_step[text].append((mass, rungs))
+
+    def laddered(key, truth_at, fallback=True):
+        """Per target, rows of the smallest rung where ``key(rung) >= target``, else the whole context (without
+        ``fallback``: the top rung)."""
+        out = {}
+        for t in targets:
+            rows = {}
+            for text, items in steps.items():
+                rows[text] = []
+                for s, (_, rungs) in zip(items, per_step[text]):
+                    hit = next((r for r in rungs if key(r) >= t), None if fallback else rungs[-1])
+                    rows[text].append((s["at"], s["at"], 1.0, _truth(s, torch.arange(s["at"]))) if hit is None
+                                      else (hit[0], s["at"], hit[1], truth_at(hit)))
+            out[str(t)] = _knob_summary(rows)
+        return out
+
+    library_knob = {}
+    for t in targets:
+        cfg = dataclasses.replace(config, min_recovery=t)
+        rows = {text: [_knob_step(s, m, cfg) for s, (m, _) in zip(items, per_step[text])] for text, items in steps.items()}
+        library_knob[str(t)] = _knob_summary(rows)
+    curves = {"library_knob": library_knob,
+              "ladder_knob": laddered(lambda r: r[1], lambda r: r[2]),
+              "oracle_ladder": laddered(lambda r: r[2], lambda r: r[2]),
+              "oracle_library": laddered(lambda r: r[3], lambda r: r[3]),
+              "ladder_knob_no_fallback": laddered(lambda r: r[1], lambda r: r[2], fallback=False)}
+    best = {"best_mean_ladder": _best_mean(steps, per_step, 2), "best_mean_library": _best_mean(steps, per_step, 3)}
+    by_count = {}
+    for j, b in enumerate(ladder):
+        items = [rungs[j] for text in steps for _, rungs in per_step[text]]
+        counts = [r[0] for r in items]
+        paper, own = [r[2] for r in items], [r[3] for r in items]
+        by_count[str(b)] = {"mean_read": sum(counts) / len(counts),
+                            "fixed_fill": {"mean_truth": sum(paper) / len(paper), "p10_truth": _quantile(paper, 0.1),
+                                           "mean_estimate": sum(r[1] for r in items) / len(items)},
+                            "library_order": {"mean_truth": sum(own) / len(own), "p10_truth": _quantile(own, 0.1),
+                                              "mean_estimate": sum(r[4] for r in items) / len(items)}}
+    points = {"fixed_fill": [(v["mean_read"], v["fixed_fill"]) for v in by_count.values()],
+              "library_order_fixed": [(v["mean_read"], v["library_order"]) for v in by_count.values()]}
+    points.update({name: [(v["pooled"]["mean_read"], v["pooled"]) for v in curve.values()] for name, curve in curves.items()})
+    points.update({name: [(v["mean_read"], v) for v in curve] for name, curve in best.items()})
+    at_read = {str(x): {name: {k: _interpolated(p, x, k) for k in ("mean_truth", "p10_truth")} for name, p in points.items()}
+               for x in reads}
+    return {"ladder": ladder, "targets": targets, "by_count": by_count, **curves, **best, "at_read": at_read}
+
+
+def _best_mean(steps, per_step, truth_index: int) -> list[dict]:
+    """The split of reads that maximises the mean true recovery at each mean read (an oracle over the rungs and the
+    whole context, one order): per ``lam``, each step takes the option maximising ``truth - lam * count``."""
+    out = []
+    for lam in [0.0] + [10 ** (e / 20) for e in range(-160, 1)]:
+        counts, truths, full = [], [], 0
+        for text, items in steps.items():
+            for s, (_, rungs) in zip(items, per_step[text]):
+                options = [(r[0], r[truth_index]) for r in rungs] + [(s["at"], _truth(s, torch.arange(s["at"])))]
+                count, truth = max(options, key=lambda o: (o[1] - lam * o[0], -o[0]))
+                counts.append(count), truths.append(truth)
+                full += count >= s["at"]
+        out.append({"lambda": lam, "mean_read": sum(counts) / len(counts), "read_in_full": full,
+                    "mean_truth": sum(truths) / len(truths), "p10_truth": _quantile(truths, 0.1)})
+    return sorted(out, key=lambda p: (p["mean_read"], p["mean_truth"]))
+
+
+def _interpolated(points: list[tuple[float, dict]], x: float, key: str) -> float | None:
+    """``key`` at mean read ``x``, linear between the first two consecutive points (in the given order) that bracket
+    it; ``None`` outside the curve."""
+    for (x0, a), (x1, b) in zip(points, points[1:]):
+        if min(x0, x1) <= x <= max(x0, x1):
+            return a[key] if x1 == x0 else a[key] + (b[key] - a[key]) * (x - x0) / (x1 - x0)
+    return next((p[key] for r, p in points if r == x), None)
