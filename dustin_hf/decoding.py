@@ -465,6 +465,9 @@ class SpeculativeDecoder:
         # queries 0.41 ms a layer at 32k, batch 16, 9 queries 0.26 ms; confirm_probe_h200.json), and a row's
         # drafts past the width count only when every tentative token before them is confirmed
         width = cfg.confirm_tokens + self.max_gamma if any(confirming) else max(drafts.row_gamma)
+        if max(tentative) > width:  # the schedule keeps every limit <= confirm_tokens; a block must hold them all
+            raise RuntimeError(f"exact mode: a row holds {max(tentative)} tentative tokens, more than a confirming "
+                               f"block's {width}; this is a bug in dustin_hf")
         verified = [min(g, width - n) for n, g in zip(tentative, drafts.row_gamma)]  # new drafts in each block
         gammas = [n + g for n, g in zip(tentative, verified)]
         inputs = blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal

@@ -118,7 +118,10 @@ class ConfirmSchedule:
         stats.tentative_rejected += tentative - kept
         stats.committed_by_confirmations += committed
         floor = min(self.min_limit, self.confirm_tokens)
-        self.limit[b] = min(self.confirm_tokens, max(1, 2 * self.limit[b])) if kept == tentative else max(kept, floor)
+        # a partial rejection drops the limit to what was kept, never above confirm_tokens: a row holding more than
+        # confirm_tokens + γ tentative tokens would not fit a confirming step's block
+        grown = max(1, 2 * self.limit[b]) if kept == tentative else max(kept, floor)
+        self.limit[b] = min(self.confirm_tokens, grown)
         self.since[b], self.must[b] = 0, False
         self.proposals[b] = []
 

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 import dustin_hf
 from dustin_hf import decoding
 from dustin_hf.config import resolve
+from dustin_hf.exact import ConfirmSchedule
 from dustin_hf.generate import attention_routed
 from dustin_hf.runner import ModelRunner
 from dustin_hf.telemetry import DecodeHooks
@@ -197,3 +198,41 @@ def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
             assert seen, mode
             expected = (1, {1}) if (mode, sample) == ("exact", True) else (3, {3})
             assert all(call == expected for call in seen), (mode, sample, seen)
+
+
+def test_a_partial_rejection_never_raises_the_limit_past_confirm_tokens():
+    """A row that held confirm_tokens + γ - 1 tentative tokens and kept all but one drops its limit to what it
+    kept, capped at confirm_tokens: with a larger limit it would next hold more tentative tokens than a
+    confirming block has room for."""
+    schedule = ConfirmSchedule(batch=1, confirm_tokens=4, confirm_every=4)
+    schedule.after_confirm(0, tentative=8, kept=7, committed=8)
+    assert schedule.limit == [4]
+    schedule.after_confirm(0, tentative=4, kept=2, committed=3)
+    assert schedule.limit == [2]
+    schedule.after_confirm(0, tentative=3, kept=3, committed=5)
+    assert schedule.limit == [4]  # doubled, capped
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
+    """Replayed outcomes that maximise the tentative count: sparse steps keep every draft, a confirmation
+    rejects only the last tentative token (so the row's limit would follow what it kept). The loop checks on
+    the host that each confirming row's tentative tokens fit the block; sampling's proposals would not fit
+    either."""
+    target = tiny_model("qwen2", layers=2, hidden=32)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 4)
+    ids, mask = left_pad([random_prompt(300, seed=300)[0]])
+    config = resolve(dustin_hf.DustinConfig(budget=16, min_context=16, sink_tokens=2, recent_tokens=4, mode="exact",
+                                            confirm_tokens=4, confirm_every=4), target.config, draft.config)
+    calls = [0]
+
+    def confirm(n, tentative, dense):
+        calls[0] += 1
+        return torch.where(tentative > 0, tentative - 1, torch.full_like(n, 2 if calls[0] == 1 else 99))
+
+    gen = GenerationConfig(do_sample=sample, max_length=ids.shape[1] + 40, pad_token_id=PAD)
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin=config, num_draft_tokens=4,
+                                              hooks=DecodeHooks(confirm=confirm))
+        decoder.generate(ids, mask)
+    assert decoder.confirm.stats.tentative_rejected > 0 and calls[0] > 4
