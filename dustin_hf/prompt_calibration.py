@@ -16,6 +16,7 @@ models' device, a few steps at a time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -84,7 +85,11 @@ def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedCo
     default_recovery = recovery_of(steps, default, (config.budget,), base)[config.budget]
     if default_recovery > recovery:  # never worse than the defaults on the prompt's own steps
         choice, recovery = default, default_recovery
-    chosen = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
+    picked = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
+    # only the searched fields change: mode, the confirm schedule, the sparse draft and the knob stay the user's
+    chosen = dataclasses.replace(config, target_layer=picked.target_layer, target_heads=picked.target_heads,
+                                 draft_layers=picked.draft_layers, draft_heads=picked.draft_heads,
+                                 draft_share=picked.draft_share, calibration="none")
     report = {
         "steps": len(seqlens), "rows": rows, "seconds": time.perf_counter() - started,
         "recovery": recovery, "default_recovery": default_recovery,

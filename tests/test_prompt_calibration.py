@@ -69,6 +69,23 @@ def test_calibrated_heads_are_used_and_reported(pair):
     assert report["draft_share"] <= 32 - 4 - 16
 
 
+def test_calibration_keeps_the_settings_it_does_not_search(pair):
+    """Prompt calibration replaces the scoring heads and the draft share only: exact mode, its schedule, the
+    sparse draft and the knob stay what the user asked for (greedy exact mode still equals greedy decoding)."""
+    target, draft = pair
+    ids = random_prompt(500, seed=3)
+    config = dustin_hf.DustinConfig(budget=32, min_context=128, calibration="prompt", mode="exact", confirm_tokens=8,
+                                    confirm_every=3, sparse_draft=True)
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert "target_layer" in stats["calibration"] and stats["exact"]["confirmations"] > 0
+    assert stats["draft_sparse_forwards"] > 0
+    greedy = target.generate(ids, assistant_model=None, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out.sequences, greedy)
+
+
 def test_short_prompt_keeps_the_configured_heads(pair):
     target, draft = pair
     config = dustin_hf.DustinConfig(budget=32, min_context=4, calibration="prompt")
