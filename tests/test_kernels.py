@@ -422,6 +422,11 @@ def test_triton_split_heuristic_uses_host_sizes_only():
     assert launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True,
                          tuning=VerifyTuning(decode_programs_per_sm=1)).num_splits == 3  # one program per SM
     assert launch_config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
+    # dense with more than 64 (query, head) rows of head dim 128 (a confirming step's 13 queries, 7-head group): 8
+    # warps (62% of the copy bandwidth on an H200, 4 warps 40%); 9 queries (63 rows) and sparse calls keep 4
+    assert launch_config(16, 4, 7, 13, 128, 32781, sm_count=132).num_warps == 8
+    assert launch_config(16, 4, 7, 9, 128, 32777, sm_count=132).num_warps == 4
+    assert launch_config(16, 4, 7, 13, 128, 517, sm_count=132, sparse=True).num_warps == 4
 
 
 @needs_triton

@@ -203,9 +203,11 @@ def launch_config(
     blocks_per_split = triton.cdiv(n_blocks, num_splits)
     num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
     if num_warps is None:
-        # an fp32 accumulator of 128 x 128 or more spills on 4 warps: G * Q > 64 rows (a confirming step's 13 queries
-        # of a 7-query-head group) ran at 40% of the copy bandwidth on an H200 with 4 warps, 62% with 8
-        num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+        # dense, 128 (query, head) rows of head dim 128 (a confirming step's 13 queries of a 7-query-head group):
+        # 40% of the copy bandwidth on an H200 with 4 warps, 62% with 8 (confirm_probe_h200.json); other tiles
+        # keep the rule they were tuned with
+        wide = not sparse and block_m >= 128 and block_d >= 128
+        num_warps = 8 if wide or block_m * block_d >= 128 * 256 else 4
     if num_stages is None:
         num_stages = _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning)
     if num_splits == 1:
