@@ -510,7 +510,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exact-budget", type=int, nargs="+", default=None,
                         help="exact mode's budget (dustin_exact's sparse steps and draft reads; the first also "
                              "spec_sparse_draft's draft reads); several: one dustin_exact@BUDGET row each, in the same "
-                             "run; default: DustinConfig()'s, printed")
+                             "run; default: DustinConfig(mode='exact')'s (2048), printed")
     parser.add_argument("--confirm", type=int, nargs=2, default=None, metavar=("TOKENS", "EVERY"),
                         help="dustin_exact's confirm_tokens and confirm_every; default: DustinConfig()'s, printed")
     parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",

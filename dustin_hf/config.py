@@ -19,7 +19,7 @@ _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
 _MODES = ("sparse", "exact")
 # budget=None's value per mode. Exact mode's is larger: its speed is the share of tentative tokens the dense check
 # confirms, and on the real pair the sparse target's top-1 agreement with the dense one rises from 0.82-0.93 at 512
-# to 0.93-0.99 at 2048 (4k and 8k, agreement_cpu_*.json), while a sparse step reading 2048 of 32k positions costs
+# to 0.91-0.99 at 2048 (4k and 8k, agreement_cpu_*.json), while a sparse step reading 2048 of 32k positions costs
 # little more than one reading 512: on an H200 (7B + 0.5B, 32k, batch 16, replayed) exact mode ran 1.22x classic
 # speculative decoding at 512, 1.35x at 1024, 1.42x at 2048 (e2e_h200_exact_budgets.json)
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
