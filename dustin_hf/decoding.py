@@ -500,6 +500,7 @@ class SpeculativeDecoder:
         #    _step: the next step's first draft forwards are queued before this step's one sync.
         host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
         self._ahead = None if any(confirming) else self._queue_drafts(draft, base, n_accepted, selection, seqlens)
+        self._clock.mark("draft")
         host = host.tolist()
         accepted = [row[0] for row in host]
         committing = [n + 1 if dense[b] else 0 for b, n in enumerate(accepted)]
