@@ -550,7 +550,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="run plain generate() (hf_dynamic, hf_static) once to warm up, then N times, and rate "
                              "it by the median of the N runs; all rates are kept in the row (default 3)")
     parser.add_argument("--smoke", action="store_true",
-                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}; given no "
+                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}, batch 2 (unless "
+                             "--contexts / --batches say otherwise); given no "
                              "traces at all, every method replays SYNTHETIC ones (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
@@ -600,7 +601,9 @@ def main(argv=None) -> dict:
         devices, sizes = [torch.device("cpu")], ("tiny", "tiny-draft")
         if args.contexts == CONTEXTS:
             args.contexts = list(SMOKE_CONTEXTS)
-        args.batches, dtype = [2], torch.float32
+        if args.batches == BATCHES:  # tiny rows; an explicit --batches still holds (a replay's outcomes at batch 16)
+            args.batches = [2]
+        dtype = torch.float32
         args.methods = [m for m in args.methods if m != "hf_static"]
     else:
         n = args.devices or torch.cuda.device_count()
