@@ -1,0 +1,97 @@
+"""How exact mode's replayed outcomes move with the context its predictions were recorded at, and what that would
+cost on the GPU: an ESTIMATE.
+
+The H200 run (``e2e_h200_exact.json``) replays predictions recorded at 4k and 8k, where a budget of 2048 is a half
+or a quarter of the cache; at 32k it is a sixteenth, and the sparse target's agreement with the dense one falls as
+that share falls (``agreement_cpu_*.json``). The replayed outcomes (tokens per step, confirmations, dense steps) do
+not depend on the models or the device, so ``benchmarks/e2e.py --smoke --batches 16`` reproduces them on the CPU
+(it gives the GPU run's own counts on the GPU run's traces). This reads such CPU replays, one per trace, each with
+``spec_sparse_draft`` and ``dustin_exact`` rows, and prices their steps with two costs fitted from the GPU run:
+
+* ``D``, a dense step: ``spec_sparse_draft``'s seconds over its dense steps (every step of it is dense);
+* ``S(budget)``, a sparse step of exact mode: from ``dustin_exact@2048`` and ``@512``,
+  ``(seconds - dense_steps * D) / sparse_steps``, linear in the budget between and beyond them.
+
+The estimate is exact mode's rate over the baseline's, ``(tokens_e / (n_dense_e D + n_sparse_e S)) /
+(tokens_s / (n_dense_s D))``. It assumes a confirming step costs what a baseline step does and that the 32k GPU
+step costs hold for outcomes recorded at other contexts; the GPU run with these traces measures it.
+
+    python benchmarks/e2e.py --smoke --contexts 4096 --batches 16 --new-tokens 256 \\
+        --methods spec_sparse_draft dustin_exact --exact-budget 2048 --no-profile --predictions TRACE --out RUN.json
+    python benchmarks/exact_context.py RUN.json ... --gpu benchmarks/results/e2e_h200_exact.json \\
+        --out benchmarks/results/exact_context_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def step_costs(gpu: dict) -> dict:
+    """``D`` and ``S`` at 512 and 2048 (seconds) from the GPU run's rows."""
+    rows = {r["method"]: r for r in gpu["rows"]}
+    missing = {"spec_sparse_draft", "dustin_exact@2048", "dustin_exact@512"} - rows.keys()
+    if missing:
+        raise SystemExit(f"the GPU run lacks the rows {sorted(missing)} (run_h200.sh e2e-exact --exact-budget 2048 512)")
+    dense = rows["spec_sparse_draft"]["seconds"] / rows["spec_sparse_draft"]["dense_steps"]
+    sparse = {}
+    for budget in (512, 2048):
+        row = rows[f"dustin_exact@{budget}"]
+        sparse[budget] = (row["seconds"] - row["dense_steps"] * dense) / row["sparse_steps"]
+    return {"dense": dense, "sparse_512": sparse[512], "sparse_2048": sparse[2048],
+            "sparse_per_position": (sparse[2048] - sparse[512]) / (2048 - 512)}
+
+
+def _traces(command: str) -> list[str]:
+    """The prediction traces a replay's command names (file names only)."""
+    words = command.split()
+    start = words.index("--predictions") + 1
+    end = next((i for i in range(start, len(words)) if words[i].startswith("--")), len(words))
+    return [w.rsplit("/", 1)[-1] for w in words[start:end]]
+
+
+def case(run: dict, costs: dict) -> dict:
+    rows = {r["method"].split("@")[0]: r for r in run["rows"]}
+    base, exact = rows["spec_sparse_draft"], rows["dustin_exact"]
+    budget = run["exact_mode"]["budget"][0]
+    sparse = costs["sparse_2048"] + (budget - 2048) * costs["sparse_per_position"]
+    base_rate = base["tokens"] / (base["dense_steps"] * costs["dense"])
+    exact_rate = exact["tokens"] / (exact["dense_steps"] * costs["dense"] + exact["sparse_steps"] * sparse)
+    keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
+    return {"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
+            "spec_sparse_draft": {k: base[k] for k in keep}, "dustin_exact": {**{k: exact[k] for k in keep},
+                                                                         "exact": exact["exact"]},
+            "estimated_sparse_step_ms": sparse * 1e3,
+            "ESTIMATE_exact_over_baseline": exact_rate / base_rate}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="CPU replays written by e2e.py --smoke --batches 16 --out")
+    parser.add_argument("--gpu", required=True, help="the H200 run whose step costs price the replays")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    gpu = json.loads(Path(args.gpu).read_text())
+    costs = step_costs(gpu)
+    report = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+              "what": "CPU replays of exact mode and the lossless baseline (outcomes only: their CPU rates mean "
+                      "nothing), priced with step costs fitted from the GPU run: an ESTIMATE",
+              "gpu_run": args.gpu, "step_costs_ms": {k: v * 1e3 for k, v in costs.items()},
+              "cases": [case(json.loads(Path(p).read_text()), costs) for p in args.runs]}
+    for c in report["cases"]:
+        e = c["dustin_exact"]
+        print(f"budget {c['budget']:5d}  confirmed {e['exact']['confirmed_fraction']:.3f}  "
+              f"{e['exact']['tokens_per_confirmation']:.2f} tokens/confirmation  dense steps {e['dense_steps']} of "
+              f"{e['dense_steps'] + e['sparse_steps']}  ESTIMATE exact / baseline {c['ESTIMATE_exact_over_baseline']:.3f}"
+              f"  ({', '.join(c['predictions'])})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

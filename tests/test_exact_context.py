@@ -1,0 +1,46 @@
+"""benchmarks/exact_context.py: the step costs fitted from a GPU run and the estimate built from them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import exact_context  # noqa: E402
+
+
+def _row(method, seconds, dense, sparse, tokens=0):
+    return {"method": method, "seconds": seconds, "dense_steps": dense, "sparse_steps": sparse, "tokens": tokens,
+            "steps": dense + sparse, "tokens_per_step": 0.0}
+
+
+# D = 10 ms; exact's sparse step 5 ms at 512, 8 ms at 2048 (so 2 ms more per 1024 positions)
+GPU = {"rows": [_row("spec_sparse_draft", 1.0, 100, 0), _row("dustin_exact@2048", 50 * 0.010 + 25 * 0.008, 50, 25),
+                _row("dustin_exact@512", 40 * 0.010 + 60 * 0.005, 40, 60)]}
+
+
+def test_step_costs_recover_the_dense_and_sparse_steps():
+    costs = exact_context.step_costs(GPU)
+    assert costs["dense"] == pytest.approx(0.010)
+    assert costs["sparse_512"] == pytest.approx(0.005) and costs["sparse_2048"] == pytest.approx(0.008)
+    assert costs["sparse_per_position"] == pytest.approx(0.003 / 1536)
+
+
+@pytest.mark.parametrize("budget, sparse_ms", [(2048, 8.0), (4096, 12.0)])
+def test_the_estimate_prices_each_replay_with_its_own_budget(budget, sparse_ms):
+    run = {"command": "python e2e.py --smoke --predictions a/x.json b/y.json --out r.json",
+           "exact_mode": {"budget": [budget]},
+           "rows": [_row("spec_sparse_draft", 9.9, 100, 0, tokens=200),
+                    {**_row(f"dustin_exact@{budget}", 9.9, 40, 60, tokens=300), "exact": {"confirmed_fraction": 0.9}}]}
+    out = exact_context.case(run, exact_context.step_costs(GPU))
+    assert out["predictions"] == ["x.json", "y.json"] and out["estimated_sparse_step_ms"] == pytest.approx(sparse_ms)
+    expected = (300 / (40 * 10 + 60 * sparse_ms)) / (200 / (100 * 10))  # per ms, the CPU seconds play no part
+    assert out["ESTIMATE_exact_over_baseline"] == pytest.approx(expected)
+
+
+def test_a_gpu_run_without_both_exact_budgets_is_refused():
+    with pytest.raises(SystemExit, match="dustin_exact@512"):
+        exact_context.step_costs({"rows": GPU["rows"][:2]})
