@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 import dustin_hf
 from dustin_hf import decoding
 from dustin_hf.config import resolve
-from dustin_hf.exact import ConfirmSchedule
+from dustin_hf.exact import ConfirmSchedule, blocks
 from dustin_hf.generate import attention_routed
 from dustin_hf.runner import ModelRunner
 from dustin_hf.telemetry import DecodeHooks
@@ -236,3 +236,27 @@ def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
                                               hooks=DecodeHooks(confirm=confirm))
         decoder.generate(ids, mask)
     assert decoder.confirm.stats.tentative_rejected > 0 and calls[0] > 4
+
+
+def _blocks_by_row(tokens, starts, tentative, drafts, width):
+    """The verification inputs spelled out row by row: x, its tentative tokens, its drafts; cut or padded with the
+    row's last input to ``width``."""
+    out = []
+    for b, (start, n) in enumerate(zip(starts, tentative)):
+        row = torch.cat([tokens[b, start : start + 1 + n], drafts[b]])[:width]
+        out.append(torch.cat([row, row[-1:].expand(width - row.numel())]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 4])
+def test_blocks_lay_out_each_row_from_its_own_start(gamma):
+    gen = torch.Generator().manual_seed(gamma)
+    for trial in range(50):
+        batch, held = 5, 40
+        tokens = torch.randint(0, 1000, (batch, held), generator=gen)
+        drafts = torch.randint(1000, 2000, (batch, gamma), generator=gen)
+        tentative = torch.randint(0, 7, (batch,), generator=gen).tolist()
+        starts = [int(torch.randint(0, held - 1 - n, (1,), generator=gen)) for n in tentative]
+        width = int(torch.randint(1, 14, (1,), generator=gen))  # shorter than some rows, longer than others
+        assert torch.equal(blocks(tokens, starts, tentative, drafts, width),
+                           _blocks_by_row(tokens, starts, tentative, drafts, width)), (trial, starts, tentative, width)
