@@ -21,6 +21,7 @@ on 2 CPU cores; the bfloat16 folders take 1.2 GB (0.5B) and 3.4 GB (1.5B).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -393,15 +394,28 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool, desc: str) -> None:
 
 @contextlib.contextmanager
 def _transformers_bars(shown: bool):
-    """transformers' own bars (dequantizing, loading, writing shards) follow ``progress`` too, then are restored."""
+    """Quiet transformers' own bars too while ``shown`` is false (its GGUF dequantizing bar is a plain tqdm, the
+    loading and shard bars follow its logging flag, which also switches huggingface_hub's), then put all three
+    back; shown, they are left as they are."""
+    if shown:
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    before = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    transformers_on, hub_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
-        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        (hf_logging.enable_progress_bar if transformers_on else hf_logging.disable_progress_bar)()
+        (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
 
 
 def _plain_copy(loaded):
