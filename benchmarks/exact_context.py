@@ -8,13 +8,16 @@ not depend on the models or the device, so ``benchmarks/e2e.py --smoke --batches
 (it gives the GPU run's own counts on the GPU run's traces). This reads such CPU replays, one per trace, each with
 ``spec_sparse_draft`` and ``dustin_exact`` rows, and prices their steps with two costs fitted from the GPU run:
 
-* ``D``, a dense step: ``spec_sparse_draft``'s seconds over its dense steps (every step of it is dense);
+* ``D``, a dense step: ``spec_sparse_draft``'s seconds over its timed steps (every step of it is dense);
 * ``S(budget)``, a sparse step of exact mode: from ``dustin_exact@2048`` and ``@512``,
-  ``(seconds - dense_steps * D) / sparse_steps``, linear in the budget between and beyond them.
+  ``(seconds - n_dense * D) / n_sparse``, linear in the budget between and beyond them.
 
-The estimate is exact mode's rate over the baseline's, ``(tokens_e / (n_dense_e D + n_sparse_e S)) /
-(tokens_s / (n_dense_s D))``. It assumes a confirming step costs what a baseline step does and that the 32k GPU
-step costs hold for outcomes recorded at other contexts; the GPU run with these traces measures it.
+A row's ``seconds`` and ``tokens`` leave out the first ``e2e.WARMUP_STEPS`` steps, its dense / sparse step counts
+do not; the counts are scaled to the timed steps (the warm-up taken to split like the rest). The estimate is exact
+mode's rate over the baseline's, ``(tokens_e / (n_dense_e D + n_sparse_e S)) / (tokens_s / (n_dense_s D))``, per
+exact budget of each replay. It assumes a confirming step costs what a baseline step does, that the baseline's step
+costs D whatever its draft reads (D is fitted with the draft reading 2048 positions), and that the 32k GPU step
+costs hold for outcomes recorded at other contexts; a GPU run replaying those predictions measures it.
 
     python benchmarks/e2e.py --smoke --contexts 4096 --batches 16 --new-tokens 256 \\
         --methods spec_sparse_draft dustin_exact --exact-budget 2048 --no-profile --predictions TRACE --out RUN.json
@@ -30,17 +33,24 @@ import sys
 from pathlib import Path
 
 
+def _timed(row: dict) -> tuple[float, float]:
+    """``(dense, sparse)`` step counts of a row scaled to its timed steps (``row["steps"]``)."""
+    counted = row["dense_steps"] + row["sparse_steps"]
+    return row["dense_steps"] * row["steps"] / counted, row["sparse_steps"] * row["steps"] / counted
+
+
 def step_costs(gpu: dict) -> dict:
     """``D`` and ``S`` at 512 and 2048 (seconds) from the GPU run's rows."""
     rows = {r["method"]: r for r in gpu["rows"]}
     missing = {"spec_sparse_draft", "dustin_exact@2048", "dustin_exact@512"} - rows.keys()
     if missing:
         raise SystemExit(f"the GPU run lacks the rows {sorted(missing)} (run_h200.sh e2e-exact --exact-budget 2048 512)")
-    dense = rows["spec_sparse_draft"]["seconds"] / rows["spec_sparse_draft"]["dense_steps"]
+    dense = rows["spec_sparse_draft"]["seconds"] / _timed(rows["spec_sparse_draft"])[0]
     sparse = {}
     for budget in (512, 2048):
         row = rows[f"dustin_exact@{budget}"]
-        sparse[budget] = (row["seconds"] - row["dense_steps"] * dense) / row["sparse_steps"]
+        n_dense, n_sparse = _timed(row)
+        sparse[budget] = (row["seconds"] - n_dense * dense) / n_sparse
     return {"dense": dense, "sparse_512": sparse[512], "sparse_2048": sparse[2048],
             "sparse_per_position": (sparse[2048] - sparse[512]) / (2048 - 512)}
 
@@ -53,19 +63,24 @@ def _traces(command: str) -> list[str]:
     return [w.rsplit("/", 1)[-1] for w in words[start:end]]
 
 
-def case(run: dict, costs: dict) -> dict:
-    rows = {r["method"].split("@")[0]: r for r in run["rows"]}
-    base, exact = rows["spec_sparse_draft"], rows["dustin_exact"]
-    budget = run["exact_mode"]["budget"][0]
-    sparse = costs["sparse_2048"] + (budget - 2048) * costs["sparse_per_position"]
-    base_rate = base["tokens"] / (base["dense_steps"] * costs["dense"])
-    exact_rate = exact["tokens"] / (exact["dense_steps"] * costs["dense"] + exact["sparse_steps"] * sparse)
+def cases(run: dict, costs: dict) -> list[dict]:
+    """One priced case per exact-mode row of a replay (``dustin_exact`` or ``dustin_exact@BUDGET``)."""
+    base = next(r for r in run["rows"] if r["method"] == "spec_sparse_draft")
+    base_rate = base["tokens"] / (_timed(base)[0] * costs["dense"])
     keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
-    return {"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
-            "spec_sparse_draft": {k: base[k] for k in keep}, "dustin_exact": {**{k: exact[k] for k in keep},
-                                                                         "exact": exact["exact"]},
-            "estimated_sparse_step_ms": sparse * 1e3,
-            "ESTIMATE_exact_over_baseline": exact_rate / base_rate}
+    out = []
+    for exact in (r for r in run["rows"] if r["method"].split("@")[0] == "dustin_exact"):
+        label = exact["method"].partition("@")[2]
+        budget = int(label) if label else run["exact_mode"]["budget"][0]
+        sparse = costs["sparse_2048"] + (budget - 2048) * costs["sparse_per_position"]
+        n_dense, n_sparse = _timed(exact)
+        exact_rate = exact["tokens"] / (n_dense * costs["dense"] + n_sparse * sparse)
+        out.append({"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
+                    "spec_sparse_draft": {k: base[k] for k in keep},
+                    "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]},
+                    "estimated_sparse_step_ms": sparse * 1e3,
+                    "ESTIMATE_exact_over_baseline": exact_rate / base_rate})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,11 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     gpu = json.loads(Path(args.gpu).read_text())
     costs = step_costs(gpu)
-    report = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+    report = {"command": " ".join([Path(sys.executable).name, sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
               "what": "CPU replays of exact mode and the lossless baseline (outcomes only: their CPU rates mean "
                       "nothing), priced with step costs fitted from the GPU run: an ESTIMATE",
               "gpu_run": args.gpu, "step_costs_ms": {k: v * 1e3 for k, v in costs.items()},
-              "cases": [case(json.loads(Path(p).read_text()), costs) for p in args.runs]}
+              "cases": [c for p in args.runs for c in cases(json.loads(Path(p).read_text()), costs)]}
     for c in report["cases"]:
         e = c["dustin_exact"]
         print(f"budget {c['budget']:5d}  confirmed {e['exact']['confirmed_fraction']:.3f}  "
