@@ -71,8 +71,11 @@ case $what in
     timeout 560 python3 benchmarks/ab_old_new.py --old-tree "${OLD_TREE:-build/ab_old}" \
       --out "$out/e2e_h200_ab_old_new.json" "$@" 2>&1 | tee "$out/ab_old_new.txt" | grep -v '^{' | tail -14 ;;
   e2e-exact)  # issues #26, #27: every method in one process, ratios vs classic (spec_dense) and spec_sparse_draft
+    # the predictions of TRACE_CONTEXTS (default: the 4k and 8k walks that e2e_h200_exact.json replays;
+    # TRACE_CONTEXTS=16384 replays the 16k walks, whose agreement is closer to 32k's)
     shopt -s nullglob
-    predictions=(benchmarks/traces/*_predictions_*.json); knob=(benchmarks/traces/*_knob_*.json)
+    predictions=(); for c in ${TRACE_CONTEXTS:-4096 8192}; do predictions+=(benchmarks/traces/*_predictions_*_ctx${c}_*.json); done
+    knob=(benchmarks/traces/*_knob_*.json)
     if (( ${#predictions[@]} == 0 || ${#knob[@]} == 0 )); then
       echo "e2e-exact needs benchmarks/traces/*_predictions_*.json and *_knob_*.json (found ${#predictions[@]}, ${#knob[@]})"
       exit 2
