@@ -172,6 +172,7 @@ def main(argv=None) -> dict:
                 report["traces"].append(_shown(write_knob_trace(args.traces, record)))
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            del state, walk  # before the next text's prefill: two long prefilled caches at once do not fit
     return report
 
 

@@ -146,6 +146,7 @@ def main(argv=None) -> dict:
                                         "accepted": walk.accepted_trace[name]})
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            del state, walk  # before the next text's prefill: two long prefilled caches at once do not fit
         for name, cfg in methods.items() if args.traces else ():
             record = trace_record(pair_names, "teacher-forced", context, GAMMA, name,
                                   None if cfg is None else args.budget, None if cfg is None else asdict(cfg),
