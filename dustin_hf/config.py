@@ -21,9 +21,9 @@ _MODES = ("sparse", "exact")
 # confirms, and on the real pair the sparse target's top-1 agreement with the dense one rises from 0.82-0.93 at 512
 # to 0.91-0.99 at 2048 (4k and 8k, agreement_cpu_*.json), while a sparse step reading 2048 of 32k positions costs
 # little more than one reading 512: on an H200 (7B + 0.5B, 32k, batch 16, replayed) exact mode ran 1.22x classic
-# speculative decoding at 512, 1.35x at 1024, 1.42x at 2048 (e2e_h200_exact_budgets.json)
-# from 4k/8k predictions; at 16k the agreement at 2048 is lower (0.88 on Emma, agreement_cpu_16k.json), so the choice
-# for long contexts awaits a GPU run on those predictions
+# speculative decoding at 512, 1.35x at 1024, 1.42x at 2048 (e2e_h200_exact_budgets.json, replaying 4k/8k predictions).
+# At 16k the agreement at 2048 is lower (0.88 on Emma, agreement_cpu_16k.json): the choice for long contexts awaits a
+# GPU run replaying those predictions
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 _SEARCHED = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
