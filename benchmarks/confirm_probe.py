@@ -2,8 +2,8 @@
 
 Exact mode's confirming step verifies ``1 + confirm_tokens + gamma`` queries per row densely (9 at the defaults,
 13 with confirm_tokens 8); with a group of 7 query heads per KV head more than 9 queries pack more than 64 rows
-per program, a tile shape the decode-width sweeps never timed. Times every combination of block_m, num_warps, block_n, num_stages and num_splits per width (CUDA-graph
-timer), K/V bytes read per ms as GB/s.
+per program, a tile shape the decode-width sweeps never timed. Times every combination of block_m, num_warps,
+block_n, num_stages and num_splits per width (CUDA-graph timer), K/V bytes read per ms as GB/s.
 
     python benchmarks/confirm_probe.py --out benchmarks/results/confirm_probe_h200.json
 """

@@ -34,7 +34,7 @@ class DraftReads:
     base: list[int]  # L' per row
     counts: list[int]  # entries of the last selection per row (sparse rows)
     dense: list[bool]  # rows that read everything
-    extra_slots: int  # 2γ
+    extra_slots: int  # extra_for(config, γ)
 
     @staticmethod
     def extra_for(config: ResolvedConfig | None, gamma: int) -> int:
