@@ -495,11 +495,17 @@ class SpeculativeDecoder:
         active = rows.active
         self._clock.mark("accept")
 
-        # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative. After a
-        #    step that confirmed nothing every row's next draft input follows from the device values, as in
-        #    _step: the next step's first draft forwards are queued before this step's one sync.
+        # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative. Every
+        #    row's next draft input follows from the device values, as in _step, counted from its block's start (a
+        #    confirming row's last committed token): the next step's first draft forwards are queued before this
+        #    step's one sync, reading what _last_selection says the draft reads next. Not when a rejection could
+        #    bring every row back within the budget (the next step would then be dense, not the sparse step the
+        #    forwards were queued for).
         host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
-        self._ahead = None if any(confirming) else self._queue_drafts(draft, base, n_accepted, selection, seqlens)
+        stays_sparse = not any(confirming) or not all(dense_rows(starts, cfg))
+        self._ahead = self._queue_drafts(draft, device_tensor(starts, device) if any(confirming) else base,
+                                         n_accepted, *(self._last_selection or (None, seqlens))) \
+            if stays_sparse else None
         self._clock.mark("draft")
         host = host.tolist()
         accepted = [row[0] for row in host]
@@ -551,6 +557,7 @@ class SpeculativeDecoder:
             queued = len(self._ahead.outputs)
             draft.cache.advance(slice(0, batch), [queued + 1] * batch)
             self.stats.draft_forwards_ahead += queued
+            self.stats.steps_drafted_ahead += 1
         if self.dustin is not None:
             queries = captured[self.dustin.target_layer]  # (B, Q, heads, D)
             picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)

@@ -24,6 +24,7 @@ class RunStats:
     steps: int = 0  # verification forwards
     draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
     draft_forwards_ahead: int = 0  # first draft forwards queued by the step before, ahead of its sync
+    steps_drafted_ahead: int = 0  # steps whose first draft forwards the step before queued
     trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -69,6 +70,7 @@ class RunStats:
             "mean_accepted_per_step": (self.accepted_tokens / self.steps) if self.steps else 0.0,
             "draft_sparse_forwards": self.draft_sparse_forwards,
             "draft_forwards_ahead": self.draft_forwards_ahead,
+            "steps_drafted_ahead": self.steps_drafted_ahead,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "generated_tokens": self.generated_tokens,

@@ -6,7 +6,7 @@ import torch
 import dustin_hf
 from dustin_hf import DustinConfig
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import PAD, eager_step_ahead, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 LENGTHS = [5, 23, 40, 12, 31]
 
@@ -81,16 +81,6 @@ def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
         assert torch.equal(got, alone.sequences[0, common.numel():])
 
 
-def _eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None):
-    """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly: the rows' lengths come from the
-    device values (a replay reads nothing else; the host's lengths are only settled after the step's sync)."""
-    from dustin_hf.selection import Selection
-
-    self.cache.seq_lengths = seqlens.tolist()
-    selection = None if indices is None else Selection(indices, num_indices, num_indices.tolist())
-    return self.step(input_ids, seqlens.tolist(), keep, capture, capture_last, selection=selection)
-
-
 @pytest.mark.parametrize("mode", ["dense", "dustin", "sparse_draft", "sampled"])
 def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     """The next step's first draft forwards (all γ when greedy: tokens only), queued from device values before
@@ -118,7 +108,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     with dustin_hf.patch(target, config if mode != "dense" else None):
         for ahead in (False, True):
             if ahead:
-                monkeypatch.setattr(ModelRunner, "step_ahead", _eager_step_ahead)
+                monkeypatch.setattr(ModelRunner, "step_ahead", eager_step_ahead)
             torch.manual_seed(7)  # sampled: a seed under which row 1 alone meets its EOS
             logits.append([])
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs)
