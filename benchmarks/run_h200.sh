@@ -14,6 +14,7 @@
 #   bash benchmarks/run_h200.sh e2e-exact OUT  classic, the lossless sparse-draft baseline, Dustin + sparse draft,
 #                                             exact mode and the knob, 7B + 0.5B, 32k, batch 16, one H200, replayed
 #                                             from the real pair's per-position predictions and knob budgets
+#                                             (TRACE_CONTEXTS=16384: the 16k predictions, no knob)
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
 # windows of a held-out book, benchmarks/sparse_draft_cpu.py): every method's per-step accepted drafts on
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
@@ -71,18 +72,20 @@ case $what in
     timeout 560 python3 benchmarks/ab_old_new.py --old-tree "${OLD_TREE:-build/ab_old}" \
       --out "$out/e2e_h200_ab_old_new.json" "$@" 2>&1 | tee "$out/ab_old_new.txt" | grep -v '^{' | tail -14 ;;
   e2e-exact)  # issues #26, #27: every method in one process, ratios vs classic (spec_dense) and spec_sparse_draft
-    # the predictions of TRACE_CONTEXTS (default: the 4k and 8k walks that e2e_h200_exact.json replays;
-    # TRACE_CONTEXTS=16384 replays the 16k walks, whose agreement is closer to 32k's)
+    # the predictions of TRACE_CONTEXTS (default: the 4k and 8k walks that e2e_h200_exact.json replays, with the
+    # knob's budgets at KNOB_TARGET, default 0.95; TRACE_CONTEXTS=16384 replays the 16k walks, whose agreement is
+    # closer to 32k's, e2e_h200_exact_16k.json, without the knob: its budgets were recorded at 4k and 8k only)
     shopt -s nullglob
-    predictions=(); for c in ${TRACE_CONTEXTS:-4096 8192}; do predictions+=(benchmarks/traces/*_predictions_*_ctx${c}_*.json); done
-    knob=(benchmarks/traces/*_knob_*.json)
-    if (( ${#predictions[@]} == 0 || ${#knob[@]} == 0 )); then
-      echo "e2e-exact needs benchmarks/traces/*_predictions_*.json and *_knob_*.json (found ${#predictions[@]}, ${#knob[@]})"
-      exit 2
+    contexts=${TRACE_CONTEXTS:-4096 8192}
+    predictions=(); for c in $contexts; do predictions+=(benchmarks/traces/*_predictions_*_ctx${c}_*.json); done
+    methods=(spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact)
+    knob=(); [[ $contexts == "4096 8192" ]] && knob=(benchmarks/traces/*_knob_*.json)
+    if (( ${#predictions[@]} == 0 )); then
+      echo "e2e-exact needs benchmarks/traces/*_predictions_*_ctx{$contexts}_*.json (found none)"; exit 2
     fi
-    timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
-      --methods spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact dustin_knob \
-      --predictions "${predictions[@]}" --knob-traces "${knob[@]}" --out "$out/e2e_h200_exact.json" "$@" 2>&1 \
+    if (( ${#knob[@]} )); then methods+=(dustin_knob); knob=(--knob-traces "${knob[@]}" --knob-target "${KNOB_TARGET:-0.95}"); fi
+    timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 --methods "${methods[@]}" \
+      --predictions "${predictions[@]}" "${knob[@]}" --out "$out/e2e_h200_exact.json" "$@" 2>&1 \
       | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
   tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -k "two_gpus or two_devices" 2>&1 | tail -3 \
