@@ -452,7 +452,7 @@ class SpeculativeDecoder:
         # keeps the part of this selection below that start and reads everything written from it on
         kept_from = [s if c else L for s, L, c in zip(starts, seqlens, confirming)]
         self._last_selection = None if selection is None else (selection, seqlens) if not any(confirming) else (
-            truncated(selection, kept_from), kept_from)
+            truncated(selection, kept_from, seqlens, cfg.recent_tokens), kept_from)
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed

@@ -267,10 +267,25 @@ def select_by_recovery(
                      fallback=fallback)
 
 
-def truncated(selection: Selection, limits: list[int]) -> Selection:
-    """``selection`` with each row's entries at positions ``>= limits[b]`` dropped (indices are sorted, so what is
-    kept is a prefix): the read set a row still has after its positions from ``limits[b]`` on are rewritten."""
+def truncated(selection: Selection, limits: list[int], seqlens: list[int], recent: int) -> Selection:
+    """``selection`` (made for rows of ``seqlens`` positions) with each row's entries at positions ``>= limits[b]``
+    dropped (indices are sorted, so what is kept is a prefix): the read set a row still has after its positions
+    from ``limits[b]`` on are rewritten.
+
+    The counts follow on the host where every cut falls inside its row's ``recent`` window (``limits[b] >=
+    seqlens[b] - recent``: those positions are always selected, so exactly the ``seqlens[b] - limits[b]`` entries
+    above the cut go) or the row reads in full; otherwise they are read back from the device, a sync."""
     device = selection.indices.device
+    counts = []
+    for count, n, limit in zip(selection.counts, seqlens, limits):
+        if count >= n:  # read in full: 0 .. n-1
+            counts.append(min(limit, n))
+        elif limit >= n - recent:
+            counts.append(count - max(n - limit, 0))
+        else:
+            break
+    if len(counts) == len(limits):
+        return Selection(selection.indices, device_tensor(counts, device, torch.int32), counts)
     column = torch.arange(selection.indices.shape[1], device=device)[None, :]
     keep = (column < selection.num_indices[:, None].to(device)) & (selection.indices < device_tensor(limits, device)[:, None])
     counts_t = keep.sum(dim=1).to(torch.int32)

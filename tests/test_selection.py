@@ -92,7 +92,32 @@ def test_truncated_keeps_each_rows_entries_below_its_limit():
 
     indices = torch.tensor([[0, 1, 5, 9, 12, 0], [0, 2, 3, 4, 0, 0]], dtype=torch.int32)
     selection = Selection(indices, torch.tensor([5, 4], dtype=torch.int32), [5, 4])
-    cut = truncated(selection, [9, 100])
+    seqlens = [13, 200]  # cuts far below the recent window: the counts come back from the device
+    cut = truncated(selection, [9, 100], seqlens, recent=2)
     assert cut.counts == [3, 4] and cut.num_indices.tolist() == [3, 4]
     assert torch.equal(cut.indices, indices)  # the entries stay in place; only the counts shrink
-    assert truncated(selection, [0, 3]).counts == [0, 2]
+    assert truncated(selection, [0, 3], seqlens, recent=2).counts == [0, 2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_truncated_counts_on_the_host_are_the_devices(seed, monkeypatch):
+    """Cuts inside each row's recent window (exact mode's: a row's tentative positions are its last few) and rows
+    read in full give the counts on the host, without reading the device, equal to counting the entries below the
+    cut; a cut below a recent window falls back to counting on the device."""
+    from dustin_hf.selection import truncated
+
+    generator = torch.Generator().manual_seed(seed)
+    cfg = _config(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)
+    seqlens = torch.randint(33, 300, (6,), generator=generator).tolist()
+    seqlens[0], seqlens[3] = 60, 250  # row 0 below min_context (read in full), row 3 sparse
+    draft, target = torch.rand(6, max(seqlens), generator=generator), torch.rand(6, max(seqlens), generator=generator)
+    sel = select_positions(seqlens, draft, target, [True] * 6, cfg)
+    limits = [n - int(torch.randint(0, 9, (1,), generator=generator)) for n in seqlens]
+    expected = [int(((sel.indices[b, : sel.counts[b]]) < limits[b]).sum()) for b in range(6)]
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the counts back from the device"))
+    cut = truncated(sel, limits, seqlens, recent=8)
+    monkeypatch.undo()
+    assert cut.counts == expected and cut.num_indices.tolist() == expected
+    limits[3] = seqlens[3] - 20  # below its recent window: counted on the device, still right
+    expected[3] = int((sel.indices[3, :32] < limits[3]).sum())
+    assert truncated(sel, limits, seqlens, recent=8).counts == expected
