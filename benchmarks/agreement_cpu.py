@@ -141,7 +141,8 @@ def main(argv=None) -> dict:
         for text in args.texts:
             window = token_window(pair.tokenizer, text, context + args.tokens, args.offset)
             started = time.perf_counter()
-            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), args.prefill_chunk)
+            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), args.prefill_chunk,
+                                 progress=True)
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
                                        recovery_every=1 if args.targets else 0, desc=f"walk {text}@{context}")
             row = _row(walk, text, context, budgets, args.dense_draft_budgets, time.perf_counter() - started)

@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
         for book in args.books:
             window = token_window(pair.tokenizer, book, context + args.tokens, args.offset)
             started = time.perf_counter()
-            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,))
+            state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), progress=True)
             walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
                                        recovery_every=1 if oracle else 0, desc=f"walk {book}@{context}",
                                        refresh_every=refresh, oracle=oracle)

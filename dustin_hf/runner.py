@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -129,8 +130,10 @@ class ModelRunner:
         return {"captured": sum(g.graphs is not None for g in graphs.values()),
                 "failed": [g.failed for g in graphs.values() if g.failed]}
 
-    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict) -> tuple[list[torch.Tensor], list]:
-        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries."""
+    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict,
+                on_chunk: Callable[[int], None] | None = None) -> tuple[list[torch.Tensor], list]:
+        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries.
+        ``on_chunk`` is told each chunk's token count once it is written (a progress bar)."""
         last_logits, kept = [], []
         self.prompt_outputs = []
         for b, ids in enumerate(rows):
@@ -145,6 +148,8 @@ class ModelRunner:
                 captured = plan.captured
                 if any(self.record):
                     pieces.append(self.last_outputs)
+                if on_chunk is not None:
+                    on_chunk(piece.numel())
             last_logits.append(logits)
             kept.append(captured)
             if any(self.record):

@@ -41,6 +41,30 @@ def state(pair):
     return prefill_pair(target, draft, tokens[:CONTEXT], (layer,)), tokens[CONTEXT:]
 
 
+def test_prefill_shows_its_progress_only_when_asked(pair, capsys, monkeypatch):
+    """A long prefill's bar counts the tokens both models read, chunk by chunk; without ``progress`` nothing
+    prints, and the states are the same either way."""
+    from dustin_hf.research import prefilled
+
+    counted = []
+
+    class Bar(prefilled.tqdm):
+        def close(self):
+            counted.append(self.n)
+            super().close()
+
+    monkeypatch.setattr(prefilled, "tqdm", Bar)
+    target, draft = pair
+    tokens = random_prompt(300, seed=6)[0]
+    quiet = prefill_pair(target, draft, tokens, chunk=64)
+    assert capsys.readouterr().err == ""
+    shown = prefill_pair(target, draft, tokens, chunk=64, progress=True)
+    err = capsys.readouterr().err
+    assert "prefill 300 tokens" in err and "/599" in err  # 300 target tokens and 299 draft ones
+    assert counted[-1] == 599
+    assert torch.equal(quiet.last_logits, shown.last_logits)
+
+
 def test_budget_covering_the_context_equals_the_dense_walk_exactly(pair, state):
     target, draft = pair
     prefilled, continuation = state

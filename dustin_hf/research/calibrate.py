@@ -58,7 +58,7 @@ def collect_features(pair, settings: CalibrationSettings, deadline: float, progr
             break
         books.set_postfix_str(f"{book}: prefill {settings.context} tokens")
         tokens = token_window(pair.tokenizer, book, settings.context, settings.offset).to(pair.device)
-        state = prefill_pair(target, draft, tokens)
+        state = prefill_pair(target, draft, tokens, progress=progress)
         positions = torch.linspace(settings.min_position, settings.context - settings.gamma - 2,
                                    settings.steps_per_book).round().long().unique().tolist()
         books.set_postfix_str(f"{book}: {len(positions)} steps")

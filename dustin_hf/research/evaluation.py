@@ -173,7 +173,8 @@ class _Evaluation:
 
     def _prefill(self, prompt, what):
         self.bar.set_postfix_str(f"{what}: prefill")
-        state = prefill_pair(self.pair.target, self.pair.draft, prompt.to(self.pair.device), self.history_layers, self.chunk)
+        state = prefill_pair(self.pair.target, self.pair.draft, prompt.to(self.pair.device), self.history_layers,
+                             self.chunk, progress=self.progress)
         self.report["prefill_seconds"].append({"what": what, "seconds": state.seconds})
         return self.store.add(state)
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import decoding
 from ..cache import DustinCache
@@ -86,11 +87,12 @@ def copy_cache_into(src: DustinCache, dst: DustinCache) -> None:
 
 
 def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int = 4096,
-                 capacity: int = 0) -> Prefilled:
+                 capacity: int = 0, progress: bool = False) -> Prefilled:
     """Prefill ``tokens (C,)`` like the decoder does, keeping every query head of ``history_layers``.
 
     Runs with Dustin's attention routed (the caller need not patch anything). ``capacity``: slots to
-    reserve past the prompt in both caches (they grow on demand anyway).
+    reserve past the prompt in both caches (they grow on demand anyway). ``progress``: a bar over the tokens both
+    models read, chunk by chunk (on a CPU a 16k prompt takes the 1.5B target minutes), gone once done.
     """
     device = model_device(target)
     tokens = tokens.to(device)
@@ -101,8 +103,10 @@ def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int,
     with torch.no_grad(), dustin_attention_on(target, draft):
         t_model = ModelRunner(target, DustinCache(t_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
         d_model = ModelRunner(draft, DustinCache(d_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
-        logits, kept = ModelRunner.prefill(t_model, [tokens], chunk, capture)
-        ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {})
+        with tqdm(total=2 * tokens.numel() - 1, desc=f"prefill {tokens.numel()} tokens", unit="tok", leave=False,
+                  disable=not progress) as bar:
+            logits, kept = ModelRunner.prefill(t_model, [tokens], chunk, capture, on_chunk=bar.update)
+            ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {}, on_chunk=bar.update)
     history = {layer: kept[0][layer][:, 0] for layer in history_layers}  # (1, heads, D)
     return Prefilled(tokens, t_model.cache, d_model.cache, logits[0], history, time.perf_counter() - start)
 
