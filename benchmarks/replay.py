@@ -27,7 +27,6 @@ tensors (no host sync beyond the loop's own).
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from dataclasses import dataclass
@@ -36,14 +35,13 @@ from pathlib import Path
 import torch
 
 from dustin_hf.plan import device_tensor
+from dustin_hf.research import traces  # the trace formats and their readers, written by the research harness
+from dustin_hf.research.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 
-__all__ = ["AcceptReplay", "BudgetReplay", "CountReplay", "ExactReplay", "KNOB_FORMAT", "PAPER_COUNTS",
-           "PREDICTION_FORMAT", "PREDICTION_KEYS", "Predictions", "at_budget", "load_budgets", "load_predictions",
-           "synthetic_budgets", "synthetic_predictions"]
+__all__ = ["AcceptReplay", "BudgetReplay", "CountReplay", "ExactReplay", "PAPER_COUNTS", "PREDICTION_FORMAT",
+           "PREDICTION_KEYS", "Predictions", "at_budget", "load_budgets", "load_predictions", "synthetic_budgets",
+           "synthetic_predictions"]
 
-PREDICTION_FORMAT = "dustin_hf.prediction_trace/1"
-KNOB_FORMAT = "dustin_hf.knob_trace/1"
-PREDICTION_KEYS = ("truth", "dense", "sparse", "draft", "draft_sparse")
 PAPER_COUNTS = (1, 1, 1, 1, 2)  # drafts accepted per step: the paper's mean of 2.2 tokens per step
 
 
@@ -122,18 +120,12 @@ def load_predictions(paths: list[str], gamma: int) -> list[Predictions]:
     """Read ``dustin_hf.prediction_trace/1`` files (extra keys are ignored), checking their tag, γ and lists."""
     out = []
     for path in paths:
-        record = json.loads(Path(path).read_text())
-        if record.get("format") != PREDICTION_FORMAT:
-            raise ValueError(f"{path}: not a {PREDICTION_FORMAT} file (format={record.get('format')!r})")
+        record = traces.load_predictions(path)  # its tag, its lists of one length
         if record.get("gamma") != gamma:
             raise ValueError(f"{path}: recorded with γ={record.get('gamma')}, the benchmark runs γ={gamma}")
-        lists = record.get("predictions", {})
-        missing = [key for key in PREDICTION_KEYS if key not in lists]
-        if missing:
-            raise ValueError(f"{path}: predictions lack {missing} (need {list(PREDICTION_KEYS)})")
-        lengths = {key: len(lists[key]) for key in PREDICTION_KEYS}
-        if len(set(lengths.values())) != 1 or not lengths["truth"]:
-            raise ValueError(f"{path}: prediction lists must be non-empty and of one length, got {lengths}")
+        lists = record["predictions"]
+        if not lists["truth"]:
+            raise ValueError(f"{path}: the prediction lists are empty")
         pair = record.get("model_pair") or {}
         out.append(Predictions(Path(path).name, int(record["context"]), gamma, int(record["budget"]),
                                {key: [int(t) for t in lists[key]] for key in PREDICTION_KEYS},
@@ -360,12 +352,7 @@ def load_budgets(paths: list[str], context: int, min_recovery: float | None = No
     fallback: the count reached the row's recorded ``seqlens``) reads the benchmark's row in full too (``context``
     and more). ``min_recovery``: use only the files recorded at that target (``None``: every file must share
     one). The files are :func:`dustin_hf.research.traces.knob_trace_record`'s."""
-    records = []
-    for path in paths:
-        record = json.loads(Path(path).read_text())
-        if record.get("format") != KNOB_FORMAT:
-            raise ValueError(f"{path}: not a {KNOB_FORMAT} file (format={record.get('format')!r})")
-        records.append((Path(path).name, record))
+    records = [(Path(path).name, traces.load_knob_trace(path)) for path in paths]  # each checks its tag
     if min_recovery is not None:
         records = [(name, r) for name, r in records if r["min_recovery"] == min_recovery]
     targets = sorted({r["min_recovery"] for _, r in records})

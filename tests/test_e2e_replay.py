@@ -167,6 +167,10 @@ def test_load_predictions_checks_format_gamma_and_lists(tmp_path):
     short["predictions"]["sparse"] = [1]
     with pytest.raises(ValueError, match="one length"):
         load_predictions([_write(tmp_path / "d.json", short)], GAMMA)
+    partial = _prediction_record()
+    del partial["predictions"]["draft_sparse"]
+    with pytest.raises(ValueError, match=r"lack \['draft_sparse'\]"):
+        load_predictions([_write(tmp_path / "e.json", partial)], GAMMA)
     with pytest.raises(ValueError, match=r"budget 1024 \(recorded: \[512\]\)"):
         at_budget(traces, 1024)
 

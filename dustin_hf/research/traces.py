@@ -208,9 +208,14 @@ def write_predictions(directory: str | Path, record: dict) -> Path:
 
 
 def load_predictions(path: str | Path) -> dict:
-    """Read a prediction trace, checking its format tag and that its lists have one length."""
+    """Read a prediction trace, checking its format tag and that it holds every list of :data:`PREDICTION_KEYS`,
+    of one length (extra keys are ignored)."""
     record = _load(path, PREDICTION_FORMAT)
-    lengths = {key: len(record["predictions"].get(key, ())) for key in PREDICTION_KEYS}
+    lists = record.get("predictions", {})
+    missing = [key for key in PREDICTION_KEYS if key not in lists]
+    if missing:
+        raise ValueError(f"{path}: predictions lack {missing} (need {list(PREDICTION_KEYS)})")
+    lengths = {key: len(lists[key]) for key in PREDICTION_KEYS}
     if len(set(lengths.values())) != 1:
-        raise ValueError(f"{path}: prediction lists of different lengths {lengths}")
+        raise ValueError(f"{path}: prediction lists must have one length, got {lengths}")
     return record
