@@ -88,7 +88,7 @@ class DustinConfig:
         confirm_tokens: exact mode: a row confirms once it holds this many tentative tokens (the most; the loop
             lowers a row's own limit after a confirmation that rejected some, and raises it back after ones that
             kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
-            baseline, MagicDec's method). 4: at 32k and batch 16 on an H200 (budget 2048) it ran 1.45x classic
+            baseline, MagicDec's method). 4: at 32k and batch 16 on an H200 (budget 2048) it ran 1.51x classic
             speculative decoding, 8 1.21x: a confirming step verifies ``1 + confirm_tokens + γ`` queries per row,
             and past 9 the dense kernel reads at two thirds of its bandwidth.
         confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.

@@ -29,8 +29,8 @@ Performance notes, so the steps above stay fast on a GPU: every forward after pr
 replayed from a CUDA graph (:mod:`dustin_hf.runtime.graphs`); a greedy step at a constant γ makes one
 device->host copy (accepted counts and tokens), queued before the next step's first draft forwards, so the GPU
 drafts while the host does its bookkeeping (:meth:`SpeculativeDecoder._queue_drafts`). A confidence threshold
-reads each draft forward's confidences, the quality knob its counts, exact mode its confirmations: each one more
-wait for the device.
+reads each draft forward's confidences and the quality knob its counts: each one more wait for the device (exact
+mode too, where a confirming row holds more than ``recent_tokens`` tentative tokens and the sparse draft reads).
 """
 
 from __future__ import annotations
@@ -449,10 +449,12 @@ class SpeculativeDecoder:
                                    [b for b in rows.active if not dense[b]])
         reads = None if all(dense) else with_dense_rows(selection, starts, dense)
         # what the sparse draft reads next: a confirming row rewrites its positions from its confirmed start, so it
-        # keeps the part of this selection below that start and reads everything written from it on
+        # keeps the part of this selection below that start and reads everything written from it on (without the
+        # sparse draft only whether a selection exists matters)
         kept_from = [s if c else L for s, L, c in zip(starts, seqlens, confirming)]
-        self._last_selection = None if selection is None else (selection, seqlens) if not any(confirming) else (
-            truncated(selection, kept_from, seqlens, cfg.recent_tokens), kept_from)
+        self._last_selection = None if selection is None else (selection, seqlens) \
+            if not (any(confirming) and self._sparse_draft) else \
+            (truncated(selection, kept_from, seqlens, cfg.recent_tokens), kept_from)
         self._clock.mark("score_select")
 
         # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
@@ -498,14 +500,12 @@ class SpeculativeDecoder:
         # 5. Commit what dense and confirming rows accepted; a sparse row's accepted tokens turn tentative. Every
         #    row's next draft input follows from the device values, as in _step, counted from its block's start (a
         #    confirming row's last committed token): the next step's first draft forwards are queued before this
-        #    step's one sync, reading what _last_selection says the draft reads next. Not when a rejection could
-        #    bring every row back within the budget (the next step would then be dense, not the sparse step the
-        #    forwards were queued for).
+        #    step's one sync, reading what _last_selection says the draft reads next. The next step is sparse as
+        #    this one: a confirming row's start is past the budget and min_context (its committed tokens were, for
+        #    its last sparse step), and committed lengths only grow.
         host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
-        stays_sparse = not any(confirming) or not all(dense_rows(starts, cfg))
         self._ahead = self._queue_drafts(draft, device_tensor(starts, device) if any(confirming) else base,
-                                         n_accepted, *(self._last_selection or (None, seqlens))) \
-            if stays_sparse else None
+                                         n_accepted, *(self._last_selection or (None, seqlens)))
         self._clock.mark("draft")
         host = host.tolist()
         accepted = [row[0] for row in host]
@@ -577,7 +577,7 @@ class SpeculativeDecoder:
         planned = [0 if done else g for g, done in zip(self.row_gamma, rows.finished)]
         d_capture = self._draft_capture(sparse)
         ahead, self._ahead = self._ahead, None  # the first forwards, queued by the last step before its sync
-        assert ahead is None or ahead.sparse == sparse  # rows only grow: a sparse step is followed by sparse ones
+        assert ahead is None or ahead.sparse == sparse  # committed lengths only grow: sparse steps stay sparse
         if ahead is not None:
             queued, reads, feed = ahead.outputs, ahead.reads, None
         else:

@@ -274,13 +274,14 @@ def truncated(selection: Selection, limits: list[int], seqlens: list[int], recen
 
     The counts follow on the host where every cut falls inside its row's ``recent`` window (``limits[b] >=
     seqlens[b] - recent``: those positions are always selected, so exactly the ``seqlens[b] - limits[b]`` entries
-    above the cut go) or the row reads in full; otherwise they are read back from the device, a sync."""
+    above the cut go; a sliding window shorter than that is selected whole) or the row reads in full; otherwise
+    they are read back from the device, a sync."""
     device = selection.indices.device
     counts = []
     for count, n, limit in zip(selection.counts, seqlens, limits):
         if count >= n:  # read in full: 0 .. n-1
             counts.append(min(limit, n))
-        elif limit >= n - recent:
+        elif limit >= n - min(recent, count):  # a window shorter than recent_tokens is selected whole
             counts.append(count - max(n - limit, 0))
         else:
             break

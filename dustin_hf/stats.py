@@ -24,7 +24,7 @@ class RunStats:
     steps: int = 0  # verification forwards
     draft_sparse_forwards: int = 0  # draft forwards that read a selection (DustinConfig.sparse_draft)
     draft_forwards_ahead: int = 0  # first draft forwards queued by the step before, ahead of its sync
-    steps_drafted_ahead: int = 0  # steps whose first draft forwards the step before queued
+    steps_drafted_ahead: int = 0  # steps that queued the next step's first draft forwards (the last step's go unused)
     trace: list = field(default_factory=list)  # per step: (γ, drafts each row accepted; -1: row finished)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

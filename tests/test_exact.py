@@ -67,11 +67,12 @@ def test_exact_greedy_equals_greedy_where_sparse_does_not():
     assert any(differs)
 
 
-@pytest.mark.parametrize("sparse_draft", [False, True])
-def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, monkeypatch):
+@pytest.mark.parametrize("sparse_draft, sample", [(False, False), (True, False), (True, True)])
+def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample, monkeypatch):
     """The next step's first draft forwards, queued before a step's sync (CUDA graphs; run eagerly here), are
     queued after a confirming step as after a sparse one, from each row's block start, with rows that rejected
-    tentative tokens and a row ending early: every step queues them, and the output is still greedy's."""
+    tentative tokens and a row ending early: every step queues them, and the output is still greedy's (sampling:
+    the same draws as without queueing)."""
     target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
     draft = set_gamma(noisy_copy(target, noise=0.02), 3)
     rows = [random_prompt(n, seed=n)[0] for n in (1500, 400, 760, 610)]
@@ -79,17 +80,21 @@ def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, monkeypatch):
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
                   eos_token_id=_early_eos(target, rows[1]))
     greedy = target.generate(ids, **kwargs)
+    kwargs["do_sample"] = sample
+    # recent_tokens 4 < confirm_tokens + γ: some cuts lie below a recent window (counted on the device)
     config = dict(budget=32, min_context=64, sink_tokens=2, recent_tokens=4, mode="exact", sparse_draft=sparse_draft)
     runs = []
     with dustin_hf.patch(target):
         for ahead in (False, True):
             if ahead:
                 monkeypatch.setattr(ModelRunner, "step_ahead", eager_step_ahead)
+            torch.manual_seed(3)
             out = target.generate(ids, assistant_model=draft, cache_implementation="dustin",
                                   return_dict_in_generate=True, cache_config=config, **kwargs)
-            assert torch.equal(out.sequences, greedy)
-            runs.append((out.past_key_values.stats, out.past_key_values.run_stats.trace))
-    (after, trace_after), (ahead, trace_ahead) = runs
+            assert sample or torch.equal(out.sequences, greedy)
+            runs.append((out.sequences, out.past_key_values.stats, out.past_key_values.run_stats.trace))
+    (seq_after, after, trace_after), (seq_ahead, ahead, trace_ahead) = runs
+    assert torch.equal(seq_ahead, seq_after)
     assert ahead["exact"]["confirm_steps"] > 0 and ahead["exact"]["tentative_rejected"] > 0
     assert after["steps_drafted_ahead"] == 0 and ahead["steps_drafted_ahead"] == ahead["steps"]  # the last one too
     # the queued forwards drafted what the forwards after the sync did: every step kept the same drafts

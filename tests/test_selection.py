@@ -99,25 +99,36 @@ def test_truncated_keeps_each_rows_entries_below_its_limit():
     assert truncated(selection, [0, 3], seqlens, recent=2).counts == [0, 2]
 
 
+@pytest.mark.parametrize("kind", ["fill", "window", "short_window", "knob"])
 @pytest.mark.parametrize("seed", range(3))
-def test_truncated_counts_on_the_host_are_the_devices(seed, monkeypatch):
+def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     """Cuts inside each row's recent window (exact mode's: a row's tentative positions are its last few) and rows
     read in full give the counts on the host, without reading the device, equal to counting the entries below the
-    cut; a cut below a recent window falls back to counting on the device."""
-    from dustin_hf.selection import truncated
+    cut, for the paper's fill, a sliding window (one shorter than the recent window too) and the knob's sets; a cut
+    below a recent window falls back to counting on the device."""
+    from dustin_hf.selection import select_by_recovery, truncated
 
     generator = torch.Generator().manual_seed(seed)
-    cfg = _config(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)
+    fields = dict(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)
+    if kind == "knob":
+        fields.update(draft_share=0, min_recovery=0.9, max_budget=96)
+    cfg = _config(**fields)
     seqlens = torch.randint(33, 300, (6,), generator=generator).tolist()
     seqlens[0], seqlens[3] = 60, 250  # row 0 below min_context (read in full), row 3 sparse
     draft, target = torch.rand(6, max(seqlens), generator=generator), torch.rand(6, max(seqlens), generator=generator)
-    sel = select_positions(seqlens, draft, target, [True] * 6, cfg)
-    limits = [n - int(torch.randint(0, 9, (1,), generator=generator)) for n in seqlens]
+    window = {"window": 120, "short_window": 6}.get(kind)
+    if kind == "knob":
+        sel = select_by_recovery(seqlens, draft, target, [True] * 6, cfg)
+    else:
+        sel = select_positions(seqlens, draft, target, [True] * 6, cfg, window=window)
+    limits = [n - int(torch.randint(0, min(8, c) + 1, (1,), generator=generator)) for n, c in zip(seqlens, sel.counts)]
     expected = [int(((sel.indices[b, : sel.counts[b]]) < limits[b]).sum()) for b in range(6)]
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the counts back from the device"))
     cut = truncated(sel, limits, seqlens, recent=8)
     monkeypatch.undo()
     assert cut.counts == expected and cut.num_indices.tolist() == expected
-    limits[3] = seqlens[3] - 20  # below its recent window: counted on the device, still right
-    expected[3] = int((sel.indices[3, :32] < limits[3]).sum())
+    # row 3 cut below its recent window (a short window: below the window, inside recent_tokens): counted on the
+    # device, still right
+    limits[3] = seqlens[3] - (7 if kind == "short_window" else 20)
+    expected[3] = int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
     assert truncated(sel, limits, seqlens, recent=8).counts == expected
