@@ -72,20 +72,27 @@ case $what in
     timeout 560 python3 benchmarks/ab_old_new.py --old-tree "${OLD_TREE:-build/ab_old}" \
       --out "$out/e2e_h200_ab_old_new.json" "$@" 2>&1 | tee "$out/ab_old_new.txt" | grep -v '^{' | tail -14 ;;
   e2e-exact)  # issues #26, #27: every method in one process, ratios vs classic (spec_dense) and spec_sparse_draft
-    # the predictions of TRACE_CONTEXTS (default: the 4k and 8k walks that e2e_h200_exact.json replays, with the
-    # knob's budgets at KNOB_TARGET, default 0.95; TRACE_CONTEXTS=16384 replays the 16k walks, whose agreement is
-    # closer to 32k's, e2e_h200_exact_16k.json, without the knob: its budgets were recorded at 4k and 8k only)
+    # the predictions of TRACE_CONTEXTS (default: the 4k and 8k walks, e2e_h200_exact.json) and the knob's budgets
+    # recorded there at KNOB_TARGET (default 0.95); TRACE_CONTEXTS=16384 replays the 16k walks, whose agreement is
+    # closer to 32k's, into e2e_h200_exact_16k.json, without the knob (no budgets were recorded at 16k)
     shopt -s nullglob
     contexts=${TRACE_CONTEXTS:-4096 8192}
-    predictions=(); for c in $contexts; do predictions+=(benchmarks/traces/*_predictions_*_ctx${c}_*.json); done
-    methods=(spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact)
-    knob=(); [[ $contexts == "4096 8192" ]] && knob=(benchmarks/traces/*_knob_*.json)
+    predictions=(); knob=(); name=e2e_h200_exact
+    for c in $contexts; do
+      predictions+=(benchmarks/traces/*_predictions_*_ctx${c}_*.json); knob+=(benchmarks/traces/*_knob_*_ctx${c}_*.json)
+    done
+    [[ $contexts == "4096 8192" ]] || for c in $contexts; do name+="_$((c / 1024))k"; done
     if (( ${#predictions[@]} == 0 )); then
       echo "e2e-exact needs benchmarks/traces/*_predictions_*_ctx{$contexts}_*.json (found none)"; exit 2
     fi
-    if (( ${#knob[@]} )); then methods+=(dustin_knob); knob=(--knob-traces "${knob[@]}" --knob-target "${KNOB_TARGET:-0.95}"); fi
+    methods=(spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact)
+    if (( ${#knob[@]} )); then
+      methods+=(dustin_knob); knob=(--knob-traces "${knob[@]}" --knob-target "${KNOB_TARGET:-0.95}")
+    else
+      echo "no knob traces (benchmarks/traces/*_knob_*) at contexts $contexts: dustin_knob not run"
+    fi
     timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 --methods "${methods[@]}" \
-      --predictions "${predictions[@]}" "${knob[@]}" --out "$out/e2e_h200_exact.json" "$@" 2>&1 \
+      --predictions "${predictions[@]}" "${knob[@]}" --out "$out/$name.json" "$@" 2>&1 \
       | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
   tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -k "two_gpus or two_devices" 2>&1 | tail -3 \
