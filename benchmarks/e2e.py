@@ -506,7 +506,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS,
                         help=f"default: {' '.join(DEFAULT_METHODS)}; {', '.join(PREDICTED_ONLY)} need --predictions")
-    parser.add_argument("--budget", type=int, default=BUDGET, help=f"dustin's fixed budget (default {BUDGET})")
+    parser.add_argument("--budget", type=int, default=None,
+                        help=f"dustin's fixed budget (default {BUDGET}, --smoke {SMOKE_BUDGET})")
     parser.add_argument("--exact-budget", type=int, nargs="+", default=None,
                         help="exact mode's budget (dustin_exact's sparse steps and draft reads; the first also "
                              "spec_sparse_draft's draft reads); several: one dustin_exact@BUDGET row each, in the same "
@@ -571,7 +572,7 @@ def sources(args, parser=None) -> Sources:
                                                     counts["dustin_sparse_draft"].source + " (Dustin's traces: the "
                                                     "sparse draft's own acceptance not given)")
     predictions = load_predictions(args.predictions, GAMMA) if args.predictions else None
-    budget = SMOKE_BUDGET if args.smoke and args.budget == BUDGET else args.budget
+    budget = args.budget if args.budget is not None else SMOKE_BUDGET if args.smoke else BUDGET
     synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
     if synthetic:
         predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]

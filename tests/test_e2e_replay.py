@@ -209,6 +209,16 @@ def test_load_budgets_wants_one_target(tmp_path):
         load_budgets([_write(tmp_path / "c.json", _knob_record(format="x"))], 32768)
 
 
+def test_an_explicit_budget_holds_in_smoke_runs_too():
+    """``--budget`` given is the budget, also when it is the default's value under ``--smoke`` (whose own default
+    is smaller); left out, each mode takes its default."""
+    parse = e2e._parser().parse_args
+    assert e2e.sources(parse(["--smoke"])).budget == e2e.SMOKE_BUDGET
+    assert e2e.sources(parse(["--smoke", "--budget", str(e2e.BUDGET)])).budget == e2e.BUDGET
+    assert e2e.sources(parse([])).budget == e2e.BUDGET
+    assert e2e.sources(parse(["--budget", "256"])).budget == 256
+
+
 # ----------------------------------------------------------------------------- the methods
 def _sources(**changes) -> e2e.Sources:
     fields = dict(predictions=[synthetic_predictions(budget=32)], counts={}, knob=None, knob_target=None, budget=32,
