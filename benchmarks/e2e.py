@@ -552,7 +552,7 @@ def _parser() -> argparse.ArgumentParser:
                              "it by the median of the N runs; all rates are kept in the row (default 3)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}, batch 2 (unless "
-                             "--contexts / --batches say otherwise); given no "
+                             "--contexts / --batches / --budget say otherwise); given no "
                              "traces at all, every method replays SYNTHETIC ones (checks the script)")
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
