@@ -26,7 +26,8 @@ _MODES = ("sparse", "exact")
 # GPU run replaying those predictions
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
-_SEARCHED = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
+# what prompt calibration searches, and all it replaces in the user's config
+SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 
 
 def _as_int_tuple(value: Any, name: str) -> tuple[int, ...] | None:
@@ -169,10 +170,10 @@ class DustinConfig:
                 f"recent_tokens positions; with budget == sink_tokens + recent_tokens ({self.budget}) nothing is left to "
                 "fill: raise budget, shrink the windows, or use calibration='none'"
             )
-        if self.calibration == "prompt" and any(getattr(self, name) is not None for name in _SEARCHED):
-            given = [name for name in _SEARCHED if getattr(self, name) is not None]
-            raise ValueError(f"calibration='prompt' searches {', '.join(_SEARCHED)}; leave them None (got {given}), "
-                             "or use calibration='none' to keep them")
+        if self.calibration == "prompt" and any(getattr(self, name) is not None for name in SEARCHED_FIELDS):
+            given = [name for name in SEARCHED_FIELDS if getattr(self, name) is not None]
+            raise ValueError(f"calibration='prompt' searches {', '.join(SEARCHED_FIELDS)}; leave them None "
+                             f"(got {given}), or use calibration='none' to keep them")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if not isinstance(self.sparse_draft, bool):

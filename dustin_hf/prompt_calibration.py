@@ -22,7 +22,7 @@ import time
 import torch
 
 from .search import default_choice, recovery_of, search, stack_features, step_features
-from .config import DustinConfig, ResolvedConfig, resolve
+from .config import SEARCHED_FIELDS, DustinConfig, ResolvedConfig, resolve
 
 __all__ = ["SEARCH_SECONDS", "STEPS", "calibrate_on_prompts"]
 
@@ -87,9 +87,8 @@ def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedCo
         choice, recovery = default, default_recovery
     picked = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
     # only the searched fields change: mode, the confirm schedule, the sparse draft and the knob stay the user's
-    chosen = dataclasses.replace(config, target_layer=picked.target_layer, target_heads=picked.target_heads,
-                                 draft_layers=picked.draft_layers, draft_heads=picked.draft_heads,
-                                 draft_share=picked.draft_share, calibration="none")
+    chosen = dataclasses.replace(config, calibration="none",
+                                 **{name: getattr(picked, name) for name in SEARCHED_FIELDS})
     report = {
         "steps": len(seqlens), "rows": rows, "seconds": time.perf_counter() - started,
         "recovery": recovery, "default_recovery": default_recovery,
