@@ -22,8 +22,8 @@ _MODES = ("sparse", "exact")
 # to 0.91-0.99 at 2048 (4k and 8k, agreement_cpu_*.json), while a sparse step reading 2048 of 32k positions costs
 # little more than one reading 512: on an H200 (7B + 0.5B, 32k, batch 16, replayed) exact mode ran 1.22x classic
 # speculative decoding at 512, 1.35x at 1024, 1.42x at 2048 (e2e_h200_exact_budgets.json, replaying 4k/8k predictions).
-# At 16k the agreement at 2048 is lower (0.88 on Emma, agreement_cpu_16k.json): the choice for long contexts awaits a
-# GPU run replaying those predictions
+# At 16k the agreement at 2048 is lower (0.88 on Emma, agreement_cpu_16k.json); replaying those predictions, 2048
+# runs on par with the lossless baseline (e2e_h200_exact_16k.json) and 4096 ran no faster (benchmarks/results/README.md)
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 # what prompt calibration searches, and all it replaces in the user's config
