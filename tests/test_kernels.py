@@ -289,6 +289,77 @@ def test_triton_int64_slot_offsets(name):
     _assert_matches_oracle(_run_triton(inputs, case, int32_offsets=False), inputs, f"triton[{name}, int64 offsets]")
 
 
+def _with_full_rows(inputs: Inputs, full: tuple[bool, ...]) -> tuple[Inputs, Inputs]:
+    """``inputs`` where the rows ``full`` names read everything they hold through their count alone (``num_indices =
+    cache_seqlens``, their index rows left as garbage), and the same call with those rows' reads written out."""
+    seqlens = inputs.cache_seqlens.to(torch.int32)
+    mask = torch.tensor(full, device=seqlens.device)
+    counts = torch.where(mask, seqlens, inputs.num_indices.to(torch.int32)).to(inputs.num_indices.dtype)
+    narrow = dataclasses.replace(inputs, num_indices=counts)
+    from dustin_hf.kernels import full_rows_written
+
+    indices, num_indices = full_rows_written(inputs.indices, counts, inputs.cache_seqlens, inputs.max_seqlen_k,
+                                             inputs.q.shape[1])
+    return narrow, dataclasses.replace(inputs, indices=indices, num_indices=num_indices)
+
+
+# (case, rows read in full, tuning of the dense part): a lone full row, several, all, none; one query (a draft's
+# decode) and five; the dense part split over tickets and over the merge kernel (more than 8 splits)
+FULL_ROW_CASES = {
+    "one-of-three": (Case(seqlens=(120, 45, 300), group=4, head_dim=32, width=24, short_rows=True),
+                     (False, False, True), VerifyTuning()),
+    "two-q1": (Case(seqlens=(90, 200, 57, 3), n_queries=1, group=2, head_dim=32, width=16, short_rows=True),
+               (True, False, True, False), VerifyTuning()),
+    "ticket-splits": (Case(seqlens=(260, 33, 150), group=7, n_kv_heads=1, width=20, num_splits=2, block_n=16),
+                      (True, False, True), VerifyTuning(programs_per_sm=64, min_blocks_per_split=2)),
+    "kernel-merge": (Case(seqlens=(700, 40, 610), n_queries=3, group=2, head_dim=32, width=48, short_rows=True,
+                          num_splits=3, block_n=16, merge="kernel"),
+                     (True, False, False), VerifyTuning(programs_per_sm=64, min_blocks_per_split=1)),
+    "all-full": (Case(seqlens=(64, 100), group=2, head_dim=32, width=16), (True, True), VerifyTuning()),
+    "none-full": (Case(seqlens=(64, 100), group=2, head_dim=32, width=16, short_rows=True), (False, False),
+                  VerifyTuning()),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(FULL_ROW_CASES))
+def test_triton_full_rows_read_everything_they_hold(name):
+    """A sparse call with ``full_rows``: a row whose count covers all it holds reads all of it, its index row
+    (narrower than it holds, garbage) unread, the other rows their selection; equal to the oracle on the reads
+    written out, and to the dispatcher's reference path, which writes them out itself."""
+    case, full, tuning = FULL_ROW_CASES[name]
+    inputs = _make_inputs(dataclasses.replace(case, seed=hash(name) % 1000), torch.float32)
+    assert all(not f or inputs.indices.shape[1] < n for f, n in zip(full, case.seqlens))  # the index row cannot hold it
+    narrow, written = _with_full_rows(inputs, full)
+    from dustin_hf.kernels import triton_verify
+
+    config = None
+    if case.num_splits is not None:
+        config = triton_verify.launch_config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries,
+                                             case.head_dim, triton_verify.sparse_loop_keys(case.width, case.n_queries),
+                                             sm_count(inputs.q.device), sparse=True, num_splits=case.num_splits,
+                                             block_n=case.block_n, merge=case.merge)
+    args = narrow.q, narrow.k_cache, narrow.v_cache, narrow.cache_seqlens
+    out = triton_verify.verify_attention_triton(*args, **narrow.kwargs(), full_rows=True, tuning=tuning,
+                                                config=config)
+    _assert_matches_oracle(out, written, f"triton[full rows, {name}]")
+    in_range = dataclasses.replace(narrow, indices=narrow.in_range_indices())  # the reference gathers every entry
+    reference = verify_attention(*args, **in_range.kwargs(), full_rows=True, backend="reference")
+    _assert_matches_oracle(reference, written, f"reference[full rows, {name}]")
+
+
+def test_full_rows_written_out():
+    """The dispatcher's rewrite for backends without the Triton kernel's full rows: rows whose count covers all
+    they hold list ``0 .. L - 1`` in an index tensor widened to ``max_seqlen_k - Q``; the others keep theirs."""
+    from dustin_hf.kernels import full_rows_written
+
+    indices = torch.tensor([[3, 5, 9], [0, 1, 2]], dtype=torch.int32)
+    counts = torch.tensor([2, 6], dtype=torch.int32)
+    indices, counts = full_rows_written(indices, counts, torch.tensor([10, 6]), 12, 2)
+    assert indices.shape == (2, 10) and counts.tolist() == [2, 6]
+    assert indices[0, :2].tolist() == [3, 5] and indices[1, :6].tolist() == list(range(6))
+
+
 @needs_triton
 def test_triton_ticket_merge_leaves_its_counters_at_zero():
     """Every launch hands the ticket counters back at zero; a counter left behind would stop the next
@@ -497,6 +568,38 @@ def test_triton_is_cuda_graph_capturable(sparse):
         torch.cuda.synchronize()
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
     _assert_matches_oracle(captured, inputs, "triton[graph]")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_queries", [1, 9])
+def test_triton_full_rows_on_gpu_under_a_graph(n_queries):
+    """Qwen2.5-7B's attention layout, batch 8, a few thousand keys, 256 selected, the default heuristic: one call
+    with ``full_rows`` captured while rows 0 and 3 read in full, replayed with other data where rows 1, 2 and 5 do
+    (which rows read in full is read on the device), against the oracle on the reads written out."""
+    from dustin_hf.kernels.triton_verify import verify_attention_triton
+
+    case = Case(seqlens=(3000, 4093, 1700, 2500, 900, 4000, 2048, 3333), n_queries=n_queries, group=7, n_kv_heads=4,
+                head_dim=128, width=256, short_rows=True, seed=5)
+    inputs, fresh = (_make_inputs(dataclasses.replace(case, seed=s), torch.bfloat16) for s in (5, 6))
+    narrow, _ = _with_full_rows(inputs, (True, False, False, True, False, False, False, False))
+    after, after_written = _with_full_rows(fresh, (False, True, True, False, False, True, False, False))
+    args = narrow.q, narrow.k_cache, narrow.v_cache, narrow.cache_seqlens
+
+    def call():
+        return verify_attention_triton(*args, **narrow.kwargs(), full_rows=True)
+
+    graph, captured = capture_graph(call)
+    for name in ("q", "k_cache", "v_cache", "indices", "num_indices"):
+        getattr(narrow, name).copy_(getattr(after, name))
+    eager = call()
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+    _assert_matches_oracle(captured, after_written, "triton[full rows, graph]")
 
 
 @needs_cuda

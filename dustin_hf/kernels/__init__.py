@@ -28,7 +28,7 @@ from .tuning import ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectT
 
 __all__ = [
     "BACKENDS", "ArgmaxTuning", "GemmTuning", "KernelTuning", "ScoreTuning", "SelectTuning", "VerifyTuning",
-    "available_backends", "launch_device", "resolve_backend", "verify_attention",
+    "available_backends", "full_rows_written", "launch_device", "resolve_backend", "verify_attention",
 ]
 
 BACKENDS = ("reference", "triton", "flash_attn", "varlen")
@@ -92,6 +92,7 @@ def verify_attention(
     indices: torch.Tensor | None = None,
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    full_rows: bool = False,
     backend: str = "reference",
     tuning: VerifyTuning | None = None,
 ) -> torch.Tensor:
@@ -100,9 +101,15 @@ def verify_attention(
     Shapes are those of :func:`dustin_hf.kernels.reference.verify_attention_reference`:
     ``q (batch, Q, nheads, headdim)``, ``k_cache/v_cache (batch, capacity, nheads_k, headdim)``,
     ``cache_seqlens (batch,)`` int32, ``indices (batch, W)`` int32, ``num_indices (batch,)`` int32;
-    returns ``(batch, Q, nheads, headdim)``. ``tuning``: the Triton kernel's launch heuristic (``None``: its
-    defaults); the other backends have none.
+    returns ``(batch, Q, nheads, headdim)``. ``full_rows``: a sparse call's rows whose count covers all they
+    hold (``num_indices[b] >= cache_seqlens[b]``) read everything whatever their ``indices`` row says (``W`` may be
+    shorter than they hold; ``max_seqlen_k`` bounds their keys): the Triton kernel reads them without an index
+    row, the other backends get the index rows written out (:func:`full_rows_written`). ``tuning``: the Triton
+    kernel's launch heuristic (``None``: its defaults); the other backends have none.
     """
+    if full_rows and indices is not None and backend != "triton":
+        indices, num_indices = full_rows_written(indices, num_indices, cache_seqlens, max_seqlen_k, q.shape[1])
+        full_rows = False
     kwargs = dict(softmax_scale=softmax_scale, indices=indices, num_indices=num_indices, max_seqlen_k=max_seqlen_k)
     if backend == "reference":
         return verify_attention_reference(q, k_cache, v_cache, cache_seqlens, **kwargs)
@@ -110,7 +117,8 @@ def verify_attention(
         from .triton_verify import verify_attention_triton
 
         with launch_device(q):
-            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs, tuning=tuning)
+            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs, full_rows=full_rows,
+                                           tuning=tuning)
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 
@@ -120,3 +128,17 @@ def verify_attention(
 
         return verify_attention_varlen(q, k_cache, v_cache, cache_seqlens, use_flash_attn=backend == "flash_attn", **kwargs)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+def full_rows_written(indices: torch.Tensor, num_indices: torch.Tensor, cache_seqlens: torch.Tensor,
+                      max_seqlen_k: int | None, n_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, num_indices)`` of a ``full_rows`` call with every row's reads written out: a row whose count
+    covers all it holds lists ``0 .. cache_seqlens[b] - 1`` (the index tensor widened to the longest such row,
+    ``max_seqlen_k - n_queries`` when given, else found with one device->host sync)."""
+    seqlens = cache_seqlens.to(indices.device, torch.int32)
+    width = max(indices.shape[1], (max_seqlen_k - n_queries) if max_seqlen_k is not None else int(seqlens.max()))
+    full = num_indices.to(indices.device, torch.int32) >= seqlens
+    padded = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
+    everything = torch.arange(width, device=indices.device, dtype=indices.dtype).expand_as(padded)
+    return (torch.where(full[:, None], everything, padded).contiguous(),
+            torch.where(full, seqlens, num_indices.to(indices.device, torch.int32)))

@@ -259,6 +259,7 @@ def _verify_fwd_kernel(
     SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, TICKET_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
     OPEN_LOOP: tl.constexpr, OFFSETS_32: tl.constexpr, SAME_T_STRIDE: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr,  # 0: every row; 1: only rows read in full (num_indices >= cache_seqlens); 2: only the others
 ):
     await_producers(PDL)
     split = tl.program_id(0) // M_TILES
@@ -269,6 +270,9 @@ def _verify_fwd_kernel(
     # Packed rows of this program: row r = (query r // GROUP, head kv_head * GROUP + r % GROUP).
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     row_ok = rows < GROUP * N_QUERIES
+    if ROWS != 0:  # one launch of a mixed call: a program of a row the other launch owns loads, reads, writes nothing
+        own = _owned(NUM_INDICES + b, SEQLENS + b, ROWS)
+        row_ok = row_ok & own
     query = rows // GROUP  # (BLOCK_M,) query index i; >= N_QUERIES only on padding rows
     head = kv_head * GROUP + rows % GROUP  # (BLOCK_M,) query head
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -287,6 +291,8 @@ def _verify_fwd_kernel(
         hi = tl.minimum(lo + chunk, n_cached)
     else:  # ... or those and the new tokens
         hi = tl.minimum(lo + chunk, n_cached + N_QUERIES)
+    if ROWS != 0:
+        hi = tl.where(own, hi, lo)
     # hi <= lo: this split owns no key of row b
 
     k_base = K + b * stride_kb + kv_head * stride_kh + d[None, :] * stride_kd  # (1, BLOCK_D)
@@ -297,6 +303,8 @@ def _verify_fwd_kernel(
     if TAIL_FIRST:  # the new tokens, on split 0, before the loop (a 5-key tile in the loop costs a whole tile)
         t = tl.arange(0, BLOCK_T)
         t_ok = (t < N_QUERIES) & (split == 0)
+        if ROWS != 0:
+            t_ok = t_ok & own
         t_mask = t_ok[:, None] & d_ok[None, :]
         t_pos = (cached_len + t).to(tl.int64)
         k_t = tl.load(k_base + t_pos[:, None] * stride_kt, mask=t_mask, other=0.0)  # (BLOCK_T, BLOCK_D)
@@ -352,8 +360,23 @@ def _verify_fwd_kernel(
         if TICKET_MERGE:
             group_slot = (b * tl.num_programs(1) + kv_head) * M_TILES + m_tile
             num_splits = tl.num_programs(0) // M_TILES
-            _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                           LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+            if ROWS == 0:
+                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
+                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+            elif own:  # every program of a (row, kv head, row tile) takes this branch alike: no ticket is left taken
+                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
+                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _owned(num_indices, seqlen, ROWS: tl.constexpr):
+    """Whether a launch of a mixed call (``ROWS`` 1: the rows read in full, 2: the others) owns this batch row: it
+    reads in full iff its count covers everything it holds."""
+    if ROWS == 1:
+        own = tl.load(num_indices) >= tl.load(seqlen)
+    else:
+        own = tl.load(num_indices) < tl.load(seqlen)
+    return own
 
 
 @triton.jit
@@ -460,27 +483,35 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
 @triton.jit
 def _merge_splits_kernel(
     OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
-    num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SEQLENS, NUM_INDICES,  # read iff ROWS != 0
+    num_splits, rows_per_b,  # rows_per_b = Q * Hq: output rows of one batch row
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One program per (batch row, query, head): ``out = sum_s w_s out_s / sum_s w_s``.
 
-    ``w_s = 2^(lse_s - max_s lse_s)``; an empty split has ``lse_s = -inf``, so ``w_s = 0``.
+    ``w_s = 2^(lse_s - max_s lse_s)``; an empty split has ``lse_s = -inf``, so ``w_s = 0``. ``ROWS`` as in the
+    main kernel: a row the launch does not own is neither read nor written.
     """
     await_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)  # (BLOCK_S,)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     s_ok = s < num_splits
+    d_ok = d < HEAD_DIM
+    if ROWS != 0:
+        b = row // rows_per_b
+        own = _owned(NUM_INDICES + b, SEQLENS + b, ROWS)
+        s_ok = s_ok & own
+        d_ok = d_ok & own
     lse = tl.load(LSE_PART + row * num_splits + s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
     lse_max = tl.max(lse, 0)  # finite: the split owning the query's own token is never empty
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # (BLOCK_S,), 0 for empty splits
     part_ptrs = OUT_PART + (row * num_splits + s[:, None]) * HEAD_DIM + d[None, :]
-    part = tl.load(part_ptrs, mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_S, BLOCK_D)
+    part = tl.load(part_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
     w_sum = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)  # (BLOCK_D,)
-    tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
 def verify_attention_triton(
@@ -493,6 +524,7 @@ def verify_attention_triton(
     indices: torch.Tensor | None = None,
     num_indices: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    full_rows: bool = False,
     tuning: VerifyTuning | None = None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -509,8 +541,14 @@ def verify_attention_triton(
             no duplicates. ``None`` attends to every cached position (dense).
         num_indices: ``(batch,)``, int32/int64; valid leading entries of each ``indices`` row (the
             rest is never read). ``None`` means all ``W``.
-        max_seqlen_k: dense mode only: ``max(cache_seqlens) + Q`` as a host int. It sizes the grid;
-            if ``None`` it is computed with one device->host sync (so pass it under CUDA graphs).
+        max_seqlen_k: ``max(cache_seqlens) + Q`` as a host int (or a bound of it), dense mode and ``full_rows``
+            only. It sizes the grid; if ``None`` it is computed with one device->host sync (so pass it under CUDA
+            graphs).
+        full_rows: sparse mode: a row whose count covers everything it holds (``num_indices[b] >=
+            cache_seqlens[b]``) reads all of ``[0, cache_seqlens[b])`` without its index row (so ``W`` need not
+            hold it), its keys split as a dense call's. Two launches, each skipping the other's rows: the dense
+            one for those rows, the sparse one (``config``'s) for the others. The split between them is read on
+            the device, so one captured call serves any mix of rows.
         tuning: the launch heuristic's constants (``None``: the defaults).
         config: this call's launch parameters instead of the heuristic's (:func:`launch_config`; ``n_keys``
             from :func:`sparse_loop_keys` in sparse mode).
@@ -538,7 +576,18 @@ def verify_attention_triton(
         config = launch_config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device),
                                sparse=sparse, elem_bytes=q.element_size(), tuning=tuning,
                                smem_limit=smem_limit(q.device))
-    return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
+    if not (sparse and full_rows):
+        return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
+    tuning = tuning or VerifyTuning()
+    span = max_seqlen_k if max_seqlen_k is not None else int(cache_seqlens.max()) + n_queries  # host sync
+    # the dense launch's splits are sized for a share of the rows reading in full (it cannot know how many do):
+    # a lone row then still spreads over many SMs, and a batch of them over a few waves
+    assumed = max(1, batch // tuning.full_rows_divisor)
+    whole = launch_config(assumed, n_kv_heads, group, n_queries, head_dim, span, sm_count(q.device),
+                          elem_bytes=q.element_size(), tuning=tuning, smem_limit=smem_limit(q.device))
+    out = _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, False, whole, rows=1)
+    return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, True, config, rows=2,
+                   out=out)
 
 
 def _tail_first(n_queries: int) -> bool:
@@ -578,14 +627,17 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
         raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig):
-    """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output."""
+def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig,
+            rows: int = 0, out: torch.Tensor | None = None):
+    """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output. ``rows``:
+    which rows it computes (the kernel's ``ROWS``: 0 all; 1 those read in full, 2 the others, into ``out``)."""
     prepare_interpreter()
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     group = n_heads // n_kv_heads
     m_tiles = triton.cdiv(group * n_queries, cfg.block_m)
-    out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, n_queries, n_heads, head_dim, dtype=q.dtype, device=q.device)
     single = cfg.num_splits == 1
     ticket = cfg.merge == "ticket"
     counters = tickets(q.device, batch * n_kv_heads * m_tiles) if ticket else cache_seqlens  # else unused
@@ -614,13 +666,13 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         OPEN_LOOP=tail_first or n_queries == 1,
         OFFSETS_32=cfg.int32_offsets and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
-        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl,
+        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl, ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if cfg.merge == "kernel":
         _merge_splits_kernel[(batch * n_queries * n_heads,)](
-            out_part, lse_part, out, cfg.num_splits,
+            out_part, lse_part, out, cache_seqlens, num_indices, cfg.num_splits, n_queries * n_heads,
             HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d, PDL=pdl,
-            num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
+            ROWS=rows, num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
         )
     return out

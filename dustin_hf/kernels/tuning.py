@@ -59,6 +59,9 @@ class VerifyTuning(Checked):
             costs more registers and shared memory than it hides.
         pipeline_smem_bytes: shared memory the sparse pipeline's K/V buffers and q tile may take per program
             (an sm_90 block may use 227 KiB).
+        full_rows_divisor: a sparse call whose rows may read in full (``full_rows``) splits those rows' keys as a
+            dense call of ``batch // full_rows_divisor`` rows would: finer than a whole dense batch, so that one such
+            row spreads over many SMs, while a batch of them takes a few waves.
     """
 
     programs_per_sm: int = 2
@@ -70,6 +73,7 @@ class VerifyTuning(Checked):
     short_range_blocks: int = 16
     sparse_stages: tuple[int, ...] = (5, 3)
     pipeline_smem_bytes: int = 160 * 1024
+    full_rows_divisor: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
