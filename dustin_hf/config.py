@@ -207,6 +207,17 @@ class DustinConfig:
             )
         return per_layer
 
+    def _key(self) -> tuple:
+        return (*(getattr(self, f.name) for f in dataclasses.fields(self)), self._budget_defaulted)
+
+    # a budget left at its default differs from the same number given: it follows the mode through replace() and
+    # per-call overrides, so equal configs must say the same there
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, DustinConfig) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     def replace(self, **changes: Any) -> "DustinConfig":
         """A copy with ``changes`` applied (and validated); unknown names raise ``ValueError``."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -67,6 +67,17 @@ def test_resolution_checks_ranges():
     assert resolve(DustinConfig(dense_layers=(-1, 0)), target.config, draft.config).dense_layers == (0, 3)
 
 
+def test_a_defaulted_budget_is_not_equal_to_the_same_number_given():
+    """Configs that compare equal behave alike: a budget left at its default follows the mode through replace(),
+    the same number given does not, so the two differ (and hash apart); equal ones still collapse in a dict."""
+    defaulted, given = DustinConfig(), DustinConfig(budget=512)
+    assert defaulted.budget == given.budget == 512
+    assert defaulted.replace(mode="exact").budget != given.replace(mode="exact").budget
+    assert defaulted != given and hash(defaulted) != hash(given)
+    assert defaulted == DustinConfig() and len({defaulted, DustinConfig(), given}) == 2
+    assert defaulted.replace(mode="exact") == DustinConfig(mode="exact")
+
+
 def test_profile_round_trip(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"config": {"budget": 256, "target_layer": 1, "target_heads": [0, 2],
