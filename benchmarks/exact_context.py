@@ -9,15 +9,13 @@ not depend on the models or the device, so ``benchmarks/e2e.py --smoke --batches
 ``spec_sparse_draft`` and ``dustin_exact`` rows, and prices their steps with two costs fitted from the GPU run:
 
 * ``D``, a dense step: ``spec_sparse_draft``'s seconds over its timed steps (every step of it is dense);
-* ``S(budget)``, a sparse step of exact mode: from ``dustin_exact@2048`` and ``@512``, linear in the budget between
-  and beyond them, where a row read in full beside sparse ones (a confirming row, ``full_row_steps_beside_sparse``)
-  adds ``(D - S) / B`` to its step: ``seconds = n_dense D + n_sparse S + n_full (D - S) / B``.
+* ``S(budget)``, a sparse step of exact mode: from ``dustin_exact@2048`` and ``@512``,
+  ``(seconds - n_dense * D) / n_sparse``, linear in the budget between and beyond them.
 
 A row's ``seconds`` and ``tokens`` leave out the first ``e2e.WARMUP_STEPS`` steps, its dense / sparse step counts
 do not; the counts are scaled to the timed steps (the warm-up taken to split like the rest). The estimate is exact
-mode's rate over the baseline's, ``(tokens_e / (n_dense_e D + n_sparse_e S + n_full (D - S) / B)) / (tokens_s /
-(n_dense_s D))``, per exact budget of each replay. It assumes a dense step costs what a baseline step does, a row read
-in full beside sparse ones a sixteenth of the difference (its share of the dense reads), that the baseline's step
+mode's rate over the baseline's, ``(tokens_e / (n_dense_e D + n_sparse_e S)) / (tokens_s / (n_dense_s D))``, per
+exact budget of each replay. It assumes a confirming step costs what a baseline step does, that the baseline's step
 costs D whatever its draft reads (D is fitted with the draft reading 2048 positions), and that the 32k GPU step
 costs hold for outcomes recorded at other contexts; a GPU run replaying those predictions measures it.
 
@@ -35,17 +33,10 @@ import sys
 from pathlib import Path
 
 
-def _timed(row: dict) -> tuple[float, float, float]:
-    """``(dense steps, sparse steps, rows read in full beside sparse ones)`` of a row scaled to its timed steps
-    (``row["steps"]``)."""
+def _timed(row: dict) -> tuple[float, float]:
+    """``(dense, sparse)`` step counts of a row scaled to its timed steps (``row["steps"]``)."""
     counted = row["dense_steps"] + row["sparse_steps"]
-    full = row.get("exact", {}).get("full_row_steps_beside_sparse", 0)
-    return tuple(n * row["steps"] / counted for n in (row["dense_steps"], row["sparse_steps"], full))
-
-
-def _seconds(n: tuple[float, float, float], dense: float, sparse: float, batch: int) -> float:
-    """What a row's timed steps cost at these step costs."""
-    return n[0] * dense + n[1] * sparse + n[2] * (dense - sparse) / batch
+    return row["dense_steps"] * row["steps"] / counted, row["sparse_steps"] * row["steps"] / counted
 
 
 def step_costs(gpu: dict) -> dict:
@@ -58,9 +49,8 @@ def step_costs(gpu: dict) -> dict:
     sparse = {}
     for budget in (512, 2048):
         row = rows[f"dustin_exact@{budget}"]
-        n_dense, n_sparse, n_full = _timed(row)
-        batch = row["batch"] if n_full else 1
-        sparse[budget] = (row["seconds"] - n_dense * dense - n_full * dense / batch) / (n_sparse - n_full / batch)
+        n_dense, n_sparse = _timed(row)
+        sparse[budget] = (row["seconds"] - n_dense * dense) / n_sparse
     return {"dense": dense, "sparse_512": sparse[512], "sparse_2048": sparse[2048],
             "sparse_per_position": (sparse[2048] - sparse[512]) / (2048 - 512)}
 
@@ -83,7 +73,8 @@ def cases(run: dict, costs: dict) -> list[dict]:
         label = exact["method"].partition("@")[2]
         budget = int(label) if label else run["exact_mode"]["budget"][0]
         sparse = costs["sparse_2048"] + (budget - 2048) * costs["sparse_per_position"]
-        exact_rate = exact["tokens"] / _seconds(_timed(exact), costs["dense"], sparse, exact.get("batch", 1))
+        n_dense, n_sparse = _timed(exact)
+        exact_rate = exact["tokens"] / (n_dense * costs["dense"] + n_sparse * sparse)
         out.append({"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
                     "spec_sparse_draft": {k: base[k] for k in keep},
                     "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]},
@@ -110,9 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
         e = c["dustin_exact"]
         print(f"budget {c['budget']:5d}  confirmed {e['exact']['confirmed_fraction']:.3f}  "
               f"{e['exact']['tokens_per_confirmation']:.2f} tokens/confirmation  dense steps {e['dense_steps']} of "
-              f"{e['dense_steps'] + e['sparse_steps']}, rows read in full beside sparse ones "
-              f"{e['exact'].get('full_row_steps_beside_sparse', 0)}  ESTIMATE exact / baseline "
-              f"{c['ESTIMATE_exact_over_baseline']:.3f}  ({', '.join(c['predictions'])})")
+              f"{e['dense_steps'] + e['sparse_steps']}  ESTIMATE exact / baseline {c['ESTIMATE_exact_over_baseline']:.3f}"
+              f"  ({', '.join(c['predictions'])})")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -418,10 +418,14 @@ class SpeculativeDecoder:
         seqlens = [n - 1 for n in rows.held]  # L_b: cached positions (committed + tentative, the last not cached)
         base = device_tensor(seqlens, device)
         short = dense_rows(seqlens, cfg)  # read in full anyway: what they accept is exact and committed at once
-        # each row confirms on its own schedule: a confirming row reads everything it holds, the others their
-        # selection, in one forward (the kernels' full rows: one launch shape, so one CUDA graph, for any mix)
-        confirming = [not done and schedule.wants(b, rows.tentative[b]) for b, done in enumerate(rows.finished)]
-        dense = [s or c or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
+        wanted = [not done and schedule.wants(b, rows.tentative[b]) for b, done in enumerate(rows.finished)]
+        # greedy: one confirming row makes the step dense for it, and every row holding tentative tokens confirms
+        # with it (a greedy row's tokens do not depend on when it confirms). Sampling: each row on its own schedule,
+        # since when a row confirms decides which draws it makes
+        confirming = wanted if self.do_sample else [rows.tentative[b] > 0 and any(wanted) for b in range(batch)]
+        # greedy: a confirming step reads every row densely (one dense kernel, not a mixed step)
+        everyone = not self.do_sample and any(confirming)
+        dense = [s or c or everyone or schedule.dense(b) for b, (s, c) in enumerate(zip(short, confirming))]
 
         # 1. Draft d_1..d_γ after everything each row holds (its tentative tokens included).
         sparse = not all(short)
@@ -534,8 +538,6 @@ class SpeculativeDecoder:
         self._settle(target, draft, starts, kept, captured)
         if any(confirming):
             schedule.stats.confirm_steps += 1
-        if reads is not None:
-            schedule.stats.full_beside_sparse += sum(dense[b] for b in active)
         self._clock.mark("commit")
 
         self.stats.record_step(gammas, accepted, counts, active,
@@ -720,8 +722,7 @@ class SpeculativeDecoder:
             cached = before if i == 0 else before + 1 + i  # the forward's rows hold this many positions
             out = draft.step_ahead(feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
                                    indices=None if reads is None else reads.indices,
-                                   num_indices=None if reads is None else reads.ahead(cached - base),
-                                   full_rows=reads is not None and any(reads.dense))
+                                   num_indices=None if reads is None else reads.ahead(cached - base))
             if out is None:  # this shape has no graph yet
                 break
             outputs.append(out)

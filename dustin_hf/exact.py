@@ -15,10 +15,11 @@ would stop within its tentative tokens (EOS, length, a stopping criterion: only 
 The limit adapts per row: after a confirmation that rejected some tentative tokens it drops to the number it
 kept (a row whose sparse steps keep being wrong confirms sooner; at 0 it verifies densely every step, as the
 lossless sparse-draft baseline does, and probes one tentative token again after ``confirm_every`` dense steps);
-after one that kept them all it doubles, up to ``confirm_tokens``. Rows confirm on their own schedules: a confirming
-row reads everything it holds in the same forward in which the others read their selections (the attention kernels'
-full rows), so a row's confirmations cost its own dense reads, not the batch's. Greedy rows never drop below a limit
-of 1 (``min_limit``).
+after one that kept them all it doubles, up to ``confirm_tokens``. When one row confirms, every row holding
+tentative tokens confirms in the same forward, and in a greedy batch every other row verifies densely in it too:
+the step reads densely anyway (one dense kernel for the batch), rows that confirm together keep their sparse steps
+in phase, and a greedy row's tokens do not depend on when it confirms (confirmation is exact whenever it happens).
+Greedy rows never drop below a limit of 1 (``min_limit``), so sparse steps stay sparse for the whole batch.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class ExactStats:
     committed_by_confirmations: int = 0  # tokens committed by confirm steps (confirmed + drafts + the target's own)
     dense_rows: int = 0  # row-steps verified densely without tentative tokens (short contexts, limit 0)
     sparse_rows: int = 0  # row-steps verified sparsely (tentative)
-    full_beside_sparse: int = 0  # row-steps read in full in a forward where other rows read their selection
 
     def as_dict(self) -> dict:
         checked = self.tentative_confirmed + self.tentative_rejected
@@ -57,7 +57,6 @@ class ExactStats:
             else 0.0,
             "dense_row_steps": self.dense_rows,
             "sparse_row_steps": self.sparse_rows,
-            "full_row_steps_beside_sparse": self.full_beside_sparse,
         }
 
 
@@ -70,8 +69,10 @@ class ConfirmSchedule:
         confirm_tokens: the most tentative tokens a row holds before it confirms (0: every verification dense).
         confirm_every: sparse steps after which a row confirms at the latest (and dense steps after which a row
             at limit 0 tries one tentative token again).
-        min_limit: the lowest a row's limit drops after a rejection (greedy batches: 1, the setting exact mode's
-            speed was measured with; sampling: 0).
+        min_limit: the lowest a row's limit drops after a rejection (greedy batches: 1, so that no row verifies
+            densely alone: its dense reads would make the batch's sparse steps mixed, which read that row's whole
+            cache through the sparse kernel and run without CUDA graphs; one tentative token and the batch's next
+            confirmation cost less).
     """
 
     batch: int

@@ -63,21 +63,3 @@ def test_a_replay_of_several_budgets_prices_each_row_at_its_own():
 def test_a_gpu_run_without_both_exact_budgets_is_refused():
     with pytest.raises(SystemExit, match="dustin_exact@512"):
         exact_context.step_costs({"rows": GPU["rows"][:2]})
-
-
-def test_rows_read_in_full_beside_sparse_ones_cost_their_share_of_a_dense_step():
-    """A confirming row beside sparse ones (exact mode's own schedules) adds (D - S) / B to its step, in the fit
-    and in the estimate: a GPU row built so recovers S, and a replay with such rows is priced with them."""
-    full = 64  # row-steps, batch 16: as 4 dense steps' worth of the difference
-    seconds = 40 * 0.010 + 60 * 0.008 + full * (0.010 - 0.008) / 16
-    gpu = {"rows": [GPU["rows"][0], GPU["rows"][2],
-                    {**_row("dustin_exact@2048", seconds, 40, 60), "batch": 16,
-                     "exact": {"full_row_steps_beside_sparse": full * (100 + WARMUP) / 100}}]}
-    costs = exact_context.step_costs(gpu)
-    assert costs["sparse_2048"] == pytest.approx(0.008)
-    run = {"command": "python e2e.py --predictions x.json", "exact_mode": {"budget": [2048]},
-           "rows": [_row("spec_sparse_draft", 9.9, 100, 0, tokens=200),
-                    {**_row("dustin_exact", 9.9, 0, 100, tokens=300), "batch": 16,
-                     "exact": {"full_row_steps_beside_sparse": 160 * (100 + WARMUP) / 100}}]}
-    (out,) = exact_context.cases(run, costs)
-    assert out["ESTIMATE_exact_over_baseline"] == pytest.approx((300 / (100 * 8 + 160 * 2 / 16)) / (200 / 1000))
