@@ -19,7 +19,10 @@ after one that kept them all it doubles, up to ``confirm_tokens``. When one row 
 tentative tokens confirms in the same forward, and in a greedy batch every other row verifies densely in it too:
 the step reads densely anyway (one dense kernel for the batch), rows that confirm together keep their sparse steps
 in phase, and a greedy row's tokens do not depend on when it confirms (confirmation is exact whenever it happens).
-Greedy rows never drop below a limit of 1 (``min_limit``), so sparse steps stay sparse for the whole batch.
+Confirming each greedy row on its own schedule instead (its full reads beside the others' selections in one launch)
+ran slower: 1.41x classic against 1.51x on an H200 (``e2e_h200_exact_own_schedules.json``): fewer rows read in
+full, but more steps, each paying the step's fixed cost. Greedy rows never drop below a limit of 1
+(``min_limit``), so sparse steps stay sparse for the whole batch.
 """
 
 from __future__ import annotations
@@ -70,9 +73,8 @@ class ConfirmSchedule:
         confirm_every: sparse steps after which a row confirms at the latest (and dense steps after which a row
             at limit 0 tries one tentative token again).
         min_limit: the lowest a row's limit drops after a rejection (greedy batches: 1, so that no row verifies
-            densely alone: its dense reads would make the batch's sparse steps mixed, which read that row's whole
-            cache through the sparse kernel and run without CUDA graphs; one tentative token and the batch's next
-            confirmation cost less).
+            densely alone: its dense reads would make the batch's sparse steps mixed, and one tentative token and
+            the batch's next confirmation cost less).
     """
 
     batch: int
