@@ -19,9 +19,8 @@ after one that kept them all it doubles, up to ``confirm_tokens``. When one row 
 tentative tokens confirms in the same forward, and in a greedy batch every other row verifies densely in it too:
 the step reads densely anyway (one dense kernel for the batch), rows that confirm together keep their sparse steps
 in phase, and a greedy row's tokens do not depend on when it confirms (confirmation is exact whenever it happens).
-Confirming each greedy row on its own schedule instead (its full reads beside the others' selections in one launch)
-ran slower: 1.41x classic against 1.51x on an H200 (``e2e_h200_exact_own_schedules.json``): fewer rows read in
-full, but more steps, each paying the step's fixed cost. Greedy rows never drop below a limit of 1
+Confirming each greedy row on its own schedule costs more steps, each paying the step's fixed cost, than it saves
+in rows read in full (``e2e_h200_exact_own_schedules.json``). Greedy rows never drop below a limit of 1
 (``min_limit``), so sparse steps stay sparse for the whole batch.
 """
 
