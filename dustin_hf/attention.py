@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import verify_attention
+from .kernels import full_rows_written, verify_attention
 from .kernels.masked import masked_attention
 from .plan import ForwardPlan
 
@@ -71,10 +71,14 @@ def dustin_attention(
     window = sliding_window if sliding_window is not None and sliding_window < dustin_plan.max_seqlen_k else None
     if window is not None or dustin_plan.hide_new or dustin_plan.attention_weights:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
+        indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
+        if sparse and dustin_plan.full_rows:  # the masked path reads listed positions only
+            indices, num_indices = full_rows_written(indices, num_indices, tensors.cache_seqlens,
+                                                     dustin_plan.max_seqlen_k, dustin_plan.q_len)
         out, weights = masked_attention(
             q, key.transpose(1, 2), value.transpose(1, 2), tensors.cache_seqlens,
             softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-            indices=tensors.indices if sparse else None, num_indices=tensors.num_indices if sparse else None,
+            indices=indices, num_indices=num_indices,
             window=window, hide_new=dustin_plan.hide_new, return_weights=dustin_plan.attention_weights,
         )
         return out, weights
@@ -87,6 +91,7 @@ def dustin_attention(
         indices=tensors.indices if sparse else None,
         num_indices=tensors.num_indices if sparse else None,
         max_seqlen_k=dustin_plan.max_seqlen_k,
+        full_rows=sparse and dustin_plan.full_rows,
         backend=backend,
         tuning=None if dustin_plan.tuning is None else dustin_plan.tuning.verify,
     )

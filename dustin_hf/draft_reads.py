@@ -24,10 +24,11 @@ class DraftReads:
     """The draft's read sets for one step, from ``(selection, seqlens)`` of the last sparse verification.
 
     ``indices`` is ``(B, W)``: for a sparse row the last selection (its ``S`` columns: the budget, or the quality
-    knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification;
-    for a dense row ``0 .. W - 1``, of which it reads its first ``cached`` (all it holds). After the verification
-    a row committed ``k <= γ+1`` tokens and the draft writes up to γ more, so at most ``extra = 2γ`` positions are
-    new (more in exact mode: :meth:`extra_for`); ``W`` is ``S + extra``, or more when a dense row holds more.
+    knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification.
+    A dense row reads all it holds through its count (:attr:`~dustin_hf.selection.Selection.full_rows`), whatever
+    its index row says. After the verification a row committed ``k <= γ+1`` tokens and the draft writes up to γ
+    more, so at most ``extra = 2γ`` positions are new (more in exact mode: :meth:`extra_for`); ``W`` is
+    ``S + extra``.
     """
 
     indices: torch.Tensor
@@ -56,8 +57,7 @@ class DraftReads:
         dense = [c >= n for c, n in zip(selection.counts, seqlens)]  # read in full (count = the row's length)
         if all(dense):
             return None
-        columns = max(config.budget, config.max_budget)  # a sparse row's selection never needs more
-        width = max([columns + extra] + [n + extra for n, d in zip(seqlens, dense) if d])
+        width = max(config.budget, config.max_budget) + extra  # a sparse row's selection never needs more
         device = selection.indices.device
         picked = selection.indices[:, : min(width, selection.indices.shape[1])]
         picked = torch.nn.functional.pad(picked, (0, width - picked.shape[1]))
@@ -66,16 +66,14 @@ class DraftReads:
         count = device_tensor(selection.counts, device, torch.int32)[:, None]
         since = (device_tensor(seqlens, device, torch.int32)[:, None] + column - count).clamp_max(capacity - 1)
         sparse_part = torch.where(column < count, picked, since)
-        if any(dense):
-            everything = column.clamp_max(capacity - 1).expand_as(sparse_part)
-            sparse_part = torch.where(device_tensor(dense, device)[:, None], everything, sparse_part)
         return cls(sparse_part.contiguous(), list(seqlens), list(selection.counts), dense, extra)
 
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
         counts = [n if d else c + min(max(n - base, 0), self.extra_slots)
                   for c, n, base, d in zip(self.counts, cached, self.base, self.dense)]
-        return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts)
+        return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts,
+                         full_rows=any(self.dense))
 
     def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
         """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""

@@ -61,6 +61,8 @@ class ForwardPlan:
             query of a masked last input slot, which stock transformers never lets see itself).
         read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
             whose window fits in it reads its whole window instead of the selection within it.
+        full_rows: a row whose count covers all it holds reads everything, its index row not listing it
+            (:attr:`~dustin_hf.selection.Selection.full_rows`; the kernels' ``full_rows``).
         attention_weights: the attention function returns its probabilities (``output_attentions``; a slower path).
         tuning: the kernels' launch heuristics (``None``: the defaults).
     """
@@ -79,6 +81,7 @@ class ForwardPlan:
     position_shift: tuple[list[int], list[int]] | None = None
     hide_new: bool = False
     read_budget: int = 0
+    full_rows: bool = False
     attention_weights: bool = False
     tuning: KernelTuning | None = None
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)

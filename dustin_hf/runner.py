@@ -87,11 +87,12 @@ class ModelRunner:
         """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
         or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
         indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
-        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True)
+        full_rows = selection is not None and selection.full_rows
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True, full_rows=full_rows)
         if graphed is None:  # no graphs, or a rare width: not worth a graph
             plan = ForwardPlan(
                 rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
-                indices=indices, num_indices=num_indices,
+                indices=indices, num_indices=num_indices, full_rows=full_rows,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
                 position_shift=self.position_shift, read_budget=self.graph_width, tuning=self.tuning,
@@ -101,26 +102,29 @@ class ModelRunner:
         return graphed(input_ids, seqlens, indices, num_indices)
 
     def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
-                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None):
+                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None,
+                   full_rows: bool = False):
         """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
         the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
         queued: run :meth:`step` once the lengths are known)."""
-        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False)
+        graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False, full_rows=full_rows)
         if graphed is None or not graphed.replayable:
             return None
         return graphed(input_ids, seqlens, indices, num_indices)
 
     def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
-                 create: bool) -> GraphedForward | None:
+                 create: bool, full_rows: bool = False) -> GraphedForward | None:
         """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
-        than :attr:`graph_width` (rare, not worth a graph)."""
+        than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
+        (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
         if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
                 or any(self.record):
             return None
-        key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last
+        key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
         if key not in self._graphs and create:
-            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last)
+            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last,
+                                               full_rows=full_rows and width > 0)
         return self._graphs.get(key)
 
     @property

@@ -40,6 +40,9 @@ class Selection:
     counts: list[int]  # num_indices on the host
     recovery: list[float] | None = None  # the quality knob: each row's estimated recovery (1.0: read in full)
     fallback: list[bool] | None = None  # the quality knob: rows read in full because the ceiling fell short
+    # some row reads everything it holds through its count alone (count >= its cached length), its index row not
+    # listing it: the attention kernels' ``full_rows`` (one fixed width, so a CUDA graph, whatever the mix of rows)
+    full_rows: bool = False
 
 
 def dense_rows(seqlens: list[int], config: ResolvedConfig) -> list[bool]:
@@ -211,6 +214,7 @@ def select_by_recovery(
     lengths: torch.Tensor | None = None,
     counts: list[int] | None = None,
     window: int | None = None,
+    full_rows: bool = False,
 ) -> Selection:
     """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
     positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
@@ -219,7 +223,8 @@ def select_by_recovery(
     ceiling, or more when a row is read in full. ``counts`` (benchmarks replaying recorded budgets): each row's
     size instead of the one the target asks for (a count reaching the row's context reads it in full).
     ``window``: a sliding window every layer has: only ``[L - window + 1, L)`` holds candidates (and mass), and the
-    sinks are the window's first positions."""
+    sinks are the window's first positions. ``full_rows``: a row read in full is named by its count alone
+    (:attr:`Selection.full_rows`), so ``W`` stays the ceiling."""
     device = draft_scores.device
     batch, span = draft_scores.shape
     lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
@@ -258,13 +263,13 @@ def select_by_recovery(
     estimate = torch.where(whole, torch.ones_like(reached[:, 0]), (mass * chosen).sum(dim=1))
     host = torch.stack([counts_t.float(), estimate, out_of_reach.float()]).tolist()  # one sync: counts size the sets
     counts = [int(c) for c in host[0]]
-    width = max([ceiling] + counts)  # a fixed width (the ceiling) while every row fits it
+    width = ceiling if full_rows else max([ceiling] + counts)  # a fixed width (the ceiling) while every row fits it
     order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]  # chosen first, in order
     order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
     indices = torch.where(torch.arange(width, device=device)[None, :] < counts_t[:, None], order, 0)
     fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
     return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
-                     fallback=fallback)
+                     fallback=fallback, full_rows=full_rows and any(c > ceiling for c in counts))
 
 
 def truncated(selection: Selection, limits: list[int], seqlens: list[int], recent: int) -> Selection:
@@ -286,22 +291,22 @@ def truncated(selection: Selection, limits: list[int], seqlens: list[int], recen
         else:
             break
     if len(counts) == len(limits):
-        return Selection(selection.indices, device_tensor(counts, device, torch.int32), counts)
+        return Selection(selection.indices, device_tensor(counts, device, torch.int32), counts,
+                         full_rows=selection.full_rows)
     column = torch.arange(selection.indices.shape[1], device=device)[None, :]
     keep = (column < selection.num_indices[:, None].to(device)) & (selection.indices < device_tensor(limits, device)[:, None])
     counts_t = keep.sum(dim=1).to(torch.int32)
-    return Selection(selection.indices, counts_t, [int(c) for c in counts_t.tolist()])
+    full = [count >= n for count, n in zip(selection.counts, seqlens)]
+    if any(full):  # read in full (perhaps not listed: full_rows): 0 .. limit - 1
+        whole = device_tensor([min(limit, n) for limit, n in zip(limits, seqlens)], device, torch.int32)
+        counts_t = torch.where(device_tensor(full, device), whole, counts_t)
+    return Selection(selection.indices, counts_t, [int(c) for c in counts_t.tolist()], full_rows=selection.full_rows)
 
 
 def with_dense_rows(selection: Selection, starts: list[int], dense: list[bool]) -> Selection:
     """The read sets of a step where some rows read everything they hold (``starts[b]`` positions) and the others
-    their selection: the dense rows' entries are ``0 .. starts[b] - 1``."""
-    device = selection.indices.device
-    width = max([selection.indices.shape[1]] + [s for s, d in zip(starts, dense) if d])
-    indices = selection.indices
-    if width > indices.shape[1]:
-        indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
-    everything = torch.arange(width, device=device, dtype=torch.int32).expand_as(indices)
-    indices = torch.where(device_tensor(dense, device)[:, None], everything, indices)
+    their selection: a dense row's count is ``starts[b]`` (:attr:`Selection.full_rows`), the index tensor keeps its
+    width."""
     counts = [s if d else c for s, c, d in zip(starts, selection.counts, dense)]
-    return Selection(indices.contiguous(), device_tensor(counts, device, torch.int32), counts)
+    return Selection(selection.indices, device_tensor(counts, selection.indices.device, torch.int32), counts,
+                     full_rows=selection.full_rows or any(dense))

@@ -103,8 +103,10 @@ class Selector:
                                              backend=score_backend, tuning=self.tuning.score).to(lengths.device)
         if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
             counts = None if self.budgets is None else self.budgets(seqlens)
+            # a row read in full by its count (one width, so the target's CUDA graph); within a sliding window a
+            # row reads its window, which only a listing says
             return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts,
-                                      window=self.window)
+                                      window=self.window, full_rows=self.window is None)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
                                 backend="auto" if triton else "reference", window=self.window,

@@ -215,6 +215,25 @@ def test_exact_mode_equals_greedy_on_cuda_with_graphs(sparse_draft, lengths):
         assert stats["steps_drafted_ahead"] > stats["sparse_steps"]
 
 
+def test_quality_knob_reads_rows_in_full_inside_the_graph():
+    """A target out of reach of a small ceiling: every row reads in full through its count (the kernels' full
+    rows, the read width still the ceiling), so the target's sparse forwards replay a CUDA graph, and the output is
+    greedy's."""
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500, 2100)]
+    ids, mask = left_pad(rows)
+    greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
+    knob = DustinConfig(budget=64, min_context=1024, backend="triton", min_recovery=1.0, max_budget=128,
+                        sparse_draft=True)
+    with dustin_hf.patch(target, knob):
+        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
+                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert torch.equal(out.sequences, greedy)
+    assert stats["knob"]["dense_fallbacks"] > 0 and stats["sparse_steps"] > 0
+    assert stats["cuda_graphs"]["target"]["captured"] >= 1 and not stats["cuda_graphs"]["target"]["failed"]
+
+
 def test_quality_knob_and_masked_rows_on_cuda():
     """The knob's per-row counts through the Triton sparse kernel (a target of 1.0: greedy's output), a tril mask
     (a masked last slot) and right padding, against stock greedy on the same batch."""

@@ -251,9 +251,11 @@ class GraphedForward:
         width: columns of the sparse read set (0: dense).
         keep: logits kept per row (the last ``keep`` positions).
         capture, capture_last: scoring queries to keep (see :class:`~dustin_hf.plan.ForwardPlan`).
+        full_rows: rows may read in full through their counts (:attr:`~dustin_hf.plan.ForwardPlan.full_rows`).
     """
 
-    def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool):
+    def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool,
+                 full_rows: bool = False):
         batch, pipeline = runner.cache.batch_size, runner.pipeline
         self.runner, self.q_len, self.keep = runner, q_len, keep
         self.input_ids = torch.zeros(batch, q_len, dtype=torch.long, device=pipeline.stages[0].device)
@@ -266,6 +268,7 @@ class GraphedForward:
             rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
             capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
             dense_layers=runner.dense_layers, read_budget=runner.graph_width, tuning=runner.tuning,
+            full_rows=full_rows,
         )
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.inputs: list[dict[str, torch.Tensor]] = []  # per stage: the buffers its input state is copied into
