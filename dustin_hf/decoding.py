@@ -722,7 +722,8 @@ class SpeculativeDecoder:
             cached = before if i == 0 else before + 1 + i  # the forward's rows hold this many positions
             out = draft.step_ahead(feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
                                    indices=None if reads is None else reads.indices,
-                                   num_indices=None if reads is None else reads.ahead(cached - base))
+                                   num_indices=None if reads is None else reads.ahead(cached - base),
+                                   full_rows=reads is not None and reads.full_rows)
             if out is None:  # this shape has no graph yet
                 break
             outputs.append(out)

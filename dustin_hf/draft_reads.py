@@ -68,12 +68,17 @@ class DraftReads:
         sparse_part = torch.where(column < count, picked, since)
         return cls(sparse_part.contiguous(), list(seqlens), list(selection.counts), dense, extra)
 
+    @property
+    def full_rows(self) -> bool:
+        """Whether some row reads in full through its count: the forwards' :attr:`Selection.full_rows`."""
+        return any(self.dense)
+
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
         counts = [n if d else c + min(max(n - base, 0), self.extra_slots)
                   for c, n, base, d in zip(self.counts, cached, self.base, self.dense)]
         return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts,
-                         full_rows=any(self.dense))
+                         full_rows=self.full_rows)
 
     def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
         """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""

@@ -88,6 +88,13 @@ class ModelRunner:
         or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
         indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
         full_rows = selection is not None and selection.full_rows
+        if selection is not None:  # a count past the width reads past the index rows (a GPU: illegal access)
+            over = [(b, c) for b, (c, n) in enumerate(zip(selection.counts, seqlens))
+                    if c > indices.shape[1] and not (full_rows and c >= n)]
+            if over:
+                raise RuntimeError(f"read set rows (row, count) {over[:4]} count more entries than its "
+                                   f"{indices.shape[1]} columns and do not read in full (full_rows={full_rows}); "
+                                   "this is a bug in dustin_hf")
         graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True, full_rows=full_rows)
         if graphed is None:  # no graphs, or a rare width: not worth a graph
             plan = ForwardPlan(
@@ -102,11 +109,12 @@ class ModelRunner:
         return graphed(input_ids, seqlens, indices, num_indices)
 
     def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
-                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None,
-                   full_rows: bool = False):
+                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None, *,
+                   full_rows: bool):
         """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
         the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
-        queued: run :meth:`step` once the lengths are known)."""
+        queued: run :meth:`step` once the lengths are known). ``full_rows`` is :attr:`Selection.full_rows` of the
+        read set (no default: a count past the width without it reads past the index rows)."""
         graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False, full_rows=full_rows)
         if graphed is None or not graphed.replayable:
             return None

@@ -119,8 +119,8 @@ def qwen_pair():
     return target, set_gamma(noisy_copy(target), 4)
 
 
-def eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None,
-                     full_rows=False):
+def eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None, *,
+                     full_rows):
     """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly (monkeypatch it in): the rows' lengths
     come from the device values (a replay reads nothing else; the host's lengths are only settled after the step's
     sync)."""

@@ -85,15 +85,16 @@ def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
 def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     """The next step's first draft forwards (all γ when greedy: tokens only), queued from device values before
     the step's sync (CUDA graphs only; run eagerly here), give the same tokens as running them after the
-    sync, with rows finishing at EOS and at their length on different steps."""
+    sync, with rows finishing at EOS and at their length on different steps, and a row below ``min_context``
+    (read in full, its sparse-draft count past the read set's width: ``full_rows``)."""
     from dustin_hf.runner import ModelRunner
 
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target), 3)
-    rows = [random_prompt(n, seed=20 + n)[0] for n in (700, 420, 560)]
+    rows = [random_prompt(n, seed=20 + n)[0] for n in (700, 420, 560, 180)]
     ids, mask = left_pad(rows)
     alone = [_alone(target, row, max_new_tokens=24) for row in rows]
-    others = set(torch.cat([alone[0], alone[2]]).tolist())
+    others = set(torch.cat([alone[0], alone[2], alone[3]]).tolist())
     eos = next(int(t) for t in alone[1][2:12] if int(t) not in others)  # row 1 ends early, the others do not
     config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=mode == "sparse_draft")
     kwargs = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, do_sample=mode == "sampled",
