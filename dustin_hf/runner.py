@@ -137,9 +137,11 @@ class ModelRunner:
 
     @property
     def graph_report(self) -> dict:
-        """Shapes captured and replayed, and why any capture failed (those shapes ran eagerly)."""
+        """Shapes captured and replayed (``full_rows``: of them, sparse ones whose rows may read in full), and why
+        any capture failed (those shapes ran eagerly)."""
         graphs = self._graphs or {}
         return {"captured": sum(g.graphs is not None for g in graphs.values()),
+                "full_rows": sum(g.graphs is not None and g.plan.full_rows for g in graphs.values()),
                 "failed": [g.failed for g in graphs.values() if g.failed]}
 
     def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict,

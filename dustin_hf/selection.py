@@ -60,8 +60,12 @@ def select_positions(
     backend: str = "auto",
     window: int | None = None,
     tuning: SelectTuning | None = None,
+    full_rows: bool = False,
 ) -> Selection:
-    """Choose each row's read set.
+    """Choose each row's read set: ``budget`` positions, or everything for a row :func:`dense_rows` reads in
+    full, which lists ``0 .. L_b - 1`` (``W`` widened to the longest), or with ``full_rows`` beside sparse rows is
+    named by its count alone (:attr:`Selection.full_rows`: ``W`` stays the budget, so the decode loop's forwards
+    keep their CUDA graphs).
 
     Args:
         seqlens: cached positions ``L_b`` per row (host ints).
@@ -75,6 +79,7 @@ def select_positions(
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
             window the budget covers is read whole). ``None``: the whole context.
         tuning: the Triton selection's launch heuristic (``None``: the default).
+        full_rows: name rows read in full by their counts (outside sliding windows, as above).
     """
     if window is not None and any(n - window + 1 > 0 for n in seqlens):
         return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window, tuning)
@@ -102,6 +107,8 @@ def select_positions(
                                            recent=recent, share=share, fill=fill, tuning=tuning)  # (B, budget)
     else:
         indices = _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
+    if any(dense) and full_rows:  # named by their counts, their index rows never read
+        return Selection(indices, device_tensor(counts, device, torch.int32), counts, full_rows=True)
     if any(dense):  # rows read in full: positions 0..L-1 (valid entries first, as counts say)
         if width > indices.shape[1]:
             indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))

@@ -110,7 +110,7 @@ class Selector:
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
                                 backend="auto" if triton else "reference", window=self.window,
-                                tuning=self.tuning.select)
+                                tuning=self.tuning.select, full_rows=True)
 
     @property
     def graph_report(self) -> dict:

@@ -334,11 +334,17 @@ class _Reads:
         for i, (length, n) in enumerate(zip(seqlens, counts)):
             row = plan.rows.start + i
             dense = length <= self.budget or length < self.min_context
-            read = tensors.indices[i, :n].long()
+            if plan.full_rows and n >= length:  # read in full through its count, its index row unread
+                read = torch.arange(length)
+            else:
+                read = tensors.indices[i, :n].long()
             if dense and n != length:
                 self.violations.append(f"layer {layer} row {row}: a dense row (context {length}) read {n} positions")
             elif not dense and n > self.budget:
                 self.violations.append(f"layer {layer} row {row}: read {n} > budget {self.budget} (context {length})")
+            elif n > tensors.indices.shape[1] and not (plan.full_rows and n >= length):
+                self.violations.append(f"layer {layer} row {row}: {n} entries counted in {tensors.indices.shape[1]} "
+                                       "columns, not read in full")
             elif n and (int(read.min()) < 0 or int(read.max()) >= length or bool((read.diff() <= 0).any())):
                 self.violations.append(f"layer {layer} row {row}: read positions outside [0, {length}) or unsorted")
 

@@ -231,7 +231,41 @@ def test_quality_knob_reads_rows_in_full_inside_the_graph():
     stats = out.past_key_values.stats
     assert torch.equal(out.sequences, greedy)
     assert stats["knob"]["dense_fallbacks"] > 0 and stats["sparse_steps"] > 0
-    assert stats["cuda_graphs"]["target"]["captured"] >= 1 and not stats["cuda_graphs"]["target"]["failed"]
+    assert stats["cuda_graphs"]["target"]["full_rows"] >= 1 and not stats["cuda_graphs"]["target"]["failed"]
+
+
+@pytest.mark.parametrize("sparse_draft", [False, True])
+def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_draft):
+    """A short row (below ``min_context``, read in full) beside long ones: its read set is named by its count,
+    so the sparse verification (and the sparse draft) replay CUDA graphs of the budget's width with the full-row
+    launch; the output equals the eager loop's, and the short row's is greedy's."""
+    from transformers import GenerationConfig
+
+    from dustin_hf.config import resolve
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 500, 2100)]
+    ids, mask = left_pad(rows)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 24, pad_token_id=0)
+    dustin = resolve(DustinConfig(budget=64, min_context=1024, backend="triton", sparse_draft=sparse_draft),
+                     target.config, draft.config)
+    outputs = {}
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        for graphs in (False, True):
+            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, num_draft_tokens=4, backend="triton",
+                                         cuda_graphs=None if graphs else False)
+            result = decoder.generate(ids.cuda(), mask.cuda())
+            outputs[graphs] = result.sequences
+            stats = result.cache.stats
+            assert stats["sparse_steps"] > 0
+    report = stats["cuda_graphs"]
+    assert report["target"]["full_rows"] >= 1 and not report["target"]["failed"]
+    assert (report["draft"]["full_rows"] >= 1) == sparse_draft and not report["draft"]["failed"]
+    assert torch.equal(outputs[False], outputs[True])
+    short = target.generate(rows[1][None], max_new_tokens=24, do_sample=False)[0, rows[1].numel():]
+    assert torch.equal(outputs[True][1, ids.shape[1]:], short)
 
 
 def test_quality_knob_and_masked_rows_on_cuda():

@@ -60,6 +60,28 @@ def test_short_rows_are_dense_and_width_covers_them():
     assert row[0] == 0 and row[-1] == 49 and len(set(row)) == 8
 
 
+def test_short_rows_beside_sparse_ones_read_in_full_by_their_count():
+    """With ``full_rows`` (the decode loop's selections) a dense row beside sparse ones keeps the budget's width:
+    its count is its length, and written out (as the kernels read it) it is all of ``0 .. L - 1``; the sparse row
+    is the listing's."""
+    from dustin_hf.kernels import full_rows_written
+
+    cfg = _config(budget=8, sink_tokens=1, recent_tokens=1, draft_share=2, min_context=30)
+    seqlens = [5, 20, 50]
+    scores = torch.rand(3, 50)
+    listed = select_positions(seqlens, scores, scores, [True] * 3, cfg)
+    sel = select_positions(seqlens, scores, scores, [True] * 3, cfg, full_rows=True)
+    assert sel.full_rows and not listed.full_rows
+    assert sel.counts == [5, 20, 8] and sel.num_indices.tolist() == [5, 20, 8] and sel.indices.shape == (3, 8)
+    indices, counts = full_rows_written(sel.indices, sel.num_indices, torch.tensor(seqlens), None, 1)
+    assert counts.tolist() == [5, 20, 8]
+    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == \
+        [listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)]
+    # every row dense: listed as before (no sparse row to keep the width of)
+    alone = select_positions(seqlens[:2], scores[:2, :20], scores[:2, :20], [True] * 2, cfg, full_rows=True)
+    assert not alone.full_rows and alone.indices[1].tolist() == list(range(20))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_scores_give_valid_selections(seed):
     generator = torch.Generator().manual_seed(seed)
