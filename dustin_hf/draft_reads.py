@@ -25,10 +25,10 @@ class DraftReads:
 
     ``indices`` is ``(B, W)``: for a sparse row the last selection (its ``S`` columns: the budget, or the quality
     knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification.
-    A dense row reads all it holds through its count (:attr:`~dustin_hf.selection.Selection.full_rows`), whatever
-    its index row says. After the verification a row committed ``k <= γ+1`` tokens and the draft writes up to γ
+    A dense row reads all it holds through its count (:attr:`~dustin_hf.selection.Selection.full_rows`); its
+    index row is filler, never read. After the verification a row committed ``k <= γ+1`` tokens and the draft writes up to γ
     more, so at most ``extra = 2γ`` positions are new (more in exact mode: :meth:`extra_for`); ``W`` is
-    ``S + extra``.
+    ``S + extra`` (``S`` widened to a sparse row's longer selection, which is rare).
     """
 
     indices: torch.Tensor
@@ -57,7 +57,10 @@ class DraftReads:
         dense = [c >= n for c, n in zip(selection.counts, seqlens)]  # read in full (count = the row's length)
         if all(dense):
             return None
-        width = max(config.budget, config.max_budget) + extra  # a sparse row's selection never needs more
+        # the budget or the knob's ceiling, or more where a sparse row's selection has more (a sliding window's
+        # rows, a replayed count): such a width runs without a CUDA graph
+        columns = max([config.budget, config.max_budget] + [c for c, d in zip(selection.counts, dense) if not d])
+        width = columns + extra
         device = selection.indices.device
         picked = selection.indices[:, : min(width, selection.indices.shape[1])]
         picked = torch.nn.functional.pad(picked, (0, width - picked.shape[1]))

@@ -121,7 +121,7 @@ class ModelRunner:
         return graphed(input_ids, seqlens, indices, num_indices)
 
     def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
-                 create: bool, full_rows: bool = False) -> GraphedForward | None:
+                 create: bool, full_rows: bool) -> GraphedForward | None:
         """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
         than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""

@@ -9,7 +9,8 @@ Per row, one index set shared by all layers and heads (DESIGN.md section 2):
 
 A row is read densely (all of ``[0, L)``) when its context fits the budget or is shorter than
 ``min_context``. Indices come out sorted (sequential reads), as ``(B, W)`` int32 with a per-row
-count; ``W`` is the budget, or longer when a dense row needs more.
+count; ``W`` is the budget, or longer when a dense row is listed (the decode loop's selections name such a row
+by its count instead: :attr:`Selection.full_rows`).
 
 ``backend="reference"`` is the PyTorch code below (the oracle, and the path on CPU);
 ``backend="triton"`` runs :mod:`dustin_hf.kernels.triton_select` (two launches instead of about ten,
@@ -227,8 +228,9 @@ def select_by_recovery(
     positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
     ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
     :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
-    ceiling, or more when a row is read in full. ``counts`` (benchmarks replaying recorded budgets): each row's
-    size instead of the one the target asks for (a count reaching the row's context reads it in full).
+    ceiling, or more when a row read in full is listed (without ``full_rows``) or a replayed count passes it. ``counts`` (benchmarks replaying recorded budgets): each row's
+    size instead of the one the target asks for (a count reaching the row's context reads it in full; one past
+    the ceiling short of it, the forced positions and the ceiling's top entries).
     ``window``: a sliding window every layer has: only ``[L - window + 1, L)`` holds candidates (and mass), and the
     sinks are the window's first positions. ``full_rows``: a row read in full is named by its count alone
     (:attr:`Selection.full_rows`), so ``W`` stays the ceiling."""
@@ -259,7 +261,7 @@ def select_by_recovery(
     if counts is not None:  # replayed sizes: the same order, the given count
         given = device_tensor(counts, device)
         out_of_reach = given >= lengths
-        take = (torch.minimum(given, lengths) - n_forced).clamp_min(0)
+        take = (torch.minimum(given, lengths) - n_forced).clamp(0, depth)  # the ranked entries there are
     rank = torch.full_like(others, depth, dtype=torch.long).scatter_(
         1, top.indices, torch.arange(depth, device=device).expand(batch, depth))  # each position's place in `top`
     dense = dense_rows(seqlens, config)
@@ -270,13 +272,15 @@ def select_by_recovery(
     estimate = torch.where(whole, torch.ones_like(reached[:, 0]), (mass * chosen).sum(dim=1))
     host = torch.stack([counts_t.float(), estimate, out_of_reach.float()]).tolist()  # one sync: counts size the sets
     counts = [int(c) for c in host[0]]
-    width = ceiling if full_rows else max([ceiling] + counts)  # a fixed width (the ceiling) while every row fits it
+    # rows read in full through their counts alone (full_rows, no window: a window's row is listed)
+    unlisted = [full_rows and window is None and (bool(o) or d) for o, d in zip(host[2], dense)]
+    width = max([ceiling] + [c for c, u in zip(counts, unlisted) if not u])  # the ceiling while every row fits it
     order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]  # chosen first, in order
     order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
     indices = torch.where(torch.arange(width, device=device)[None, :] < counts_t[:, None], order, 0)
     fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
     return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
-                     fallback=fallback, full_rows=full_rows and any(c > ceiling for c in counts))
+                     fallback=fallback, full_rows=any(u and c > ceiling for u, c in zip(unlisted, counts)))
 
 
 def truncated(selection: Selection, limits: list[int], seqlens: list[int], recent: int) -> Selection:

@@ -130,10 +130,19 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
     # own selection (each row's reads depend on that row alone)
     dense_row = (Selection(picked, torch.tensor([24, 20], dtype=torch.int32), [24, 20]), [100, 20])
     mixed = DraftReads.after(dense_row, config, 3, 104)
-    assert mixed.indices.shape == (2, 30) and mixed.indices[1].tolist() == list(range(30))
+    assert mixed.indices.shape == (2, 30) and mixed.full_rows  # the dense row is read through its count
     assert mixed.indices[0, :30 - 6].tolist() == picked[0].tolist()
-    assert mixed.at([102, 23]).counts == [26, 23]  # the dense row reads all 23 positions it holds
+    at = mixed.at([102, 23])
+    assert at.counts == [26, 23] and at.full_rows  # the dense row reads all 23 positions it holds
     assert mixed.ahead(torch.tensor([2, 3])).tolist() == [26, 23]
+    assert not reads.full_rows and not reads.at([102, 30]).full_rows
+    # a sparse row whose selection is longer than the budget (a sliding window's row) widens the read set
+    wide = torch.nn.functional.pad(picked, (0, 6))
+    wide[0, 24:] = torch.arange(48, 54)
+    longer = DraftReads.after((Selection(wide, torch.tensor([30, 24], dtype=torch.int32), [30, 24]), [100, 30]),
+                              config, 3, 104)
+    assert longer.indices.shape == (2, 30 + 6) and longer.indices[0, :30].tolist() == wide[0].tolist()
+    assert longer.at([100, 30]).counts == [30, 24]
     every_row_dense = (Selection(picked, torch.tensor([20, 20], dtype=torch.int32), [20, 20]), [20, 20])
     assert DraftReads.after(every_row_dense, config, 3, 104) is None  # nothing sparse: the draft reads everything
     assert DraftReads.after(None, config, 3, 104) is None

@@ -62,6 +62,29 @@ def test_each_row_reads_the_smallest_set_reaching_the_target():
     assert selection.fallback[1]  # the flattest row cannot reach 0.7 in 120 positions
 
 
+def test_full_rows_name_fallbacks_by_their_count_and_list_the_rest():
+    """``full_rows`` (the decode loop's): a fallback row beside sparse ones keeps the ceiling's width and is read in
+    full through its count; written out, every row's reads equal the listed selection's. A replayed count past the
+    ceiling on a row not read in full widens the tensor instead (its entries must be listed)."""
+    from dustin_hf.kernels import full_rows_written
+
+    config = _config(min_recovery=0.7, max_budget=120)
+    lengths = [300, 300, 200, 6]
+    draft, target = _scores(lengths, sharpness=[40.0, 2.0, 12.0, 1.0])
+    listed = select_by_recovery(lengths, draft, target, [True] * 4, config)
+    named = select_by_recovery(lengths, draft, target, [True] * 4, config, full_rows=True)
+    assert listed.fallback[1] and listed.counts[1] == 300 and listed.indices.shape[1] == 300
+    assert named.full_rows and named.indices.shape[1] == config.max_budget and named.counts == listed.counts
+    indices, counts = full_rows_written(named.indices, named.num_indices, torch.tensor(lengths), None, 1)
+    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == \
+        [listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)]
+    replayed = select_by_recovery(lengths, draft, target, [True] * 4, config, counts=[150, 300, 40, 6],
+                                  full_rows=True)
+    assert replayed.counts == [124, 300, 40, 6]  # the sinks and recent ones, then the ceiling's top entries
+    assert replayed.indices.shape[1] == 124 and replayed.full_rows  # row 0 is listed past the ceiling
+    assert int(replayed.indices[0, :124].max()) < 300 and len(set(replayed.indices[0, :124].tolist())) == 124
+
+
 def test_the_floor_holds_when_a_few_positions_reach_the_target():
     config = _config(min_recovery=0.3, max_budget=64, budget=32)
     draft, target = _scores([200], sharpness=[80.0])
@@ -112,3 +135,21 @@ def test_budget_summary_and_correlation():
     tied = correlation([1, 1, 2, 3], [2, 2, 3, 9])  # ties share their mean rank: the ranks are equal
     assert tied["spearman"] == pytest.approx(1.0) and 0.9 < tied["pearson"] < 1
     assert correlation([1, 2], [2, 1])["pearson"] is None and correlation([1, 1, 1], [1, 2, 3])["pearson"] is None
+
+
+def test_a_window_longer_than_the_ceiling_with_the_sparse_draft():
+    """Every layer windowed (Mistral, window 40) and a target out of the ceiling's reach: each row reads its whole
+    window (listed, longer than the ceiling), so the sparse draft's read sets widen to hold it, and the output is
+    stock greedy's."""
+    target = tiny_model("mistral", layers=2, sliding_window=40)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (130, 95)])
+    greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
+    config = DustinConfig(budget=8, max_budget=16, min_recovery=1.0, min_context=0, sink_tokens=2, recent_tokens=4,
+                          sparse_draft=True)
+    with dustin_hf.patch(target, config):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
+                              pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert torch.equal(out.sequences, greedy)
+    assert stats["sparse_steps"] > 0 and stats["draft_sparse_forwards"] > 0 and stats["knob"]["budget_max"] > 16

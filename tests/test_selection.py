@@ -121,7 +121,7 @@ def test_truncated_keeps_each_rows_entries_below_its_limit():
     assert truncated(selection, [0, 3], seqlens, recent=2).counts == [0, 2]
 
 
-@pytest.mark.parametrize("kind", ["fill", "window", "short_window", "knob"])
+@pytest.mark.parametrize("kind", ["fill", "window", "short_window", "knob", "fill_full_rows", "knob_full_rows"])
 @pytest.mark.parametrize("seed", range(3))
 def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     """Cuts inside each row's recent window (exact mode's: a row's tentative positions are its last few) and rows
@@ -132,19 +132,25 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
 
     generator = torch.Generator().manual_seed(seed)
     fields = dict(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)
-    if kind == "knob":
+    if kind.startswith("knob"):
         fields.update(draft_share=0, min_recovery=0.9, max_budget=96)
     cfg = _config(**fields)
+    full_rows = kind.endswith("full_rows")  # row 0 named by its count, its index row unread
     seqlens = torch.randint(33, 300, (6,), generator=generator).tolist()
     seqlens[0], seqlens[3] = 60, 250  # row 0 below min_context (read in full), row 3 sparse
     draft, target = torch.rand(6, max(seqlens), generator=generator), torch.rand(6, max(seqlens), generator=generator)
     window = {"window": 120, "short_window": 6}.get(kind)
-    if kind == "knob":
-        sel = select_by_recovery(seqlens, draft, target, [True] * 6, cfg)
+    if kind.startswith("knob"):
+        sel = select_by_recovery(seqlens, draft, target, [True] * 6, cfg, full_rows=full_rows)
     else:
-        sel = select_positions(seqlens, draft, target, [True] * 6, cfg, window=window)
+        sel = select_positions(seqlens, draft, target, [True] * 6, cfg, window=window, full_rows=full_rows)
+    assert sel.full_rows == full_rows  # row 0 below min_context (fill), the knob's fallbacks past its ceiling
+    for b in range(6) if full_rows else ():  # never read: a row read in full counts 0 .. limit - 1 after a cut
+        if sel.counts[b] >= seqlens[b]:
+            sel.indices[b] = -1
     limits = [n - int(torch.randint(0, min(8, c) + 1, (1,), generator=generator)) for n, c in zip(seqlens, sel.counts)]
-    expected = [int(((sel.indices[b, : sel.counts[b]]) < limits[b]).sum()) for b in range(6)]
+    expected = [min(limits[b], n) if c >= n else int(((sel.indices[b, :c]) < limits[b]).sum())
+                for b, (c, n) in enumerate(zip(sel.counts, seqlens))]
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the counts back from the device"))
     cut = truncated(sel, limits, seqlens, recent=8)
     monkeypatch.undo()
@@ -152,5 +158,5 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     # row 3 cut below its recent window (a short window: below the window, inside recent_tokens): counted on the
     # device, still right
     limits[3] = seqlens[3] - (7 if kind == "short_window" else 20)
-    expected[3] = int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
+    expected[3] = limits[3] if sel.counts[3] >= seqlens[3] else int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
     assert truncated(sel, limits, seqlens, recent=8).counts == expected
