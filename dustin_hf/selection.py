@@ -228,9 +228,10 @@ def select_by_recovery(
     positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
     ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
     :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
-    ceiling, or more when a row read in full is listed (without ``full_rows``) or a replayed count passes it. ``counts`` (benchmarks replaying recorded budgets): each row's
-    size instead of the one the target asks for (a count reaching the row's context reads it in full; one past
-    the ceiling short of it, the forced positions and the ceiling's top entries).
+    ceiling, or more when a row read in full is listed (without ``full_rows``) or a replayed count passes it.
+    ``counts`` (benchmarks replaying recorded budgets): each row's size instead of the one the target asks for (a
+    count reaching the row's context reads it in full; one past the ceiling short of it, the forced positions and
+    the ceiling's top entries).
     ``window``: a sliding window every layer has: only ``[L - window + 1, L)`` holds candidates (and mass), and the
     sinks are the window's first positions. ``full_rows``: a row read in full is named by its count alone
     (:attr:`Selection.full_rows`), so ``W`` stays the ceiling."""

@@ -145,8 +145,8 @@ def test_a_window_longer_than_the_ceiling_with_the_sparse_draft():
     draft = set_gamma(noisy_copy(target), 3)
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (130, 95)])
     greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
-    config = DustinConfig(budget=8, max_budget=16, min_recovery=1.0, min_context=0, sink_tokens=2, recent_tokens=4,
-                          sparse_draft=True)
+    config = DustinConfig(budget=8, max_budget=16, min_recovery=1.0, min_context=0, sink_tokens=2,
+                          recent_tokens=4, sparse_draft=True)
     with dustin_hf.patch(target, config):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
                               pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
