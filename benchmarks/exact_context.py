@@ -9,8 +9,9 @@ not depend on the models or the device, so ``benchmarks/e2e.py --smoke --batches
 ``spec_sparse_draft`` and ``dustin_exact`` rows, and prices their steps with two costs fitted from the GPU run:
 
 * ``D``, a dense step: ``spec_sparse_draft``'s seconds over its timed steps (every step of it is dense);
-* ``S(budget)``, a sparse step of exact mode: from ``dustin_exact@2048`` and ``@512``,
-  ``(seconds - n_dense * D) / n_sparse``, linear in the budget between and beyond them.
+* ``S(budget)``, a sparse step of exact mode: ``(seconds - n_dense * D) / n_sparse`` of each exact-mode row
+  (``dustin_exact@BUDGET``, or ``dustin_exact`` at the run's exact budget); a replay at a budget the run did not
+  time is priced on the line through the smallest and largest timed budgets (``--exact-budget 2048 512``).
 
 A row's ``seconds`` and ``tokens`` leave out the first ``e2e.WARMUP_STEPS`` steps, its dense / sparse step counts
 do not; the counts are scaled to the timed steps (the warm-up taken to split like the rest). The estimate is exact
@@ -40,19 +41,43 @@ def _timed(row: dict) -> tuple[float, float]:
 
 
 def step_costs(gpu: dict) -> dict:
-    """``D`` and ``S`` at 512 and 2048 (seconds) from the GPU run's rows."""
+    """``D`` and ``S`` at each budget the GPU run timed exact mode at (seconds); with two budgets or more, also
+    ``sparse_per_position``, the slope through the smallest and the largest (else ``None``)."""
     rows = {r["method"]: r for r in gpu["rows"]}
-    missing = {"spec_sparse_draft", "dustin_exact@2048", "dustin_exact@512"} - rows.keys()
-    if missing:
-        raise SystemExit(f"the GPU run lacks the rows {sorted(missing)} (run_h200.sh e2e-exact --exact-budget 2048 512)")
+    if "spec_sparse_draft" not in rows:
+        raise SystemExit("the GPU run lacks the spec_sparse_draft row (run_h200.sh e2e-exact)")
     dense = rows["spec_sparse_draft"]["seconds"] / _timed(rows["spec_sparse_draft"])[0]
+    exact = {}
+    for name, row in rows.items():
+        method, _, label = name.partition("@")
+        if method == "dustin_exact":
+            exact[int(label) if label else gpu["exact_mode"]["budget"][0]] = row
+    if not exact:
+        raise SystemExit("the GPU run lacks a dustin_exact row (run_h200.sh e2e-exact)")
     sparse = {}
-    for budget in (512, 2048):
-        row = rows[f"dustin_exact@{budget}"]
+    for budget, row in sorted(exact.items()):
         n_dense, n_sparse = _timed(row)
         sparse[budget] = (row["seconds"] - n_dense * dense) / n_sparse
-    return {"dense": dense, "sparse_512": sparse[512], "sparse_2048": sparse[2048],
-            "sparse_per_position": (sparse[2048] - sparse[512]) / (2048 - 512)}
+    lo, hi = min(sparse), max(sparse)
+    slope = (sparse[hi] - sparse[lo]) / (hi - lo) if hi > lo else None
+    return {"dense": dense, "sparse": sparse, "sparse_per_position": slope}
+
+
+def sparse_step(costs: dict, budget: int) -> float:
+    """A sparse step's cost at ``budget`` (seconds): timed, or on the line through the timed budgets."""
+    if budget in costs["sparse"]:
+        return costs["sparse"][budget]
+    if costs["sparse_per_position"] is None:
+        raise SystemExit(f"the GPU run timed exact mode at budget {sorted(costs['sparse'])} only; pricing budget "
+                         f"{budget} needs a second one (run_h200.sh e2e-exact --exact-budget 2048 512)")
+    lo = min(costs["sparse"])
+    return costs["sparse"][lo] + (budget - lo) * costs["sparse_per_position"]
+
+
+def costs_ms(costs: dict) -> dict:
+    """The step costs for a report, in milliseconds."""
+    return {"dense": costs["dense"] * 1e3, **{f"sparse_{b}": s * 1e3 for b, s in costs["sparse"].items()},
+            "sparse_per_position": None if costs["sparse_per_position"] is None else costs["sparse_per_position"] * 1e3}
 
 
 def _traces(command: str) -> list[str]:
@@ -72,7 +97,7 @@ def cases(run: dict, costs: dict) -> list[dict]:
     for exact in (r for r in run["rows"] if r["method"].split("@")[0] == "dustin_exact"):
         label = exact["method"].partition("@")[2]
         budget = int(label) if label else run["exact_mode"]["budget"][0]
-        sparse = costs["sparse_2048"] + (budget - 2048) * costs["sparse_per_position"]
+        sparse = sparse_step(costs, budget)
         n_dense, n_sparse = _timed(exact)
         exact_rate = exact["tokens"] / (n_dense * costs["dense"] + n_sparse * sparse)
         out.append({"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
@@ -95,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"command": " ".join([Path(sys.executable).name, sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
               "what": "CPU replays of exact mode and the lossless baseline (outcomes only: their CPU rates mean "
                       "nothing), priced with step costs fitted from the GPU run: an ESTIMATE",
-              "gpu_run": args.gpu, "step_costs_ms": {k: v * 1e3 for k, v in costs.items()},
+              "gpu_run": args.gpu, "step_costs_ms": costs_ms(costs),
               "cases": [c for p in args.runs for c in cases(json.loads(Path(p).read_text()), costs)]}
     for c in report["cases"]:
         e = c["dustin_exact"]

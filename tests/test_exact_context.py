@@ -30,8 +30,9 @@ GPU = {"rows": [_row("spec_sparse_draft", 1.0, 100, 0), _row("dustin_exact@2048"
 def test_step_costs_recover_the_dense_and_sparse_steps():
     costs = exact_context.step_costs(GPU)
     assert costs["dense"] == pytest.approx(0.010)
-    assert costs["sparse_512"] == pytest.approx(0.005) and costs["sparse_2048"] == pytest.approx(0.008)
+    assert costs["sparse"] == pytest.approx({512: 0.005, 2048: 0.008})
     assert costs["sparse_per_position"] == pytest.approx(0.003 / 1536)
+    assert exact_context.costs_ms(costs)["sparse_2048"] == pytest.approx(8.0)
 
 
 def _expected(tokens, dense, sparse, sparse_ms):  # per ms; the CPU seconds play no part
@@ -60,6 +61,16 @@ def test_a_replay_of_several_budgets_prices_each_row_at_its_own():
     assert priced[1]["ESTIMATE_exact_over_baseline"] == pytest.approx(_expected(300, 40, 60, 8.0))
 
 
-def test_a_gpu_run_without_both_exact_budgets_is_refused():
-    with pytest.raises(SystemExit, match="dustin_exact@512"):
-        exact_context.step_costs({"rows": GPU["rows"][:2]})
+def test_a_gpu_run_of_one_exact_budget_prices_that_budget_only():
+    one = {"exact_mode": {"budget": [2048]},
+           "rows": [GPU["rows"][0], {**GPU["rows"][1], "method": "dustin_exact"}]}
+    costs = exact_context.step_costs(one)
+    assert costs["sparse"] == pytest.approx({2048: 0.008}) and costs["sparse_per_position"] is None
+    assert exact_context.sparse_step(costs, 2048) == pytest.approx(0.008)
+    with pytest.raises(SystemExit, match="needs a second one"):
+        exact_context.sparse_step(costs, 4096)
+
+
+def test_a_gpu_run_without_an_exact_row_is_refused():
+    with pytest.raises(SystemExit, match="dustin_exact"):
+        exact_context.step_costs({"rows": GPU["rows"][:1]})
