@@ -15,12 +15,16 @@
 #                                             exact mode and the knob, 7B + 0.5B, 32k, batch 16, one H200, replayed
 #                                             from the real pair's per-position predictions and knob budgets
 #                                             (TRACE_CONTEXTS=16384: the 16k predictions, no knob)
+#   bash benchmarks/run_h200.sh e2e-whatif OUT  classic, the lossless baseline and exact mode at 2048 replayed from
+#                                             SYNTHETIC copies of the 4k/8k predictions whose sparse target agrees
+#                                             with the dense one at AGREEMENT (default 1.0), once per confirm
+#                                             schedule of SCHEDULES (default "4,4 12,12"); benchmarks/exact_whatif.py
 # Acceptance replay: teacher-forced traces of the real Qwen2.5-Coder 1.5B/0.5B pair (CPU, 4k and 8k
 # windows of a held-out book, benchmarks/sparse_draft_cpu.py): every method's per-step accepted drafts on
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2|ab|e2e-exact}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2|ab|e2e-exact|e2e-whatif}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -94,6 +98,20 @@ case $what in
     timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 --methods "${methods[@]}" \
       --predictions "${predictions[@]}" "${knob[@]}" --out "$out/$name.json" "$@" 2>&1 \
       | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
+  e2e-whatif)  # issue #26: what exact mode would run at if the sparse target agreed more (exact_whatif_h200.json)
+    level=${AGREEMENT:-1.0}; recorded=(); floor=(); synthetic=()
+    for t in alice_ctx4096 emma_ctx4096 stdlib_typing_ctx4096 emma_ctx8192; do  # e2e-exact's order of texts
+      recorded+=(benchmarks/traces/*_predictions_${t}_g4_b2048.json); floor+=(benchmarks/traces/*_predictions_${t}_g4_b512.json)
+    done
+    python3 benchmarks/exact_whatif.py "${recorded[@]}" --agreement "$level" --write "$out/traces" > /dev/null || exit 1
+    for f in "${recorded[@]}"; do synthetic+=("$out"/traces/a*/"$(basename "$f")"); done
+    for schedule in ${SCHEDULES:-4,4 12,12}; do  # classic replays the b512 walks' dense and draft predictions
+      timeout 280 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
+        --methods spec_dense spec_sparse_draft dustin_exact --exact-budget 2048 --confirm ${schedule/,/ } \
+        --predictions "${synthetic[@]}" "${floor[@]}" --out "$out/whatif_a${level}_confirm${schedule/,/_}.json" "$@" 2>&1 \
+        | grep -v '^{' | tail -12
+    done
+    rm -r "$out/traces" ;;
   tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -k "two_gpus or two_devices" 2>&1 | tail -3 \
       | tee "$out/gpu_tests_two.txt" ;;
