@@ -11,7 +11,8 @@ not depend on the models or the device, so ``benchmarks/e2e.py --smoke --batches
 * ``D``, a dense step: ``spec_sparse_draft``'s seconds over its timed steps (every step of it is dense);
 * ``S(budget)``, a sparse step of exact mode: ``(seconds - n_dense * D) / n_sparse`` of each exact-mode row
   (``dustin_exact@BUDGET``, or ``dustin_exact`` at the run's exact budget); a replay at a budget the run did not
-  time is priced on the line through the smallest and largest timed budgets (``--exact-budget 2048 512``).
+  time is priced on the line through the smallest and largest timed budgets (``--exact-budget 2048 512``; the
+  current ``e2e_h200_exact.json`` timed 2048 only, the one at 4ac8a0a both).
 
 A row's ``seconds`` and ``tokens`` leave out the first ``e2e.WARMUP_STEPS`` steps, its dense / sparse step counts
 do not; the counts are scaled to the timed steps (the warm-up taken to split like the rest). The estimate is exact

@@ -12,15 +12,22 @@ and prices the steps as ``exact_context.py`` does. Per case it reports the estim
 over classic speculative decoding (the GPU run's classic rate: classic's outcomes do not involve the sparse
 target), and the sparse-step cost at which exact mode would reach ``--goal`` times classic.
 
-The copies are SYNTHETIC: their ``model_pair`` says so, and so does every replay's output. Disagreements are
-removed at random, while the recorded ones cluster, so this is optimistic for the longer schedules. So is the
-price of a confirming step: every one is priced at the GPU run's (``1 + confirm_tokens + γ`` = 9 queries a row),
-while a wider one costs more (the dense kernel takes 0.41 ms a layer at 13 queries against 0.25 at 9,
-``confirm_probe_h200.json``); such cases are marked ``upper_bound``. ``run_h200.sh e2e-whatif`` measures them.
+The copies are SYNTHETIC: their ``model_pair`` says so, and so does every replay's output. The disagreements
+kept are a random choice of the recorded ones, so they cluster less than a real sparse target's would; that makes
+a confirmation fail more often than it would at the same agreement, most on the longer schedules.
+
+Pricing (as ``exact_context.py``): a dense step costs ``D``, the baseline's step, and a sparse step ``S``, fitted
+so that the GPU run's own exact-mode row (confirming steps of ``1 + confirm_tokens + γ`` = 9 queries a row) comes
+out at its measured time. A wider confirming step costs more: the dense kernel takes 0.41 ms a layer at 13
+queries against 0.25 at 9 (``confirm_probe_h200.json``). ``--wide-gpu`` names a GPU run of a wider schedule
+(``e2e_h200_exact_confirm.json``, ``--confirm 8 4``: 13 queries); its confirming step is fitted as what remains of
+its exact-mode seconds after its sparse steps at ``S``, and prices the cases of that width. A case wider than
+every timed width is priced at the widest one and marked ``upper_bound``. ``run_h200.sh e2e-whatif`` measures
+cases on the H200.
 
     python benchmarks/exact_whatif.py benchmarks/traces/*_predictions_*_ctx{4096,8192}_*_b2048.json \\
         --agreement 0.95 0.97 0.99 1.0 --confirm 4,4 8,8 12,12 --gpu benchmarks/results/e2e_h200_exact.json \\
-        --out benchmarks/results/exact_whatif_cpu.json
+        --wide-gpu benchmarks/results/e2e_h200_exact_confirm.json --out benchmarks/results/exact_whatif_cpu.json
     python benchmarks/exact_whatif.py TRACES --agreement 1.0 --write DIR   # the copies, for e2e.py --predictions
 """
 
@@ -28,13 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from exact_context import _timed, cases, costs_ms, sparse_step, step_costs
+from exact_context import _timed, costs_ms, sparse_step, step_costs
 from tqdm import tqdm
 
 from dustin_hf.research import traces as trace_io
@@ -47,7 +55,7 @@ def raised(record: dict, agreement: float, seed: int) -> dict:
     positions (at least the recorded share): the recorded disagreements kept are a seeded random choice."""
     p = record["predictions"]
     differ = [i for i, (s, d) in enumerate(zip(p["sparse"], p["dense"])) if s != d]
-    keep = min(len(differ), max(0, round(len(p["dense"]) * (1 - agreement))))
+    keep = min(len(differ), max(0, math.floor(len(p["dense"]) * (1 - agreement) + 1e-9)))
     kept = set(random.Random(seed).sample(differ, keep))
     sparse = [d if (s != d and i not in kept) else s for i, (s, d) in enumerate(zip(p["sparse"], p["dense"]))]
     pair = {**record["model_pair"], "what_if": f"SYNTHETIC: sparse predictions set to the dense ones at random "
@@ -66,20 +74,43 @@ def replay(paths: list[Path], budget: int, schedule: tuple[int, int], out: Path)
     return json.loads(out.read_text())
 
 
-def priced(run: dict, costs: dict, classic: float, goal: float, fitted_width: int) -> dict:
-    """The replay's exact-mode case priced, with its rate over classic and the sparse-step cost reaching ``goal``;
-    ``upper_bound`` where its confirming steps are wider than the ``fitted_width`` queries the costs were timed at."""
-    (case,) = cases(run, costs)
+def _width(run: dict) -> int:
+    """Queries a row of a run's confirming step: the last committed token, ``confirm_tokens`` tentative, γ drafts."""
+    return 1 + run["exact_mode"]["confirm_tokens"] + run["gamma"]
+
+
+def wide_step(gpu: dict, costs: dict) -> tuple[int, float]:
+    """``(width, seconds)``: the confirming step of a GPU run on a wider schedule, fitted as what remains of its
+    exact-mode seconds after its sparse steps priced at ``costs``' ``S``."""
+    row = next(r for r in gpu["rows"] if r["method"].split("@")[0] == "dustin_exact")
+    n_dense, n_sparse = _timed(row)
+    return _width(gpu), (row["seconds"] - n_sparse * sparse_step(costs, gpu["exact_mode"]["budget"][0])) / n_dense
+
+
+def priced(run: dict, costs: dict, classic: float, goal: float, dense_by_width: dict[int, float]) -> dict:
+    """The replay's exact-mode case priced: its rate over the baseline and over ``classic`` (tokens/s), and the
+    sparse-step cost that would reach ``goal`` times classic (``None`` where its dense steps alone take longer).
+
+    ``dense_by_width``: a confirming step's cost (seconds) by its queries a row; a case takes the narrowest timed
+    width at least its own, else the widest, and is then an ``upper_bound``."""
     exact = next(r for r in run["rows"] if r["method"].split("@")[0] == "dustin_exact")
-    n_dense, n_sparse = _timed(exact)
-    over_baseline = case["ESTIMATE_exact_over_baseline"]
     base = next(r for r in run["rows"] if r["method"] == "spec_sparse_draft")
+    budget = run["exact_mode"]["budget"][0]
+    width = _width(run)
+    fits = [w for w in sorted(dense_by_width) if w >= width]
+    dense = dense_by_width[fits[0] if fits else max(dense_by_width)]
+    sparse = sparse_step(costs, budget)
+    n_dense, n_sparse = _timed(exact)
+    rate = exact["tokens"] / (n_dense * dense + n_sparse * sparse)
     base_rate = base["tokens"] / (_timed(base)[0] * costs["dense"])
-    needed = (exact["tokens"] / (goal * classic) - n_dense * costs["dense"]) / n_sparse
-    width = 1 + run["exact_mode"]["confirm_tokens"] + run["gamma"]
-    return {**case, "ESTIMATE_exact_over_classic": over_baseline * base_rate / classic,
-            f"sparse_step_ms_for_{goal}x_classic": needed * 1e3, "confirm_width": width,
-            "upper_bound": width > fitted_width}
+    needed = (exact["tokens"] / (goal * classic) - n_dense * dense) / n_sparse
+    keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
+    return {"budget": budget, "spec_sparse_draft": {k: base[k] for k in keep},
+            "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]},
+            "confirm_width": width, "dense_step_ms": dense * 1e3, "sparse_step_ms": sparse * 1e3,
+            "upper_bound": not fits, "ESTIMATE_exact_over_baseline": rate / base_rate,
+            "ESTIMATE_exact_over_classic": rate / classic,
+            f"sparse_step_ms_for_{goal}x_classic": needed * 1e3 if needed > 0 else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--confirm", nargs="+", default=["4,4"], metavar="TOKENS,EVERY",
                         help="confirm schedules (confirm_tokens,confirm_every); default 4,4 (the library's)")
     parser.add_argument("--gpu", default=None, help="the H200 run whose step costs price the replays")
+    parser.add_argument("--wide-gpu", default=None, metavar="RUN",
+                        help="an H200 run of exact mode on a wider confirm schedule (e2e.py --confirm), whose "
+                             "confirming step prices the cases of its width")
     parser.add_argument("--goal", type=float, default=1.7, help="times classic to solve the sparse step's cost for")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", default=None, metavar="DIR",
@@ -125,7 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
     if classic_row is None:
         parser.error(f"{args.gpu} has no spec_dense (classic) row")
     classic = classic_row["tokens"] / classic_row["seconds"]
-    fitted_width = 1 + gpu["exact_mode"]["confirm_tokens"] + gpu["gamma"]
+    sparse_step(costs, budget)  # a budget the run did not time fails here, before any replay
+    dense_by_width = {_width(gpu): costs["dense"]}
+    if args.wide_gpu:
+        width, seconds = wide_step(json.loads(Path(args.wide_gpu).read_text()), costs)
+        dense_by_width[width] = seconds
 
     levels = [None] + sorted(set(args.agreement))  # None: the recorded predictions
     out_cases = []
@@ -141,16 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
             shares = [trace_io.load_predictions(p)["agreement"]["sparse_vs_dense"] for p in paths]
             for schedule in schedules:
                 run = replay(paths, budget, schedule, Path(tmp) / f"run_{label}_{schedule[0]}_{schedule[1]}.json")
-                case = priced(run, costs, classic, args.goal, fitted_width)
+                case = priced(run, costs, classic, args.goal, dense_by_width)
                 case.update(agreement=label, sparse_vs_dense=shares, confirm_tokens=schedule[0],
-                            confirm_every=schedule[1])
+                            confirm_every=schedule[1],
+                            predictions=[("" if level is None else f"SYNTHETIC a{level}/") + Path(p).name
+                                         for p in paths])
                 out_cases.append(case)
                 bar.update()
     report = {"command": " ".join([Path(sys.executable).name, sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
               "what": "CPU replays (outcomes only) of exact mode and the lossless baseline on the recorded "
                       "predictions and on SYNTHETIC copies whose sparse target agrees more with the dense one, "
                       "priced with step costs fitted from the GPU run: an ESTIMATE",
-              "gpu_run": args.gpu, "step_costs_ms": costs_ms(costs),
+              "gpu_run": args.gpu, "wide_gpu_run": args.wide_gpu, "step_costs_ms": costs_ms(costs),
+              "confirming_step_ms_by_width": {w: v * 1e3 for w, v in sorted(dense_by_width.items())},
               "classic_tokens_per_s": classic, "goal_x_classic": args.goal, "budget": budget, "cases": out_cases}
     print(f"{'agreement':>10} {'schedule':>8} {'tok/step':>8} {'confirmed':>9} {'dense':>9} {'x base':>7} "
           f"{'x classic':>9} {'S for ' + str(args.goal) + 'x':>10}   (ESTIMATE; S now "
@@ -160,8 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{str(c['agreement']):>10} {c['confirm_tokens']:>4},{c['confirm_every']:<3} {e['tokens_per_step']:8.2f} "
               f"{e['exact']['confirmed_fraction']:9.3f} {e['dense_steps']:>4}/{e['dense_steps'] + e['sparse_steps']:<4} "
               f"{c['ESTIMATE_exact_over_baseline']:7.3f} {c['ESTIMATE_exact_over_classic']:9.3f} "
-              f"{c[f'sparse_step_ms_for_{args.goal}x_classic']:8.2f} ms"
-              + (f"  upper bound: {c['confirm_width']} queries a confirming row" if c["upper_bound"] else ""))
+              + (f"{needed:8.2f} ms" if (needed := c[f"sparse_step_ms_for_{args.goal}x_classic"]) else "    none")
+              + (f"  upper bound: {c['confirm_width']} queries a confirming row priced at "
+                 f"{max(dense_by_width)}" if c["upper_bound"] else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

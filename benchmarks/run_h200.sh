@@ -98,13 +98,15 @@ case $what in
     timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 --methods "${methods[@]}" \
       --predictions "${predictions[@]}" "${knob[@]}" --out "$out/$name.json" "$@" 2>&1 \
       | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
-  e2e-whatif)  # issue #26: what exact mode would run at if the sparse target agreed more (exact_whatif_h200.json)
-    level=${AGREEMENT:-1.0}; recorded=(); floor=(); synthetic=()
-    for t in alice_ctx4096 emma_ctx4096 stdlib_typing_ctx4096 emma_ctx8192; do  # e2e-exact's order of texts
+  e2e-whatif)  # issue #26: exact mode if the sparse target agreed more (whatif_a<AGREEMENT>_confirm<T>_<E>.json)
+    # two schedules fit the device's 600 s (280 s each); the copies' paths come from the writer, in e2e-exact's order
+    level=${AGREEMENT:-1.0}; recorded=(); floor=()
+    for t in alice_ctx4096 emma_ctx4096 stdlib_typing_ctx4096 emma_ctx8192; do
       recorded+=(benchmarks/traces/*_predictions_${t}_g4_b2048.json); floor+=(benchmarks/traces/*_predictions_${t}_g4_b512.json)
     done
-    python3 benchmarks/exact_whatif.py "${recorded[@]}" --agreement "$level" --write "$out/traces" > /dev/null || exit 1
-    for f in "${recorded[@]}"; do synthetic+=("$out"/traces/a*/"$(basename "$f")"); done
+    rm -rf "$out/traces"
+    mapfile -t synthetic < <(python3 benchmarks/exact_whatif.py "${recorded[@]}" --agreement "$level" --write "$out/traces")
+    (( ${#synthetic[@]} == ${#recorded[@]} )) || { echo "exact_whatif.py --write wrote ${#synthetic[@]} copies"; exit 1; }
     for schedule in ${SCHEDULES:-4,4 12,12}; do  # classic replays the b512 walks' dense and draft predictions
       timeout 280 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
         --methods spec_dense spec_sparse_draft dustin_exact --exact-budget 2048 --confirm ${schedule/,/ } \
