@@ -21,7 +21,9 @@ so that the GPU run's own exact-mode row (confirming steps of ``1 + confirm_toke
 out at its measured time. A wider confirming step costs more: the dense kernel takes 0.41 ms a layer at 13
 queries against 0.25 at 9 (``confirm_probe_h200.json``). ``--wide-gpu`` names a GPU run of a wider schedule
 (``e2e_h200_exact_confirm.json``, ``--confirm 8 4``: 13 queries); its confirming step is fitted as what remains of
-its exact-mode seconds after its sparse steps at ``S``, and prices the cases of that width. A case wider than
+its exact-mode seconds after its sparse steps at ``S``, and prices the cases of that width (an upper bound on
+that step: e2e.py leaves out only its first steps, so a schedule whose first confirmation comes later captures
+that step's CUDA graph inside the timed window). A case wider than
 every timed width is priced at the widest one and marked ``upper_bound``. ``run_h200.sh e2e-whatif`` measures
 cases on the H200.
 

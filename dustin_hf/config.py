@@ -90,8 +90,10 @@ class DustinConfig:
             lowers a row's own limit after a confirmation that rejected some, and raises it back after ones that
             kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
             baseline, MagicDec's method). 4: at 32k and batch 16 on an H200 (budget 2048) it ran 1.51x classic
-            speculative decoding, 8 1.21x: a confirming step verifies ``1 + confirm_tokens + γ`` queries per row,
-            and past 9 the dense kernel reads at two thirds of its bandwidth.
+            speculative decoding, 8 1.21x (that timed window likely holds a graph capture; priced at the
+            kernel's own 13-query cost, 8 still loses at every agreement below 1: ``benchmarks/results/README.md``):
+            a confirming step verifies ``1 + confirm_tokens + γ`` queries per row, and past 9 the dense kernel
+            reads at two thirds of its bandwidth.
         confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.
         min_recovery: the quality knob: each row and step reads the smallest set whose *estimated recovery* (the
             share of the scoring heads' attention mass it holds: the mean of the target history's and the draft
