@@ -41,6 +41,33 @@ def _timed(row: dict) -> tuple[float, float]:
     return row["dense_steps"] * row["steps"] / counted, row["sparse_steps"] * row["steps"] / counted
 
 
+def exact_rows(run: dict) -> dict[int, dict]:
+    """A run's exact-mode rows by budget, in the run's order: ``dustin_exact@BUDGET``, or ``dustin_exact`` at the
+    run's exact budget."""
+    out = {}
+    for row in run["rows"]:
+        method, _, label = row["method"].partition("@")
+        if method == "dustin_exact":
+            out[int(label) if label else run["exact_mode"]["budget"][0]] = row
+    return out
+
+
+def rates(exact: dict, base: dict, costs: dict, sparse: float, dense: float | None = None) -> tuple[float, float]:
+    """Priced tokens/s of an exact-mode row and of the baseline row: exact's dense steps at ``dense`` (default
+    ``D``) and its sparse steps at ``sparse``; every step of the baseline at ``D``."""
+    n_dense, n_sparse = _timed(exact)
+    dense = costs["dense"] if dense is None else dense
+    return (exact["tokens"] / (n_dense * dense + n_sparse * sparse),
+            base["tokens"] / (_timed(base)[0] * costs["dense"]))
+
+
+def summaries(exact: dict, base: dict) -> dict:
+    """The replayed counts a priced case keeps of its two rows."""
+    keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
+    return {"spec_sparse_draft": {k: base[k] for k in keep},
+            "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]}}
+
+
 def step_costs(gpu: dict) -> dict:
     """``D`` and ``S`` at each budget the GPU run timed exact mode at (seconds); with two budgets or more, also
     ``sparse_per_position``, the slope through the smallest and the largest (else ``None``)."""
@@ -48,11 +75,7 @@ def step_costs(gpu: dict) -> dict:
     if "spec_sparse_draft" not in rows:
         raise SystemExit("the GPU run lacks the spec_sparse_draft row (run_h200.sh e2e-exact)")
     dense = rows["spec_sparse_draft"]["seconds"] / _timed(rows["spec_sparse_draft"])[0]
-    exact = {}
-    for name, row in rows.items():
-        method, _, label = name.partition("@")
-        if method == "dustin_exact":
-            exact[int(label) if label else gpu["exact_mode"]["budget"][0]] = row
+    exact = exact_rows(gpu)
     if not exact:
         raise SystemExit("the GPU run lacks a dustin_exact row (run_h200.sh e2e-exact)")
     sparse = {}
@@ -92,19 +115,12 @@ def _traces(command: str) -> list[str]:
 def cases(run: dict, costs: dict) -> list[dict]:
     """One priced case per exact-mode row of a replay (``dustin_exact`` or ``dustin_exact@BUDGET``)."""
     base = next(r for r in run["rows"] if r["method"] == "spec_sparse_draft")
-    base_rate = base["tokens"] / (_timed(base)[0] * costs["dense"])
-    keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
     out = []
-    for exact in (r for r in run["rows"] if r["method"].split("@")[0] == "dustin_exact"):
-        label = exact["method"].partition("@")[2]
-        budget = int(label) if label else run["exact_mode"]["budget"][0]
+    for budget, exact in exact_rows(run).items():
         sparse = sparse_step(costs, budget)
-        n_dense, n_sparse = _timed(exact)
-        exact_rate = exact["tokens"] / (n_dense * costs["dense"] + n_sparse * sparse)
+        exact_rate, base_rate = rates(exact, base, costs, sparse)
         out.append({"predictions": _traces(run["command"]), "budget": budget, "command": run["command"],
-                    "spec_sparse_draft": {k: base[k] for k in keep},
-                    "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]},
-                    "estimated_sparse_step_ms": sparse * 1e3,
+                    **summaries(exact, base), "estimated_sparse_step_ms": sparse * 1e3,
                     "ESTIMATE_exact_over_baseline": exact_rate / base_rate})
     return out
 

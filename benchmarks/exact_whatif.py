@@ -2,15 +2,15 @@
 predictions.
 
 Exact mode's speed rests on two things: how often the sparse target's greedy token survives the dense check
-(measured on the real pair at budget 2048: 0.91-0.99 per text of the 4k/8k walks; 0.95 for the oracle set of
-2048 on *Alice* 4k, ``oracle_cpu_budgets.json``), and what a sparse step costs against a dense one (fitted from the H200
-run, ``exact_context.py``). This separates them. It copies the recorded prediction traces, sets the sparse
-target's prediction to the dense one at randomly chosen disagreeing positions until a chosen share of positions
-agree (a text that agrees more already stays as recorded; the drafts' and the dense target's predictions always do), replays exact mode and the lossless
-baseline through the loop on the CPU (``e2e.py --smoke --batches 16``, outcomes only) at each confirm schedule,
-and prices the steps as ``exact_context.py`` does. Per case it reports the estimated rate over the baseline and
-over classic speculative decoding (the GPU run's classic rate: classic's outcomes do not involve the sparse
-target), and the sparse-step cost at which exact mode would reach ``--goal`` times classic.
+(measured on the real pair at budget 2048: 0.91-0.99 per text of the 4k/8k walks; 0.95 for the oracle set of 2048 on
+*Alice* 4k, ``oracle_cpu_budgets.json``), and what a sparse step costs against a dense one (fitted from the H200
+run, ``exact_context.py``). This separates them. It copies the recorded prediction traces, sets the sparse target's
+prediction to the dense one at randomly chosen disagreeing positions until a chosen share of positions agree (a text
+that agrees more already stays as recorded; the drafts' and the dense target's predictions always do), replays exact
+mode and the lossless baseline through the loop on the CPU (``e2e.py --smoke --batches 16``, outcomes only) at each
+confirm schedule, and prices the steps as ``exact_context.py`` does. Per case it reports the estimated rate over the
+baseline and over classic speculative decoding (the GPU run's classic rate: classic's outcomes do not involve the
+sparse target), and the sparse-step cost at which exact mode would reach ``--goal`` times classic.
 
 The copies are SYNTHETIC: their ``model_pair`` says so, and so does every replay's output. The disagreements
 kept are a random choice of the recorded ones, so they cluster less than a real sparse target's would; that makes
@@ -23,9 +23,8 @@ queries against 0.25 at 9 (``confirm_probe_h200.json``). ``--wide-gpu`` names a 
 (``e2e_h200_exact_confirm.json``, ``--confirm 8 4``: 13 queries); its confirming step is fitted as what remains of
 its exact-mode seconds after its sparse steps at ``S``, and prices the cases of that width (an upper bound on
 that step: e2e.py leaves out only its first steps, so a schedule whose first confirmation comes later captures
-that step's CUDA graph inside the timed window). A case wider than
-every timed width is priced at the widest one and marked ``upper_bound``. ``run_h200.sh e2e-whatif`` measures
-cases on the H200.
+that step's CUDA graph inside the timed window). A case wider than every timed width is priced at the widest
+one and marked ``upper_bound``. ``run_h200.sh e2e-whatif`` measures cases on the H200.
 
     python benchmarks/exact_whatif.py benchmarks/traces/*_predictions_*_ctx{4096,8192}_*_b2048.json \\
         --agreement 0.95 0.97 0.99 1.0 --confirm 4,4 8,8 12,12 --gpu benchmarks/results/e2e_h200_exact.json \\
@@ -44,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from exact_context import _timed, costs_ms, sparse_step, step_costs
+from exact_context import _timed, costs_ms, exact_rows, rates, sparse_step, step_costs, summaries
 from tqdm import tqdm
 
 from dustin_hf.research import traces as trace_io
@@ -84,9 +83,9 @@ def _width(run: dict) -> int:
 def wide_step(gpu: dict, costs: dict) -> tuple[int, float]:
     """``(width, seconds)``: the confirming step of a GPU run on a wider schedule, fitted as what remains of its
     exact-mode seconds after its sparse steps priced at ``costs``' ``S``."""
-    row = next(r for r in gpu["rows"] if r["method"].split("@")[0] == "dustin_exact")
+    budget, row = next(iter(exact_rows(gpu).items()))
     n_dense, n_sparse = _timed(row)
-    return _width(gpu), (row["seconds"] - n_sparse * sparse_step(costs, gpu["exact_mode"]["budget"][0])) / n_dense
+    return _width(gpu), (row["seconds"] - n_sparse * sparse_step(costs, budget)) / n_dense
 
 
 def priced(run: dict, costs: dict, classic: float, goal: float, dense_by_width: dict[int, float]) -> dict:
@@ -95,20 +94,16 @@ def priced(run: dict, costs: dict, classic: float, goal: float, dense_by_width: 
 
     ``dense_by_width``: a confirming step's cost (seconds) by its queries a row; a case takes the narrowest timed
     width at least its own, else the widest, and is then an ``upper_bound``."""
-    exact = next(r for r in run["rows"] if r["method"].split("@")[0] == "dustin_exact")
+    budget, exact = next(iter(exact_rows(run).items()))
     base = next(r for r in run["rows"] if r["method"] == "spec_sparse_draft")
-    budget = run["exact_mode"]["budget"][0]
     width = _width(run)
     fits = [w for w in sorted(dense_by_width) if w >= width]
     dense = dense_by_width[fits[0] if fits else max(dense_by_width)]
     sparse = sparse_step(costs, budget)
+    rate, base_rate = rates(exact, base, costs, sparse, dense)
     n_dense, n_sparse = _timed(exact)
-    rate = exact["tokens"] / (n_dense * dense + n_sparse * sparse)
-    base_rate = base["tokens"] / (_timed(base)[0] * costs["dense"])
     needed = (exact["tokens"] / (goal * classic) - n_dense * dense) / n_sparse
-    keep = ("tokens", "steps", "dense_steps", "sparse_steps", "tokens_per_step")
-    return {"budget": budget, "spec_sparse_draft": {k: base[k] for k in keep},
-            "dustin_exact": {**{k: exact[k] for k in keep}, "exact": exact["exact"]},
+    return {"budget": budget, **summaries(exact, base),
             "confirm_width": width, "dense_step_ms": dense * 1e3, "sparse_step_ms": sparse * 1e3,
             "upper_bound": not fits, "ESTIMATE_exact_over_baseline": rate / base_rate,
             "ESTIMATE_exact_over_classic": rate / classic,
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     if classic_row is None:
         parser.error(f"{args.gpu} has no spec_dense (classic) row")
     classic = classic_row["tokens"] / classic_row["seconds"]
-    sparse_step(costs, budget)  # a budget the run did not time fails here, before any replay
+    sparse = sparse_step(costs, budget)  # a budget the run did not time fails here, before any replay
     dense_by_width = {_width(gpu): costs["dense"]}
     if args.wide_gpu:
         width, seconds = wide_step(json.loads(Path(args.wide_gpu).read_text()), costs)
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
               "classic_tokens_per_s": classic, "goal_x_classic": args.goal, "budget": budget, "cases": out_cases}
     print(f"{'agreement':>10} {'schedule':>8} {'tok/step':>8} {'confirmed':>9} {'dense':>9} {'x base':>7} "
           f"{'x classic':>9} {'S for ' + str(args.goal) + 'x':>10}   (ESTIMATE; S now "
-          f"{sparse_step(costs, budget) * 1e3:.2f} ms)")
+          f"{sparse * 1e3:.2f} ms)")
     for c in out_cases:
         e = c["dustin_exact"]
         print(f"{str(c['agreement']):>10} {c['confirm_tokens']:>4},{c['confirm_every']:<3} {e['tokens_per_step']:8.2f} "

@@ -88,6 +88,7 @@ def test_a_wider_confirming_step_takes_the_narrowest_timed_width_that_holds_it(c
                                dense_by_width={9: 0.010, 13: 0.014})
     assert case["confirm_width"] == 1 + confirm_tokens + 4
     assert case["dense_step_ms"] == pytest.approx(dense_ms) and case["upper_bound"] is bound
+    assert case["ESTIMATE_exact_over_classic"] == pytest.approx(300 / (40 * dense_ms / 1e3 + 60 * 0.006) / 200.0)
 
 
 def test_a_goal_the_dense_steps_alone_miss_has_no_sparse_step():
