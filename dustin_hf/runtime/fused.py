@@ -85,7 +85,7 @@ from ..kernels.tuning import ArgmaxTuning, Checked, GemmTuning
 from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention524
 
 __all__ = [
-    "FusedOps", "FusedTuning", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer",
+    "FusedOps", "FusedTuning", "FusedWeights", "add_rms_norm", "apply_rotary", "argmax", "fused_attention", "fused_decoder_layer",
     "fused_norm",
     "fused_ops", "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv", "silu_mul", "skinny_linear",
     "static_rotary",
@@ -271,11 +271,12 @@ class FusedOps:
 
 @contextlib.contextmanager
 def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
-              gemm: GemmTuning | None = None) -> Iterator[FusedOps]:
+              gemm: GemmTuning | None = None, weights: FusedWeights | None = None) -> Iterator[FusedOps]:
     """Run ``models``' RMSNorms and rotary embeddings through the fused kernels while the context is open.
 
     ``tuning``: which projections run as Triton GEMMs (``None``: the defaults); ``gemm``: those GEMMs' launch
-    heuristic. Raises ``ValueError`` for a model the kernels cannot run on (see :func:`fused_ops_available`; on
+    heuristic; ``weights``: where the concatenated projection weights come from and stay after the context
+    (``None``: made for this context, every layer's own storage given back on exit). Raises ``ValueError`` for a model the kernels cannot run on (see :func:`fused_ops_available`; on
     CPU the Triton interpreter, ``TRITON_INTERPRET=1``, is accepted too). Yields a :class:`FusedOps`.
     """
     tuning = tuning or FusedTuning()
@@ -287,12 +288,15 @@ def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
                 "check fused_ops_available(model) first and run without fused_ops when it is False"
             )
     undo: list[Callable[[], None]] = []
+    if weights is None:
+        weights = FusedWeights()
+        undo.append(weights.release)
     try:
         modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
         norms = sum(_fuse_norm(m, undo) for m in modules)
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
-        mlps = sum(_fuse_mlp(m, undo, tuning, gemm) for m in modules)
-        qkv = sum(_fuse_qkv(m, undo, tuning, gemm) for m in modules)
+        mlps = sum(_fuse_mlp(m, undo, weights, tuning, gemm) for m in modules)
+        qkv = sum(_fuse_qkv(m, undo, weights, tuning, gemm) for m in modules)
         outputs = sum(_fuse_output(m, undo, tuning, gemm) for m in modules)
         layers = sum(_register(m, _standard_layer, undo) for m in modules)
         tables = sum(_register(m, _static_rotary, undo) for m in modules)
@@ -426,31 +430,64 @@ def _plain_linears(*linears) -> bool:
         torch.float16, torch.bfloat16, torch.float32) and _triton_runs_on(weights[0].device)
 
 
-def _share_storage(linears, undo: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate ``linears``' weights (and biases) along the output dimension and make each layer's
-    parameters views of the result (no second copy of the weights); on exit each gets its own storage back."""
-    fused = []
-    for name in ("weight", "bias"):
-        params = [getattr(m, name) for m in linears]
-        if params[0] is None:
-            fused.append(None)
-            continue
-        whole = torch.cat([p.detach() for p in params])
-        for param, view in zip(params, whole.split([p.shape[0] for p in params])):
-            param.data = view  # the layer's own storage is released here
-        fused.append(whole)
-    undo.append(functools.partial(_own_storage, linears))
-    return fused[0], fused[1]
+class FusedWeights:
+    """The concatenated weights :func:`fused_ops` runs as one GEMM (``[q; k; v]``, ``[gate; up]``), kept from one
+    context to the next.
+
+    Each fused layer's parameters become views of the concatenation (no second copy of the weights). A context
+    given no ``FusedWeights`` makes its own and gives every layer its own storage back on exit; a context given one
+    leaves the concatenations in place, so CUDA graphs captured over them replay in a later context (the decode
+    loop's :class:`~dustin_hf.workspace.Workspace`). Until :meth:`release`, the layers' parameters share storage
+    (safetensors refuses to save such a state dict: release first). A layer whose parameters were replaced since
+    (``param.data = ...``, ``model.to(...)``) is concatenated afresh and :attr:`generation` counts up.
+    """
+
+    def __init__(self):
+        # per fused group of layers: the layers, the weight and bias concatenations, and the parameters' addresses
+        self._held: dict[tuple[int, ...], tuple[tuple, torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
+        self.generation = 0  # counts concatenations made: graphs captured over older ones read freed memory
+
+    def share(self, linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``linears``' weights (and biases) concatenated along the output dimension, the layers' parameters views
+        of them: the held concatenation while the parameters are still its views, else a new one."""
+        key = tuple(id(m) for m in linears)
+        held = self._held.get(key)
+        if held is not None and all(a is b for a, b in zip(held[0], linears)) and held[3] == _addresses(linears):
+            return held[1], held[2]
+        fused = []
+        for name in ("weight", "bias"):
+            params = [getattr(m, name) for m in linears]
+            if params[0] is None:
+                fused.append(None)
+                continue
+            whole = torch.cat([p.detach() for p in params])
+            for param, view in zip(params, whole.split([p.shape[0] for p in params])):
+                param.data = view  # the layer's own storage (or an older concatenation) is released here
+            fused.append(whole)
+        self._held[key] = (tuple(linears), fused[0], fused[1], _addresses(linears))
+        self.generation += 1
+        return fused[0], fused[1]
+
+    def release(self) -> None:
+        """Give every layer still viewing a held concatenation its own storage back; hold nothing."""
+        held, self._held = self._held, {}
+        for linears, _, _, addresses in held.values():
+            if _addresses(linears) == addresses:  # not replaced since (else nothing of ours to undo)
+                for m in linears:
+                    for param in (m.weight, m.bias):
+                        if param is not None:
+                            param.data = param.data.clone()  # the concatenation goes once every view is replaced
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
-def _own_storage(linears) -> None:
-    for m in linears:
-        for param in (m.weight, m.bias):
-            if param is not None:
-                param.data = param.data.clone()  # the fused tensor goes once every view is replaced
+def _addresses(linears) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for m in linears for p in (m.weight, m.bias) if p is not None)
 
 
-def _fuse_mlp(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
+def _fuse_mlp(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning,
+              gemm: GemmTuning | None) -> bool:
     """``down(silu(gate(x)) * up(x))`` as one GEMM over ``[gate; up]`` and one :func:`silu_mul` launch."""
     cls = type(module)
     if cls.__name__ not in _MLP_CLASSES or not _same_code(cls.forward, _StandardMLP.forward):
@@ -462,7 +499,7 @@ def _fuse_mlp(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: Ge
         return False
     if getattr(module.__dict__.get("forward"), "_dustin_fused", False):
         return False  # an enclosing context did it
-    weight, _ = _share_storage((gate, up), undo)
+    weight, _ = weights.share((gate, up))
     down = module.down_proj
     weight_bytes = weight.numel() * weight.element_size()
     gated_rows = (tuning.skinny_rows if weight_bytes <= tuning.gated_max_bytes
@@ -480,7 +517,8 @@ def _fuse_mlp(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: Ge
     return _replace_forward(module, forward, undo)
 
 
-def _fuse_qkv(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
+def _fuse_qkv(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning,
+              gemm: GemmTuning | None) -> bool:
     """``q_proj``, ``k_proj``, ``v_proj`` of one input as one GEMM over ``[q; k; v]``."""
     if type(module).__name__ not in _ATTENTION_CLASSES:
         return False
@@ -489,7 +527,7 @@ def _fuse_qkv(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: Ge
         return False
     if getattr(q.__dict__.get("forward"), "_dustin_fused", False):
         return False  # an enclosing context did it
-    weight, bias = _share_storage((q, k, v), undo)
+    weight, bias = weights.share((q, k, v))
     n_q, n_k = q.out_features, k.out_features
     last = {}  # the input q_proj last saw and the fused projection of it, until v_proj takes its slice
 
@@ -718,10 +756,12 @@ def _same_code(fn, reference) -> bool:
     source ignored: the method-call form of an attribute load (CPython 3.11 patch releases differ in when they
     emit ``LOAD_METHOD`` for a call written over several lines, and a wheel's bytecode may come from another
     one) and, with it, the byte offsets jumps land on."""
-    code, ref = getattr(fn, "__code__", None), reference.__code__
-    if code is None:
-        return False
+    code = getattr(fn, "__code__", None)
+    return code is not None and _same_code_objects(code, reference.__code__)
 
+
+@functools.lru_cache(maxsize=None)  # every context checks every module: a model's classes share a few functions
+def _same_code_objects(code, ref) -> bool:
     def consts(c):
         return tuple("<str>" if isinstance(x, str) else x for x in c.co_consts)
 
