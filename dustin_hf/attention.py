@@ -22,13 +22,14 @@ import torch
 
 from .kernels import full_rows_written, verify_attention
 from .kernels.masked import masked_attention
+from .kernels.reference import prefill_attention
 from .plan import ForwardPlan
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
 
 # Never put "flash" in this name: transformers switches on it for flash-specific mask handling.
 ATTENTION_NAME = "dustin"
-# Dense forwards with more new tokens than this (prefill chunks) go to PyTorch's SDPA (flash kernels on
+# Dense forwards with more new tokens than this (prefill chunks) go to PyTorch's SDPA (cuDNN or flash kernels on
 # CUDA); the decode-style backends pack G*Q query rows per program and are built for a few queries.
 _MAX_DECODE_QUERIES = 64
 
@@ -65,7 +66,8 @@ def dustin_attention(
     dustin_plan.keep_queries(module.layer_idx, q)
     tensors = dustin_plan.on(q.device)
     backend = dustin_plan.backend
-    if not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES:
+    prompt = not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES
+    if prompt:
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
     window = sliding_window if sliding_window is not None and sliding_window < dustin_plan.max_seqlen_k else None
@@ -82,6 +84,11 @@ def dustin_attention(
             window=window, hide_new=dustin_plan.hide_new, return_weights=dustin_plan.attention_weights,
         )
         return out, weights
+    start = dustin_plan.uniform_start
+    if prompt and start is not None:  # a prompt chunk of rows that all hold `start` positions: one causal call
+        out = prefill_attention(q, key.transpose(1, 2), value.transpose(1, 2), start,
+                                softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
+        return out, None
     out = verify_attention(
         q,
         key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again

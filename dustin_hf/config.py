@@ -106,7 +106,9 @@ class DustinConfig:
         min_context: a sequence with fewer cached positions is verified densely.
         backend: attention kernel: ``"auto"`` (fastest available), ``"reference"`` (PyTorch),
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
-        prefill_chunk: prompt tokens per forward during prefill (bounds activation memory).
+        prefill_chunk: prompt tokens per forward during prefill (bounds activation memory). ``None``: on CUDA
+            as many as half the free device memory holds (a whole prompt, as a rule: its attention is then one
+            square causal call, the fastest kernel SDPA has), elsewhere 4096 (:func:`dustin_hf.runner.prefill_chunk`).
     """
 
     budget: int | None = None
@@ -127,7 +129,7 @@ class DustinConfig:
     max_budget: int | None = None
     min_context: int = 2048
     backend: str = "auto"
-    prefill_chunk: int = 4096
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         # the mode's default, kept as an int (every reader of budget sees one); replace() re-derives it
@@ -135,13 +137,15 @@ class DustinConfig:
         object.__setattr__(self, "_budget_defaulted", defaulted)
         if defaulted:
             object.__setattr__(self, "budget", _DEFAULT_BUDGET.get(self.mode, _DEFAULT_BUDGET["sparse"]))
-        for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "prefill_chunk", "confirm_tokens",
-                     "confirm_every"):
+        for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "confirm_tokens", "confirm_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if self.budget < 1 or self.prefill_chunk < 1:
-            raise ValueError(f"budget and prefill_chunk must be >= 1, got {self.budget} and {self.prefill_chunk}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        chunk = self.prefill_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"prefill_chunk must be an int >= 1 or None (chosen from free memory), got {chunk!r}")
         fixed = self.sink_tokens + self.recent_tokens
         if fixed > self.budget:
             raise ValueError(
@@ -269,7 +273,7 @@ class ResolvedConfig:
     draft_share: int
     min_context: int
     backend: str
-    prefill_chunk: int
+    prefill_chunk: int | None
     target_layer: int
     target_heads: tuple[int, ...]
     draft_layers: tuple[int, ...]

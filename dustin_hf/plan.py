@@ -106,6 +106,14 @@ class ForwardPlan:
         return self.indices is not None or any(t.indices is not None for t in self.static)
 
     @property
+    def uniform_start(self) -> int | None:
+        """The cached positions every covered row holds, when they all hold as many (host ints; a captured plan's
+        rows vary, so ``None``)."""
+        if self.static or len(set(self.cache_seqlens)) != 1:
+            return None
+        return self.cache_seqlens[0]
+
+    @property
     def max_seqlen_k(self) -> int:
         """Longest key range of any row, new tokens included (host int: no device sync)."""
         return self.key_bound if self.key_bound is not None else max(self.cache_seqlens) + self.q_len

@@ -13,7 +13,8 @@ from .kernels.tuning import KernelTuning
 from .plan import ForwardPlan
 from .runtime.graphs import GraphedForward, Pipeline
 
-__all__ = ["ModelRunner", "attention_scale", "common_window", "group_size", "model_device", "window_cuts"]
+__all__ = ["ModelRunner", "attention_scale", "common_window", "group_size", "model_device", "prefill_chunk",
+           "window_cuts"]
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -59,6 +60,13 @@ class ModelRunner:
             # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
             self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
                                 for device in self.pipeline.devices}
+
+    def reset(self) -> None:
+        """Empty the cache and forget the last run's per-run settings; the buffers and the graphs stay."""
+        self.cache.clear()
+        self.position_shift = None
+        self.record = (False, False)
+        self.last_outputs, self.prompt_outputs = None, []
 
     def call(self, plan: ForwardPlan, input_ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """The model forward itself: the last ``keep`` logits ``(B', keep, V)`` as float32."""
@@ -144,30 +152,40 @@ class ModelRunner:
                 "full_rows": sum(g.graphs is not None and g.plan.full_rows for g in graphs.values()),
                 "failed": [g.failed for g in graphs.values() if g.failed]}
 
-    def prefill(self, rows: list[torch.Tensor], chunk: int, capture: dict,
+    def prefill(self, rows: list[torch.Tensor], chunk: int | None, capture: dict,
                 on_chunk: Callable[[int], None] | None = None) -> tuple[list[torch.Tensor], list]:
-        """Write each row's tokens, ``chunk`` at a time; return each row's last logits and kept queries.
-        ``on_chunk`` is told each chunk's token count once it is written (a progress bar)."""
+        """Write each row's tokens; return each row's last logits and kept queries.
+
+        A forward holds at most ``chunk`` tokens (``None``: :func:`prefill_chunk`'s choice from free memory). A row
+        that fits reads its whole prompt in one forward: its attention is square and causal, which SDPA runs on
+        its fastest kernel (cuDNN's on an H100/H200, :func:`~dustin_hf.kernels.reference.prefill_attention`); a
+        longer row goes ``chunk`` at a time, each chunk attending to the ones before. Neighbouring rows of one
+        length share a forward while they fit, since short forwards leave the GPU's GEMMs underfed. ``on_chunk`` is
+        told each forward's token count once it is written (a progress bar)."""
+        if chunk is None:
+            chunk = prefill_chunk(self.model, max(ids.numel() for ids in rows))
         last_logits, kept = [], []
         self.prompt_outputs = []
-        for b, ids in enumerate(rows):
+        for first, stop in _row_groups([ids.numel() for ids in rows], chunk, one_each=any(self.record)):
+            ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length
             logits, captured, pieces = None, {}, []
-            for start in range(0, ids.numel(), chunk):
-                piece = ids[start : start + chunk]
+            for start in range(0, ids.shape[1], chunk):
+                piece = ids[:, start : start + chunk]
                 plan = ForwardPlan(
-                    rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
+                    rows=slice(first, stop), cache_seqlens=[start] * (stop - first), q_len=piece.shape[1],
                     backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
                 )
-                logits = self.forward(plan, piece[None], keep=1)[0, -1]
+                logits = self.forward(plan, piece, keep=1)[:, -1]  # (n, V)
                 captured = plan.captured
                 if any(self.record):
                     pieces.append(self.last_outputs)
                 if on_chunk is not None:
                     on_chunk(piece.numel())
-            last_logits.append(logits)
-            kept.append(captured)
+            for i in range(stop - first):  # an empty row (a draft's one-token prompt) ran no forward: no logits
+                last_logits.append(None if logits is None else logits[i])
+                kept.append({layer: q[i : i + 1] for layer, q in captured.items()})
             if any(self.record):
-                self.prompt_outputs.append(_joined(pieces, ids.numel()))
+                self.prompt_outputs.append(_joined(pieces, ids.shape[1]))
         return last_logits, kept
 
     def hidden_query(self, row: int, token: int, position: int) -> torch.Tensor:
@@ -180,6 +198,45 @@ class ModelRunner:
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
+
+
+def prefill_chunk(model, longest: int) -> int:
+    """Prompt tokens per prefill forward for ``model`` when the config leaves it to the free memory.
+
+    On CUDA: as many as half the device's free memory holds at the forward's activation bytes per token
+    (:func:`_activation_bytes`), at least 1024 and no more than ``longest`` (one forward per row when it fits,
+    which also makes the row's attention one square causal call). Elsewhere 4096: on a CPU the forward's speed
+    hardly depends on it, and its attention's transient memory grows with its square.
+    """
+    device = model_device(model)
+    if device.type != "cuda":
+        return max(1, min(longest, 4096))
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached blocks serve too
+    fits = free // 2 // _activation_bytes(model.config.get_text_config(), model.dtype)
+    return max(1024, min(longest, fits))
+
+
+def _activation_bytes(text_config, dtype: torch.dtype) -> int:
+    """An upper bound on one prompt token's transient activations in a decoder layer's forward: the MLP's
+    ``[gate; up]`` output and its product (3 intermediate widths), the residual stream, norms, q/k/v and the
+    attention output (8 hidden widths), with a width to spare."""
+    return torch.tensor([], dtype=dtype).element_size() * (4 * text_config.intermediate_size
+                                                            + 8 * text_config.hidden_size)
+
+
+def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[int, int]]:
+    """``(first, stop)`` row ranges for prefill forwards: neighbouring rows of one length while their tokens fit in
+    ``chunk`` (``one_each``: every row alone)."""
+    groups: list[tuple[int, int]] = []
+    for b, n in enumerate(lengths):
+        if groups and not one_each:
+            first, stop = groups[-1]
+            if stop == b and lengths[first] == n and (stop - first + 1) * n <= chunk:
+                groups[-1] = (first, b + 1)
+                continue
+        groups.append((b, b + 1))
+    return groups
 
 
 def attention_scale(model, text_config) -> float:

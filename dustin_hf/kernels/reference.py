@@ -14,9 +14,17 @@ independent: nothing of row b is ever read for row b' != b.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+# SDPA's backends for a prompt's causal attention on CUDA, fastest first. On an H200 (7B heads, 32k tokens, GQA)
+# cuDNN's ran at 656 TFLOP/s against flash's 355; SDPA's own order may put flash first.
+_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
 
 
 def verify_attention_reference(
@@ -84,3 +92,28 @@ def gather_positions(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     """``cache[b, positions[b]]`` for every row: ``(B, T, H, D)`` x ``(B, N)`` -> ``(B, N, H, D)``."""
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
     return cache[rows, positions]
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, *,
+                      softmax_scale: float) -> torch.Tensor:
+    """A prompt chunk's attention: every row holds ``start`` cached positions and brings ``Q`` new tokens.
+
+    Args:
+        q: ``(batch, Q, nheads, headdim)``, the new tokens' queries (post-RoPE).
+        k_cache, v_cache: ``(batch, capacity, nheads_k, headdim)``, the new tokens already written at slots
+            ``start .. start + Q - 1``.
+        start: cached positions every row holds before the new tokens (a host int).
+
+    Returns ``(batch, Q, nheads, headdim)``: :func:`verify_attention_reference` of a dense call, computed as one
+    causal SDPA call: square (``start == 0``, a whole prompt) with ``is_causal``, which cuDNN runs on CUDA, else
+    with the bottom-right causal bias.
+    """
+    n_q = q.shape[1]
+    keys = k_cache[:, : start + n_q].transpose(1, 2).to(q.dtype)  # (B, Hkv, Tk, D)
+    values = v_cache[:, : start + n_q].transpose(1, 2).to(q.dtype)
+    causal = dict(is_causal=True) if start == 0 else dict(attn_mask=causal_lower_right(n_q, start + n_q))
+    backends = sdpa_kernel(_PREFILL_BACKENDS, set_priority=True) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, scale=softmax_scale,
+                                             enable_gqa=q.shape[2] != keys.shape[1], **causal)  # (B, Hq, Q, D)
+    return out.transpose(1, 2)
