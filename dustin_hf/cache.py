@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .plan import ForwardPlan
 from .stats import RunStats
 
-__all__ = ["DustinCache", "DustinLayer"]
+__all__ = ["DustinCache", "DustinLayer", "GeneratedCache"]
 
 _GROW_CHUNK = 256
 
@@ -169,6 +169,14 @@ class DustinCache(Cache):
         self.seq_lengths = [0] * self.batch_size
         self.history_pos = [-1] * self.batch_size
 
+    def clear(self) -> None:
+        """Hold nothing, keeping the buffers (a new run over the same buffers: slots are written before read)."""
+        self.seq_lengths = [0] * self.batch_size
+        self.history_pos = [-1] * self.batch_size
+        self.history_queries = None
+        self.active_plan = None
+        self.run_stats = RunStats()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         keep = indices.tolist()
         for layer in self.layers:
@@ -232,6 +240,34 @@ class DustinCache(Cache):
         self.history_queries = queries
         self.history_pos = list(positions)
 
+    def to_dynamic(self, config, slots: list[torch.Tensor], padded_len: int, lengths: list[int]) -> "GeneratedCache":
+        """The cached positions in stock ``generate()``'s layout, a copy: what stock returns after the same call.
+
+        Args:
+            config: the model's config (sliding-window layers keep their window, as stock's layers do).
+            slots: per row, the input slots its prompt's cached positions came from (``Prompt.slots``): stock
+                keeps every input slot, masked ones included, where this cache keeps the unmasked tokens only.
+            padded_len: the input's width; a row's generated tokens follow it.
+            lengths: per row, the positions to return (its prompt and every generated token but the last).
+
+        Stock's ``(B, kv_heads, padded_len + longest generated - 1, D)`` keys and values per layer; a masked input
+        slot and the slots past a row's end hold zeros (stock: the keys of the tokens there, which no query
+        reads)."""
+        width = padded_len + max(n - len(s) for n, s in zip(lengths, slots))
+        out = GeneratedCache(config=config)
+        for layer_idx, layer in enumerate(self.layers):
+            keys, values = layer.buffers()  # (B, capacity, H, D)
+            k_out = keys.new_zeros(keys.shape[0], width, *keys.shape[2:])
+            v_out = values.new_zeros(values.shape[0], width, *values.shape[2:])
+            for b, (row_slots, n) in enumerate(zip(slots, lengths)):
+                where = torch.cat([row_slots.to(keys.device),
+                                   torch.arange(padded_len, padded_len + n - len(row_slots), device=keys.device)])
+                k_out[b, where] = keys[b, :n]
+                v_out[b, where] = values[b, :n]
+            out.update(k_out.transpose(1, 2), v_out.transpose(1, 2), layer_idx)
+        out.run_stats = self.run_stats
+        return out
+
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer_idx].buffers()
 
@@ -247,3 +283,16 @@ class DustinCache(Cache):
             f"DustinCache(layers={len(self.layers)}, batch_size={self.batch_size}, capacity={self.capacity}, "
             f"seq_lengths={self.seq_lengths})"
         )
+
+
+class GeneratedCache(DynamicCache):
+    """The cache ``generate(..., cache_implementation="dustin")`` returns: transformers' ``DynamicCache`` in stock's
+    layout (:meth:`DustinCache.to_dynamic`, a copy: the decode loop keeps its own buffers for the next call), with
+    what the run did in :attr:`stats`."""
+
+    run_stats: RunStats
+
+    @property
+    def stats(self) -> dict:
+        """:meth:`dustin_hf.stats.RunStats.as_dict` of the run that made it (see :attr:`DustinCache.stats`)."""
+        return self.run_stats.as_dict()

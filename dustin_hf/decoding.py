@@ -53,7 +53,7 @@ from .processors import LogitsPipeline
 from .prompt_calibration import calibrate_on_prompts
 from .rows import Rows, token_ids
 from .runner import ModelRunner, attention_scale, common_window, group_size, model_device, window_cuts
-from .runtime.fused import fused_ops, fused_ops_available
+from .runtime.fused import FusedWeights, fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .runtime.tuning import Tuning
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
@@ -61,6 +61,7 @@ from .selection import Selection, dense_rows, truncated, with_dense_rows
 from .selector import Selector
 from .stats import RunStats
 from .telemetry import DecodeHooks, PhaseClock, synchronize
+from .workspace import Shape, Workspace, Workspaces, capacity_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]
 
@@ -78,8 +79,9 @@ class DecodeResult:
     attentions: tuple | None  # per generated index, per layer: stock's layout (see dustin_hf.outputs)
     hidden_states: tuple | None
     stats: RunStats  # what the run did (also ``cache.stats``, as a dict)
-    cache: DustinCache  # the target's cache
+    cache: DustinCache  # the target's cache (a workspace's: the next run of that workspace empties it)
     draft_cache: DustinCache
+    generated: list[int]  # tokens each row generated
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,9 @@ class SpeculativeDecoder:
             acceptance, a stored prefill, phase timing); ``None`` for none.
         tuning: the GPU path's launch heuristics and fused projections (:class:`~dustin_hf.runtime.tuning.Tuning`);
             ``None``: the measured defaults. Benchmarks compare variants by passing their own.
+        workspaces: where the run takes the caches, CUDA graphs and fused weights of an earlier run of the same
+            shape and leaves its own for the next (:mod:`dustin_hf.workspace`; a patched model's
+            ``DustinPatch.workspaces``); ``None``: built for this run and released after it.
 
     ``generate`` returns a :class:`DecodeResult` whose ``stats`` (also the target cache's ``stats``) say what
     the run did: step counts, acceptance, positions read, ``prefill_seconds``, ``decode_seconds``,
@@ -157,6 +162,7 @@ class SpeculativeDecoder:
         fused_ops: bool | None = None,
         hooks: DecodeHooks | None = None,
         tuning: Tuning | None = None,
+        workspaces: Workspaces | None = None,
     ):
         if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens (the draft's generation_config.num_assistant_tokens) must be an int "
@@ -180,6 +186,7 @@ class SpeculativeDecoder:
         self.streamer = streamer
         self.hooks = hooks or DecodeHooks()
         self.tuning = tuning or Tuning()
+        self.workspaces = workspaces
         self.backend = resolve_backend(dustin.backend if dustin is not None else backend, model_device(target))
         # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         self.graphs = {
@@ -214,17 +221,6 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------ a run
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
-        fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
-        # both entered before any graph is captured: graphs keep the fused kernels and the GEMMs cuBLASLt picked
-        with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm) as report, \
-                prefer_cublaslt(model_device(self.target)):
-            result = self._generate(input_ids, attention_mask)
-        result.stats.reports["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
-                                             "mlps": report.mlps, "qkv": report.qkv, "outputs": report.outputs,
-                                             "attentions": report.attentions}
-        return result
-
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:
         prompts = prompts_from_mask(input_ids, attention_mask)
         batch, padded_len = input_ids.shape
         max_new = self.config.max_length - padded_len
@@ -232,30 +228,75 @@ class SpeculativeDecoder:
             raise ValueError(f"max_length {self.config.max_length} leaves no room after the {padded_len}-token input")
         if self.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
-        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        check_token_ids(prompts, t_cfg.vocab_size)
-        device = model_device(self.target)
-        prompt_lens = [p.length for p in prompts]
-        capacity = max(prompt_lens) + max_new + self.max_gamma + 2
+        check_token_ids(prompts, self.target.config.get_text_config().vocab_size)
+        needed = max(p.length for p in prompts) + max_new + self.max_gamma + 2
         if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
-            capacity += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
-        shifts = [p.position_shift for p in prompts]
+            needed += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
+        workspace = self._workspace(prompts, needed)
+        fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
+        try:
+            # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
+            with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm,
+                           weights=workspace.fused) as report:
+                if workspace.fingerprint is None:
+                    workspace.seal()
+                result = self._generate(input_ids, prompts, max_new, workspace)
+        except BaseException:
+            workspace.release()  # a run that failed part-way may have left a graph or the caches half made
+            raise
+        if self.workspaces is not None:
+            self.workspaces.keep(workspace)
+        else:
+            workspace.release()
+        result.stats.reports["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
+                                             "mlps": report.mlps, "qkv": report.qkv, "outputs": report.outputs,
+                                             "attentions": report.attentions}
+        result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
+        return result
+
+    def _workspace(self, prompts: list[Prompt], needed: int) -> Workspace:
+        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.workspace`)."""
         recording = self.output_attentions or self.output_hidden_states
+        shifted = any(p.position_shift for p in prompts)
+        capacity = capacity_for(needed)
         # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
         # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
         # hidden states to return run eagerly
-        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not window_cuts(model, capacity)
-                  for role, model in (("target", self.target), ("draft", self.draft))}
+        graphs = tuple(self.graphs[role] and not shifted and not recording and not window_cuts(model, capacity)
+                       for role, model in (("target", self.target), ("draft", self.draft)))
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
-        target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
-                             graphs["target"], graph_width=read_width,
+        draft_width = read_width + DraftReads.extra_for(cfg, self.max_gamma) if self._sparse_draft else 0
+        shape = Shape(batch=len(prompts), backend=self.backend, graphs=graphs,
+                      fused=(self.fused["target"], self.fused["draft"]), tokens_only=self._tokens_only,
+                      widths=(read_width, draft_width), dustin=cfg, tuning=self.tuning)
+        held = None if self.workspaces is None else self.workspaces.take(self.target, self.draft, shape, needed)
+        if held is not None:
+            held.start_run()
+            return held
+        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+        target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
+                             graphs[0], graph_width=read_width,
                              dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only,
                              tuning=self.tuning.kernels)
-        draft_width = read_width + DraftReads.extra_for(cfg, self.max_gamma) if self._sparse_draft else 0
-        draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, batch, capacity), self.backend,
-                            graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
+        draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
+                            graphs[1], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
+        workspace = Workspace(shape, target, draft, FusedWeights())
+        workspace.start_run()
+        return workspace
+
+    def _generate(self, input_ids: torch.Tensor, prompts: list[Prompt], max_new: int,
+                  workspace: Workspace) -> DecodeResult:
+        batch, padded_len = input_ids.shape
+        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+        device = model_device(self.target)
+        prompt_lens = [p.length for p in prompts]
+        shifts = [p.position_shift for p in prompts]
+        recording = self.output_attentions or self.output_hidden_states
+        target, draft = workspace.target, workspace.draft
+        capacity = target.cache.capacity
+        cfg = self.dustin
         target.record = (self.output_attentions, self.output_hidden_states)
         self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, self.output_attentions,
                                        self.output_hidden_states) if recording else None
@@ -280,10 +321,21 @@ class SpeculativeDecoder:
         if any(shifts):  # the new tokens of a row whose last input slot was masked: positions from 1 (stock's)
             target.position_shift = draft.position_shift = (shifts, prompt_lens)
         if self.dustin is not None:
-            self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
-                                     attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
-                                     graphs=graphs["target"], window=common_window(self.target),
-                                     budgets=self.hooks.budgets, tuning=self.tuning.kernels)
+            selector = workspace.selector
+            if selector is None or selector.config != self.dustin:  # prompt calibration may have changed the heads
+                selector = workspace.selector = Selector(
+                    self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
+                    attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
+                    graphs=workspace.shape.graphs[0], window=common_window(self.target), tuning=self.tuning.kernels)
+            selector.budgets = self.hooks.budgets
+            self.selector = selector
+        with prefer_cublaslt(device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's default
+            return self._decode(input_ids, target, draft, started)
+
+    def _decode(self, input_ids: torch.Tensor, target: ModelRunner, draft: ModelRunner,
+                started: float) -> DecodeResult:
+        device = model_device(self.target)
+        recording = self.recorder is not None
         synchronize(device)
         decoding = time.perf_counter()
         self._clock.restart()
@@ -314,7 +366,8 @@ class SpeculativeDecoder:
             stats.reports["exact"] = self.confirm.stats.as_dict()
         attentions, hidden = self.recorder.tuples(self.rows.generated) if recording else (None, None)
         return DecodeResult(self.rows.sequences(input_ids), self.rows.per_position(self.rows.scores),
-                            self.rows.per_position(self.rows.raw), attentions, hidden, stats, target.cache, draft.cache)
+                            self.rows.per_position(self.rows.raw), attentions, hidden, stats, target.cache, draft.cache,
+                            list(self.rows.generated))
 
     def _prefill(self, target: ModelRunner, draft: ModelRunner, prompts: list[Prompt], t_cfg) -> None:
         """The target reads each prompt (keeping its last query on the scoring heads as the first history) and
@@ -322,7 +375,7 @@ class SpeculativeDecoder:
         the scoring heads are searched on the prompts in between. A row whose last input slot was masked takes
         its first token from that slot's query instead (:meth:`~dustin_hf.runner.ModelRunner.hidden_query`)."""
         prefill = self.hooks.prefill or ModelRunner.prefill
-        chunk = self.dustin.prefill_chunk if self.dustin is not None else 4096
+        chunk = self.dustin.prefill_chunk if self.dustin is not None else None  # None: from free memory
         rows, prompt_lens = self.rows, [p.length for p in prompts]
         calibrate = self.dustin is not None and self.dustin.calibration == "prompt"
         if calibrate:  # the target layer is chosen after prefill: keep every layer's last query

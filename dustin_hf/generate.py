@@ -8,6 +8,7 @@ models' attention to ``"dustin"`` for the call only, and runs the loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -17,6 +18,7 @@ from .attention import ATTENTION_NAME
 from .compat import CACHE_KWARG, check_pair
 from .config import resolve
 from .decoding import DecodeResult, SpeculativeDecoder
+from .masks import prompts_from_mask
 
 __all__ = ["attention_routed", "run_assisted"]
 
@@ -71,7 +73,11 @@ def run_assisted(
     assistant_tokenizer=None,
     model_kwargs: dict | None = None,
 ) -> DecodeResult:
-    """Speculative decoding of ``input_ids`` (any batch size) with ``draft`` proposing tokens."""
+    """Speculative decoding of ``input_ids`` (any batch size) with ``draft`` proposing tokens.
+
+    The loop keeps its caches and CUDA graphs on the target's patch handle for the next call
+    (:mod:`dustin_hf.workspace`); with ``return_dict_in_generate`` the result's ``cache`` is a copy in stock's
+    layout (:class:`~dustin_hf.cache.GeneratedCache`), else ``None``."""
     model_kwargs = model_kwargs or {}
     if draft is None:
         raise ValueError(
@@ -90,6 +96,12 @@ def run_assisted(
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"dustin_hf's decoding loop does not pass these model inputs on: {sorted(unknown)}")
+    given = model_kwargs.get(CACHE_KWARG)
+    if given is not None and given.get_seq_length() > 0:  # generate() hands an empty cache of its own otherwise
+        raise ValueError(
+            f"dustin_hf's decoding loop reads the whole prompt itself and does not continue from {CACHE_KWARG}=...: "
+            "pass the full sequence (e.g. out.sequences) as input_ids without the cache"
+        )
     check_pair(target, draft, tokenizer, assistant_tokenizer)
 
     dustin = None
@@ -105,16 +117,25 @@ def run_assisted(
             config = config.replace(**dict(overrides))
         dustin = resolve(config, target.config.get_text_config(), draft.config.get_text_config())
 
+    handle = target._dustin_patch
     drafting = draft_settings(draft)
     decoder = SpeculativeDecoder(
         target, draft, generation_config, logits_processor, stopping_criteria, dustin=dustin,
         num_draft_tokens=int(drafting["num_assistant_tokens"]),
         confidence_threshold=drafting["assistant_confidence_threshold"] or None,
         draft_schedule=drafting["num_assistant_tokens_schedule"], streamer=streamer,
+        hooks=handle.hooks, workspaces=handle.workspaces,
     )
+    mask = model_kwargs.get("attention_mask")
     with attention_routed(target, draft):
-        result = decoder.generate(input_ids, model_kwargs.get("attention_mask"))
+        result = decoder.generate(input_ids, mask)
     if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
         lengths = decoder.final_draft_tokens
         draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
-    return result
+    if not generation_config.return_dict_in_generate:
+        return dataclasses.replace(result, cache=None, draft_cache=None)
+    # the loop's own cache stays with the model for its next call: the caller gets stock's layout, a copy
+    prompts = prompts_from_mask(input_ids, mask)
+    returned = result.cache.to_dynamic(target.config, [p.slots for p in prompts], input_ids.shape[1],
+                                       [p.length + n - 1 for p, n in zip(prompts, result.generated)])
+    return dataclasses.replace(result, cache=returned, draft_cache=None)

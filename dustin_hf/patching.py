@@ -19,13 +19,16 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import torch
 from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, dustin_attention
-from .compat import check_model, check_transformers
+from .compat import CACHE_KWARG, check_model, check_transformers
 from .config import DustinConfig
 from .patches.cache_registry import register_cache_implementation, unregister_cache_implementation
 from .patches.generation import patched_class
+from .telemetry import DecodeHooks
+from .workspace import Workspaces
 
 __all__ = ["DustinPatch", "patch", "is_patched"]
 
@@ -58,11 +61,20 @@ def _unregister_attention() -> None:
 class DustinPatch:
     """Handle returned by :func:`patch`. ``unpatch()`` (or leaving the ``with`` block) undoes the patch."""
 
-    def __init__(self, model, config: DustinConfig):
+    def __init__(self, model, config: DustinConfig, hooks: DecodeHooks | None = None):
         self.model = model
         self.config = config
+        self.hooks = hooks
+        # the caches, CUDA graphs and fused weights of the last decode run, for the next one of its shape
+        self.workspaces = Workspaces()
         self._original_class = type(model)
         self.active = False
+
+    def release(self) -> None:
+        """Free what the model keeps between ``generate()`` calls: both models' KV caches, the CUDA graphs and
+        their memory pools, and the fused projection weights (each layer gets its own storage back). The next call
+        builds them again (on a GPU about a second at 7B / 32k / batch 16)."""
+        self.workspaces.release()
 
     def _apply(self) -> None:
         register_cache_implementation()
@@ -71,10 +83,43 @@ class DustinPatch:
         self.model._dustin_patch = self
         self.active = True
 
+    def warmup(self, draft, batch_size: int, max_length: int, steps: int = 16, **generate_kwargs) -> dict:
+        """Pay, before the first real call, what a process's first ``generate()`` of a shape pays: kernel compilation
+        and tuning, and the CUDA graphs of every decode shape, kept for the next call of that shape.
+
+        Runs ``generate()`` on random token ids of ``batch_size`` rows with ``assistant_model=draft`` and
+        ``cache_implementation="dustin"`` (plus ``generate_kwargs``: pass what the real calls pass, e.g.
+        ``do_sample``, ``cache_config``, logits processors: they decide the graphs' shapes), for ``steps`` decode steps.
+        Its prompts are short (past ``min_context`` and the budget, so the sparse steps run too) and its length
+        budget is ``max_length`` (the real calls' prompt plus ``max_new_tokens``), so its caches and graphs are those
+        a real call of that length reuses (:mod:`dustin_hf.workspace`). Returns the run's ``stats``; its prompt
+        attention's cuDNN plan is built for the short prompt, so the first real call still builds its own.
+        """
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        config = self.config.replace(**dict(generate_kwargs.get("cache_config") or {}))
+        prompt_len = min(max_length // 2, max(config.min_context, config.budget + config.sink_tokens) + 64)
+        vocab = min(self.model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size)
+        device = self.model.get_input_embeddings().weight.device
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=generator).to(device)
+
+        class _After(StoppingCriteria):  # every row stops once it has ``steps`` new tokens: a few decode steps
+            def __call__(self, input_ids, scores, **kwargs):
+                done = input_ids.shape[1] - prompt_len >= steps
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        criteria = StoppingCriteriaList([*generate_kwargs.pop("stopping_criteria", []), _After()])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                                  cache_implementation="dustin", max_new_tokens=max_length - prompt_len,
+                                  stopping_criteria=criteria, **{**generate_kwargs, "return_dict_in_generate": True})
+        return getattr(out, CACHE_KWARG).stats
+
     def unpatch(self) -> None:
         """Restore the model's class and the registries; calling it twice is harmless."""
         if not self.active:
             return
+        self.release()
         self.model.__class__ = self._original_class
         del self.model._dustin_patch
         _unregister_attention()
@@ -96,13 +141,16 @@ def is_patched(model) -> bool:
     return isinstance(getattr(model, "__dict__", {}).get("_dustin_patch"), DustinPatch)
 
 
-def patch(model, config: DustinConfig | str | Path | None = None) -> DustinPatch:
+def patch(model, config: DustinConfig | str | Path | None = None, *, hooks: DecodeHooks | None = None) -> DustinPatch:
     """Enable ``generate(..., assistant_model=draft, cache_implementation="dustin")`` on ``model``.
 
     Args:
         model: the target causal LM (Llama, Mistral, Qwen2/2.5/3 families).
         config: a :class:`DustinConfig`, a path to a calibration profile (JSON), or ``None`` for
             the defaults. ``generate(..., cache_config={...})`` overrides fields for one call.
+        hooks: what a benchmark or an evaluation plugs into every decode run
+            (:class:`~dustin_hf.telemetry.DecodeHooks`: replayed acceptance, phase timing); ``None`` for none.
+            Patching a patched model again replaces them.
 
     Returns:
         A :class:`DustinPatch`; ``handle.unpatch()`` restores everything.
@@ -116,8 +164,9 @@ def patch(model, config: DustinConfig | str | Path | None = None) -> DustinPatch
         handle = model._dustin_patch
         if config is not None:
             handle.config = config
+        handle.hooks = hooks
         return handle
     check_model(model, role="target")
-    handle = DustinPatch(model, config or DustinConfig())
+    handle = DustinPatch(model, config or DustinConfig(), hooks)
     handle._apply()
     return handle

@@ -47,6 +47,12 @@ class DustinGenerationMixin:
         if not generation_config.use_cache:
             raise ValueError("cache_implementation='dustin' needs use_cache=True")
 
+    def save_pretrained(self, *args, **kwargs):
+        # a decode run leaves the layers' q/k/v and gate/up weights as views of one fused tensor for the next run's
+        # CUDA graphs (dustin_hf.workspace): safetensors refuses tensors that share storage, so free them first
+        self._dustin_patch.release()
+        return super().save_pretrained(*args, **kwargs)
+
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None,
                            assistant_tokenizer=None, tokenizer=None, **model_kwargs):

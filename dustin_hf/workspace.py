@@ -1,0 +1,141 @@
+"""What a decode run builds that the next run of the same shape reuses, instead of building it again.
+
+A run's two :class:`~dustin_hf.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and the
+CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selector.Selector` owns the scoring
+step's graph; the graphs read the concatenated projection weights of
+:class:`~dustin_hf.runtime.fused.FusedWeights`. Capturing a shape costs an eager forward and the capture itself,
+about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
+(:class:`Workspaces`, on its :class:`~dustin_hf.patching.DustinPatch`) and the next call takes it when it fits:
+
+* the same two model objects, their parameters and buffers where they were (a replaced parameter, a model moved
+  to another device or dtype never reuses graphs that read the old memory);
+* the same :class:`Shape`: batch size, backend, graph and fused-op choices, read widths, the resolved Dustin
+  settings and the tuning (the selector's and the graphs' shapes follow from these);
+* a capacity at least the run's and at most :data:`SLACK` above it (larger caches cost the kernels that size their
+  grids by the capacity, and memory).
+
+Anything else releases the held workspace before the new one is built, so two never coexist. What a workspace
+holds (both caches, the graphs' memory pools, the fused weights) stays allocated between calls until
+:meth:`Workspaces.release` (``DustinPatch.release()``, or ``unpatch()``).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from .config import ResolvedConfig
+from .runner import ModelRunner
+from .runtime.fused import FusedWeights
+from .runtime.tuning import Tuning
+from .selector import Selector
+
+__all__ = ["SLACK", "Shape", "Workspace", "Workspaces", "capacity_for"]
+
+# A held workspace serves a run that needs up to this many slots fewer than it holds (and at most 1/8 fewer):
+# prompts of a server's traffic vary in length, and a capacity rounded up to 256 slots absorbs the rest.
+SLACK = 4096
+_ROUND = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a run's runners, graphs and selector depend on, besides the models and the cache capacity."""
+
+    batch: int
+    backend: str
+    graphs: tuple[bool, bool]  # target, draft
+    fused: tuple[bool, bool]
+    tokens_only: bool
+    widths: tuple[int, int]  # the sparse read widths the target's and the draft's graphs are captured at
+    dustin: ResolvedConfig | None
+    tuning: Tuning
+
+
+def capacity_for(needed: int) -> int:
+    """The capacity a new workspace gets for a run that needs ``needed`` slots: rounded up to 256."""
+    return -(-needed // _ROUND) * _ROUND
+
+
+def _fingerprint(*models) -> tuple:
+    """Where every parameter and buffer of ``models`` lives (captured graphs read those addresses)."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for model in models
+                 for t in (*model.parameters(), *model.buffers()))
+
+
+class Workspace:
+    """Both models' runners (caches, graphs), the selector and the fused weights of one shape and capacity."""
+
+    def __init__(self, shape: Shape, target: ModelRunner, draft: ModelRunner, fused: FusedWeights):
+        self.shape, self.target, self.draft, self.fused = shape, target, draft, fused
+        self.selector: Selector | None = None  # made by the first run that selects
+        self.fingerprint: tuple | None = None  # set once the fused weights are in place (:meth:`seal`)
+        self.runs = 0  # runs served, the first one included
+
+    @property
+    def capacity(self) -> int:
+        return self.target.cache.capacity
+
+    def seal(self) -> None:
+        """Record where the models' tensors live once the run's fused weights are in place."""
+        self.fingerprint = _fingerprint(self.target.model, self.draft.model)
+
+    def fits(self, target, draft, shape: Shape, needed: int) -> bool:
+        return (self.target.model is target and self.draft.model is draft and self.shape == shape
+                and needed <= self.capacity <= needed + min(SLACK, max(_ROUND, needed // 8))
+                and self.fingerprint == _fingerprint(target, draft))
+
+    def start_run(self) -> None:
+        """Empty both caches and forget the last run's per-run state (the buffers and graphs stay)."""
+        for runner in (self.target, self.draft):
+            runner.reset()
+        self.runs += 1
+
+    def release(self) -> None:
+        """Give the fused layers their own weights back; the caches and graphs go with the last reference."""
+        self.fused.release()
+        self.selector = None
+
+
+class Workspaces:
+    """The one :class:`Workspace` a patched model keeps between ``generate()`` calls."""
+
+    def __init__(self):
+        self.held: Workspace | None = None
+
+    def take(self, target, draft, shape: Shape, needed: int) -> Workspace | None:
+        """The held workspace if it fits this run (it is handed out: keep it back with :meth:`keep`), else ``None``
+        after releasing it."""
+        held, self.held = self.held, None
+        if held is not None and held.fits(target, draft, shape, needed):
+            return held
+        if held is not None:
+            device = held.target.device
+            held.release()
+            del held
+            _free_cached_memory(device)
+        return None
+
+    def keep(self, workspace: Workspace) -> None:
+        if self.held is not None and self.held is not workspace:
+            self.held.release()
+        self.held = workspace
+
+    def release(self) -> None:
+        """Drop the held workspace: its caches, graphs and fused weights (the layers get their own back)."""
+        held, self.held = self.held, None
+        if held is not None:
+            device = held.target.device
+            held.release()
+            del held
+            _free_cached_memory(device)
+
+
+def _free_cached_memory(device: torch.device) -> None:
+    """Hand a dropped workspace's memory back to the device, so that the next workspace (or the user) can allocate
+    it: its caches and graphs sit in reference cycles (a graph's plan points back at its runner) until collected."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
