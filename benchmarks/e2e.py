@@ -111,12 +111,15 @@ SHAPES = {  # Qwen2.5-*-Instruct config.json values that set the cost
 
 
 # ----------------------------------------------------------------------------- models
-def build_model(size: str, devices: list[torch.device], dtype: torch.dtype, layers: int | None = None):
+def build_model(size: str, devices: list[torch.device], dtype: torch.dtype, layers: int | None = None,
+                vocab_size: int | None = None):
     """A Qwen2 causal LM with ``size``'s shapes and random weights, its layers split evenly over ``devices``;
-    ``layers``: only that many decoder layers (a slice of the model, e.g. one pipeline stage's share)."""
+    ``layers``: only that many decoder layers (a slice of the model, e.g. one pipeline stage's share);
+    ``vocab_size``: another embedding size (a draft padded to its target's, so generate() needs no tokenizers)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**QWEN, **(SHAPES[size] | ({"num_hidden_layers": layers} if layers else {})))
+    overrides = ({"num_hidden_layers": layers} if layers else {}) | ({"vocab_size": vocab_size} if vocab_size else {})
+    config = Qwen2Config(**QWEN, **(SHAPES[size] | overrides))
     config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -5,6 +5,9 @@
 #   bash benchmarks/run_h200.sh sweep OUT     Triton GPU tests, then its launch configs under CUDA graphs (headline point)
 #   bash benchmarks/run_h200.sh select OUT    selection (PyTorch vs Triton) and scoring per step, headline point
 #   bash benchmarks/run_h200.sh score-sweep OUT  the scoring kernel's launch configs (pass 1/2 GPU us, error), same point
+#   bash benchmarks/run_h200.sh whole-call OUT [SHAPE...]  whole generate() calls, prefill included, first and warm
+#                                             (benchmarks/whole_call.py; SHAPE e.g. 32768x16, default every shape)
+#   bash benchmarks/run_h200.sh gpu-tests OUT  the GPU tests of the decode loop (tests/test_gpu.py, test_graphs.py)
 #   bash benchmarks/run_h200.sh e2e OUT       end-to-end benchmark, 7B + 0.5B, one H200 (GPU 0 of any machine)
 #   bash benchmarks/run_h200.sh e2e2 OUT      end-to-end benchmark, 72B + 0.5B over two H200s
 #   bash benchmarks/run_h200.sh tests2 OUT    the GPU tests that need two devices (a target split over both)
@@ -24,7 +27,7 @@
 # the SAME text (dense verification, Dustin, Dustin with the sparse draft). Free-running traces cannot
 # compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?kernels|headline|sweep|select|score-sweep|e2e|e2e2|tests2|ab|e2e-exact|e2e-whatif}; out=${2:?OUT dir}; shift 2
+what=${1:?kernels|headline|sweep|select|score-sweep|whole-call|gpu-tests|e2e|e2e2|tests2|ab|e2e-exact|e2e-whatif}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -66,6 +69,13 @@ case $what in
     timeout 170 python3 benchmarks/select_timing.py \
       --sweep "programs_per_sm=2,4,8 num_stages=2,3,4 num_warps=4,8; tile_bytes=8192,32768" > "$out/score_sweep.txt" 2>&1
     grep -v '^{' "$out/score_sweep.txt" | cut -c1-160 | tail -30; grep '^{' "$out/score_sweep.txt" > "$out/score_sweep.json" ;;
+  whole-call)  # issue #36: what a user times; SHAPES from the arguments (whole_call.py's --shapes)
+    name=whole_call_h200${1:+_$(echo "$*" | tr ' ' '_')}
+    timeout 580 python3 benchmarks/whole_call.py ${1:+--shapes "$@"} --out "$out/$name.json" 2>&1 \
+      | tee "$out/$name.txt" | grep -v '^{' | tail -60 ;;
+  gpu-tests)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_graphs.py 2>&1 | tail -8 \
+      | tee "$out/gpu_tests.txt" ;;
   e2e)
     timeout 560 python3 benchmarks/e2e.py --devices 1 "${trace[@]}" --out "$out/e2e_h200.json" --plot "$out/e2e_h200.png" "$@" 2>&1 \
       | tee "$out/e2e.txt" | grep -v '^{' | tail -45 ;;
