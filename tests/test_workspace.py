@@ -19,7 +19,6 @@ from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.generate import attention_routed
 from dustin_hf.runner import ModelRunner, _row_groups
 from dustin_hf.runtime.fused import FusedWeights, fused_ops
-from dustin_hf.workspace import SLACK
 
 from conftest import _triton_runs, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
@@ -67,7 +66,7 @@ def test_a_second_call_reuses_the_workspace_and_equals_a_fresh_one(do_sample):
 
 
 def test_a_call_of_another_shape_or_model_builds_its_own():
-    """Batch size, a capacity past the slack, the draft model, the Dustin settings and a moved weight each make the
+    """Batch size, a longer prompt than the caches hold, the draft model, the Dustin settings and a moved weight each make the
     next call build a new workspace (the held one is released first, never used)."""
     target, draft = _pair()
     ids = random_prompt(48, batch=2, seed=1)
@@ -75,7 +74,7 @@ def test_a_call_of_another_shape_or_model_builds_its_own():
         _generate(target, draft, ids)
         calls = {
             "batch": lambda: _generate(target, draft, ids[:1]),
-            "capacity": lambda: _generate(target, draft, ids, max_new_tokens=14 + SLACK + 512),
+            "capacity": lambda: _generate(target, draft, random_prompt(400, batch=2, seed=1)),  # more than it holds
             "draft": lambda: _generate(target, set_gamma(noisy_copy(target, seed=3), 3), ids),
             "config": lambda: _generate(target, draft, ids, cache_config={**SPARSE, "budget": 24}),
             "dense": lambda: _generate(target, draft, ids, cache_implementation=None, cache_config=None),
@@ -86,7 +85,10 @@ def test_a_call_of_another_shape_or_model_builds_its_own():
             assert held is not None and held.runs >= 1, name
             call()
             assert handle.workspaces.held is not held, name
-        _generate(target, draft, ids)
+        _generate(target, draft, random_prompt(700, batch=2, seed=1))
+        held = handle.workspaces.held
+        _generate(target, draft, ids)  # far fewer slots than it holds (past the slack): caches sized for this call
+        assert handle.workspaces.held is not held and handle.workspaces.held.capacity < held.capacity
         held = handle.workspaces.held
         layer = target.model.layers[0].self_attn.q_proj
         layer.weight.data = layer.weight.data.clone()  # the same values at another address: graphs would read old
