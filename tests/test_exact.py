@@ -7,7 +7,6 @@ broken hierarchical rule is caught by the same check.
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from transformers import GenerationConfig
 
@@ -19,7 +18,12 @@ from dustin_hf.generate import attention_routed
 from dustin_hf.runner import ModelRunner
 from dustin_hf.telemetry import DecodeHooks
 
-from conftest import PAD, eager_step_ahead, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import (
+    PAD, eager_step_ahead, joint_law, law_pvalue, left_pad, noisy_copy, random_prompt, set_gamma, tiled_prefill,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 
 P_VALUE = 1e-3
 CASES = [  # (family, budget, γ, prompt lengths)
@@ -153,36 +157,6 @@ def _joint_law_case():
     return target, draft, prompt, (p0[:, None] * p1).flatten()
 
 
-def _tiled_prefill(prompts: int):
-    """The decoder's prefill hook for a batch whose rows repeat its first ``prompts`` rows in turn (row ``b`` is
-    row ``b % prompts``): prefill those, copy each to the rows that repeat it."""
-    def prefill(runner, rows, chunk, capture):
-        logits, kept = ModelRunner.prefill(runner, rows[:prompts], chunk, capture)
-        cache = runner.cache
-        for layer in cache.layers:
-            for buffer in layer.buffers():  # (B, capacity, H, D)
-                for first in range(prompts):
-                    buffer[first::prompts] = buffer[first : first + 1]
-        cache.seq_lengths = [row.numel() for row in rows]
-        return logits * (len(rows) // prompts), kept * (len(rows) // prompts)
-
-    return prefill
-
-
-def _chisquare_pvalue(tokens: torch.Tensor, law: torch.Tensor, vocab: int) -> float:
-    """The chi-square p-value of the sampled sequences ``tokens (N, n)`` against their joint ``law (V**n,)``
-    (sequence t_1..t_n at index sum t_i V**(n-i)); cells expected fewer than 5 times are pooled into one."""
-    index = torch.zeros(tokens.shape[0], dtype=torch.long)
-    for column in tokens.unbind(1):
-        index = index * vocab + column
-    counts = torch.bincount(index, minlength=law.numel()).double()
-    expected = law.double() * tokens.shape[0]
-    keep = expected > 5  # chi-square needs populated cells; pool the rest
-    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    wanted = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue
-
-
 def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
     """The chi-square p-value of ``draws`` sampled (t0, t1) pairs against ``law`` (the decoder run directly, its
     prefill copied from one row: the rows are one prompt)."""
@@ -192,9 +166,9 @@ def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
         decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=2,
-                                              hooks=DecodeHooks(prefill=_tiled_prefill(1)))
+                                              hooks=DecodeHooks(prefill=tiled_prefill(1)))
         out = decoder.generate(prompt.expand(draws, -1)).sequences
-    return _chisquare_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
+    return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
 
 
 def test_exact_sampling_follows_the_targets_law(monkeypatch):
@@ -237,22 +211,6 @@ def _law_pair():
     return target, set_gamma(noisy_copy(target, noise=0.5), 1)
 
 
-def _dense_law(target, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The target's joint law of its next ``tokens`` tokens after ``prompt (L,)``: ``(V**tokens,)`` float64, by
-    enumerating every prefix (sequence t_1..t_n at index sum t_i V**(n-i))."""
-    vocab = target.config.vocab_size
-    log_law = torch.zeros(1, dtype=torch.float64)
-    prefixes = torch.zeros(1, 0, dtype=torch.long)
-    with torch.no_grad():
-        for _ in range(tokens):
-            inputs = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], dim=1)
-            log_next = target(inputs).logits[:, -1].double().log_softmax(-1)  # (prefixes, V)
-            log_law = (log_law[:, None] + log_next).flatten()
-            prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
-                                  torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1)
-    return log_law.exp()
-
-
 def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **config):
     """``draws`` rows that repeat ``prompts`` in turn, sampled in exact mode for LAW_TOKENS tokens: the new tokens
     ``(draws, LAW_TOKENS)`` and ``stats["exact"]``."""
@@ -262,7 +220,7 @@ def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **con
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=ids.shape[1] + LAW_TOKENS, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
         decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=1,
-                                              hooks=DecodeHooks(prefill=_tiled_prefill(len(prompts))))
+                                              hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))))
         result = decoder.generate(ids, mask)
     return result.sequences[:, ids.shape[1]:], result.stats.reports["exact"]
 
@@ -279,25 +237,23 @@ def _keeping_stale_proposals(monkeypatch):
     monkeypatch.setattr(ConfirmSchedule, "after_confirm", stale)
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_exact_sampling_follows_the_targets_law_over_several_confirmations(monkeypatch):
     """The joint law of a row's first 5 tokens, through two confirmations per row, is the target's; the same
     check rejects confirmations that keep a row's stale tentative distributions."""
     target, draft = _law_pair()
     prompt = torch.randint(0, LAW_VOCAB, (60,), generator=torch.Generator().manual_seed(5))
-    law = _dense_law(target, prompt[None], LAW_TOKENS)
+    law = joint_law(target, prompt[None], LAW_TOKENS)
     tokens, stats = _exact_samples(target, draft, [prompt], LAW_DRAWS, min_context=0)
     assert stats["confirmations"] >= 1.9 * LAW_DRAWS and stats["tentative_rejected"] > 0.1 * LAW_DRAWS, stats
-    p = _chisquare_pvalue(tokens, law, LAW_VOCAB)
+    p = law_pvalue(tokens, law, LAW_VOCAB)
     assert p > P_VALUE, f"the first {LAW_TOKENS} tokens do not follow the target's law: p = {p:.3g}"
 
     _keeping_stale_proposals(monkeypatch)
     tokens, _ = _exact_samples(target, draft, [prompt], LAW_DRAWS, min_context=0)
-    p = _chisquare_pvalue(tokens, law, LAW_VOCAB)
+    p = law_pvalue(tokens, law, LAW_VOCAB)
     assert p < P_VALUE, f"stale proposals pass the law test: p = {p:.3g}"
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_exact_sampling_follows_the_targets_law_with_rows_confirming_at_different_steps(monkeypatch):
     """A batch alternating two prompts, 60 and 41 tokens, with min_context 42: the short rows verify their first
     step densely (committed at once) and confirm one step after the long ones, so every confirming step confirms
@@ -319,7 +275,7 @@ def test_exact_sampling_follows_the_targets_law_with_rows_confirming_at_differen
     assert min(first_confirmation[b] for b in range(1, LAW_DRAWS, 2)) == 1  # the short ones, a step later
     assert stats["confirmations"] >= 1.5 * LAW_DRAWS, stats
     for i, prompt in enumerate(prompts):
-        p = _chisquare_pvalue(tokens[i::2], _dense_law(target, prompt[None], LAW_TOKENS), LAW_VOCAB)
+        p = law_pvalue(tokens[i::2], joint_law(target, prompt[None], LAW_TOKENS), LAW_VOCAB)
         assert p > P_VALUE, f"the rows of the {prompt.numel()}-token prompt do not follow the target's law: p = {p:.3g}"
 
 
