@@ -2,11 +2,12 @@
 batch-mates (README, "Three guarantees"), under every setting that decides how much a row drafts.
 
 How much a row drafts is its own: the confidence threshold cuts its drafts after its own unconfident draft, the
-``"heuristic"`` schedule grows and shrinks its own length. Each case decodes one subject row alone, then at row 1
+``"heuristic"`` schedule grows and shrinks its own length; and in exact mode a sampled row confirms on its own
+schedule (when it confirms decides which draws it makes). Each case decodes one subject row alone, then at row 1
 and at row 2 of two batches of three ragged prompts, each batch with another row 0, and checks that the subject's
 tokens and its steps (the drafts it kept at each step, ``run_stats.trace``) are the same in all three runs.
 
-Why the cases are sharp, that is fail when a row drafts row 0's count (or any batch-mate's):
+Why the cases are sharp, that is fail when a row drafts row 0's count or confirms when row 0 does:
 
 - greedy decoding with a budget covering the context returns the target's greedy tokens whatever was drafted, so
   there only the steps can show it; a sparse budget (the drafts' queries score the positions verification reads)
@@ -15,8 +16,8 @@ Why the cases are sharp, that is fail when a row drafts row 0's count (or any ba
   threshold 0.5 (a tiny random model's distributions are near uniform, so every draft would be unconfident and
   every row would draft one token), and the draft is noisy enough that rows keep different numbers of drafts,
   so the ``"heuristic"`` lengths of different rows part within a few steps;
-- each run asserts that the subject drafted a different count than row 0 in some step: the premise under which
-  reading row 0's state for every row changes the subject.
+- each run asserts that the subject drafted a different count than row 0, or confirmed when row 0 did not (or
+  the reverse), in some step: the premise under which following row 0 changes the subject.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 import dustin_hf
 from dustin_hf.decoding import SpeculativeDecoder
+from dustin_hf.exact import ConfirmSchedule
 from dustin_hf.sampling import RowGenerators
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, tiny_model
@@ -36,6 +38,7 @@ SUBJECT = 520  # the subject's prompt length: past min_context, far past the spa
 BATCHES = [(700, 300), (180, 650)]  # each batch's two other rows, row 0 first (180: below min_context, a dense row)
 SPARSE = {"budget": 48, "min_context": 256, "sink_tokens": 2, "recent_tokens": 6}
 DENSE = {"budget": 4096, "min_context": 0}  # covers every context here
+EXACT = {**SPARSE, "mode": "exact", "confirm_tokens": 2, "confirm_every": 2}  # sampled rows confirm on their own
 SEED = 11
 LAST_ROW = 2  # the subject sits at row 0 (alone), 1 and 2
 
@@ -46,6 +49,8 @@ CASES = {  # name: (num_assistant_tokens_schedule, assistant_confidence_threshol
     "heuristic-greedy-sparse": ("heuristic", 0.0, False, SPARSE),
     "heuristic-sampling-dense": ("heuristic", 0.0, True, DENSE),
     "heuristic-threshold-sampling-sparse": ("heuristic", 0.5, True, SPARSE),
+    "exact-sampling": ("constant", 0.0, True, EXACT),
+    "exact-heuristic-threshold-sampling": ("heuristic", 0.5, True, EXACT),
 }
 
 
@@ -89,17 +94,23 @@ def _batches() -> list[tuple[list[torch.Tensor], int]]:
 
 def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, cache_config: dict) -> list[dict]:
     """Per run (alone, batch 1, batch 2): the subject's generated ``tokens``, the drafts it ``kept`` at each of
-    its steps, and the number of steps in which it drafted a different count than row 0 (``differs``)."""
+    its steps, and the number of steps in which it drafted a different count than row 0 or confirmed when row 0
+    did not, or the reverse (``differs``)."""
     target, draft = _pair()
-    drafted = []  # per step of the current run: the drafts each row proposed (None: finished)
-    real_draft = SpeculativeDecoder._draft
+    steps = []  # per step of the current run and row: [drafts proposed, confirmed (exact mode)]; None: finished
+    real_draft, real_confirm = SpeculativeDecoder._draft, ConfirmSchedule.after_confirm
 
-    def recording(self, *args, **kwargs):
+    def drafting(self, *args, **kwargs):
         drafts = real_draft(self, *args, **kwargs)
-        drafted.append([None if done else g for g, done in zip(drafts.row_gamma, self.rows.finished)])
+        steps.append([None if done else [g, False] for g, done in zip(drafts.row_gamma, self.rows.finished)])
         return drafts
 
-    monkeypatch.setattr(SpeculativeDecoder, "_draft", recording)
+    def confirming(self, b, *args, **kwargs):
+        steps[-1][b][1] = True
+        return real_confirm(self, b, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", drafting)
+    monkeypatch.setattr(ConfirmSchedule, "after_confirm", confirming)
     runs = []
     with dustin_hf.patch(target):
         for rows, position in _batches():
@@ -110,16 +121,16 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
             draft.generation_config.assistant_confidence_threshold = threshold
             if sample:
                 _seed_row(position)
-            drafted.clear()
+            steps.clear()
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=sample,
                                   max_new_tokens=24, pad_token_id=PAD, cache_implementation="dustin",
                                   cache_config=cache_config, return_dict_in_generate=True)
             cache = out.past_key_values
-            assert (cache.stats["sparse_steps"] > 0) == (cache_config is SPARSE), cache.stats
+            assert (cache.stats["sparse_steps"] > 0) == (cache_config is not DENSE), cache.stats
             runs.append({
                 "tokens": out.sequences[position, ids.shape[1]:].tolist(),
                 "kept": [accepted[position] for _, accepted in cache.run_stats.trace if accepted[position] >= 0],
-                "differs": sum(1 for step in drafted if None not in (step[0], step[position])
+                "differs": sum(1 for step in steps if None not in (step[0], step[position])
                                and step[0] != step[position]),
             })
     return runs
@@ -128,14 +139,14 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
 @pytest.mark.parametrize("case", CASES)
 def test_a_rows_tokens_do_not_depend_on_its_batch_mates(case, monkeypatch):
     """The subject's tokens, and the drafts it kept at each step, are the same alone, at row 1 beside one pair of
-    batch-mates and at row 2 beside another; in each batch it drafted a different count than row 0 in some step
-    (so a row drafting row 0's count would change them)."""
+    batch-mates and at row 2 beside another; in each batch it drafted a different count than row 0, or confirmed
+    apart from it, in some step (so a row following row 0 would change them)."""
     alone, *batched = _subject_runs(monkeypatch, *CASES[case])
     for run, got in enumerate(batched, start=1):
         at = next((j for j, (g, w) in enumerate(zip(got["tokens"], alone["tokens"])) if g != w), None)
         assert got["tokens"] == alone["tokens"], \
-            f"batch {run}: the subject's tokens differ from its tokens alone at {at}: {got['tokens']} vs {alone['tokens']}"
+            f"batch {run}: the subject's tokens differ from alone at {at}: {got['tokens']} vs {alone['tokens']}"
         assert got["kept"] == alone["kept"], \
             f"batch {run}: the subject's drafts kept per step differ from alone: {got['kept']} vs {alone['kept']}"
     assert all(run["differs"] for run in batched), \
-        f"the subject drafted row 0's count at every step: {[run['differs'] for run in batched]}"
+        f"the subject drafted and confirmed as row 0 did at every step: {[run['differs'] for run in batched]}"
