@@ -545,7 +545,8 @@ class SpeculativeDecoder:
         n_accepted, next_token = self._accept(block, raw, scores, tentative, dense)
         new_tokens = torch.cat([proposal, torch.zeros_like(proposal[:, :1])], dim=1)
         new_tokens.scatter_(1, n_accepted[:, None], next_token[:, None])  # (B, 1 + width)
-        offsets = [rows.lens[b] if dense[b] else rows.held[b] for b in range(batch)]  # committed: after lens
+        held = rows.held
+        offsets = [rows.lens[b] if dense[b] else held[b] for b in range(batch)]  # committed: after lens
         rows.write_candidates(new_tokens, offsets)
         active = rows.active
         self._clock.mark("accept")

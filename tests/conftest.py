@@ -147,6 +147,69 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def tiled_prefill(prompts: int):
+    """A prefill with :meth:`~dustin_hf.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat its
+    first ``prompts`` rows in turn (row ``b`` is row ``b % prompts``): it prefills those and copies each to the
+    rows that repeat it. Law tests sample thousands of rows of one or two prompts; use it as a decoder's
+    ``DecodeHooks(prefill=...)`` or in place of ``ModelRunner.prefill`` (it calls the one defined now)."""
+    from dustin_hf.runner import ModelRunner
+
+    prefill = ModelRunner.prefill
+
+    def tiled(runner, rows, chunk, capture, on_chunk=None):
+        logits, kept = prefill(runner, rows[:prompts], chunk, capture)
+        cache = runner.cache
+        for layer in cache.layers:
+            for buffer in layer.buffers():  # (B, capacity, H, D)
+                for first in range(prompts):
+                    buffer[first::prompts] = buffer[first : first + 1]
+        cache.seq_lengths = [row.numel() for row in rows]
+        return logits * (len(rows) // prompts), kept * (len(rows) // prompts)
+
+    return tiled
+
+
+def joint_law(target, prompt: torch.Tensor, tokens: int, processors=None) -> torch.Tensor:
+    """The target's joint law of its next ``tokens`` tokens after ``prompt (1, L)``, each drawn from its
+    ``processors``' scores (a ``LogitsProcessorList``, as sampling ``generate()`` applies them; ``None``: the raw
+    logits): ``(V**tokens,)`` float64, sequence t_1..t_n at index sum t_i V**(n-i), by enumerating every prefix."""
+    vocab = target.config.vocab_size
+    log_law = torch.zeros(1, dtype=torch.float64)
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(tokens):
+            inputs = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], dim=1)
+            scores = target(inputs).logits[:, -1].float()  # (prefixes, V)
+            if processors is not None:
+                scores = processors(inputs, scores)
+            log_law = (log_law[:, None] + scores.double().log_softmax(-1)).flatten()
+            prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                                  torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1)
+    return log_law.exp()
+
+
+def law_pvalue(tokens: torch.Tensor, law: torch.Tensor, vocab: int) -> float:
+    """The chi-square p-value of the sampled sequences ``tokens (N, n)`` against their joint ``law (V**n,)``
+    (indexed as :func:`joint_law` does). A sequence of probability 0 sampled even once gives 0; cells expected
+    fewer than 5 times are pooled into one."""
+    from scipy.stats import chisquare
+
+    index = torch.zeros(tokens.shape[0], dtype=torch.long)
+    for column in tokens.unbind(1):
+        index = index * vocab + column
+    counts = torch.bincount(index, minlength=law.numel()).double()
+    if counts[law == 0].sum() > 0:
+        return 0.0
+    expected = law.double() * tokens.shape[0]
+    keep = expected > 5  # chi-square needs populated cells; pool the rest (those of probability 0 aside)
+    pooled = ~keep & (law > 0)
+    observed, wanted = counts[keep], expected[keep]
+    if pooled.any():
+        observed = torch.cat([observed, counts[pooled].sum()[None]])
+        wanted = torch.cat([wanted, expected[pooled].sum()[None]])
+    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue
+
+
 def explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positions) -> torch.Tensor:
     """The scoring oracle: float64, one (row, query, head) softmax at a time; returns ``(B, num_positions)``."""
     q, keys, query_pos = q.cpu(), keys.cpu(), query_pos.cpu()

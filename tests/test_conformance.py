@@ -533,3 +533,70 @@ def test_heuristic_schedule_adapts_like_stock(assistant_type):
     else:
         assert per_step < start and final < start, (stats, final)
 
+
+
+@pytest.mark.parametrize("schedule", ["heuristic", "heuristic_transient", "constant"])
+def test_only_the_heuristic_schedule_writes_its_final_length_back(schedule, monkeypatch):
+    """Stock (end of ``_assisted_decoding``, batch 1) writes the schedule's final ``num_assistant_tokens`` back into
+    the draft's ``generation_config`` under ``"heuristic"`` only, so the next call starts from it;
+    ``"heuristic_transient"`` moves the same way within a call and leaves the config alone. The patched model does
+    the same: alone, a row's final length; for a batch, where stock has nothing to copy, the rounded mean of its
+    rows' final lengths, each row's being the one it reaches alone (so the value does not depend on which row is
+    first). The three rows end at different lengths, so the mean differs from any one row's.
+
+    The final length itself need not equal stock's: the steps differ (the loop takes the first token from the
+    prefill; stock drafts at most up to the length limit, so a last step with room for one token drafts none and
+    counts as one that kept all its drafts, +2)."""
+    from dustin_hf.decoding import SpeculativeDecoder
+
+    start = 4
+    model = tiny_model("qwen2", layers=2)
+    draft = noisy_copy(model, noise=0.01)  # keeps some drafts, not all: lengths grow and shrink
+
+    def reset():
+        config = draft.generation_config
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = start, schedule
+        config.assistant_confidence_threshold = 0.0
+
+    stock_lengths = []  # the candidate generator's length after each step
+    update = AssistedCandidateGenerator.update_candidate_strategy
+
+    def recording(self, *args, **kwargs):
+        update(self, *args, **kwargs)
+        stock_lengths.append(self.num_assistant_tokens)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "update_candidate_strategy", recording)
+    reset()
+    model.generate(random_prompt(13, seed=6), assistant_model=draft, do_sample=False, max_new_tokens=30)
+    moved = schedule != "constant"
+    assert (stock_lengths[-1] != start) == moved, stock_lengths
+    assert draft.generation_config.num_assistant_tokens == (stock_lengths[-1] if schedule == "heuristic" else start)
+
+    decoders = []
+    run = SpeculativeDecoder.generate
+
+    def keeping(self, *args, **kwargs):
+        decoders.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", keeping)
+    rows = _rows()[:3]
+    call = dict(assistant_model=draft, do_sample=False, max_new_tokens=30, pad_token_id=PAD,
+                cache_implementation="dustin", cache_config=FULL)
+    alone = []
+    with dustin_hf.patch(model):
+        for row in rows:
+            reset()
+            model.generate(row[None], **call)
+            alone.append(decoders[-1].final_draft_tokens[0])
+            assert draft.generation_config.num_assistant_tokens == (alone[-1] if schedule == "heuristic" else start)
+        reset()
+        ids, mask = left_pad(rows)
+        model.generate(ids, attention_mask=mask, **call)
+        finals = decoders[-1].final_draft_tokens
+        written = draft.generation_config.num_assistant_tokens
+        model.generate(ids, attention_mask=mask, **call)  # the next call starts from what was written
+    assert finals == alone, (finals, alone)
+    assert (len(set(finals)) > 1) == moved, finals
+    assert written == (round(sum(finals) / len(finals)) if schedule == "heuristic" else start), (written, finals)
+    assert decoders[-1].gamma == written

@@ -7,7 +7,6 @@ broken hierarchical rule is caught by the same check.
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from transformers import GenerationConfig
 
@@ -19,7 +18,12 @@ from dustin_hf.generate import attention_routed
 from dustin_hf.runner import ModelRunner
 from dustin_hf.telemetry import DecodeHooks
 
-from conftest import PAD, eager_step_ahead, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import (
+    PAD, eager_step_ahead, joint_law, law_pvalue, left_pad, noisy_copy, random_prompt, set_gamma, tiled_prefill,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 
 P_VALUE = 1e-3
 CASES = [  # (family, budget, γ, prompt lengths)
@@ -153,17 +157,6 @@ def _joint_law_case():
     return target, draft, prompt, (p0[:, None] * p1).flatten()
 
 
-def _replicated_prefill(runner, rows, chunk, capture):
-    """The decoder's prefill hook for a batch of one prompt repeated: prefill row 0, copy it to every row."""
-    logits, kept = ModelRunner.prefill(runner, rows[:1], chunk, capture)
-    cache = runner.cache
-    for layer in cache.layers:
-        for buffer in layer.buffers():
-            buffer[1:] = buffer[:1]
-    cache.seq_lengths = [rows[0].numel()] * len(rows)
-    return logits * len(rows), kept * len(rows)
-
-
 def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
     """The chi-square p-value of ``draws`` sampled (t0, t1) pairs against ``law`` (the decoder run directly, its
     prefill copied from one row: the rows are one prompt)."""
@@ -173,16 +166,9 @@ def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
         decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=2,
-                                              hooks=DecodeHooks(prefill=_replicated_prefill))
+                                              hooks=DecodeHooks(prefill=tiled_prefill(1)))
         out = decoder.generate(prompt.expand(draws, -1)).sequences
-    vocab = int(round(law.numel() ** 0.5))
-    pairs = out[:, prompt.shape[1]] * vocab + out[:, prompt.shape[1] + 1]
-    counts = torch.bincount(pairs, minlength=vocab * vocab).double()
-    expected = law.double() * draws
-    keep = expected > 5  # chi-square needs populated cells; pool the rest
-    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    wanted = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue
+    return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
 
 
 def test_exact_sampling_follows_the_targets_law(monkeypatch):
@@ -204,6 +190,93 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
 
     monkeypatch.setattr(decoding, "block_proposals", wrong)  # the loop's own reference
     assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
+
+
+# ---- the law over several confirmations per row ----------------------------------------------------------------
+# Vocabulary 3 and 5 tokens: a joint law of 243 sequences (~100 expected 5+ times in 3000 draws), which 3000 draws pin
+# down (each run ~3 s on one core). Budget 4 of a 60-token prompt makes the sparse target p~ far from the dense p,
+# and confirm_tokens=1, confirm_every=1 make a row confirm right after each sparse step: two confirmations in
+# the 4 tokens after the first (which the prefill draws from p), so every row's second confirmation checks its
+# tentative tokens against the p~ it holds since its first. lm_head x5 spreads the law over the cells; at x30
+# the target nearly always picks one sequence and a broken rule has little to move. Stale proposals (a row's
+# tentative distributions kept past a confirmation) give p ~ 1e-22 here, a broken residual p ~ 1e-200.
+LAW_VOCAB, LAW_TOKENS, LAW_DRAWS = 3, 5, 3000
+LAW_CONFIG = dict(budget=4, sink_tokens=1, recent_tokens=1, mode="exact", confirm_tokens=1, confirm_every=1)
+
+
+def _law_pair():
+    target = tiny_model("qwen2", layers=2, hidden=32, vocab=LAW_VOCAB, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(5.0)
+    return target, set_gamma(noisy_copy(target, noise=0.5), 1)
+
+
+def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **config):
+    """``draws`` rows that repeat ``prompts`` in turn, sampled in exact mode for LAW_TOKENS tokens: the new tokens
+    ``(draws, LAW_TOKENS)`` and ``stats["exact"]``."""
+    torch.manual_seed(0)
+    ids, mask = left_pad(prompts * (draws // len(prompts)), pad_id=0)
+    config = resolve(dustin_hf.DustinConfig(**{**LAW_CONFIG, **config}), target.config, draft.config)
+    generation = GenerationConfig(do_sample=True, top_k=0, max_length=ids.shape[1] + LAW_TOKENS, pad_token_id=0)
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=1,
+                                              hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))))
+        result = decoder.generate(ids, mask)
+    return result.sequences[:, ids.shape[1]:], result.stats.reports["exact"]
+
+
+def _keeping_stale_proposals(monkeypatch):
+    """A confirmation that no longer clears the row's tentative distributions (the bug this law test guards)."""
+    confirm = ConfirmSchedule.after_confirm
+
+    def stale(self, b, *args, **kwargs):
+        held = self.proposals[b]
+        confirm(self, b, *args, **kwargs)
+        self.proposals[b] = held
+
+    monkeypatch.setattr(ConfirmSchedule, "after_confirm", stale)
+
+
+def test_exact_sampling_follows_the_targets_law_over_several_confirmations(monkeypatch):
+    """The joint law of a row's first 5 tokens, through two confirmations per row, is the target's; the same
+    check rejects confirmations that keep a row's stale tentative distributions."""
+    target, draft = _law_pair()
+    prompt = torch.randint(0, LAW_VOCAB, (60,), generator=torch.Generator().manual_seed(5))
+    law = joint_law(target, prompt[None], LAW_TOKENS)
+    tokens, stats = _exact_samples(target, draft, [prompt], LAW_DRAWS, min_context=0)
+    assert stats["confirmations"] >= 1.9 * LAW_DRAWS and stats["tentative_rejected"] > 0.1 * LAW_DRAWS, stats
+    p = law_pvalue(tokens, law, LAW_VOCAB)
+    assert p > P_VALUE, f"the first {LAW_TOKENS} tokens do not follow the target's law: p = {p:.3g}"
+
+    _keeping_stale_proposals(monkeypatch)
+    tokens, _ = _exact_samples(target, draft, [prompt], LAW_DRAWS, min_context=0)
+    p = law_pvalue(tokens, law, LAW_VOCAB)
+    assert p < P_VALUE, f"stale proposals pass the law test: p = {p:.3g}"
+
+
+def test_exact_sampling_follows_the_targets_law_with_rows_confirming_at_different_steps(monkeypatch):
+    """A batch alternating two prompts, 60 and 41 tokens, with min_context 42: the short rows verify their first
+    step densely (committed at once) and confirm one step after the long ones, so every confirming step confirms
+    half the batch while the other half verifies sparsely. Each prompt's rows follow the target's joint law of
+    5 tokens."""
+    target, draft = _law_pair()
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, LAW_VOCAB, (n,), generator=generator) for n in (60, 41)]
+    first_confirmation = {}  # row: the index among confirming steps of its first
+    confirm = ConfirmSchedule.after_confirm
+
+    def recording(self, b, *args, **kwargs):
+        first_confirmation.setdefault(b, self.stats.confirm_steps)  # counted once the step is done
+        confirm(self, b, *args, **kwargs)
+
+    monkeypatch.setattr(ConfirmSchedule, "after_confirm", recording)
+    tokens, stats = _exact_samples(target, draft, prompts, LAW_DRAWS, min_context=42)
+    assert {first_confirmation[b] for b in range(0, LAW_DRAWS, 2)} == {0}  # the long rows, at the first
+    assert min(first_confirmation[b] for b in range(1, LAW_DRAWS, 2)) == 1  # the short ones, a step later
+    assert stats["confirmations"] >= 1.5 * LAW_DRAWS, stats
+    for i, prompt in enumerate(prompts):
+        p = law_pvalue(tokens[i::2], joint_law(target, prompt[None], LAW_TOKENS), LAW_VOCAB)
+        assert p > P_VALUE, f"the rows of the {prompt.numel()}-token prompt do not follow the target's law: p = {p:.3g}"
 
 
 def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):

@@ -11,7 +11,9 @@ from scipy.stats import chisquare
 import dustin_hf
 from dustin_hf.sampling import RowGenerators, accept_greedy, accept_sampled
 
-from conftest import noisy_copy, set_gamma, tiny_model
+from conftest import joint_law, law_pvalue, noisy_copy, set_gamma, tiled_prefill, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 
 P_VALUE = 1e-3
 
@@ -92,3 +94,39 @@ def test_generate_samples_the_targets_joint_law():
     wanted = torch.cat([expected[keep], expected[~keep].sum()[None]]).double()
     assert chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue > P_VALUE
     assert out.past_key_values.stats["steps"] >= 1
+
+
+def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
+    """With a budget covering the context, ``do_sample=True, temperature=0.5, top_p=0.8`` through the patched
+    generate(): the joint law of the first 5 tokens is the target's as those processors shape it (stock
+    sampling's), over 2 steps of 2 drafts each. The test above stops at the first draft of the first step, at
+    temperature 1, where the draft's processed distribution q is its raw softmax.
+
+    Why sharp: vocabulary 4 and 5 tokens (1024 sequences, ~130 expected 5+ times in 3000 draws); ``lm_head`` x3
+    spreads the law over them; a noisy copy (noise 0.05) keeps all its drafts ~2/5 of the time, so the bonus token
+    (drawn from p after the last draft) and second steps are common; at temperature 0.5 q differs from the draft's
+    raw softmax, and top-p 0.8 gives sequences of probability 0. Accepting with q from the raw logits gives
+    p ~ 1e-42; a bonus drawn from the last draft's p draws sequences top-p excludes (p = 0)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from dustin_hf.runner import ModelRunner
+
+    vocab, tokens, draws, temperature, top_p = 4, 5, 3000, 0.5, 0.8
+    target = tiny_model("qwen2", layers=2, hidden=32, vocab=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    draft = set_gamma(noisy_copy(target, noise=0.05), 2)
+    prompt = torch.tensor([[1, 3, 2]])
+    law = joint_law(target, prompt, tokens,
+                    LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]))
+    assert (law == 0).any()  # top-p excludes some sequences
+    monkeypatch.setattr(ModelRunner, "prefill", tiled_prefill(1))  # one prompt: prefill it once, not per row
+    torch.manual_seed(0)
+    with dustin_hf.patch(target):
+        out = target.generate(prompt.expand(draws, -1), attention_mask=torch.ones(draws, 3, dtype=torch.long),
+                              assistant_model=draft, do_sample=True, temperature=temperature, top_k=0, top_p=top_p,
+                              max_new_tokens=tokens, cache_implementation="dustin", return_dict_in_generate=True)
+    stats = out.past_key_values.stats
+    assert stats["steps"] >= 2 and 0.25 < stats["acceptance_rate"] < 0.75, stats
+    p = law_pvalue(out.sequences[:, 3:], law, vocab)
+    assert p > P_VALUE, f"the first {tokens} tokens do not follow the processed law: p = {p:.3g}"
