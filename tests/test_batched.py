@@ -8,6 +8,8 @@ from dustin_hf import DustinConfig
 
 from conftest import PAD, eager_step_ahead, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
+
 LENGTHS = [5, 23, 40, 12, 31]
 
 

@@ -18,6 +18,8 @@ import replay  # noqa: E402
 from replay import (AcceptReplay, BudgetReplay, CountReplay, ExactReplay, Predictions, at_budget,  # noqa: E402
                     load_budgets, load_predictions, synthetic_predictions)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
+
 GAMMA = 4
 
 

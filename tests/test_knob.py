@@ -10,6 +10,8 @@ from dustin_hf.selection import estimated_mass, select_by_recovery
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
+
 
 def _config(**fields):
     return resolve(DustinConfig(**{"budget": 8, "sink_tokens": 2, "recent_tokens": 2, "min_context": 0, **fields}),
