@@ -46,7 +46,7 @@ from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .exact import ConfirmSchedule, block_proposals, blocks
 from .kernels import resolve_backend
-from .masks import Prompt, check_token_ids, prompts_from_mask
+from .masks import Prompt, check_token_ids, prompts_from_mask, stock_slots
 from .outputs import OutputRecorder
 from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
@@ -241,11 +241,14 @@ class SpeculativeDecoder:
             capacity += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
         shifts = [p.position_shift for p in prompts]
         recording = self.output_attentions or self.output_hidden_states
+        slots = stock_slots(prompts, padded_len, capacity)  # what sliding windows count where rows have holes
+        span = capacity if slots is None else int(slots.max()) + 1  # the longest distance a window may see
+        windowed = {role: window_cuts(model, span) for role, model in (("target", self.target), ("draft", self.draft))}
         # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
         # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
         # hidden states to return run eagerly
-        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not window_cuts(model, capacity)
-                  for role, model in (("target", self.target), ("draft", self.draft))}
+        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not windowed[role]
+                  for role in ("target", "draft")}
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, batch, capacity), self.backend,
@@ -257,6 +260,9 @@ class SpeculativeDecoder:
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
         target.record = (self.output_attentions, self.output_hidden_states)
+        if slots is not None:
+            target.window_slots = slots if windowed["target"] else None
+            draft.window_slots = slots if windowed["draft"] else None
         self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, self.output_attentions,
                                        self.output_hidden_states) if recording else None
         self.stats = target.cache.run_stats = RunStats()
@@ -283,6 +289,7 @@ class SpeculativeDecoder:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
                                      graphs=graphs["target"], window=common_window(self.target),
+                                     window_slots=target.window_slots,
                                      budgets=self.hooks.budgets, tuning=self.tuning.kernels)
         synchronize(device)
         decoding = time.perf_counter()

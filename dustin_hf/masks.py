@@ -12,6 +12,11 @@ itself; and the generated tokens' positions start at 1 instead of at ``n``. :cla
 what logits processors see of the row: the input from its first unmasked slot on, masked slots included, as
 stock would hand it to them were the row passed alone (left padding is what batching adds; the rest is the
 row's own).
+
+The caches hold the unmasked tokens only, but stock's cache keeps every input slot, and a sliding window counts
+cache indices (transformers' ``sliding_window_overlay``: key visible iff ``kv_idx > q_idx - window``), so a masked
+slot inside a window takes a place in it. :func:`stock_slots` maps each cache position to its index in stock's
+cache, for the windows to count as stock does.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Prompt", "check_token_ids", "prompts_from_mask"]
+__all__ = ["Prompt", "check_token_ids", "prompts_from_mask", "stock_slots"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,20 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         else:  # the last slot is masked: its query (position 0) names the first new token, which sits at 1
             prompts.append(Prompt(tokens, start, view, last=int(ids[-1]), first_position=1, slots=where))
     return prompts
+
+
+def stock_slots(prompts: list[Prompt], width: int, capacity: int) -> torch.Tensor | None:
+    """``(B, capacity)`` int64 on the CPU: the index each row's cache position has in stock's cache, where every
+    input slot keeps its place, masked or not, and the new tokens follow the ``width`` input slots: prompt token
+    ``c`` at its input slot ``slots[c]``, the new token at cache position ``n + k`` at ``width + k``. The indices
+    only grow along a row. ``None`` where every row's indices are its cache positions plus one offset (no masked
+    slot after a row's first real token: left padding moves a whole row alike, and distances stay the cache's)."""
+    table = torch.arange(capacity).repeat(len(prompts), 1)
+    for b, p in enumerate(prompts):
+        table[b, p.length :] += width - p.length
+        table[b, : p.length] = p.slots.cpu()
+    offsets = table - torch.arange(capacity)
+    return None if bool((offsets == offsets[:, :1]).all()) else table
 
 
 def check_token_ids(prompts: list[Prompt], vocab: int) -> None:

@@ -59,6 +59,10 @@ class ForwardPlan:
             position ids are the slots.
         hide_new: the new tokens attend to the cached positions only, not to each other or themselves (the
             query of a masked last input slot, which stock transformers never lets see itself).
+        window_slots: ``(B', > every slot)`` int64, on any device: the index each slot of the covered rows has in
+            stock's cache, which a sliding window counts (rows with masked input slots,
+            :func:`dustin_hf.masks.stock_slots`); ``None``: the slots themselves. Windowed layers then take the
+            general masked path.
         read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
             whose window fits in it reads its whole window instead of the selection within it.
         full_rows: a row whose count covers all it holds reads everything, its index row not listing it
@@ -80,6 +84,7 @@ class ForwardPlan:
     dense_layers: tuple[int, ...] = ()
     position_shift: tuple[list[int], list[int]] | None = None
     hide_new: bool = False
+    window_slots: torch.Tensor | None = None
     read_budget: int = 0
     full_rows: bool = False
     attention_weights: bool = False
@@ -88,6 +93,7 @@ class ForwardPlan:
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _window_slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
@@ -141,6 +147,15 @@ class ForwardPlan:
             shift, start = (device_tensor(v, device)[:, None] for v in self.position_shift)
             positions = self._positions[device] = slots + torch.where(slots >= start, shift, 0)
         return positions
+
+    def window_slots_on(self, device: torch.device) -> torch.Tensor | None:
+        """:attr:`window_slots` on ``device`` (copied once per device), or ``None``."""
+        if self.window_slots is None:
+            return None
+        slots = self._window_slots.get(device)
+        if slots is None:
+            slots = self._window_slots[device] = self.window_slots.to(device, non_blocking=True)
+        return slots
 
     def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Store the scoring heads' queries of ``layer_idx`` if it is a capture layer.

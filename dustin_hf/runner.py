@@ -35,8 +35,10 @@ class ModelRunner:
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
     per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`position_shift` (``(shift, start)``
-    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards; such
-    forwards run eagerly (the captured forward takes position ids from the slots).
+    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards;
+    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.masks.stock_slots`) is what the sliding windows count
+    in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
+    slots and runs the fast kernels only).
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
@@ -48,6 +50,7 @@ class ModelRunner:
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self.position_shift: tuple[list[int], list[int]] | None = None
+        self.window_slots: torch.Tensor | None = None
         # output_attentions / output_hidden_states: each forward keeps them in last_outputs (eager forwards only),
         # prefill per row in prompt_outputs
         self.record: tuple[bool, bool] = (False, False)
@@ -102,7 +105,8 @@ class ModelRunner:
                 indices=indices, num_indices=num_indices, full_rows=full_rows,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                position_shift=self.position_shift, read_budget=self.graph_width, tuning=self.tuning,
+                position_shift=self.position_shift, window_slots=self.window_slots, read_budget=self.graph_width,
+                tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
@@ -127,7 +131,7 @@ class ModelRunner:
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
         if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
-                or any(self.record):
+                or self.window_slots is not None or any(self.record):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
         if key not in self._graphs and create:
@@ -157,6 +161,7 @@ class ModelRunner:
                 plan = ForwardPlan(
                     rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
                     backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
+                    window_slots=None if self.window_slots is None else self.window_slots[b : b + 1],
                 )
                 logits = self.forward(plan, piece[None], keep=1)[0, -1]
                 captured = plan.captured
@@ -175,8 +180,12 @@ class ModelRunner:
         only, not to itself, and leaving the cache as it was: the query of a masked last input slot, which names
         the first new token in stock ``generate()`` (see :mod:`dustin_hf.masks`)."""
         held = self.cache.seq_lengths[row]
+        slots = None
+        if self.window_slots is not None:  # the masked slot sits in stock's cache just before the first new token
+            slots = self.window_slots[row : row + 1].clone()
+            slots[0, held] -= 1
         plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           position_shift=([position - held], [held]), hide_new=True)
+                           position_shift=([position - held], [held]), hide_new=True, window_slots=slots)
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
