@@ -343,6 +343,8 @@ class SpeculativeDecoder:
         for b, p in enumerate(prompts):
             if p.last is not None:  # stock: the masked slot's token at position 0, seeing the real tokens only
                 last_logits[b] = target.hidden_query(b, p.last, position=0)
+                if self.recorder is not None:
+                    self.recorder.keep_last_slot(b, *target.last_outputs)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
         first_scores = self.process(first_raw, lambda b, i: rows.history(b))
         first = pick_tokens(first_scores[:, 0], self.rng)
