@@ -46,7 +46,7 @@ from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .exact import ConfirmSchedule, block_proposals, blocks
 from .kernels import resolve_backend
-from .masks import Prompt, check_token_ids, prompts_from_mask, stock_slots
+from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
 from .outputs import OutputRecorder
 from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
@@ -213,19 +213,21 @@ class SpeculativeDecoder:
                                  or self.output_hidden_states)
 
     # ------------------------------------------------------------------------------------------ a run
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> DecodeResult:
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         # both entered before any graph is captured: graphs keep the fused kernels and the GEMMs cuBLASLt picked
         with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm) as report, \
                 prefer_cublaslt(model_device(self.target)):
-            result = self._generate(input_ids, attention_mask)
+            result = self._generate(input_ids, attention_mask, position_ids)
         result.stats.reports["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
                                              "mlps": report.mlps, "qkv": report.qkv, "outputs": report.outputs,
                                              "attentions": report.attentions}
         return result
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodeResult:
-        prompts = prompts_from_mask(input_ids, attention_mask)
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None) -> DecodeResult:
+        prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
         batch, padded_len = input_ids.shape
         max_new = self.config.max_length - padded_len
         if max_new < 1:
@@ -239,15 +241,15 @@ class SpeculativeDecoder:
         capacity = max(prompt_lens) + max_new + self.max_gamma + 2
         if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
             capacity += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
-        shifts = [p.position_shift for p in prompts]
+        positions = position_table(prompts, capacity)  # where position ids are not the cache slots
         recording = self.output_attentions or self.output_hidden_states
         slots = stock_slots(prompts, padded_len, capacity)  # what sliding windows count where rows have holes
         span = capacity if slots is None else int(slots.max()) + 1  # the longest distance a window may see
         windowed = {role: window_cuts(model, span) for role, model in (("target", self.target), ("draft", self.draft))}
-        # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
-        # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
-        # hidden states to return run eagerly
-        graphs = {role: self.graphs[role] and not any(shifts) and not recording and not windowed[role]
+        # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
+        # not the slots (a masked last input slot, the caller's position_ids), a sliding window that can cut, or
+        # attentions and hidden states to return run eagerly
+        graphs = {role: self.graphs[role] and positions is None and not recording and not windowed[role]
                   for role in ("target", "draft")}
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
@@ -260,6 +262,7 @@ class SpeculativeDecoder:
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
         target.record = (self.output_attentions, self.output_hidden_states)
+        target.positions = draft.positions = positions
         if slots is not None:
             target.window_slots = slots if windowed["target"] else None
             draft.window_slots = slots if windowed["draft"] else None
@@ -283,8 +286,6 @@ class SpeculativeDecoder:
         started = time.perf_counter()
 
         self._prefill(target, draft, prompts, t_cfg)
-        if any(shifts):  # the new tokens of a row whose last input slot was masked: positions from 1 (stock's)
-            target.position_shift = draft.position_shift = (shifts, prompt_lens)
         if self.dustin is not None:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
@@ -341,8 +342,8 @@ class SpeculativeDecoder:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
                 self.recorder.keep_prompt(b, hidden, attentions)
         for b, p in enumerate(prompts):
-            if p.last is not None:  # stock: the masked slot's token at position 0, seeing the real tokens only
-                last_logits[b] = target.hidden_query(b, p.last, position=0)
+            if p.last is not None:  # stock: the masked slot's token at its own position, seeing the real tokens only
+                last_logits[b] = target.hidden_query(b, p.last, position=p.last_position)
                 if self.recorder is not None:
                     self.recorder.keep_last_slot(b, *target.last_outputs)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)

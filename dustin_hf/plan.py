@@ -54,9 +54,9 @@ class ForwardPlan:
         key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
             default ``max(cache_seqlens) + q_len``.
         dense_layers: layers that ignore ``indices`` and read every cached position.
-        position_shift: ``(shift, start)`` per covered row: new tokens at slots ``>= start[b]`` take position ids
-            ``slot + shift[b]`` (a row whose last input slot was masked, see :mod:`dustin_hf.masks`); ``None``:
-            position ids are the slots.
+        positions: ``(B', > every slot)`` int64, on any device: the position id of each slot of the covered rows
+            (a row whose last input slot was masked, or the caller's ``position_ids``:
+            :func:`dustin_hf.masks.position_table`); ``None``: position ids are the slots.
         hide_new: the new tokens attend to the cached positions only, not to each other or themselves (the
             query of a masked last input slot, which stock transformers never lets see itself).
         window_slots: ``(B', > every slot)`` int64, on any device: the index each slot of the covered rows has in
@@ -82,7 +82,7 @@ class ForwardPlan:
     static: tuple[DeviceTensors, ...] = ()
     key_bound: int | None = None
     dense_layers: tuple[int, ...] = ()
-    position_shift: tuple[list[int], list[int]] | None = None
+    positions: torch.Tensor | None = None
     hide_new: bool = False
     window_slots: torch.Tensor | None = None
     read_budget: int = 0
@@ -138,14 +138,13 @@ class ForwardPlan:
         return slots
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
-        """``(B', Q)`` int64 position ids of the new tokens: their slots, shifted where :attr:`position_shift` says."""
-        if self.position_shift is None:
+        """``(B', Q)`` int64 position ids of the new tokens: their slots, or what :attr:`positions` gives them."""
+        if self.positions is None:
             return self.write_positions(device)
         positions = self._positions.get(device)
         if positions is None:
-            slots = self.write_positions(device)
-            shift, start = (device_tensor(v, device)[:, None] for v in self.position_shift)
-            positions = self._positions[device] = slots + torch.where(slots >= start, shift, 0)
+            table = self.positions.to(device, non_blocking=True)
+            positions = self._positions[device] = table.gather(1, self.write_positions(device))
         return positions
 
     def window_slots_on(self, device: torch.device) -> torch.Tensor | None:

@@ -34,8 +34,8 @@ class ModelRunner:
     """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
-    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`position_shift` (``(shift, start)``
-    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards;
+    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`positions` (``(B, capacity)``,
+    :func:`dustin_hf.masks.position_table`) gives the position id of each cache slot where they are not the slots;
     :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.masks.stock_slots`) is what the sliding windows count
     in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
     slots and runs the fast kernels only).
@@ -49,7 +49,7 @@ class ModelRunner:
         self.graph_width = graph_width  # the one sparse width worth a graph (the read width: budget or knob ceiling)
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
-        self.position_shift: tuple[list[int], list[int]] | None = None
+        self.positions: torch.Tensor | None = None
         self.window_slots: torch.Tensor | None = None
         # output_attentions / output_hidden_states: each forward keeps them in last_outputs (eager forwards only),
         # prefill per row in prompt_outputs
@@ -105,7 +105,7 @@ class ModelRunner:
                 indices=indices, num_indices=num_indices, full_rows=full_rows,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                position_shift=self.position_shift, window_slots=self.window_slots, read_budget=self.graph_width,
+                positions=self.positions, window_slots=self.window_slots, read_budget=self.graph_width,
                 tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
@@ -130,7 +130,7 @@ class ModelRunner:
         than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
+        if self._graphs is None or width not in (0, self.graph_width) or self.positions is not None \
                 or self.window_slots is not None or any(self.record):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
@@ -161,6 +161,7 @@ class ModelRunner:
                 plan = ForwardPlan(
                     rows=slice(b, b + 1), cache_seqlens=[start], q_len=piece.numel(),
                     backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
+                    positions=None if self.positions is None else self.positions[b : b + 1],
                     window_slots=None if self.window_slots is None else self.window_slots[b : b + 1],
                 )
                 logits = self.forward(plan, piece[None], keep=1)[0, -1]
@@ -185,7 +186,7 @@ class ModelRunner:
             slots = self.window_slots[row : row + 1].clone()
             slots[0, held] -= 1
         plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           position_shift=([position - held], [held]), hide_new=True, window_slots=slots)
+                           positions=torch.full((1, held + 1), position), hide_new=True, window_slots=slots)
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
