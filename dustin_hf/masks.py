@@ -9,9 +9,10 @@ A row therefore decodes exactly as its unmasked tokens alone would (positions ``
 exceptions when its last slot is masked (right padding, or the ``tril`` masks of transformers' own tests): the
 first new token comes from that slot's token at position 0, attending to the unmasked tokens but not to
 itself; and the generated tokens' positions start at 1 instead of at ``n``. :class:`Prompt` records both, and
-what logits processors see of the row: the input from its first unmasked slot on, masked slots included, as
-stock would hand it to them were the row passed alone (left padding is what batching adds; the rest is the
-row's own).
+what logits processors (and stopping criteria) see of the row: in a batch, the input from its first unmasked slot
+on, masked slots included, as stock would hand it to them were the row passed alone (left padding is what
+batching adds; the rest is the row's own); at batch 1, the whole input, as stock hands it (nothing there was
+added by batching, so leading masked slots are the row's own too).
 
 Caller's ``position_ids`` (stock uses them as given for the input slots, and the new tokens continue from the last
 slot's: ``position_ids[:, -1] + 1, + 2, ...``) replace ``cumsum(mask) - 1`` in the same places: each real token
@@ -38,8 +39,8 @@ class Prompt:
     """One row of the input, as the decode loop keeps it.
 
     ``tokens`` are the unmasked ids (what the caches hold, at cache positions ``0 .. n-1``); ``pad`` the leading
-    masked slots (left padding); ``view`` the ids from the first unmasked slot on, when they differ from ``tokens``
-    (a row with masked slots after its first real token), else ``None``; ``last`` the masked last slot's token id
+    masked slots batching added (left padding; none at batch 1); ``view`` the ids from the slot after them on, when
+    they differ from ``tokens`` (a row with masked slots after that), else ``None``; ``last`` the masked last slot's token id
     when the first new token comes from it (else ``None``); ``first_position`` the position id of the first new
     token, ``None`` when it is ``n``; ``positions`` the tokens' position ids, ``None`` when they are ``0 .. n-1``;
     ``slots`` the input slots the tokens came from.
@@ -83,7 +84,7 @@ def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         where = row_mask.nonzero().flatten()
         if where.numel() == 0:
             raise ValueError(f"row {b} of the batch has an empty prompt (its attention_mask is all zeros)")
-        start, stop = int(where[0]), int(where[-1]) + 1
+        start, stop = int(where[0]) if len(input_ids) > 1 else 0, int(where[-1]) + 1
         tokens = ids[where]
         view = ids[start:] if (stop - start != where.numel() or stop < ids.numel()) else None
         row = positions[b if positions.shape[0] > 1 else 0]
