@@ -682,11 +682,12 @@ class SpeculativeDecoder:
             next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
         return n_accepted, next_token
 
-    def _attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> float:
-        """Mean cached positions read per active row and layer (dense layers read everything)."""
+    def _attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
+        """Per active row: the cached positions it read per layer (dense layers read everything), and whether its
+        read set held less than the row (a sparse row, not one read in full)."""
         layers, dense = self._t_layers, len(self.dustin.dense_layers)
-        return sum((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers
-                   for b in active) / max(len(active), 1)
+        return [((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers,
+                 selection.counts[b] < seqlens[b]) for b in active]
 
     @property
     def _history_capture(self) -> dict:
