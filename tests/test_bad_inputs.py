@@ -155,8 +155,9 @@ def test_dustin_on_a_model_whose_patch_was_undone_while_another_is_patched(pair)
 
 
 def test_dustin_with_nothing_patched_is_refused_by_transformers(pair):
-    """Importing dustin_hf changes nothing, so transformers' own validation answers: it names the argument and the
-    implementations it knows."""
+    """Importing dustin_hf changes nothing, so transformers' own validation answers (its message, which the README
+    quotes): it names the argument and the implementations it knows. dustin_hf's message needs a registration,
+    which only patch() makes."""
     target, draft = pair
-    with pytest.raises(ValueError, match="cache_implementation"):
+    with pytest.raises(ValueError, match=r"Invalid `cache_implementation` \(dustin\)"):
         _dustin(target, draft, random_prompt(12))
