@@ -1,6 +1,6 @@
 """From ``generate()``'s ``input_ids`` and ``attention_mask`` to each row's prompt, read as stock transformers reads it.
 
-Stock ``generate()`` (decoder-only, transformers 5.17-5.24) keeps every input slot: a slot whose mask is 0 is
+Stock ``generate()`` (decoder-only, transformers 5.17-5.25) keeps every input slot: a slot whose mask is 0 is
 never attended to by any query, its position id is 0, and every other slot's position id is the number of
 unmasked slots before it (``cumsum(mask) - 1``). The first new token is predicted by the *last* slot's query,
 masked or not, and the new tokens take position ids ``last slot's position + 1, + 2, ...``.
