@@ -69,8 +69,9 @@ def dustin_attention(
     if not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES:
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
-    window = None
-    if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k or dustin_plan.window_slots is not None):
+    window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
+    if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
+                                       or dustin_plan.window_slots is not None):
         window = sliding_window
     if window is not None or dustin_plan.hide_new or dustin_plan.attention_weights:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)

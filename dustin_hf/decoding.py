@@ -262,10 +262,9 @@ class SpeculativeDecoder:
                             graphs["draft"], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
         target.record = (self.output_attentions, self.output_hidden_states)
-        target.positions = draft.positions = positions
-        if slots is not None:
-            target.window_slots = slots if windowed["target"] else None
-            draft.window_slots = slots if windowed["draft"] else None
+        for role, runner in (("target", target), ("draft", draft)):  # each table copied to the model's device once
+            runner.positions = None if positions is None else positions.to(runner.device)
+            runner.window_slots = slots.to(runner.device) if slots is not None and windowed[role] else None
         self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, self.output_attentions,
                                        self.output_hidden_states) if recording else None
         self.stats = target.cache.run_stats = RunStats()
@@ -290,7 +289,7 @@ class SpeculativeDecoder:
             self.selector = Selector(self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                                      attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
                                      graphs=graphs["target"], window=common_window(self.target),
-                                     window_slots=target.window_slots,
+                                     window_slots=slots if target.window_slots is not None else None,
                                      budgets=self.hooks.budgets, tuning=self.tuning.kernels)
         synchronize(device)
         decoding = time.perf_counter()

@@ -39,11 +39,11 @@ class Prompt:
     """One row of the input, as the decode loop keeps it.
 
     ``tokens`` are the unmasked ids (what the caches hold, at cache positions ``0 .. n-1``); ``pad`` the leading
-    masked slots batching added (left padding; none at batch 1); ``view`` the ids from the slot after them on, when
-    they differ from ``tokens`` (a row with masked slots after that), else ``None``; ``last`` the masked last slot's token id
-    when the first new token comes from it (else ``None``); ``first_position`` the position id of the first new
-    token, ``None`` when it is ``n``; ``positions`` the tokens' position ids, ``None`` when they are ``0 .. n-1``;
-    ``slots`` the input slots the tokens came from.
+    masked slots batching added (left padding; none at batch 1); ``view`` the ids from the slot after them on,
+    when they differ from ``tokens`` (a row with masked slots after that), else ``None``; ``last`` the masked last
+    slot's token id when the first new token comes from it (else ``None``); ``first_position`` the position id of
+    the first new token, ``None`` when it is ``n``; ``positions`` the tokens' position ids, ``None`` when they are
+    ``0 .. n-1``; ``slots`` the input slots the tokens came from.
     """
 
     tokens: torch.Tensor

@@ -186,7 +186,8 @@ class ModelRunner:
             slots = self.window_slots[row : row + 1].clone()
             slots[0, held] -= 1
         plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           positions=torch.full((1, held + 1), position), hide_new=True, window_slots=slots)
+                           positions=torch.full((1, held + 1), position, device=self.device), hide_new=True,
+                           window_slots=slots)
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]

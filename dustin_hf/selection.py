@@ -240,8 +240,9 @@ def select_by_recovery(
     count reaching the row's context reads it in full; one past the ceiling short of it, the forced positions and
     the ceiling's top entries).
     ``window``: a sliding window every layer has (or each row's, as for :func:`select_positions`): only
-    ``[L - window + 1, L)`` holds candidates (and mass), and the sinks are the window's first positions. ``full_rows``: a row read in full is named by its count alone
-    (:attr:`Selection.full_rows`), so ``W`` stays the ceiling."""
+    ``[L - window + 1, L)`` holds candidates (and mass), and the sinks are the window's first positions.
+    ``full_rows``: a row read in full is named by its count alone (:attr:`Selection.full_rows`), so ``W`` stays
+    the ceiling."""
     device = draft_scores.device
     batch, span = draft_scores.shape
     lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)

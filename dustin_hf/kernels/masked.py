@@ -65,7 +65,8 @@ def masked_attention(
         else:
             index = key_slots.to(device=device, dtype=torch.long)
             last = index.shape[1] - 1
-            distance = index.gather(1, new.clamp_max(last))[:, :, None] - index.gather(1, slots.clamp_max(last))[:, None]
+            query_index, key_index = index.gather(1, new.clamp_max(last)), index.gather(1, slots.clamp_max(last))
+            distance = query_index[:, :, None] - key_index[:, None, :]
         visible = visible & (distance < window)
     if indices is None and not return_weights:  # every slot up to the longest row, read in place (prefill)
         read = slots
