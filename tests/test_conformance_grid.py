@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import dustin_hf
 
@@ -39,6 +41,9 @@ MODELS = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral"]
 # than its greedy one), so that case is not compared. Their attention weights are not compared either: stock's
 # sliding-window cache returns weights over the window alone.
 WINDOWED = ("qwen2_window", "mistral")
+# transformers 5.17's own assisted decoding raises on a window shorter than the context (the draft's forward, "size of
+# tensor a (15) must match ... b (6)"; 5.18 runs it): there the windowed models' stock-assisted column is left out.
+STOCK_ASSISTS_WINDOWS = Version(transformers.__version__) >= Version("5.18")
 MASKS = ["left", "right", "holes_in", "holes_out", "tril"]
 PROCESSORS = ["none", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"]
 
@@ -140,8 +145,9 @@ def test_generate_equals_stock(family, layout, processor):
     # batch 1: the first row as it is, masked slots and all
     single = {k: v[:1] for k, v in inputs.items()}
     greedy = target.generate(**single, **call)
-    stock_assisted = target.generate(**single, assistant_model=draft, **call)
-    _assert_tokens(stock_assisted.sequences[0, WIDTH:], greedy.sequences[0, WIDTH:], f"{case}: stock assisted")
+    if family not in WINDOWED or STOCK_ASSISTS_WINDOWS:
+        stock_assisted = target.generate(**single, assistant_model=draft, **call)
+        _assert_tokens(stock_assisted.sequences[0, WIDTH:], greedy.sequences[0, WIDTH:], f"{case}: stock assisted")
     with dustin_hf.patch(target):
         out = target.generate(**single, assistant_model=draft, cache_implementation="dustin",
                               cache_config=dict(FULL), **call)
