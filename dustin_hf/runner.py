@@ -35,9 +35,11 @@ class ModelRunner:
     """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
-    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`position_shift` (``(shift, start)``
-    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards; such
-    forwards run eagerly (the captured forward takes position ids from the slots).
+    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`positions` (``(B, capacity)``,
+    :func:`dustin_hf.masks.position_table`) gives the position id of each cache slot where they are not the slots;
+    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.masks.stock_slots`) is what the sliding windows count
+    in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
+    slots and runs the fast kernels only).
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
@@ -48,7 +50,8 @@ class ModelRunner:
         self.graph_width = graph_width  # the one sparse width worth a graph (the read width: budget or knob ceiling)
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
-        self.position_shift: tuple[list[int], list[int]] | None = None
+        self.positions: torch.Tensor | None = None
+        self.window_slots: torch.Tensor | None = None
         # output_attentions / output_hidden_states: each forward keeps them in last_outputs (eager forwards only),
         # prefill per row in prompt_outputs
         self.record: tuple[bool, bool] = (False, False)
@@ -64,7 +67,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Empty the cache and forget the last run's per-run settings; the buffers and the graphs stay."""
         self.cache.clear()
-        self.position_shift = None
+        self.positions = self.window_slots = None
         self.record = (False, False)
         self.last_outputs, self.prompt_outputs = None, []
 
@@ -110,7 +113,8 @@ class ModelRunner:
                 indices=indices, num_indices=num_indices, full_rows=full_rows,
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                position_shift=self.position_shift, read_budget=self.graph_width, tuning=self.tuning,
+                positions=self.positions, window_slots=self.window_slots, read_budget=self.graph_width,
+                tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
@@ -134,8 +138,8 @@ class ModelRunner:
         than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
-                or any(self.record):
+        if self._graphs is None or width not in (0, self.graph_width) or self.positions is not None \
+                or self.window_slots is not None or any(self.record):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
         if key not in self._graphs and create:
@@ -174,6 +178,8 @@ class ModelRunner:
                 plan = ForwardPlan(
                     rows=slice(first, stop), cache_seqlens=[start] * (stop - first), q_len=piece.shape[1],
                     backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
+                    positions=None if self.positions is None else self.positions[first:stop],
+                    window_slots=None if self.window_slots is None else self.window_slots[first:stop],
                 )
                 logits = self.forward(plan, piece, keep=1)[:, -1]  # (n, V)
                 captured = plan.captured
@@ -193,8 +199,13 @@ class ModelRunner:
         only, not to itself, and leaving the cache as it was: the query of a masked last input slot, which names
         the first new token in stock ``generate()`` (see :mod:`dustin_hf.masks`)."""
         held = self.cache.seq_lengths[row]
+        slots = None
+        if self.window_slots is not None:  # the masked slot sits in stock's cache just before the first new token
+            slots = self.window_slots[row : row + 1].clone()
+            slots[0, held] -= 1
         plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           position_shift=([position - held], [held]), hide_new=True)
+                           positions=torch.full((1, held + 1), position, device=self.device), hide_new=True,
+                           window_slots=slots)
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]

@@ -12,7 +12,7 @@ class still sees the original) that overrides two methods:
   batch larger than one (stock transformers refuses those); a batch of one without Dustin takes the
   stock path unchanged.
 
-Checked against transformers 5.17 to 5.24 (the signatures below are theirs).
+Checked against transformers 5.17 to 5.25 (the signatures below are theirs).
 """
 
 from __future__ import annotations
