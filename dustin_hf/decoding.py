@@ -233,19 +233,27 @@ class SpeculativeDecoder:
         needed = max(p.length for p in prompts) + max_new + self.max_gamma + 2
         if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
             needed += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
-        workspace = self._workspace(prompts, padded_len, needed)
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
+        calibrating = self.dustin is not None and self.dustin.calibration == "prompt"  # _prefill replaces self.dustin
+        workspace = None
         try:
+            workspace = self._workspace(prompts, padded_len, needed)
+            generation = workspace.fused.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
             with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm,
                            weights=workspace.fused) as report:
                 if workspace.fingerprint is None:
                     workspace.seal()
+                elif workspace.fused.generation != generation:  # fits() compared the addresses the graphs read
+                    raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
                 result = self._generate(input_ids, prompts, max_new, workspace)
         except BaseException:
-            workspace.release()  # a run that failed part-way may have left a graph or the caches half made
+            if workspace is not None:
+                workspace.release()  # a run that failed part-way may have left a graph or the caches half made
             raise
-        if self.workspaces is not None:
+        # prompt calibration picks other scoring heads each call, and every pick captures graphs of its own: such
+        # runs keep nothing
+        if self.workspaces is not None and not calibrating:
             self.workspaces.keep(workspace)
         else:
             workspace.release()

@@ -64,6 +64,11 @@ class ModelRunner:
             self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
                                 for device in self.pipeline.devices}
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (its memory pool goes with it); later forwards capture anew."""
+        if self._graphs is not None:
+            self._graphs.clear()
+
     def reset(self) -> None:
         """Empty the cache and forget the last run's per-run settings; the buffers and the graphs stay."""
         self.cache.clear()
@@ -163,15 +168,21 @@ class ModelRunner:
         A forward holds at most ``chunk`` tokens (``None``: :func:`prefill_chunk`'s choice from free memory). A row
         that fits reads its whole prompt in one forward: its attention is square and causal, which SDPA runs on
         its fastest kernel (cuDNN's on an H100/H200, :func:`~dustin_hf.kernels.reference.prefill_attention`); a
-        longer row goes ``chunk`` at a time, each chunk attending to the ones before. Neighbouring rows of one
-        length share a forward while they fit, since short forwards leave the GPU's GEMMs underfed. ``on_chunk`` is
+        longer row goes ``chunk`` at a time, each chunk attending to the ones before (sliding windows that cut the
+        prompt: at most 4096 at a time, their masked path's tensors grow with queries times keys). Neighbouring rows
+        of one length share a forward while they hold at most ``max(chunk, 8192)`` tokens together, since short
+        forwards leave the GPU's GEMMs underfed. ``on_chunk`` is
         told each forward's token count once it is written (a progress bar)."""
+        longest = max(ids.numel() for ids in rows)
         if chunk is None:
-            chunk = prefill_chunk(self.model, max(ids.numel() for ids in rows))
+            chunk = prefill_chunk(self.model, longest)
+            if window_cuts(self.model, longest):  # windowed layers run the masked path: (Q, keys) tensors
+                chunk = min(chunk, _MASKED_CHUNK)
         last_logits, kept = [], []
         self.prompt_outputs = []
-        for first, stop in _row_groups([ids.numel() for ids in rows], chunk, one_each=any(self.record)):
-            ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length
+        group = max(chunk, _GROUP_TOKENS)  # short prompts share a forward up to this many tokens
+        for first, stop in _row_groups([ids.numel() for ids in rows], group, one_each=any(self.record)):
+            ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length (T > group: alone)
             logits, captured, pieces = None, {}, []
             for start in range(0, ids.shape[1], chunk):
                 piece = ids[:, start : start + chunk]
@@ -211,6 +222,14 @@ class ModelRunner:
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
 
 
+# A forward of the masked attention path (sliding windows that cut) holds (queries, keys) index and mask tensors:
+# its prompt chunks stay this short whatever the free memory.
+_MASKED_CHUNK = 4096
+# Rows of one length share a prefill forward while their tokens fit in this (or the chunk, if larger): a forward of
+# a few hundred tokens leaves the GPU's GEMMs underfed.
+_GROUP_TOKENS = 8192
+
+
 def prefill_chunk(model, longest: int) -> int:
     """Prompt tokens per prefill forward for ``model`` when the config leaves it to the free memory.
 
@@ -238,7 +257,7 @@ def _activation_bytes(text_config, dtype: torch.dtype) -> int:
 
 def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[int, int]]:
     """``(first, stop)`` row ranges for prefill forwards: neighbouring rows of one length while their tokens fit in
-    ``chunk`` (``one_each``: every row alone)."""
+    ``chunk`` tokens (``one_each``: every row alone)."""
     groups: list[tuple[int, int]] = []
     for b, n in enumerate(lengths):
         if groups and not one_each:

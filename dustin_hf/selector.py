@@ -26,7 +26,8 @@ __all__ = ["Selector"]
 
 
 class Selector:
-    """Chooses each row's read set from the kept queries; one per decode run (it owns the steady step's graph).
+    """Chooses each row's read set from the kept queries; kept with a workspace across decode runs (it owns the
+    steady step's graph; its per-run hooks, ``budgets`` and ``window_slots``, are set by each run).
 
     Args:
         config: the resolved Dustin settings (scoring layers and heads, budget, windows).

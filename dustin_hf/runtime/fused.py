@@ -67,7 +67,8 @@ transformers release newer than :data:`dustin_hf.compat.VERIFIED_RANGE`), that p
 code, with one warning per process naming what differs: the outputs stay transformers', only launches are
 saved elsewhere.
 
-Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
+Everything is restored on exit, also on an exception (the fused weights only when the context made them: a
+:class:`FusedWeights` given to it keeps them for the next context). Nested and repeated contexts are safe: what an
 enclosing context already replaced is left to it. Enter the context before capturing CUDA graphs:
 graphs captured outside it keep the unfused kernels, graphs captured inside keep the fused ones.
 """
@@ -491,7 +492,8 @@ class FusedWeights:
     given no ``FusedWeights`` makes its own and gives every layer its own storage back on exit; a context given one
     leaves the concatenations in place, so CUDA graphs captured over them replay in a later context (the decode
     loop's :class:`~dustin_hf.workspace.Workspace`). Until :meth:`release`, the layers' parameters share storage
-    (safetensors refuses to save such a state dict: release first). A layer whose parameters were replaced since
+    (views of one tensor that do not overlap: ``state_dict()``, ``save_pretrained`` and safetensors take them as
+they take separate tensors). A layer whose parameters were replaced since
     (``param.data = ...``, ``model.to(...)``) is concatenated afresh and :attr:`generation` counts up.
     """
 
@@ -530,9 +532,6 @@ class FusedWeights:
                     for param in (m.weight, m.bias):
                         if param is not None:
                             param.data = param.data.clone()  # the concatenation goes once every view is replaced
-
-    def __len__(self) -> int:
-        return len(self._held)
 
 
 def _addresses(linears) -> tuple[int, ...]:
