@@ -37,7 +37,7 @@ from dustin_hf.config import resolve
 from dustin_hf.research.models import fetch_pair
 from dustin_hf.research.pair import describe_machine, load_pair
 from dustin_hf.research.prefilled import prefill_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_hf.profiles import config_for_budget, read_profile
 from dustin_hf.research.texts import describe_text, token_window
 from dustin_hf.research.knob import budget_summary, correlation
 from dustin_hf.research.traces import knob_trace_record, prediction_record, write_knob_trace, write_predictions

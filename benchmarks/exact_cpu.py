@@ -23,7 +23,7 @@ import torch
 from dustin_hf.research.demo import DemoRun, run_demo
 from dustin_hf.research.models import fetch_pair
 from dustin_hf.research.pair import describe_machine, load_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_hf.profiles import config_for_budget, read_profile
 from dustin_hf.research.texts import token_window
 
 ROOT = Path(__file__).resolve().parents[1]

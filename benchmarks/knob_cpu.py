@@ -29,7 +29,7 @@ import torch
 from dustin_hf.research.evaluation import evaluate, summarize
 from dustin_hf.research.knob import EstimatorFeatures
 from dustin_hf.research.plotting import plot_fidelity
-from dustin_hf.research.profiles import read_profile
+from dustin_hf.profiles import read_profile
 from dustin_hf.research.settings import EvalSettings
 from dustin_hf.research.texts import describe_text
 

@@ -33,7 +33,7 @@ import torch
 from dustin_hf.config import resolve
 from dustin_hf.research.estimators import Estimator, library_estimator, order_study, study
 from dustin_hf.research.knob import load_features
-from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_hf.profiles import config_for_budget, read_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"

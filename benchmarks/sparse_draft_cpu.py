@@ -39,7 +39,7 @@ from dustin_hf.config import resolve
 from dustin_hf.research.models import fetch_pair
 from dustin_hf.research.pair import load_pair
 from dustin_hf.research.prefilled import prefill_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_hf.profiles import config_for_budget, read_profile
 from dustin_hf.research.texts import token_window
 from dustin_hf.research.traces import trace_record, write_trace
 from dustin_hf.research.walk import teacher_forced_walk

@@ -17,7 +17,7 @@ import dustin_hf
 from dustin_hf.research.calibrate import calibrate
 from dustin_hf.research.models import fetch_pair
 from dustin_hf.research.pair import load_pair
-from dustin_hf.research.profiles import write_profile
+from dustin_hf.profiles import write_profile
 from dustin_hf.research.settings import CalibrationSettings
 from dustin_hf.research.texts import token_window
 from dustin_hf.research.tiny import tiny_pair

@@ -79,7 +79,7 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
               features: StepFeatures | None = None, save_features=None) -> dict:
     """Collect, search and compare; returns the profile's sections (``config``, ``draft_share_fraction``,
     ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
-    :func:`dustin_hf.research.profiles.write_profile`). ``features`` given: skip collection (search only);
+    :func:`dustin_hf.profiles.write_profile`). ``features`` given: skip collection (search only);
     ``save_features``: a path to keep the collected features at."""
     base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None)
     start = time.perf_counter()

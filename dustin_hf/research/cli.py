@@ -187,7 +187,7 @@ def demo(args, out: Output) -> dict:
     from ..config import DustinConfig
     from .demo import demo_runs, print_runs, run_demo
     from .pair import describe_machine
-    from .profiles import config_for_budget, read_profile
+    from ..profiles import config_for_budget, read_profile
     from .texts import token_window
 
     config, fraction = DustinConfig(), None
@@ -250,7 +250,7 @@ def calibrate_command(args, out: Output) -> dict:
     from .calibrate import calibrate
     from .settings import CalibrationSettings
     from .pair import describe_machine
-    from .profiles import write_profile
+    from ..profiles import write_profile
     from ..config import DustinConfig
     from .texts import token_window
 
@@ -341,7 +341,7 @@ def eval_command(args, out: Output) -> dict:
     from .needle import make_needles
     from .pair import describe_machine
     from .plotting import plot_fidelity
-    from .profiles import read_profile
+    from ..profiles import read_profile
     from .settings import EvalSettings
     from .texts import token_window
 

@@ -39,7 +39,7 @@ from .continuations import eos_ids, speculative_continuation, token_agreement
 from .knob import budget_summary, correlation
 from .needle import make_needles, needle_found
 from .prefilled import PrefillStore, prefill_pair
-from .profiles import config_for_budget
+from ..profiles import config_for_budget
 from .settings import EvalSettings
 from .texts import token_window
 from .traces import trace_record, write_trace
