@@ -32,10 +32,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..config import DustinConfig
-from ..kernels import resolve_backend
-from ..runner import ModelRunner
-from ..search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+from dustin_hf.config import DustinConfig
+from dustin_hf.kernels import resolve_backend
+from dustin_hf.runner import ModelRunner
+from dustin_hf.search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+
 from .prefilled import dustin_attention_on, prefill_pair
 from .settings import CalibrationSettings
 from .texts import token_window
