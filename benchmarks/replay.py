@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dustin_hf.plan import device_tensor
-from dustin_lab import traces  # the trace formats and their readers, written by the research harness
+from dustin_lab import traces  # the trace formats and their readers, written by the lab
 from dustin_lab.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 
 __all__ = ["AcceptReplay", "BudgetReplay", "CountReplay", "ExactReplay", "PAPER_COUNTS", "PREDICTION_FORMAT",
