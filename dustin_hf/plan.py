@@ -15,7 +15,7 @@ import torch
 
 from .kernels.tuning import KernelTuning
 
-__all__ = ["ForwardPlan", "DeviceTensors"]
+__all__ = ["DeviceTensors", "ForwardPlan", "device_tensor", "select_heads"]
 
 
 @dataclass(frozen=True)
