@@ -1,10 +1,13 @@
-"""Which transformers versions and which models the patch is known to work with.
+"""Which transformers versions and which models the patch is known to work with, and what the loop reads of a model.
 
 The patch relies on transformers internals (``_assisted_decoding`` looked up on the model's class,
 ``ALL_CACHE_IMPLEMENTATIONS`` read at validation time, keyword arguments reaching the attention
 function). Those were checked on the versions in ``VERIFIED_RANGE``; a newer 5.x gets a warning,
 anything outside 5.x an error. Models must route attention through transformers' registry with a
 standard KV cache (full or sliding-window attention; linear-attention and recurrent layers have none).
+
+The loop reads a model through the helpers at the end (device, GQA group, softmax scale, sliding windows), so
+that what it assumes about transformers' modules sits in this one file.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import transformers
 from packaging.version import Version
 from transformers.generation.utils import ALL_CACHE_NAMES
 
-__all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "check_transformers", "check_model", "check_pair"]
+__all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "attention_scale", "check_transformers", "check_model", "check_pair",
+           "common_window", "group_size", "model_device", "window_cuts"]
 
 VERIFIED_RANGE = ("5.17.0", "5.25.0")  # inclusive; both ends tested (.ci/run)
 
@@ -85,3 +89,42 @@ def check_pair(target, draft, tokenizer=None, assistant_tokenizer=None) -> None:
         )
     if tokenizer is not assistant_tokenizer and tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
         raise ValueError("the target and draft tokenizers differ; Dustin needs a draft that shares the target's tokenizer")
+
+
+# ---- what the loop reads from a model: its device, GQA group, softmax scale and sliding windows
+def model_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def group_size(text_config) -> int:
+    """Query heads per key/value head (GQA group size; 1 without GQA)."""
+    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
+                                               or text_config.num_attention_heads)
+
+
+def attention_scale(model, text_config) -> float:
+    """The softmax scale of the model's attention layers (``module.scaling``)."""
+    for module in model.modules():
+        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
+            return float(module.scaling)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return head_dim**-0.5
+
+
+def _windows(model) -> list[int | None]:
+    """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
+    (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
+    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
+            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def common_window(model) -> int | None:
+    """The window every attention layer of ``model`` shares, if every one has the same."""
+    windows = set(_windows(model))
+    return next(iter(windows)) if len(windows) == 1 and isinstance(next(iter(windows)), int) else None
+
+
+def window_cuts(model, capacity: int) -> bool:
+    """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
+    run the general masked attention, which a CUDA graph cannot capture)."""
+    return any(isinstance(w, int) and w < capacity for w in _windows(model))

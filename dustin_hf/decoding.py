@@ -42,6 +42,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .cache import DustinCache
+from .compat import attention_scale, common_window, group_size, model_device, window_cuts
 from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .exact import ConfirmSchedule, block_proposals, blocks
@@ -52,7 +53,7 @@ from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
 from .prompt_calibration import calibrate_on_prompts
 from .rows import Rows, token_ids
-from .runner import ModelRunner, attention_scale, common_window, group_size, model_device, window_cuts
+from .runner import ModelRunner
 from .runtime.fused import FusedWeights, fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .runtime.tuning import Tuning

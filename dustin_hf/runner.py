@@ -8,27 +8,16 @@ from collections.abc import Callable
 import torch
 
 from .cache import DustinCache
-from .compat import CACHE_KWARG
+from .compat import CACHE_KWARG, model_device, window_cuts
 from .kernels.tuning import KernelTuning
 from .plan import ForwardPlan
 from .runtime.graphs import GraphedForward, Pipeline
 
-__all__ = ["ModelRunner", "attention_scale", "common_window", "group_size", "model_device", "prefill_chunk",
-           "window_cuts"]
+__all__ = ["ModelRunner", "prefill_chunk"]
 
 
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def group_size(text_config) -> int:
-    """Query heads per key/value head (GQA group size; 1 without GQA)."""
-    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
-                                               or text_config.num_attention_heads)
-
-
-def model_device(model) -> torch.device:
-    return model.get_input_embeddings().weight.device
 
 
 class ModelRunner:
@@ -269,15 +258,6 @@ def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[in
     return groups
 
 
-def attention_scale(model, text_config) -> float:
-    """The softmax scale of the model's attention layers (``module.scaling``)."""
-    for module in model.modules():
-        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
-            return float(module.scaling)
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return head_dim**-0.5
-
-
 def _joined(pieces: list[tuple], length: int) -> tuple:
     """One prompt's ``(hidden states, attentions)`` from its prefill chunks: hidden ``(1, n, hidden)`` per layer,
     attentions ``(1, H, n, n)`` per layer (each chunk's weights span the slots it saw, the rest is zero)."""
@@ -290,22 +270,3 @@ def _joined(pieces: list[tuple], length: int) -> tuple:
             attentions.append(torch.cat(rows, dim=2))
         attentions = tuple(attentions)
     return hidden, attentions
-
-
-def _windows(model) -> list[int | None]:
-    """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
-    (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
-    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
-            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-
-
-def common_window(model) -> int | None:
-    """The window every attention layer of ``model`` shares, if every one has the same."""
-    windows = set(_windows(model))
-    return next(iter(windows)) if len(windows) == 1 and isinstance(next(iter(windows)), int) else None
-
-
-def window_cuts(model, capacity: int) -> bool:
-    """Whether some attention layer of ``model`` has a sliding window shorter than ``capacity`` keys (such layers
-    run the general masked attention, which a CUDA graph cannot capture)."""
-    return any(isinstance(w, int) and w < capacity for w in _windows(model))

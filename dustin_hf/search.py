@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .compat import attention_scale, group_size
 from .config import DustinConfig, resolve
 from .plan import ForwardPlan
 from .recovery import head_probabilities, position_weights
-from .runner import attention_scale, group_size
 from .selection import select_positions
 
 __all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search", "stack_features",

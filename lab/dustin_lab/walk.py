@@ -55,12 +55,13 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from dustin_hf.compat import attention_scale, group_size, model_device
 from dustin_hf.config import ResolvedConfig
 from dustin_hf.draft_reads import DraftReads
 from dustin_hf.kernels import resolve_backend
 from dustin_hf.plan import ForwardPlan, device_tensor, select_heads
 from dustin_hf.recovery import position_weights, selection_recovery
-from dustin_hf.runner import ModelRunner, attention_scale, group_size, model_device
+from dustin_hf.runner import ModelRunner
 from dustin_hf.scoring import draft_lookahead_scores, target_history_scores
 from dustin_hf.selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
