@@ -13,10 +13,14 @@ that what it assumes about transformers' modules sits in this one file.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import transformers
 from packaging.version import Version
 from transformers.generation.utils import ALL_CACHE_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "attention_scale", "check_transformers", "check_model", "check_pair",
            "common_window", "group_size", "model_device", "window_cuts"]
