@@ -346,6 +346,7 @@ def run_speculative(target, draft, batch: int, context: int, method: Method, dty
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
@@ -353,14 +354,13 @@ def run_speculative(target, draft, batch: int, context: int, method: Method, dty
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
     resolved = None if method.config is None else resolve(method.config, target.config, draft.config)
     decoder = SpeculativeDecoder(
-        target, draft, config, dustin=resolved, num_draft_tokens=GAMMA, confidence_threshold=None,
-        hooks=method.hooks(prefill=_random_prefill(dtype), profile=profile), tuning=tuning,
+        target, draft, config, dustin=resolved, drafting=Drafting(GAMMA), runtime=RuntimeOptions(tuning=tuning),
+        hooks=method.hooks(prefill=_random_prefill(dtype), profile=profile),
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     if torch_trace:
-        exact = resolved is not None and resolved.mode == "exact"
-        _trace_steps(decoder, torch_trace, "_exact_step" if exact else "_step")
+        _trace_steps(decoder, torch_trace)
     with attention_routed(target, draft):
         result = decoder.generate(ids)
     stats = result.stats.as_dict()
@@ -399,18 +399,18 @@ def _mean_ms(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: 1e3 * sum(step.get(k, 0.0) for step in steps) / len(steps) for k in steps[0]}
 
 
-def _trace_steps(decoder, path: str, name: str, steps: int = 8) -> None:
-    """Record ``steps`` decode steps (the decoder's method ``name``) after the warm-up ones with torch.profiler;
-    save a gzipped Chrome trace."""
+def _trace_steps(decoder, path: str, steps: int = 8) -> None:
+    """Record ``steps`` decode steps (``decoder.decode_step``, wrapped on the instance) after the warm-up ones with
+    torch.profiler; save a gzipped Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    step, done = getattr(decoder, name), [0]
+    step, done = decoder.decode_step, [0]
 
-    def traced(target, draft):
+    def traced(run):
         if done[0] == WARMUP_STEPS:
             prof.start()
-        step(target, draft)
+        step(run)
         done[0] += 1
         if done[0] == WARMUP_STEPS + steps:
             if torch.cuda.is_available():
@@ -424,7 +424,7 @@ def _trace_steps(decoder, path: str, name: str, steps: int = 8) -> None:
                 shutil.copyfileobj(src, dst)
             Path(path.removesuffix(".gz")).unlink()
 
-    setattr(decoder, name, traced)  # this decoder instance only
+    decoder.decode_step = traced  # this decoder instance only
 
 
 def _release_memory() -> None:

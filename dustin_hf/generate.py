@@ -14,9 +14,11 @@ from collections.abc import Mapping
 import torch
 from transformers import GenerationConfig
 
+from . import prompt_calibration
 from .attention import ATTENTION_NAME
 from .compat import CACHE_KWARG, check_pair
 from .config import resolve
+from .decode_settings import Drafting, GenerateSettings, RuntimeOptions
 from .decoding import DecodeResult, SpeculativeDecoder
 from .masks import prompts_from_mask
 
@@ -121,17 +123,19 @@ def run_assisted(
     handle = target._dustin_patch
     drafting = draft_settings(draft)
     decoder = SpeculativeDecoder(
-        target, draft, generation_config, logits_processor, stopping_criteria, dustin=dustin,
-        num_draft_tokens=int(drafting["num_assistant_tokens"]),
-        confidence_threshold=drafting["assistant_confidence_threshold"] or None,
-        draft_schedule=drafting["num_assistant_tokens_schedule"], streamer=streamer,
-        hooks=handle.hooks, workspaces=handle.workspaces,
+        target, draft, GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
+        dustin=dustin,
+        drafting=Drafting(int(drafting["num_assistant_tokens"]), drafting["assistant_confidence_threshold"] or None,
+                          drafting["num_assistant_tokens_schedule"]),
+        runtime=RuntimeOptions(workspaces=handle.workspaces), hooks=handle.hooks,
+        # the loop sits below the calibration search: it runs the search it is handed
+        calibrate=prompt_calibration.calibrate_on_prompts,
     )
     mask = model_kwargs.get("attention_mask")
     with attention_routed(target, draft):
         result = decoder.generate(input_ids, mask, model_kwargs.get("position_ids"))
     if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
-        lengths = decoder.final_draft_tokens
+        lengths = result.draft_tokens
         draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
     if not generation_config.return_dict_in_generate:
         return dataclasses.replace(result, cache=None, draft_cache=None)

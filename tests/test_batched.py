@@ -204,6 +204,7 @@ def test_profile_records_each_steps_phases():
     """profile=True: per step, wall and host seconds per phase; 'events' needs CUDA; anything else is refused."""
     from transformers import GenerationConfig
 
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.telemetry import DecodeHooks
     from dustin_hf.generate import attention_routed
@@ -213,8 +214,8 @@ def test_profile_records_each_steps_phases():
     ids = random_prompt(20, batch=2, seed=3)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 10, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
-                                     hooks=DecodeHooks(profile=True))
+        decoder = SpeculativeDecoder(target, draft, config, drafting=Drafting(3),
+                                     runtime=RuntimeOptions(backend="reference"), hooks=DecodeHooks(profile=True))
         stats = decoder.generate(ids).cache.stats
     phases = ["draft", "score_select", "verify", "accept", "commit", "bookkeeping"]
     steps = stats["dense_steps"] + stats["sparse_steps"]
@@ -223,7 +224,8 @@ def test_profile_records_each_steps_phases():
         assert all(t >= 0 for step in stats[key] for t in step.values())
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
+            SpeculativeDecoder(target, draft, config, drafting=Drafting(3), runtime=RuntimeOptions(backend="reference"),
                                hooks=DecodeHooks(profile="events"))
     with pytest.raises(ValueError, match="profile must be"):
-        SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference", hooks=DecodeHooks(profile="wall"))
+        SpeculativeDecoder(target, draft, config, drafting=Drafting(3), runtime=RuntimeOptions(backend="reference"),
+                           hooks=DecodeHooks(profile="wall"))

@@ -578,12 +578,13 @@ def test_only_the_heuristic_schedule_writes_its_final_length_back(schedule, monk
     assert (stock_lengths[-1] != start) == moved, stock_lengths
     assert draft.generation_config.num_assistant_tokens == (stock_lengths[-1] if schedule == "heuristic" else start)
 
-    decoders = []
+    decoders, results = [], []
     run = SpeculativeDecoder.generate
 
     def keeping(self, *args, **kwargs):
         decoders.append(self)
-        return run(self, *args, **kwargs)
+        results.append(run(self, *args, **kwargs))
+        return results[-1]
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", keeping)
     rows = _rows()[:3]
@@ -594,15 +595,15 @@ def test_only_the_heuristic_schedule_writes_its_final_length_back(schedule, monk
         for row in rows:
             reset()
             model.generate(row[None], **call)
-            alone.append(decoders[-1].final_draft_tokens[0])
+            alone.append(results[-1].draft_tokens[0])
             assert draft.generation_config.num_assistant_tokens == (alone[-1] if schedule == "heuristic" else start)
         reset()
         ids, mask = left_pad(rows)
         model.generate(ids, attention_mask=mask, **call)
-        finals = decoders[-1].final_draft_tokens
+        finals = results[-1].draft_tokens
         written = draft.generation_config.num_assistant_tokens
         model.generate(ids, attention_mask=mask, **call)  # the next call starts from what was written
     assert finals == alone, (finals, alone)
     assert (len(set(finals)) > 1) == moved, finals
     assert written == (round(sum(finals) / len(finals)) if schedule == "heuristic" else start), (written, finals)
-    assert decoders[-1].gamma == written
+    assert decoders[-1].drafting.num_draft_tokens == written

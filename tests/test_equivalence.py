@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import decoding, selector
+from dustin_hf import decode_run, selector
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.draft_reads import DraftReads
 from dustin_hf.selection import Selection
@@ -48,7 +48,7 @@ def test_sparse_path_with_every_position_selected_is_exact(monkeypatch, family):
     draft = set_gamma(noisy_copy(target), 3)
     ids = random_prompt(40, seed=3)
     greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
-    monkeypatch.setattr(decoding, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
+    monkeypatch.setattr(decode_run, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
     monkeypatch.setattr(selector, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
     monkeypatch.setattr(selector, "select_positions", _select_everything)
     with dustin_hf.patch(target):

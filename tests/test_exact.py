@@ -11,7 +11,8 @@ import torch
 from transformers import GenerationConfig
 
 import dustin_hf
-from dustin_hf import decoding
+from dustin_hf import decoding, exact_step
+from dustin_hf.decode_settings import Drafting
 from dustin_hf.config import resolve
 from dustin_hf.exact import ConfirmSchedule, blocks
 from dustin_hf.generate import attention_routed
@@ -165,7 +166,7 @@ def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
                      target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=2,
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, drafting=Drafting(2),
                                               hooks=DecodeHooks(prefill=tiled_prefill(1)))
         out = decoder.generate(prompt.expand(draws, -1)).sequences
     return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
@@ -179,7 +180,7 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
     assert _pvalue(target, draft, prompt, law, "sparse") < P_VALUE
     assert _pvalue(target, draft, prompt, law, "exact") > P_VALUE
 
-    right = decoding.block_proposals
+    right = exact_step.block_proposals
 
     def wrong(draft_probs, tentative_probs, tentative, vocab, width):
         """The tentative tokens' proposal replaced by the uniform law: not what they were drawn from."""
@@ -188,7 +189,7 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
             out[b, :n] = 1.0 / vocab
         return out
 
-    monkeypatch.setattr(decoding, "block_proposals", wrong)  # the loop's own reference
+    monkeypatch.setattr(exact_step, "block_proposals", wrong)  # the loop's own reference
     assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
 
 
@@ -219,7 +220,7 @@ def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **con
     config = resolve(dustin_hf.DustinConfig(**{**LAW_CONFIG, **config}), target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=ids.shape[1] + LAW_TOKENS, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=1,
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, drafting=Drafting(1),
                                               hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))))
         result = decoder.generate(ids, mask)
     return result.sequences[:, ids.shape[1]:], result.stats.reports["exact"]
@@ -339,10 +340,10 @@ def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
 
     gen = GenerationConfig(do_sample=sample, max_length=ids.shape[1] + 40, pad_token_id=PAD)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin=config, num_draft_tokens=4,
+        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin=config, drafting=Drafting(4),
                                               hooks=DecodeHooks(confirm=confirm))
-        decoder.generate(ids, mask)
-    assert decoder.confirm.stats.tentative_rejected > 0 and calls[0] > 4
+        result = decoder.generate(ids, mask)
+    assert result.stats.reports["exact"]["tentative_rejected"] > 0 and calls[0] > 4
 
 
 def _blocks_by_row(tokens, starts, tentative, drafts, width):

@@ -670,6 +670,7 @@ def test_decoder_with_fused_ops_decodes_like_without():
     from transformers import GenerationConfig
 
     import dustin_hf
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
@@ -682,8 +683,8 @@ def test_decoder_with_fused_ops_decodes_like_without():
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for fused_on in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, num_draft_tokens=3, backend="reference",
-                                         fused_ops=fused_on)
+            decoder = SpeculativeDecoder(target, draft, config, drafting=Drafting(3),
+                                         runtime=RuntimeOptions(backend="reference", fused_ops=fused_on))
             result = decoder.generate(ids)
             outputs.append(result.sequences)
             report = result.cache.stats["fused_ops"]

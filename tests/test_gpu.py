@@ -54,6 +54,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
@@ -67,7 +68,8 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
             decoder = SpeculativeDecoder(target, draft, config, dustin=resolved if dustin else None,
-                                         num_draft_tokens=4, backend="triton", cuda_graphs=graphs)
+                                         drafting=Drafting(4),
+                                         runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
@@ -141,6 +143,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
     from dustin_hf.runtime.graphs import Pipeline
@@ -158,8 +161,9 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for name, dustin, graphs in (("full", full, True), ("eager", sparse, False), ("graphed", sparse, True)):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, num_draft_tokens=4, backend="triton",
-                                         cuda_graphs=None if graphs else False)
+            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(4),
+                                         runtime=RuntimeOptions(backend="triton",
+                                                                cuda_graphs=None if graphs else False))
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[name] = result.sequences
             assert decoder.graphs["target"] == graphs
@@ -244,6 +248,7 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
     from dustin_hf.decoding import SpeculativeDecoder
     from dustin_hf.generate import attention_routed
 
@@ -256,8 +261,9 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, num_draft_tokens=4, backend="triton",
-                                         cuda_graphs=None if graphs else False)
+            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(4),
+                                         runtime=RuntimeOptions(backend="triton",
+                                                                cuda_graphs=None if graphs else False))
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[graphs] = result.sequences
             stats = result.cache.stats

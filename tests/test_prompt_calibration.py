@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import decoding, prompt_calibration
+from dustin_hf import prompt_calibration
 
 from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
@@ -40,7 +40,7 @@ def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, mo
         checked.append(out[1])
         return out
 
-    monkeypatch.setattr(decoding, "calibrate_on_prompts", checking)  # the loop's own reference
+    monkeypatch.setattr(prompt_calibration, "calibrate_on_prompts", checking)  # what generate() hands the loop
     config = dustin_hf.DustinConfig(budget=32, min_context=128, dense_layers=(0, 1, 2), calibration="prompt")
     with dustin_hf.patch(target, config):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False,

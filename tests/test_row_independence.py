@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf.decoding import SpeculativeDecoder
+from dustin_hf.decode_run import DecodeRun
 from dustin_hf.exact import ConfirmSchedule
 from dustin_hf.sampling import RowGenerators
 
@@ -98,7 +98,7 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
     did not, or the reverse (``differs``)."""
     target, draft = _pair()
     steps = []  # per step of the current run and row: [drafts proposed, confirmed (exact mode)]; None: finished
-    real_draft, real_confirm = SpeculativeDecoder._draft, ConfirmSchedule.after_confirm
+    real_draft, real_confirm = DecodeRun.draft_tokens, ConfirmSchedule.after_confirm
 
     def drafting(self, *args, **kwargs):
         drafts = real_draft(self, *args, **kwargs)
@@ -109,7 +109,7 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
         steps[-1][b][1] = True
         return real_confirm(self, b, *args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeDecoder, "_draft", drafting)
+    monkeypatch.setattr(DecodeRun, "draft_tokens", drafting)
     monkeypatch.setattr(ConfirmSchedule, "after_confirm", confirming)
     runs = []
     with dustin_hf.patch(target):

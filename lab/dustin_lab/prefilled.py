@@ -23,10 +23,12 @@ from tqdm.auto import tqdm
 from dustin_hf import decoding
 from dustin_hf.cache import DustinCache
 from dustin_hf.compat import model_device
+from dustin_hf.decode_settings import Drafting
 from dustin_hf.generate import attention_routed
 from dustin_hf.kernels import resolve_backend
 from dustin_hf.patching import is_patched, patch
 from dustin_hf.plan import select_heads
+from dustin_hf.prompt_calibration import calibrate_on_prompts
 from dustin_hf.runner import ModelRunner
 from dustin_hf.telemetry import DecodeHooks
 
@@ -156,6 +158,6 @@ class PrefillStore:
 def speculative_decoder(target, draft, generation_config, *, dustin, gamma: int, store: PrefillStore | None = None):
     """A :class:`~dustin_hf.decoding.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
-    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin=dustin, num_draft_tokens=gamma,
-                                       confidence_threshold=None,
-                               hooks=None if store is None else DecodeHooks(prefill=store.hook()))
+    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin=dustin, drafting=Drafting(gamma),
+                                       hooks=None if store is None else DecodeHooks(prefill=store.hook()),
+                                       calibrate=calibrate_on_prompts)
