@@ -5,7 +5,10 @@ From the bottom up:
 - ``dustin_hf.kernels``: pure tensor ops; they import nothing of dustin_hf outside ``kernels``;
 - ``dustin_hf.runtime``: CUDA graphs, fused decode ops, launch settings; besides kernels and runtime it
   reads only the per-forward plan and the transformers compatibility names (``plan``, ``compat``);
-- the library core (every other module of ``dustin_hf`` and ``dustin_hf.patches``);
+- the library core (every other module of ``dustin_hf`` and ``dustin_hf.patches``); within it, the decode loop
+  (``decoding``, ``decode_run``, ``exact_step``, ``decode_settings``) sits below the calibration search
+  (``prompt_calibration``, ``search``): it reaches neither, directly or through another module, and runs the
+  search it is handed (``generate`` passes it);
 - ``dustin_lab`` (the folder ``lab/``, a project of its own): the CLI, demo, calibration and evaluation.
   Nothing in the library imports it, and it reads the library through public names only: a library
   module whose dotted path has no ``_``-prefixed part, and the names in that module's ``__all__``
@@ -25,6 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_MAY_READ = {"dustin_hf.plan", "dustin_hf.compat"}
+LOOP = {"dustin_hf.decoding", "dustin_hf.decode_run", "dustin_hf.exact_step", "dustin_hf.decode_settings"}
+CALIBRATION_SEARCH = {"dustin_hf.prompt_calibration", "dustin_hf.search"}
 LAB = ROOT / "lab"
 
 
@@ -112,7 +117,22 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{name} -> {target}: the runtime reads only kernels, runtime, {sorted(RUNTIME_MAY_READ)}")
             elif target.startswith("dustin_lab") and not name.startswith("dustin_lab"):
                 bad.append(f"{name} -> {target}: the library never imports the lab")
+    for name in sorted(LOOP & set(graph)):
+        for target in sorted(_reached(graph, name) & CALIBRATION_SEARCH):
+            bad.append(f"{name} -> ... -> {target}: the decode loop sits below the calibration search (pass the "
+                       "search in as SpeculativeDecoder(calibrate=...))")
     return bad
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
 
 
 @functools.cache
@@ -191,6 +211,9 @@ def test_the_lab_is_checked():
     ("dustin_hf.kernels.triton_score", "from ..plan import select_heads", "kernels import nothing"),
     ("dustin_hf.cache", "from dustin_lab import texts", "the library never imports the lab"),
     ("dustin_hf.decoding", "import dustin_lab.cli", "the library never imports the lab"),
+    ("dustin_hf.decoding", "from .prompt_calibration import calibrate_on_prompts", "below the calibration search"),
+    ("dustin_hf.exact_step", "from .search import search", "below the calibration search"),
+    ("dustin_hf.selector", "from .search import search", "below the calibration search"),
     ("dustin_hf.runtime.graphs", "from ..selection import Selection", "the runtime reads only"),
     ("dustin_lab.walk", "from dustin_hf.selection import _budget_fill", "public names"),
     ("dustin_lab.walk", "from dustin_hf.plan import HostCopy", "public names"),
