@@ -384,7 +384,7 @@ class DecodeRun:
         gamma = len(tokens)
         row_gamma = [n if not done else gamma for n, done in zip(drafted, rows.finished)]
         return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, kept_queries,
-                       row_gamma=row_gamma)
+                      row_gamma=row_gamma)
 
     def update_schedule(self, row_gamma: list[int], accepted: list[int], active: list[int]) -> None:
         """transformers' ``num_assistant_tokens_schedule``, each row on its own: a row that kept all the drafts it
@@ -396,7 +396,7 @@ class DecodeRun:
             self.row_gamma[b] = min(self.max_gamma, self.row_gamma[b] + 2) if grew else max(1, self.row_gamma[b] - 1)
 
     def verify(self, drafts: Drafts, seqlens: list[int], base: torch.Tensor,
-                selection: Selection | None):
+               selection: Selection | None):
         """Step 3: the target over [x, d_1..d_γ]; returns raw logits ``(B, γ+1, V)`` (or their argmax ``(B, γ+1)``
         when only tokens are needed), processed scores (``None`` then) and the kept history queries."""
         target = self.target
@@ -408,7 +408,7 @@ class DecodeRun:
         return raw, scores, captured
 
     def accept(self, drafts: Drafts, raw: torch.Tensor, scores: torch.Tensor | None,
-                tentative: list[int] | None = None, dense: list[bool] | None = None):
+               tentative: list[int] | None = None, dense: list[bool] | None = None):
         """Step 4: ``n_accepted (B,)`` leading drafts kept and the target's ``next_token (B,)`` after them
         (:func:`~dustin_hf.sampling.accept_greedy` / :func:`~dustin_hf.sampling.accept_sampled`); a replayed
         acceptance (:attr:`DecodeHooks.accept`; in exact mode :attr:`DecodeHooks.confirm`, told how many of each

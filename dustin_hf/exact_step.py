@@ -55,10 +55,10 @@ def exact_step(run: DecodeRun) -> None:
         selection = run.selector.select(target, draft, seqlens, base, first, 1)
     elif sparse:
         selection = run.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
-                                         drafts.row_gamma)
+                                        drafts.row_gamma)
     if selection is not None and selection.recovery is not None:
         run.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
-                               [b for b in rows.active if not dense[b]])
+                              [b for b in rows.active if not dense[b]])
     reads = None if all(dense) else with_dense_rows(selection, starts, dense)
     # what the sparse draft reads next: a confirming row rewrites its positions from its confirmed start, so it
     # keeps the part of this selection below that start and reads everything written from it on (without the
@@ -118,7 +118,7 @@ def exact_step(run: DecodeRun) -> None:
     #    its last sparse step), and committed lengths only grow.
     host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
     run.ahead = run.queue_drafts(device_tensor(starts, device) if any(confirming) else base,
-                                     n_accepted, *(run.last_selection or (None, seqlens)))
+                                 n_accepted, *(run.last_selection or (None, seqlens)))
     run.clock.mark("draft")
     host = host.tolist()
     accepted = [row[0] for row in host]
@@ -143,7 +143,7 @@ def exact_step(run: DecodeRun) -> None:
             rows.tentative[b] += accepted[b] + 1
             schedule.after_sparse(b, schedule.must[b] or rows.would_stop(b, new))
     run.update_schedule(verified, [min(max(n - t, 0), g) for n, t, g in zip(accepted, tentative, verified)],
-                          [b for b in active if verified[b]])  # a block with no new drafts tells nothing
+                        [b for b in active if verified[b]])  # a block with no new drafts tells nothing
     if run.recorder is not None:
         hidden, attentions = target.last_outputs
         for b in active:
@@ -154,7 +154,7 @@ def exact_step(run: DecodeRun) -> None:
     run.clock.mark("commit")
 
     run.stats.record_step(gammas, accepted, counts, active,
-                           sparse=reads is not None,
-                           attended=None if reads is None else run.attended(reads, starts, active))
+                          sparse=reads is not None,
+                          attended=None if reads is None else run.attended(reads, starts, active))
     run.clock.mark("bookkeeping")
     run.clock.end_step()
