@@ -9,7 +9,7 @@ exactly the next γ tokens and all were accepted. Step ``s`` at ``L = C + s(γ+1
      same tokens over γ forwards) and keeps its queries at ``L .. L+γ-1`` on the scoring layers;
   2. select (per budget): ``S_draft`` from those queries, ``S_target`` from the target's query of
      the last committed token (kept by the previous step), budget fill by ``select_positions``,
-     exactly as :meth:`SpeculativeDecoder._select` does;
+     exactly as the decoder's selector does (:meth:`dustin_hf.selector.Selector.select`);
   3. verify: the target reads ``tokens[L : L+γ+1]`` against the selection (dense: everything); its
      logits give the NLL of ``tokens[L+1 : L+γ+2]``, and its query at ``L+γ`` becomes the history.
 
