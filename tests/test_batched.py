@@ -229,3 +229,30 @@ def test_profile_records_each_steps_phases():
     with pytest.raises(ValueError, match="profile must be"):
         SpeculativeDecoder(target, draft, config, drafting=Drafting(3), runtime=RuntimeOptions(backend="reference"),
                            hooks=DecodeHooks(profile="wall"))
+
+
+@pytest.mark.parametrize("mode", ["sparse", "exact"])
+def test_a_call_leaves_the_decoder_as_it_was_set_up(mode):
+    """Everything of one call (rows, caches, stats, schedules, queued drafts) lives on that call's run: generate()
+    adds, replaces or drops no attribute of the decoder, and a second call gives the first call's tokens."""
+    from transformers import GenerationConfig
+
+    from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target = tiny_model("qwen2", seed=1)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids, mask = left_pad(_rows()[:3])
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 12, pad_token_id=PAD)
+    dustin = resolve(DustinConfig(budget=24, sink_tokens=4, recent_tokens=8, min_context=0, mode=mode,
+                                  backend="reference"), target.config, draft.config)
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(3, schedule="heuristic"),
+                                     runtime=RuntimeOptions(backend="reference"))
+        before = {name: id(value) for name, value in vars(decoder).items()}
+        first = decoder.generate(ids, mask)
+        assert {name: id(value) for name, value in vars(decoder).items()} == before
+        assert first.stats.sparse_steps > 0
+        assert torch.equal(decoder.generate(ids, mask).sequences, first.sequences)
