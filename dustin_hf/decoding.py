@@ -58,6 +58,7 @@ from .runtime.launch import all_on_cuda, prefer_cublaslt
 from .runtime.tuning import Tuning
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
 from .selection import Selection, dense_rows, truncated, with_dense_rows
+from .select_layers import select_spec
 from .selector import Selector
 from .stats import RunStats
 from .telemetry import DecodeHooks, PhaseClock, synchronize
@@ -267,9 +268,11 @@ class SpeculativeDecoder:
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         draft_width = read_width + DraftReads.extra_for(cfg, self.max_gamma) if self._sparse_draft else 0
+        # exact mode's sampling needs p~ to be a function of the prefix: only the first query (x's) scores there
+        select = select_spec(cfg, queries=1 if self.do_sample and cfg.mode == "exact" else None) if cfg else None
         shape = Shape(batch=len(prompts), backend=self.backend, graphs=graphs,
                       fused=(self.fused["target"], self.fused["draft"]), tokens_only=self._tokens_only,
-                      widths=(read_width, draft_width), dustin=cfg, tuning=self.tuning)
+                      widths=(read_width, draft_width), dustin=cfg, tuning=self.tuning, select=select)
         held = None if self.workspaces is None else self.workspaces.take(self.target, self.draft, shape, needed)
         if held is not None:
             held.start_run()
@@ -278,7 +281,7 @@ class SpeculativeDecoder:
         target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
                              graphs[0], graph_width=read_width,
                              dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only,
-                             tuning=self.tuning.kernels)
+                             tuning=self.tuning.kernels, select=select)
         draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
                             graphs[1], graph_width=draft_width, tokens_only=self._tokens_only,
                             tuning=self.tuning.kernels)
@@ -529,7 +532,7 @@ class SpeculativeDecoder:
         proposal = inputs[:, 1:]
         target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
         raw, captured = target.step(inputs, starts, keep=1 + width, capture=self._history_capture,
-                                    capture_last=False, selection=reads)
+                                    capture_last=False, selection=reads, query_counts=[1 + g for g in gammas])
         scores = None
         if not self._tokens_only:
             prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
@@ -695,7 +698,8 @@ class SpeculativeDecoder:
         when only tokens are needed), processed scores (``None`` then) and the kept history queries."""
         verify_in = torch.cat([self.rows.tokens.gather(1, base[:, None]), drafts.tokens], dim=1)  # (B, γ+1)
         raw, captured = target.step(verify_in, seqlens, keep=drafts.gamma + 1, capture=self._history_capture,
-                                    capture_last=False, selection=selection)
+                                    capture_last=False, selection=selection,
+                                    query_counts=[g + 1 for g in drafts.row_gamma])
         tokens = drafts.tokens.unbind(1)
         scores = None if self._tokens_only else self.process(raw, lambda b, i: self.rows.history(b, tokens[:i]))
         return raw, scores, captured
@@ -727,8 +731,8 @@ class SpeculativeDecoder:
         return n_accepted, next_token
 
     def _attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> float:
-        """Mean cached positions read per active row and layer (dense layers read everything)."""
-        layers, dense = self._t_layers, len(self.dustin.dense_layers)
+        """Mean cached positions read per active row and layer (dense and selection layers read everything)."""
+        layers, dense = self._t_layers, len(set(self.dustin.dense_layers) | set(self.dustin.selection_layers))
         return sum((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers
                    for b in active) / max(len(active), 1)
 
