@@ -201,6 +201,26 @@ def test_selection_settings_are_validated_and_resolved():
         resolve(DustinConfig(selection="verify", selection_layers=(6,)), target.config, target.config)
 
 
+def test_calibration_picks_the_layer_whose_choice_serves_the_layers_after_it():
+    """Four layers over 64 positions: layers 2 and 3 attend to positions 40-47, which Dustin's signals (pointing at
+    8-15) miss; layer 1 attends as layers 2 and 3 do, layer 0 elsewhere. Layer 1's choice adds the most over Dustin's
+    set on the layers after it; layer 2's adds half as much (one layer after it); layer 0's misses as Dustin's does."""
+    from dustin_hf.search import Choice, StepFeatures, selection_layer_gains
+
+    length, steps = 64, 2
+    weights = torch.full((steps, 4, length), 0.1 / length)
+    weights[:, 1:, 40:48] += 0.9 / 8
+    weights[:, 0, 20:28] += 0.9 / 8
+    pointing = torch.zeros(steps, 1, 1, length)
+    pointing[..., 8:16] = 1.0
+    features = StepFeatures([length] * steps, weights, pointing.expand(steps, 4, 1, length).clone(),
+                            pointing.clone())
+    gains = selection_layer_gains(features, Choice(0, (0,)), [12], DustinConfig(budget=12, sink_tokens=2,
+                                                                                 recent_tokens=2))
+    assert set(gains) == {0, 1, 2}  # the last layer chooses for nobody
+    assert gains[1] > 0 and gains[2] == pytest.approx(gains[1] / 2) and gains[0] == pytest.approx(0.0, abs=1e-6)
+
+
 # ---- the decoder -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_full_budget_equals_greedy_and_stock_assisted(family):
@@ -246,9 +266,12 @@ def test_sparse_steps_select_in_the_forward_and_exact_mode_stays_greedy(monkeypa
     assert torch.equal(outs["exact"], greedy)
 
 
-def test_exact_sampling_with_selection_layers_follows_the_targets_law():
-    """Exact mode samples with selection layers scoring with each row's first query (x's, a function of the prefix):
-    the first two tokens follow the target's law where sparse mode's do not (test_exact.py's joint-law case)."""
+def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatch):
+    """Exact mode samples with selection layers scoring with each row's first query alone (x's, a function of the
+    prefix: p~ judges the tentative tokens, so it must not depend on the drafts after them, as
+    test_exact.py::test_sampled_exact_scores_with_the_prefix_alone asks of Dustin's scoring); sparse mode scores with
+    all. The first two tokens follow the target's law where sparse mode's do not (test_exact.py's joint-law case;
+    it does not tell the two scorings apart, the recorded ``queries`` do)."""
     from test_exact import P_VALUE, _joint_law_case
     from dustin_hf import decoding
     from dustin_hf.telemetry import DecodeHooks
@@ -257,8 +280,17 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law():
     from conftest import law_pvalue, tiled_prefill
 
     target, draft, prompt, law = _joint_law_case()
+    scored_with = set()
+    real = attention.choose_read_set
+
+    def recording(q, k_cache, tensors, span, spec, scale):
+        scored_with.add(spec.queries)
+        return real(q, k_cache, tensors, span, spec, scale)
+
+    monkeypatch.setattr(attention, "choose_read_set", recording)
 
     def pvalue(mode: str, draws: int = 2000) -> float:
+        scored_with.clear()
         torch.manual_seed(0)
         config = resolve(DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode,
                                       selection="verify", selection_layers=(0,)), target.config, draft.config)
@@ -269,5 +301,5 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law():
             out = decoder.generate(prompt.expand(draws, -1)).sequences
         return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
 
-    assert pvalue("sparse") < P_VALUE
-    assert pvalue("exact") > P_VALUE
+    assert pvalue("sparse") < P_VALUE and scored_with == {None}
+    assert pvalue("exact") > P_VALUE and scored_with == {1}
