@@ -27,8 +27,10 @@ _MODES = ("sparse", "exact")
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
-# selection="verify"'s default layer, as a share of the target's depth (TBD by measurement)
-_SELECTION_DEPTH = 0.1
+# selection="verify"'s layer when no profile names one, as a share of the target's depth: an early layer's choice
+# serves the layers after it worse than Dustin's set does, a layer past the middle about as well (search.py's
+# selection_layer_gains; calibration picks the layer per pair)
+_SELECTION_DEPTH = 0.57
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 

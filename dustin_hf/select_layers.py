@@ -45,7 +45,7 @@ def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     # (B, Hkv, G*Q, D): the query heads of one key head together, each head's queries in a row
-    queries = q.float().view(batch, n_q, n_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
+    queries = q.float().reshape(batch, n_q, n_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
         batch, n_kv, group * n_q, head_dim)
     keys = k_cache[:, :span].float().permute(0, 2, 3, 1)  # (B, Hkv, D, span)
     logits = torch.matmul(queries, keys).mul_(softmax_scale)  # (B, Hkv, G*Q, span)
