@@ -44,10 +44,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", type=int, default=201, help="teacher-forced tokens walked per unit (γ+1 a step)")
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--profile", default=str(PROFILE))
+    parser.add_argument("--no-select", action="store_true", help="leave the selection layers out")
     parser.add_argument("--select", action="append", default=None, metavar="profile|[dense:]LAYERS",
                         help="selection layers, comma-separated (repeatable: one method each); 'dense:' first: the "
                              "layers before the first one read everything; 'profile' (the default): the profile's "
                              "selection_layers (method 'verify-select')")
+    parser.add_argument("--dustin-dense", action="append", default=[], metavar="LAYERS",
+                        help="also Dustin's set with these layers read in full (comma-separated; repeatable): a "
+                             "control that reads as many full layers as a selection method")
     parser.add_argument("--no-dustin", action="store_true", help="leave Dustin's set out")
     parser.add_argument("--no-oracle", action="store_true", help="leave the shared oracle out")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_select", help="per-unit reports")
@@ -68,18 +72,25 @@ def main(argv=None) -> dict:
     config, fraction, _ = read_profile(args.profile)
     selects = [(False, None) if spec == "profile" else
                (spec.startswith("dense:"), tuple(int(v) for v in spec.removeprefix("dense:").split(",")))
-               for spec in args.select or ["profile"]]
+               for spec in ([] if args.no_select else args.select or ["profile"])]
     methods, oracle, kinds = {"dense": None}, {}, {"dense": ("dense", None, None)}
     for budget in args.budgets:
         base = config_for_budget(config, fraction, budget).replace(min_context=1024)
         if not args.no_dustin:
             methods[f"dustin@{budget}"] = resolve(base, t_cfg, d_cfg)
             kinds[f"dustin@{budget}"] = ("dustin", budget, None)
+        for spec in args.dustin_dense:
+            dense = tuple(int(v) for v in spec.split(","))
+            name = "dustin-dense-L" + ",".join(map(str, dense))
+            methods[f"{name}@{budget}"] = resolve(base.replace(dense_layers=dense), t_cfg, d_cfg)
+            kinds[f"{name}@{budget}"] = (name, budget, None)
         for dense_before, layers in selects:
-            cfg = resolve(base.replace(selection="verify", selection_layers=layers), t_cfg, d_cfg)
+            chosen = base.replace(selection="verify", **({} if layers is None else {"selection_layers": layers}))
+            if config.selection_layers is None and layers is None:
+                parser.error(f"{args.profile} names no selection_layers; pass --select LAYERS")
+            cfg = resolve(chosen, t_cfg, d_cfg)
             if dense_before:
-                cfg = resolve(base.replace(selection="verify", selection_layers=layers,
-                                           dense_layers=tuple(range(min(cfg.selection_layers)))), t_cfg, d_cfg)
+                cfg = resolve(chosen.replace(dense_layers=tuple(range(min(cfg.selection_layers)))), t_cfg, d_cfg)
             name = "verify-select" + ("-dense" if dense_before else "") + (
                 "" if layers is None else "-L" + ",".join(map(str, cfg.selection_layers)))
             methods[f"{name}@{budget}"] = cfg
