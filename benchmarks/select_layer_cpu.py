@@ -1,14 +1,12 @@
-"""The selection layer of ``selection="verify"`` for a calibrated profile: each layer's gain on the calibration books.
+"""The selection layers of ``selection="verify"`` for a calibrated profile, by teacher-forced agreement with dense.
 
-``dustin-hf calibrate`` writes the layer with the rest of a new profile; this adds it to an existing one without
-searching the scoring heads again. It collects verification steps from the profile's calibration books (or loads
-them), scores every target layer with :func:`dustin_hf.search.selection_layer_gains` against the profile's own
-scoring heads (the recovery that layer's choice adds over Dustin's set on the layers after it), prints the table
-and one JSON line, and with ``--write`` records the best layer in the profile (``config.selection_layers`` and a
-``selection_layers`` section with every gain and this command).
+Walks the profile's calibration books (not the held-out texts) teacher-forced with every candidate layer set of
+:func:`dustin_hf.research.select_calibration.selection_candidates` (or ``--candidates``) beside dense verification
+and Dustin's own set, at the profile's budget; prints each candidate's pooled top-1 agreement with dense and
+perplexity ratio, then one JSON line; with ``--write`` records the best in the profile (``config.selection_layers``
+and a ``selection_layers`` section with every candidate's figures and this command).
 
-    python benchmarks/select_layer_cpu.py --books mobydick paradise_lost --steps-per-book 12 \\
-        --save-features ~/.cache/dustin_hf/select_features.pt --write
+    python benchmarks/select_layer_cpu.py --books mobydick paradise_lost --tokens 151 --write
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import argparse
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,51 +29,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", default=str(PROFILE))
     parser.add_argument("--books", nargs="+", default=["mobydick", "paradise_lost"], help="calibration books")
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps-per-book", type=int, default=12)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--features", help="load collected steps from here instead of collecting")
-    parser.add_argument("--save-features", help="keep the collected steps here")
-    parser.add_argument("--write", action="store_true", help="record the best layer in the profile")
+    parser.add_argument("--tokens", type=int, default=151, help="teacher-forced tokens walked per book")
+    parser.add_argument("--candidates", nargs="+", default=None, metavar="LAYERS",
+                        help="comma-separated layer sets (default: the library's grid)")
+    parser.add_argument("--write", action="store_true", help="record the best in the profile")
     args = parser.parse_args(argv)
 
+    from dustin_hf.research.models import fetch_pair
+    from dustin_hf.research.pair import describe_machine, load_pair
     from dustin_hf.research.profiles import read_profile
-    from dustin_hf.search import Choice, StepFeatures, selection_layer_gains
+    from dustin_hf.research.select_calibration import calibrate_selection_layers
 
     torch.set_grad_enabled(False)
-    config, fraction, profile = read_profile(args.profile)
-    started = time.perf_counter()
-    if args.features:
-        features = StepFeatures.load(Path(args.features).expanduser())
-    else:
-        from dustin_hf.research.calibrate import collect_features
-        from dustin_hf.research.models import fetch_pair
-        from dustin_hf.research.pair import load_pair
-        from dustin_hf.research.settings import CalibrationSettings
-
-        pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
-        settings = CalibrationSettings(books=tuple(args.books), context=args.context,
-                                       steps_per_book=args.steps_per_book, budgets=tuple(args.budgets))
-        features = collect_features(pair, settings, deadline=float("inf"))
-        if args.save_features:
-            features.save(Path(args.save_features).expanduser())
-    choice = Choice(config.target_layer, config.target_heads, tuple(zip(config.draft_layers, config.draft_heads)),
-                    fraction or 0.0, config.sink_tokens, config.recent_tokens)
-    gains = selection_layer_gains(features, choice, args.budgets, config)
-    best = max(gains, key=gains.get)
-    print(f"{'layer':>5} {'gain':>8}")
-    for layer, gain in sorted(gains.items(), key=lambda kv: -kv[1]):
-        print(f"{layer:5d} {gain:8.4f}{'  <- chosen' if layer == best else ''}")
-    section = {"chosen": [best], "gain": {str(layer): round(g, 6) for layer, g in gains.items()},
-               "budgets": args.budgets, "steps": len(features.seqlens),
-               "books": sorted({s.get("book") for s in features.sources}),
-               "command": shlex.join(["python", "benchmarks/select_layer_cpu.py", *sys.argv[1:]]),
-               "seconds": round(time.perf_counter() - started, 1)}
+    config, _, profile = read_profile(args.profile)
+    pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
+    candidates = [tuple(int(v) for v in c.split(",")) for c in args.candidates] if args.candidates else None
+    report = calibrate_selection_layers(pair, config.replace(min_context=1024), tuple(args.books), args.context,
+                                        args.tokens, candidates=candidates)
+    print(f"{'method':16s} {'top-1':>6s} {'ppl ratio':>9s}")
+    for name, row in sorted(report["pooled"].items(), key=lambda kv: -kv[1]["top1_agreement"]):
+        print(f"{name:16s} {row['top1_agreement']:6.3f} {row['ppl_ratio']:9.4f}")
+    report.update(command=shlex.join(["python", "benchmarks/select_layer_cpu.py", *sys.argv[1:]]),
+                  machine=describe_machine(pair.device))
     if args.write:
-        profile["config"]["selection_layers"] = [best]
-        profile["selection_layers"] = section
+        profile["config"]["selection_layers"] = report["chosen"]
+        profile["selection_layers"] = report
         Path(args.profile).write_text(json.dumps(profile, indent=2) + "\n")
-    print(json.dumps(section))
-    return section
+    print(json.dumps({"chosen": report["chosen"], "seconds": round(report["seconds"])}))
+    return report
 
 
 if __name__ == "__main__":

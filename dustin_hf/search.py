@@ -14,9 +14,7 @@ hand them here:
   for the best layers); then draft layers (up to three) with heads from one GQA group each, with ``m``
   at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent windows, and
   ``m`` once more. Scores average the budgets asked for. The selection is
-  :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill;
-- :func:`selection_layer_gains`: for ``selection="verify"``, what each layer's own choice adds over the
-  searched set on the layers after it.
+  :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ from .recovery import head_probabilities, position_weights
 from .runner import attention_scale, group_size
 from .selection import select_positions
 
-__all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search",
-           "selection_layer_gains", "stack_features", "step_features"]
+__all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search", "stack_features",
+           "step_features"]
 
 _SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 _SINK_GRID = (1, 4, 16)
@@ -177,36 +175,6 @@ def oracle_recovery(features: StepFeatures, budgets) -> dict:
                   for row, n in zip(features.mean_weights, features.seqlens)]
         out[budget] = sum(values) / len(values)
     return out
-
-
-def selection_layer_gains(features: StepFeatures, choice: Choice, budgets, base: DustinConfig) -> dict[int, float]:
-    """What each target layer would buy as the one selection layer of ``selection="verify"``, averaged over
-    ``budgets``: ``{layer: gain}``.
-
-    The layer's set (its sinks and recent window, then its most attended positions, ``W[layer]``: the mean over its
-    heads and the γ+1 verification queries, as :mod:`dustin_hf.select_layers` chooses) replaces ``choice``'s set
-    (Dustin's) on every later layer; the gain is the recovery it adds there, summed over those layers and divided by
-    the number of layers (a share of the mean recovery). The selection layer's own dense read is not counted: it
-    would buy the same as a dense layer (``dense_layers``), so it says nothing about the choice. The last layer has
-    nothing after it and is left out."""
-    n_layers = features.weights.shape[1]
-    dustin = recovery_of(features, choice, budgets, base, per_layer=True)  # {budget: [per layer]}
-    sink, recent = choice.windows(base)
-    positions = torch.arange(features.weights.shape[2])
-    lengths = torch.tensor(features.seqlens)[:, None]
-    taken = (positions[None, :] < sink) | (positions[None, :] >= lengths - recent)  # (S, Lmax), past L included
-    gains = {}
-    for layer in range(n_layers - 1):
-        total = 0.0
-        for budget in budgets:
-            top = features.weights[:, layer].masked_fill(taken, -1.0).topk(budget - sink - recent, dim=1).indices
-            chosen = torch.cat([positions[:sink].expand(len(features.seqlens), sink),
-                                lengths - recent + torch.arange(recent), top], dim=1)  # (S, budget)
-            later = features.weights[:, layer + 1 :]  # (S, later layers, Lmax)
-            share = later.gather(2, chosen[:, None, :].expand(-1, later.shape[1], -1)).sum(dim=2).mean(dim=0)
-            total += float((share - torch.tensor(dustin[budget][layer + 1 :])).sum()) / n_layers
-        gains[layer] = total / len(budgets)
-    return gains
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,6 @@ def test_calibrate_beats_or_ties_the_default_and_respects_the_time_limit(pair):
     assert result["oracle_recovery"]["mean"] >= result["recovery"]["mean"] - 1e-6  # nothing beats the oracle
     config = DustinConfig(**result["config"])
     assert config.budget == 48 and len(config.draft_layers or ()) <= 3
-    gains = result["selection_layers"]["gain"]  # selection="verify"'s layer: the best gain, never the last layer
-    assert list(config.selection_layers) == result["selection_layers"]["chosen"] == [int(max(gains, key=gains.get))]
-    assert str(pair.target.config.num_hidden_layers - 1) not in gains
     # a limit that has passed before the search starts (0.05 s was flaky: a fast CPU finished this tiny search in it)
     quick = calibrate(pair, _settings(time_limit=1e-9), progress=False)
     assert quick["search"]["stopped_early"] and quick["seconds"]["total"] < 30

@@ -201,24 +201,34 @@ def test_selection_settings_are_validated_and_resolved():
         resolve(DustinConfig(selection="verify", selection_layers=(6,)), target.config, target.config)
 
 
-def test_calibration_picks_the_layer_whose_choice_serves_the_layers_after_it():
-    """Four layers over 64 positions: layers 2 and 3 attend to positions 40-47, which Dustin's signals (pointing at
-    8-15) miss; layer 1 attends as layers 2 and 3 do, layer 0 elsewhere. Layer 1's choice adds the most over Dustin's
-    set on the layers after it; layer 2's adds half as much (one layer after it); layer 0's misses as Dustin's does."""
-    from dustin_hf.search import Choice, StepFeatures, selection_layer_gains
+def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement(monkeypatch):
+    """On a tiny pair (a bundled book through its tokenizer-free ids), every candidate of the grid is a method of
+    one teacher-forced walk beside dense verification and Dustin's set; the chosen layers are the candidate with the
+    highest pooled top-1 agreement with dense, whose figures the report holds."""
+    from dustin_hf.research import select_calibration
+    from dustin_hf.research.select_calibration import calibrate_selection_layers, selection_candidates
 
-    length, steps = 64, 2
-    weights = torch.full((steps, 4, length), 0.1 / length)
-    weights[:, 1:, 40:48] += 0.9 / 8
-    weights[:, 0, 20:28] += 0.9 / 8
-    pointing = torch.zeros(steps, 1, 1, length)
-    pointing[..., 8:16] = 1.0
-    features = StepFeatures([length] * steps, weights, pointing.expand(steps, 4, 1, length).clone(),
-                            pointing.clone())
-    gains = selection_layer_gains(features, Choice(0, (0,)), [12], DustinConfig(budget=12, sink_tokens=2,
-                                                                                 recent_tokens=2))
-    assert set(gains) == {0, 1, 2}  # the last layer chooses for nobody
-    assert gains[1] > 0 and gains[2] == pytest.approx(gains[1] / 2) and gains[0] == pytest.approx(0.0, abs=1e-6)
+    assert selection_candidates(28) == [(1,), (2,), (4,), (1, 7), (1, 14), (1, 18), (2, 7), (2, 14), (2, 18), (4, 7),
+                                        (4, 14), (4, 18)]
+    assert all(max(c) < 3 for c in selection_candidates(4))  # never the last layer: nothing after it
+
+    target = tiny_model("qwen2", layers=4, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target, noise=0.05), 3)
+
+    class Pair:
+        pass
+
+    pair = Pair()
+    pair.target, pair.draft, pair.tokenizer = target, draft, None
+    monkeypatch.setattr(select_calibration, "token_window",
+                        lambda tokenizer, book, length, offset=0: random_prompt(length, seed=len(book))[0])
+    report = calibrate_selection_layers(pair, DustinConfig(budget=24, min_context=16, sink_tokens=SINK,
+                                                           recent_tokens=RECENT), ("a", "bb"), context=120,
+                                        tokens=41, gamma=3, candidates=[(1,), (2,), (1, 2)], progress=False)
+    names = {"select-L1": (1,), "select-L2": (2,), "select-L1,2": (1, 2)}
+    assert set(report["pooled"]) == {"dustin", *names} and set(report["per_book"]) == {"a", "bb"}
+    best = max(names, key=lambda n: (report["pooled"][n]["top1_agreement"], -report["pooled"][n]["ppl_ratio"]))
+    assert report["chosen"] == list(names[best]) and report["tokens"] == 2 * 40
 
 
 # ---- the decoder -----------------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ model pair:
    The selection is :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
 3. **Report** the calibrated choice beside ``DustinConfig()``'s defaults on the same steps, and the
    oracle (the top positions of the reference attention itself: no selection of that size does better).
-4. **Selection layer** for ``selection="verify"``: the layer whose own choice adds the most recovery over the
-   calibrated set on the layers after it (:func:`~dustin_hf.search.selection_layer_gains`), written as
-   ``selection_layers`` (the paper's selection ignores it).
+
+The selection layers of ``selection="verify"`` are calibrated apart, by teacher-forced agreement with dense
+verification rather than by recovery (:mod:`dustin_hf.research.select_calibration`).
 
 A time limit bounds the whole run: collection stops taking new books once 60% of it is spent, and
 each search stage stops early keeping the best so far.
@@ -38,8 +38,7 @@ from tqdm.auto import tqdm
 from ..config import DustinConfig
 from ..kernels import resolve_backend
 from ..runner import ModelRunner
-from ..search import (StepFeatures, default_choice, oracle_recovery, recovery_of, search, selection_layer_gains,
-                      stack_features, step_features)
+from ..search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
 from .prefilled import dustin_attention_on, prefill_pair
 from .settings import CalibrationSettings
 from .texts import token_window
@@ -105,16 +104,13 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
                         "per_budget": {str(b): v for b, v in per_budget.items()}, f"per_layer@{settings.profile_budget}": per_layer}
     oracle = oracle_recovery(features, settings.budgets)
     report["oracle"] = {"mean": sum(oracle.values()) / len(oracle), "per_budget": {str(b): v for b, v in oracle.items()}}
-    gains = selection_layer_gains(features, choice, settings.budgets, base)
-    selection_layer = max(gains, key=gains.get)
-    config = choice.config(base, settings.profile_budget).replace(selection_layers=(selection_layer,))
+    config = choice.config(base, settings.profile_budget)
     return {
         "config": config.to_dict(),
         "draft_share_fraction": choice.share if choice.draft else None,
         "recovery": report["calibrated"],
         "default_recovery": report["default"],
         "oracle_recovery": report["oracle"],
-        "selection_layers": {"chosen": [selection_layer], "gain": {str(layer): g for layer, g in gains.items()}},
         "default_config": default.config(base, settings.profile_budget).to_dict(),
         "search": log,
         "model_pair": pair.describe(),
