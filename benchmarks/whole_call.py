@@ -116,8 +116,8 @@ class Runner:
         else:
             spec = self.sources.method("spec_dense" if method == "classic" else method, ids.shape[1])
             config = spec.config or DustinConfig()
-            if method == "classic":  # dustin_hf's loop, every step dense (its rows stay below min_context)
-                config = config.replace(min_context=ids.shape[1] + new_tokens + 1)
+            if method == "classic":  # dustin_hf's loop, every step dense (its rows stay below min_context; one value
+                config = config.replace(min_context=2**30)  # for every call, so that its calls share a workspace)
             dustin_hf.patch(self.target, config, hooks=DecodeHooks(**_replay_fields(spec)))
             kwargs.update(assistant_model=self.draft, cache_implementation="dustin", return_dict_in_generate=True)
             run = lambda: self.target.generate(ids, **kwargs)  # noqa: E731

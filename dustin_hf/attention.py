@@ -10,7 +10,8 @@ No attention mask is registered for this name, so transformers builds none; caus
 query i sees cached positions and new tokens up to itself) is the kernel's job.
 
 A sliding-window layer (``module.sliding_window``, Mistral's and Qwen2's windowed layers) whose window can cut
-the keys of this forward runs the general masked path (:mod:`dustin_hf.kernels.masked`): every query sees only
+the keys of this forward, or whose rows count masked input slots in their windows as stock does
+(``ForwardPlan.window_slots``), runs the general masked path (:mod:`dustin_hf.kernels.masked`): every query sees only
 its window; on a sparse step the layer reads its whole window when the window fits the read budget (so a budget
 covering the window is exact), else the selection within it. The same path serves the hidden query of a masked
 last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
@@ -79,7 +80,10 @@ def dustin_attention(
         dustin_plan.keep_selection(choose_read_set(q, key.transpose(1, 2), tensors, dustin_plan.key_span,
                                                    dustin_plan.select,
                                                    scaling if scaling is not None else q.shape[-1] ** -0.5))
-    window = sliding_window if sliding_window is not None and sliding_window < dustin_plan.max_seqlen_k else None
+    window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
+    if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
+                                       or dustin_plan.window_slots is not None):
+        window = sliding_window
     if window is not None or dustin_plan.hide_new or dustin_plan.attention_weights:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
         indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
@@ -90,7 +94,8 @@ def dustin_attention(
             q, key.transpose(1, 2), value.transpose(1, 2), tensors.cache_seqlens,
             softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
             indices=indices, num_indices=num_indices,
-            window=window, hide_new=dustin_plan.hide_new, return_weights=dustin_plan.attention_weights,
+            window=window, key_slots=dustin_plan.window_slots_on(q.device), hide_new=dustin_plan.hide_new,
+            return_weights=dustin_plan.attention_weights,
         )
         return out, weights
     start = dustin_plan.uniform_start

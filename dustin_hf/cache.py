@@ -276,7 +276,8 @@ class DustinCache(Cache):
     def stats(self) -> dict:
         """What the decode run that used this cache did (:meth:`dustin_hf.stats.RunStats.as_dict`):
         ``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read per
-        row and layer), acceptance counters, timings and reports."""
+        row and layer, rows read in full included) and ``mean_attended_sparse`` (the rows verified sparsely
+        only), acceptance counters, timings and reports."""
         return self.run_stats.as_dict()
 
     def __repr__(self):

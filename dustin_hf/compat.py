@@ -17,7 +17,7 @@ from transformers.generation.utils import ALL_CACHE_NAMES
 
 __all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "check_transformers", "check_model", "check_pair"]
 
-VERIFIED_RANGE = ("5.17.0", "5.24.0")  # inclusive; both ends tested
+VERIFIED_RANGE = ("5.17.0", "5.25.0")  # inclusive; both ends tested (.ci/run)
 
 # The keyword that carries the KV cache into a model's forward and through generate()'s model kwargs:
 # "past_key_values" up to 5.23, "cache" from 5.24 (which still accepts the old name, with a warning).

@@ -46,7 +46,7 @@ from .config import ResolvedConfig
 from .draft_reads import DraftReads
 from .exact import ConfirmSchedule, block_proposals, blocks
 from .kernels import resolve_backend
-from .masks import Prompt, check_token_ids, prompts_from_mask
+from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
 from .outputs import OutputRecorder
 from .plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
@@ -221,8 +221,9 @@ class SpeculativeDecoder:
                                  or self.output_hidden_states)
 
     # ------------------------------------------------------------------------------------------ a run
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecodeResult:
-        prompts = prompts_from_mask(input_ids, attention_mask)
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> DecodeResult:
+        prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
         batch, padded_len = input_ids.shape
         max_new = self.config.max_length - padded_len
         if max_new < 1:
@@ -233,19 +234,27 @@ class SpeculativeDecoder:
         needed = max(p.length for p in prompts) + max_new + self.max_gamma + 2
         if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
             needed += self.dustin.confirm_tokens + 2 * self.max_gamma + 2
-        workspace = self._workspace(prompts, needed)
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
+        calibrating = self.dustin is not None and self.dustin.calibration == "prompt"  # _prefill replaces self.dustin
+        workspace = None
         try:
+            workspace = self._workspace(prompts, padded_len, needed)
+            generation = workspace.fused.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
             with fused_ops(*fused, tuning=self.tuning.fused, gemm=self.tuning.kernels.gemm,
                            weights=workspace.fused) as report:
                 if workspace.fingerprint is None:
                     workspace.seal()
+                elif workspace.fused.generation != generation:  # fits() compared the addresses the graphs read
+                    raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
                 result = self._generate(input_ids, prompts, max_new, workspace)
         except BaseException:
-            workspace.release()  # a run that failed part-way may have left a graph or the caches half made
+            if workspace is not None:
+                workspace.release()  # a run that failed part-way may have left a graph or the caches half made
             raise
-        if self.workspaces is not None:
+        # prompt calibration picks other scoring heads each call, and every pick captures graphs of its own: such
+        # runs keep nothing
+        if self.workspaces is not None and not calibrating:
             self.workspaces.keep(workspace)
         else:
             workspace.release()
@@ -255,16 +264,20 @@ class SpeculativeDecoder:
         result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
         return result
 
-    def _workspace(self, prompts: list[Prompt], needed: int) -> Workspace:
-        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.workspace`)."""
+    def _workspace(self, prompts: list[Prompt], padded_len: int, needed: int) -> Workspace:
+        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.workspace`); its
+        runners get this run's position and window tables."""
         recording = self.output_attentions or self.output_hidden_states
-        shifted = any(p.position_shift for p in prompts)
         capacity = capacity_for(needed)
-        # captured forwards take position ids from the slots and run the fast kernels only: a row whose position
-        # ids are shifted (its last input slot was masked), a sliding window that can cut, or attentions and
-        # hidden states to return run eagerly
-        graphs = tuple(self.graphs[role] and not shifted and not recording and not window_cuts(model, capacity)
-                       for role, model in (("target", self.target), ("draft", self.draft)))
+        positions = position_table(prompts, needed)  # where position ids are not the cache slots
+        slots = stock_slots(prompts, padded_len, needed)  # what sliding windows count where rows have holes
+        span = needed if slots is None else int(slots.max()) + 1  # the longest distance a window may see
+        windowed = {role: window_cuts(model, span) for role, model in (("target", self.target), ("draft", self.draft))}
+        # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
+        # not the slots (a masked last input slot, the caller's position_ids), a sliding window that can cut, or
+        # attentions and hidden states to return run eagerly
+        graphs = tuple(self.graphs[role] and positions is None and not recording and not windowed[role]
+                       for role in ("target", "draft"))
         cfg = self.dustin
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         draft_width = read_width + DraftReads.extra_for(cfg, self.max_gamma) if self._sparse_draft else 0
@@ -274,19 +287,25 @@ class SpeculativeDecoder:
                       fused=(self.fused["target"], self.fused["draft"]), tokens_only=self._tokens_only,
                       widths=(read_width, draft_width), dustin=cfg, tuning=self.tuning, select=select)
         held = None if self.workspaces is None else self.workspaces.take(self.target, self.draft, shape, needed)
-        if held is not None:
-            held.start_run()
-            return held
-        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
-                             graphs[0], graph_width=read_width,
-                             dense_layers=cfg.dense_layers if cfg is not None else (), tokens_only=self._tokens_only,
-                             tuning=self.tuning.kernels, select=select)
-        draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
-                            graphs[1], graph_width=draft_width, tokens_only=self._tokens_only,
-                            tuning=self.tuning.kernels)
-        workspace = Workspace(shape, target, draft, FusedWeights())
+        workspace = held
+        if workspace is None:
+            t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+            target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
+                                 self.backend, graphs[0], graph_width=read_width,
+                                 dense_layers=cfg.dense_layers if cfg is not None else (),
+                                 tokens_only=self._tokens_only, tuning=self.tuning.kernels, select=select)
+            draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
+                                graphs[1], graph_width=draft_width, tokens_only=self._tokens_only,
+                                tuning=self.tuning.kernels)
+            workspace = Workspace(shape, target, draft, FusedWeights())
         workspace.start_run()
+        held_slots = workspace.capacity  # the tables span the caches, which may hold more than this run needs
+        positions = position_table(prompts, held_slots)
+        slots = stock_slots(prompts, padded_len, held_slots)
+        for role, runner in (("target", workspace.target), ("draft", workspace.draft)):  # to each device once
+            runner.positions = None if positions is None else positions.to(runner.device)
+            runner.window_slots = slots.to(runner.device) if slots is not None and windowed[role] else None
+        self.window_slots = slots if windowed["target"] else None
         return workspace
 
     def _generate(self, input_ids: torch.Tensor, prompts: list[Prompt], max_new: int,
@@ -294,8 +313,6 @@ class SpeculativeDecoder:
         batch, padded_len = input_ids.shape
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
         device = model_device(self.target)
-        prompt_lens = [p.length for p in prompts]
-        shifts = [p.position_shift for p in prompts]
         recording = self.output_attentions or self.output_hidden_states
         target, draft = workspace.target, workspace.draft
         capacity = target.cache.capacity
@@ -321,8 +338,6 @@ class SpeculativeDecoder:
         started = time.perf_counter()
 
         self._prefill(target, draft, prompts, t_cfg)
-        if any(shifts):  # the new tokens of a row whose last input slot was masked: positions from 1 (stock's)
-            target.position_shift = draft.position_shift = (shifts, prompt_lens)
         if self.dustin is not None:
             selector = workspace.selector
             if selector is None or selector.config != self.dustin:  # prompt calibration may have changed the heads
@@ -330,7 +345,7 @@ class SpeculativeDecoder:
                     self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
                     attention_scale(self.target, t_cfg), attention_scale(self.draft, d_cfg),
                     graphs=workspace.shape.graphs[0], window=common_window(self.target), tuning=self.tuning.kernels)
-            selector.budgets = self.hooks.budgets
+            selector.budgets, selector.window_slots = self.hooks.budgets, self.window_slots
             self.selector = selector
         with prefer_cublaslt(device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's default
             return self._decode(input_ids, target, draft, started)
@@ -390,8 +405,10 @@ class SpeculativeDecoder:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
                 self.recorder.keep_prompt(b, hidden, attentions)
         for b, p in enumerate(prompts):
-            if p.last is not None:  # stock: the masked slot's token at position 0, seeing the real tokens only
-                last_logits[b] = target.hidden_query(b, p.last, position=0)
+            if p.last is not None:  # stock: the masked slot's token at its own position, seeing the real tokens only
+                last_logits[b] = target.hidden_query(b, p.last, position=p.last_position)
+                if self.recorder is not None:
+                    self.recorder.keep_last_slot(b, *target.last_outputs)
         first_raw = torch.stack(last_logits)[:, None]  # (B, 1, V)
         first_scores = self.process(first_raw, lambda b, i: rows.history(b))
         first = pick_tokens(first_scores[:, 0], self.rng)
@@ -730,11 +747,12 @@ class SpeculativeDecoder:
             next_token = target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
         return n_accepted, next_token
 
-    def _attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> float:
-        """Mean cached positions read per active row and layer (dense and selection layers read everything)."""
+    def _attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
+        """Per active row: the cached positions it read per layer (dense and selection layers read everything), and
+        whether its read set held less than the row (a sparse row, not one read in full)."""
         layers, dense = self._t_layers, len(set(self.dustin.dense_layers) | set(self.dustin.selection_layers))
-        return sum((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers
-                   for b in active) / max(len(active), 1)
+        return [((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers,
+                 selection.counts[b] < seqlens[b]) for b in active]
 
     @property
     def _history_capture(self) -> dict:

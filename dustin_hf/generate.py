@@ -22,7 +22,8 @@ from .masks import prompts_from_mask
 
 __all__ = ["attention_routed", "run_assisted"]
 
-# model kwargs generate() prepares itself; anything else would be silently ignored by the loop
+# model kwargs generate() prepares itself (position_ids from the mask, unless the caller gave them: the loop
+# follows either as stock does); anything else would be silently ignored by the loop
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "output_attentions",
                        "output_hidden_states", CACHE_KWARG}
 
@@ -128,7 +129,7 @@ def run_assisted(
     )
     mask = model_kwargs.get("attention_mask")
     with attention_routed(target, draft):
-        result = decoder.generate(input_ids, mask)
+        result = decoder.generate(input_ids, mask, model_kwargs.get("position_ids"))
     if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
         lengths = decoder.final_draft_tokens
         draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))

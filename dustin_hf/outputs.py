@@ -53,6 +53,15 @@ class OutputRecorder:
         if self.want_attentions and attentions is not None:
             self.prompt[b]["attn"] = [a[0].detach() for a in attentions]
 
+    def keep_last_slot(self, b: int, hidden: tuple | None, attentions: tuple | None) -> None:
+        """Row ``b``'s masked last input slot, whose query names the first new token (it is in stock's prompt
+        entry too): ``hidden`` per layer ``(1, 1, hidden)``, ``attentions`` per layer ``(1, H, 1, S)`` over cache
+        slots."""
+        if self.want_hidden and hidden is not None:
+            self.prompt[b]["last hidden"] = [h[0, 0].detach() for h in hidden]
+        if self.want_attentions and attentions is not None:
+            self.prompt[b]["last attn"] = [a[0, :, 0].detach() for a in attentions]
+
     def keep_step(self, b: int, positions: int, hidden: tuple | None, attentions: tuple | None) -> None:
         """Row ``b`` kept the tokens predicted by the first ``positions`` queries of a forward whose outputs are
         ``hidden`` per layer ``(B, Q, hidden)`` and ``attentions`` per layer ``(B, H, Q, S)`` (cache slots)."""
@@ -97,10 +106,15 @@ class OutputRecorder:
             return
         value = self.prompt[b][key][layer]
         slots = self.prompt_slots[b]
+        last = self.prompt[b].get(f"last {key}")
         if key == "hidden":  # (n, hidden) -> rows of the padded input
             full[b, slots] = value.to(full.dtype)
+            if last is not None:
+                full[b, -1] = last[layer].to(full.dtype)
         else:  # (H, n, n) -> (H, T, T) at the real slots
             full[b][:, slots[:, None], slots[None, :]] = value[:, :, : slots.numel()].to(full.dtype)
+            if last is not None:  # (H, S): the last slot's query over the real slots
+                full[b][:, -1, slots] = last[layer][:, : slots.numel()].to(full.dtype)
 
     def _place_token(self, full: torch.Tensor, key: str, b: int, layer: int, value: torch.Tensor, t: int) -> None:
         if key == "hidden":  # (hidden,)

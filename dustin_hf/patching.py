@@ -97,6 +97,11 @@ class DustinPatch:
         """
         from transformers import StoppingCriteria, StoppingCriteriaList
 
+        clashing = sorted({"max_new_tokens", "max_length", "attention_mask", "assistant_model", "input_ids",
+                           "cache_implementation"} & set(generate_kwargs))
+        if clashing:
+            raise TypeError(f"warmup() sets {clashing} itself (its length budget is max_length); pass the other "
+                            "generate() arguments the real calls pass")
         config = self.config.replace(**dict(generate_kwargs.get("cache_config") or {}))
         prompt_len = min(max_length // 2, max(config.min_context, config.budget + config.sink_tokens) + 64)
         vocab = min(self.model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size)
@@ -150,7 +155,7 @@ def patch(model, config: DustinConfig | str | Path | None = None, *, hooks: Deco
             the defaults. ``generate(..., cache_config={...})`` overrides fields for one call.
         hooks: what a benchmark or an evaluation plugs into every decode run
             (:class:`~dustin_hf.telemetry.DecodeHooks`: replayed acceptance, phase timing); ``None`` for none.
-            Patching a patched model again replaces them.
+            Patching a patched model again with hooks replaces them (``handle.hooks = None`` removes them).
 
     Returns:
         A :class:`DustinPatch`; ``handle.unpatch()`` restores everything.
@@ -164,7 +169,8 @@ def patch(model, config: DustinConfig | str | Path | None = None, *, hooks: Deco
         handle = model._dustin_patch
         if config is not None:
             handle.config = config
-        handle.hooks = hooks
+        if hooks is not None:
+            handle.hooks = hooks
         return handle
     check_model(model, role="target")
     handle = DustinPatch(model, config or DustinConfig(), hooks)

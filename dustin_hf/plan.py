@@ -70,11 +70,15 @@ class ForwardPlan:
         key_bound: an upper bound on every row's keys for grid sizing (CUDA graphs: the cache capacity);
             default ``max(cache_seqlens) + q_len``.
         dense_layers: layers that ignore ``indices`` and read every cached position.
-        position_shift: ``(shift, start)`` per covered row: new tokens at slots ``>= start[b]`` take position ids
-            ``slot + shift[b]`` (a row whose last input slot was masked, see :mod:`dustin_hf.masks`); ``None``:
-            position ids are the slots.
+        positions: ``(B', > every slot)`` int64, on any device: the position id of each slot of the covered rows
+            (a row whose last input slot was masked, or the caller's ``position_ids``:
+            :func:`dustin_hf.masks.position_table`); ``None``: position ids are the slots.
         hide_new: the new tokens attend to the cached positions only, not to each other or themselves (the
             query of a masked last input slot, which stock transformers never lets see itself).
+        window_slots: ``(B', > every slot)`` int64, on any device: the index each slot of the covered rows has in
+            stock's cache, which a sliding window counts (rows with masked input slots,
+            :func:`dustin_hf.masks.stock_slots`); ``None``: the slots themselves. Windowed layers then take the
+            general masked path.
         read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
             whose window fits in it reads its whole window instead of the selection within it.
         full_rows: a row whose count covers all it holds reads everything, its index row not listing it
@@ -98,8 +102,9 @@ class ForwardPlan:
     static: tuple[DeviceTensors, ...] = ()
     key_bound: int | None = None
     dense_layers: tuple[int, ...] = ()
-    position_shift: tuple[list[int], list[int]] | None = None
+    positions: torch.Tensor | None = None
     hide_new: bool = False
+    window_slots: torch.Tensor | None = None
     read_budget: int = 0
     full_rows: bool = False
     attention_weights: bool = False
@@ -112,6 +117,7 @@ class ForwardPlan:
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _window_slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
@@ -190,15 +196,23 @@ class ForwardPlan:
         return slots
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
-        """``(B', Q)`` int64 position ids of the new tokens: their slots, shifted where :attr:`position_shift` says."""
-        if self.position_shift is None:
+        """``(B', Q)`` int64 position ids of the new tokens: their slots, or what :attr:`positions` gives them."""
+        if self.positions is None:
             return self.write_positions(device)
         positions = self._positions.get(device)
         if positions is None:
-            slots = self.write_positions(device)
-            shift, start = (device_tensor(v, device)[:, None] for v in self.position_shift)
-            positions = self._positions[device] = slots + torch.where(slots >= start, shift, 0)
+            table = self.positions.to(device, non_blocking=True)
+            positions = self._positions[device] = table.gather(1, self.write_positions(device))
         return positions
+
+    def window_slots_on(self, device: torch.device) -> torch.Tensor | None:
+        """:attr:`window_slots` on ``device`` (copied once per device), or ``None``."""
+        if self.window_slots is None:
+            return None
+        slots = self._window_slots.get(device)
+        if slots is None:
+            slots = self._window_slots[device] = self.window_slots.to(device, non_blocking=True)
+        return slots
 
     def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Store the scoring heads' queries of ``layer_idx`` if it is a capture layer.

@@ -35,9 +35,11 @@ class ModelRunner:
     """A model with its cache: one forward = one plan, and the rows advance by the plan's tokens.
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
-    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`position_shift` (``(shift, start)``
-    per row, see :class:`~dustin_hf.plan.ForwardPlan`) shifts the position ids of the decode forwards; such
-    forwards run eagerly (the captured forward takes position ids from the slots).
+    per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`positions` (``(B, capacity)``,
+    :func:`dustin_hf.masks.position_table`) gives the position id of each cache slot where they are not the slots;
+    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.masks.stock_slots`) is what the sliding windows count
+    in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
+    slots and runs the fast kernels only).
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
@@ -50,7 +52,8 @@ class ModelRunner:
         self.graph_width = graph_width  # the one sparse width worth a graph (the read width: budget or knob ceiling)
         self.device = model_device(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
-        self.position_shift: tuple[list[int], list[int]] | None = None
+        self.positions: torch.Tensor | None = None
+        self.window_slots: torch.Tensor | None = None
         # output_attentions / output_hidden_states: each forward keeps them in last_outputs (eager forwards only),
         # prefill per row in prompt_outputs
         self.record: tuple[bool, bool] = (False, False)
@@ -63,10 +66,15 @@ class ModelRunner:
             self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
                                 for device in self.pipeline.devices}
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (its memory pool goes with it); later forwards capture anew."""
+        if self._graphs is not None:
+            self._graphs.clear()
+
     def reset(self) -> None:
         """Empty the cache and forget the last run's per-run settings; the buffers and the graphs stay."""
         self.cache.clear()
-        self.position_shift = None
+        self.positions = self.window_slots = None
         self.record = (False, False)
         self.last_outputs, self.prompt_outputs = None, []
 
@@ -114,7 +122,8 @@ class ModelRunner:
                 capture=capture, capture_last=capture_last, dense_layers=self.dense_layers, select=self.select,
                 query_counts=query_counts if self.select is not None else None,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                position_shift=self.position_shift, read_budget=self.graph_width, tuning=self.tuning,
+                positions=self.positions, window_slots=self.window_slots, read_budget=self.graph_width,
+                tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
@@ -138,8 +147,8 @@ class ModelRunner:
         than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width) or self.position_shift is not None \
-                or any(self.record):
+        if self._graphs is None or width not in (0, self.graph_width) or self.positions is not None \
+                or self.window_slots is not None or any(self.record):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
         if key not in self._graphs and create:
@@ -163,21 +172,29 @@ class ModelRunner:
         A forward holds at most ``chunk`` tokens (``None``: :func:`prefill_chunk`'s choice from free memory). A row
         that fits reads its whole prompt in one forward: its attention is square and causal, which SDPA runs on
         its fastest kernel (cuDNN's on an H100/H200, :func:`~dustin_hf.kernels.reference.prefill_attention`); a
-        longer row goes ``chunk`` at a time, each chunk attending to the ones before. Neighbouring rows of one
-        length share a forward while they fit, since short forwards leave the GPU's GEMMs underfed. ``on_chunk`` is
+        longer row goes ``chunk`` at a time, each chunk attending to the ones before (sliding windows that cut the
+        prompt: at most 4096 at a time, their masked path's tensors grow with queries times keys). Neighbouring rows
+        of one length share a forward while they hold at most ``max(chunk, 8192)`` tokens together, since short
+        forwards leave the GPU's GEMMs underfed. ``on_chunk`` is
         told each forward's token count once it is written (a progress bar)."""
+        longest = max(ids.numel() for ids in rows)
         if chunk is None:
-            chunk = prefill_chunk(self.model, max(ids.numel() for ids in rows))
+            chunk = prefill_chunk(self.model, longest)
+            if window_cuts(self.model, longest):  # windowed layers run the masked path: (Q, keys) tensors
+                chunk = min(chunk, _MASKED_CHUNK)
         last_logits, kept = [], []
         self.prompt_outputs = []
-        for first, stop in _row_groups([ids.numel() for ids in rows], chunk, one_each=any(self.record)):
-            ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length
+        group = max(chunk, _GROUP_TOKENS)  # short prompts share a forward up to this many tokens
+        for first, stop in _row_groups([ids.numel() for ids in rows], group, one_each=any(self.record)):
+            ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length (T > group: alone)
             logits, captured, pieces = None, {}, []
             for start in range(0, ids.shape[1], chunk):
                 piece = ids[:, start : start + chunk]
                 plan = ForwardPlan(
                     rows=slice(first, stop), cache_seqlens=[start] * (stop - first), q_len=piece.shape[1],
                     backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
+                    positions=None if self.positions is None else self.positions[first:stop],
+                    window_slots=None if self.window_slots is None else self.window_slots[first:stop],
                 )
                 logits = self.forward(plan, piece, keep=1)[:, -1]  # (n, V)
                 captured = plan.captured
@@ -197,11 +214,24 @@ class ModelRunner:
         only, not to itself, and leaving the cache as it was: the query of a masked last input slot, which names
         the first new token in stock ``generate()`` (see :mod:`dustin_hf.masks`)."""
         held = self.cache.seq_lengths[row]
+        slots = None
+        if self.window_slots is not None:  # the masked slot sits in stock's cache just before the first new token
+            slots = self.window_slots[row : row + 1].clone()
+            slots[0, held] -= 1
         plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           position_shift=([position - held], [held]), hide_new=True)
+                           positions=torch.full((1, held + 1), position, device=self.device), hide_new=True,
+                           window_slots=slots)
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
+
+
+# A forward of the masked attention path (sliding windows that cut) holds (queries, keys) index and mask tensors:
+# its prompt chunks stay this short whatever the free memory.
+_MASKED_CHUNK = 4096
+# Rows of one length share a prefill forward while their tokens fit in this (or the chunk, if larger): a forward of
+# a few hundred tokens leaves the GPU's GEMMs underfed.
+_GROUP_TOKENS = 8192
 
 
 def prefill_chunk(model, longest: int) -> int:
@@ -231,7 +261,7 @@ def _activation_bytes(text_config, dtype: torch.dtype) -> int:
 
 def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[int, int]]:
     """``(first, stop)`` row ranges for prefill forwards: neighbouring rows of one length while their tokens fit in
-    ``chunk`` (``one_each``: every row alone)."""
+    ``chunk`` tokens (``one_each``: every row alone)."""
     groups: list[tuple[int, int]] = []
     for b, n in enumerate(lengths):
         if groups and not one_each:

@@ -59,7 +59,7 @@ def select_positions(
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
     backend: str = "auto",
-    window: int | None = None,
+    window: int | list[int] | None = None,
     tuning: SelectTuning | None = None,
     full_rows: bool = False,
 ) -> Selection:
@@ -78,12 +78,15 @@ def select_positions(
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (CUDA, or the Triton interpreter on CPU).
         window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
-            window the budget covers is read whole). ``None``: the whole context.
+            window the budget covers is read whole); one per row where rows differ (masked input slots take
+            places in stock's windows, :meth:`dustin_hf.selector.Selector._row_windows`). ``None``: the whole
+            context.
         tuning: the Triton selection's launch heuristic (``None``: the default).
         full_rows: name rows read in full by their counts (outside sliding windows, as above).
     """
-    if window is not None and any(n - window + 1 > 0 for n in seqlens):
-        return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window, tuning)
+    windows = _per_row(window, len(seqlens))
+    if windows is not None and any(n - w + 1 > 0 for n, w in zip(seqlens, windows)):
+        return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, windows, tuning)
     device = draft_scores.device
     batch, span = draft_scores.shape
     dense = dense_rows(seqlens, config)
@@ -121,12 +124,16 @@ def select_positions(
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
 
 
-def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, window,
+def _per_row(window: int | list[int] | None, batch: int) -> list[int] | None:
+    return None if window is None else [window] * batch if isinstance(window, int) else list(window)
+
+
+def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, windows,
                       tuning) -> Selection:
     """:func:`select_positions` over each row's window ``[lo, L)``: the scores shifted by ``lo``, the selection
     made as for a context of ``L - lo`` positions (a row below ``min_context`` reads its whole window), and
     shifted back."""
-    lows = [max(0, n - window + 1) for n in seqlens]
+    lows = [max(0, n - w + 1) for n, w in zip(seqlens, windows)]
     spans = [n - lo for n, lo in zip(seqlens, lows)]
     device = draft_scores.device
     low = device_tensor(lows, device)[:, None]
@@ -221,7 +228,7 @@ def select_by_recovery(
     config: ResolvedConfig,
     lengths: torch.Tensor | None = None,
     counts: list[int] | None = None,
-    window: int | None = None,
+    window: int | list[int] | None = None,
     full_rows: bool = False,
 ) -> Selection:
     """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
@@ -232,15 +239,17 @@ def select_by_recovery(
     ``counts`` (benchmarks replaying recorded budgets): each row's size instead of the one the target asks for (a
     count reaching the row's context reads it in full; one past the ceiling short of it, the forced positions and
     the ceiling's top entries).
-    ``window``: a sliding window every layer has: only ``[L - window + 1, L)`` holds candidates (and mass), and the
-    sinks are the window's first positions. ``full_rows``: a row read in full is named by its count alone
-    (:attr:`Selection.full_rows`), so ``W`` stays the ceiling."""
+    ``window``: a sliding window every layer has (or each row's, as for :func:`select_positions`): only
+    ``[L - window + 1, L)`` holds candidates (and mass), and the sinks are the window's first positions.
+    ``full_rows``: a row read in full is named by its count alone (:attr:`Selection.full_rows`), so ``W`` stays
+    the ceiling."""
     device = draft_scores.device
     batch, span = draft_scores.shape
     lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
     target, floor, ceiling = config.min_recovery, config.budget, config.max_budget
     positions = torch.arange(span, device=device)[None, :]
-    low = torch.zeros_like(lengths) if window is None else (lengths - window + 1).clamp_min(0)
+    windows = _per_row(window, batch)
+    low = torch.zeros_like(lengths) if windows is None else (lengths - device_tensor(windows, device) + 1).clamp_min(0)
     outside = positions < low[:, None]  # before the window: no query of the step can see it
     if window is not None:
         draft_scores = draft_scores.float().masked_fill(outside, 0.0)

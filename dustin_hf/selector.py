@@ -26,7 +26,8 @@ __all__ = ["Selector"]
 
 
 class Selector:
-    """Chooses each row's read set from the kept queries; one per decode run (it owns the steady step's graph).
+    """Chooses each row's read set from the kept queries; kept with a workspace across decode runs (it owns the
+    steady step's graph; its per-run hooks, ``budgets`` and ``window_slots``, are set by each run).
 
     Args:
         config: the resolved Dustin settings (scoring layers and heads, budget, windows).
@@ -36,14 +37,17 @@ class Selector:
         graphs: capture the steady step (needs the target's graph pools).
         window: the sliding window every target layer has (Mistral-style models), else ``None``: the read set is
             chosen inside it (:func:`~dustin_hf.selection.select_positions`).
+        window_slots: ``(B, capacity)`` int64 on the CPU, what the window counts in rows with masked input slots
+            (:func:`dustin_hf.masks.stock_slots`), else ``None`` (the cache positions).
         budgets: the quality knob's replayed counts (:attr:`~dustin_hf.telemetry.DecodeHooks.budgets`).
         tuning: the kernels' launch heuristics (scoring and selection take theirs).
     """
 
     def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
                  d_scale: float, graphs: bool, window: int | None = None, budgets=None,
-                 tuning: KernelTuning | None = None):
+                 tuning: KernelTuning | None = None, window_slots: torch.Tensor | None = None):
         self.config, self.backend, self.graphs, self.window, self.budgets = config, backend, graphs, window, budgets
+        self.window_slots = window_slots
         self.tuning = tuning or KernelTuning()
         self.t_group, self.d_group, self.t_scale, self.d_scale = t_group, d_group, t_scale, d_scale
         self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
@@ -67,10 +71,12 @@ class Selector:
         if row_gamma is not None and any(g != gamma for g in row_gamma):
             counts = torch.tensor(row_gamma).to(base.device, non_blocking=True)
 
+        window = self._row_windows(seqlens)
+
         def score_select(*tensors) -> Selection:
             *queries, lengths, history_queries = tensors
             return self._score_select(queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span,
-                                      triton, counts)
+                                      triton, counts, window)
 
         devices = {base.device, t_keys.device, *(k.device for k in d_keys)}
         if not (triton and self.graphs and all(has_history) and len(devices) == 1 and counts is None
@@ -88,8 +94,20 @@ class Selector:
         indices, num_indices = call(*d_queries, base, history)
         return Selection(indices.clone(), num_indices.clone(), [cfg.budget] * len(seqlens))
 
+    def _row_windows(self, seqlens: list[int]) -> int | list[int] | None:
+        """The window, or with :attr:`window_slots` each row's: the cache positions a window of stock's indices
+        holds back from the step's first query (at position ``L``), so that ``[L - w + 1, L)`` is what it sees."""
+        if self.window is None or self.window_slots is None:
+            return self.window
+        table = self.window_slots
+        lengths = torch.tensor(seqlens)
+        first = table.gather(1, lengths[:, None])  # (B, 1) the first query's index in stock's cache
+        outside = (table[:, : max(seqlens)] <= first - self.window).sum(dim=1)  # indices only grow along a row
+        return (lengths - outside + 1).tolist()
+
     def _score_select(self, d_queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span: int,
-                      triton: bool, query_counts: torch.Tensor | None = None) -> Selection:
+                      triton: bool, query_counts: torch.Tensor | None = None,
+                      window: int | list[int] | None = None) -> Selection:
         """:func:`select_positions` from the draft queries and the target history queries (``None``: none)."""
         cfg = self.config
         score_backend = "triton" if triton else "reference"
@@ -106,10 +124,10 @@ class Selector:
             # a row read in full by its count (one width, so the target's CUDA graph); within a sliding window a
             # row reads its window, which only a listing says
             return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts,
-                                      window=self.window, full_rows=self.window is None)
+                                      window=window, full_rows=self.window is None)
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
         return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
-                                backend="auto" if triton else "reference", window=self.window,
+                                backend="auto" if triton else "reference", window=window,
                                 tuning=self.tuning.select, full_rows=True)
 
     @property

@@ -19,6 +19,8 @@ class RunStats:
     sparse_steps: int = 0  # verification forwards that read a selection (for at least one row)
     dense_steps: int = 0
     attended_sum: float = 0.0  # sum over sparse steps of the mean cached positions read per row and layer
+    sparse_attended_sum: float = 0.0  # sum over sparse row-steps (rows reading less than they hold) of the same
+    sparse_row_steps: int = 0
     verified_tokens: int = 0  # draft tokens proposed to the target (unfinished rows)
     accepted_tokens: int = 0  # draft tokens the target kept
     steps: int = 0  # verification forwards
@@ -43,17 +45,20 @@ class RunStats:
         self.fallbacks += sum(fallback[b] for b in active)
 
     def record_step(self, row_gamma: list[int], accepted: list[int], committed: list[int], active: list[int],
-                    sparse: bool, attended: float | None) -> None:
+                    sparse: bool, attended: list[tuple[float, bool]] | None) -> None:
         """Count one step: ``row_gamma[b]`` drafts proposed, ``accepted[b]`` kept and ``committed[b]`` tokens
-        appended per row; ``active``: the rows that were unfinished before it; ``attended``: mean cached positions
-        a sparse step read per row and layer."""
+        appended per row; ``active``: the rows that were unfinished before it; ``attended``: on a sparse step, per
+        active row, the mean cached positions it read per layer and whether it read less than it holds."""
         self.steps += 1
         self.verified_tokens += sum(row_gamma[b] for b in active)
         self.accepted_tokens += sum(committed[b] - 1 for b in active if committed[b])  # the drafts kept
         self.trace.append((max(row_gamma), [accepted[b] if b in active else -1 for b in range(len(accepted))]))
         if sparse:
             self.sparse_steps += 1
-            self.attended_sum += attended
+            self.attended_sum += sum(reads for reads, _ in attended) / max(len(attended), 1)
+            sparse_reads = [reads for reads, partial in attended if partial]
+            self.sparse_attended_sum += sum(sparse_reads)
+            self.sparse_row_steps += len(sparse_reads)
         else:
             self.dense_steps += 1
 
@@ -63,6 +68,7 @@ class RunStats:
             "sparse_steps": sparse,
             "dense_steps": self.dense_steps,
             "mean_attended": self.attended_sum / sparse if sparse else 0.0,
+            "mean_attended_sparse": self.sparse_attended_sum / self.sparse_row_steps if self.sparse_row_steps else 0.0,
             "steps": self.steps,
             "draft_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,

@@ -96,9 +96,12 @@ class Workspace:
         self.runs += 1
 
     def release(self) -> None:
-        """Give the fused layers their own weights back; the caches and graphs go with the last reference."""
+        """Give the fused layers their own weights back and drop the graphs (and their memory pools); the caches go
+        with the last reference (a run's result may still read its target cache's stats)."""
         self.fused.release()
         self.selector = None
+        for runner in (self.target, self.draft):
+            runner.drop_graphs()
 
 
 class Workspaces:
@@ -110,14 +113,10 @@ class Workspaces:
     def take(self, target, draft, shape: Shape, needed: int) -> Workspace | None:
         """The held workspace if it fits this run (it is handed out: keep it back with :meth:`keep`), else ``None``
         after releasing it."""
-        held, self.held = self.held, None
-        if held is not None and held.fits(target, draft, shape, needed):
+        if self.held is not None and self.held.fits(target, draft, shape, needed):
+            held, self.held = self.held, None
             return held
-        if held is not None:
-            device = held.target.device
-            held.release()
-            del held
-            _free_cached_memory(device)
+        self.release()
         return None
 
     def keep(self, workspace: Workspace) -> None:
@@ -133,6 +132,11 @@ class Workspaces:
             held.release()
             del held
             _free_cached_memory(device)
+
+    def __deepcopy__(self, memo) -> "Workspaces":
+        # a copied model (copy.deepcopy of a patched one) starts with nothing held: the caches, graphs and the draft
+        # are this model's, and CUDA graphs cannot be copied
+        return Workspaces()
 
 
 def _free_cached_memory(device: torch.device) -> None:

@@ -9,7 +9,7 @@ Once the name validates, a model that was never patched would take it in ``_prep
 as an unknown implementation and decode with a plain dynamic cache, silently. So while the name is registered,
 ``GenerationMixin._prepare_cache_for_generation`` is wrapped to refuse it with a ``ValueError`` that says to
 patch the model (a patched model's class overrides the method and never reaches the wrapper for ``"dustin"``).
-Checked on transformers 5.17-5.24.
+Checked on transformers 5.17-5.25.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ class still sees the original) that overrides two methods:
   batch larger than one (stock transformers refuses those); a batch of one without Dustin takes the
   stock path unchanged.
 
-Checked against transformers 5.17 to 5.24 (the signatures below are theirs).
+Checked against transformers 5.17 to 5.25 (the signatures below are theirs).
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ class DustinGenerationMixin:
         if not generation_config.use_cache:
             raise ValueError("cache_implementation='dustin' needs use_cache=True")
 
-    def save_pretrained(self, *args, **kwargs):
-        # a decode run leaves the layers' q/k/v and gate/up weights as views of one fused tensor for the next run's
-        # CUDA graphs (dustin_hf.workspace): safetensors refuses tensors that share storage, so free them first
-        self._dustin_patch.release()
-        return super().save_pretrained(*args, **kwargs)
+    def _apply(self, fn, *args, **kwargs):
+        # model.to() / .half() / .cuda() move every parameter: the workspace a decode run left (caches, graphs,
+        # fused weights on the old device) could serve no later call, so free it now rather than at the next call
+        patch = self.__dict__.get("_dustin_patch")
+        if patch is not None:
+            patch.release()
+        return super()._apply(fn, *args, **kwargs)
 
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None,

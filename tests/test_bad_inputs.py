@@ -132,6 +132,19 @@ def test_a_profile_with_unknown_fields_names_them(pair, tmp_path):
     assert not dustin_hf.is_patched(target)
 
 
+# ---------------------------------------------------------------------------------------- position_ids
+@pytest.mark.parametrize("case", ["too_wide", "other_batch", "three_d", "float"])
+def test_position_ids_that_are_not_one_integer_per_input_slot_are_refused(pair, case):
+    """The loop honours position_ids as stock does (the conformance grid); what it cannot follow, one position id per
+    input slot as an integer, is refused naming them (before: ignored without a word)."""
+    target, draft = pair
+    ids = random_prompt(12, batch=2)
+    positions = {"too_wide": torch.arange(13)[None], "other_batch": torch.arange(12).repeat(3, 1),
+                 "three_d": torch.arange(12).repeat(3, 2, 1), "float": torch.arange(12.0)[None]}[case]
+    with dustin_hf.patch(target), pytest.raises(ValueError, match="position_ids"):
+        _dustin(target, draft, ids, position_ids=positions)
+
+
 # ---------------------------------------------------------------------------------------- "dustin" without patch()
 def test_dustin_on_a_model_that_was_never_patched_while_another_is(pair):
     """Before: stock assisted decoding on a plain cache, without a word (batch 1)."""
@@ -155,8 +168,9 @@ def test_dustin_on_a_model_whose_patch_was_undone_while_another_is_patched(pair)
 
 
 def test_dustin_with_nothing_patched_is_refused_by_transformers(pair):
-    """Importing dustin_hf changes nothing, so transformers' own validation answers: it names the argument and the
-    implementations it knows."""
+    """Importing dustin_hf changes nothing, so transformers' own validation answers (its message, which the README
+    quotes): it names the argument and the implementations it knows. dustin_hf's message needs a registration,
+    which only patch() makes."""
     target, draft = pair
-    with pytest.raises(ValueError, match="cache_implementation"):
+    with pytest.raises(ValueError, match=r"Invalid `cache_implementation` \(dustin\)"):
         _dustin(target, draft, random_prompt(12))

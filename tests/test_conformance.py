@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
@@ -234,6 +235,11 @@ def _processor_case(name: str, model, rows, plain, padded_width: int) -> tuple[d
     elif name == "prompt_ignore_length_int":  # ignore the prompt: the padded width in the batch, the row alone
         return _penalty(padded_width), [_penalty(r.numel()) for r in rows]
     elif name == "prompt_ignore_length_tensor":  # per row: its padding and its first two tokens
+        try:
+            RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([0]))
+        except ValueError:
+            pytest.skip(f"transformers {transformers.__version__}'s RepetitionPenaltyLogitsProcessor takes an int "
+                        "prompt_ignore_length only (per-row tensors came after 5.17)")
         pads = torch.tensor([padded_width - r.numel() for r in rows])
         return _penalty(pads + 2), [_penalty(2) for _ in rows]
     else:

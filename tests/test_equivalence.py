@@ -9,10 +9,11 @@ import torch
 
 import dustin_hf
 from dustin_hf import decoding, selector
+from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.draft_reads import DraftReads
 from dustin_hf.selection import Selection
 
-from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 CASES = [(1, 1), (9, 3), (61, 6)]  # (prompt length, γ)
 
@@ -69,6 +70,23 @@ def test_long_prompt_small_budget_is_sparse_every_step():
     assert out.sequences.shape[1] == 3030
     assert stats["dense_steps"] == 0 and stats["sparse_steps"] == stats["steps"] > 0
     assert stats["mean_attended"] == budget  # every row read exactly the budget, per layer
+
+
+def test_mean_attended_counts_rows_read_in_full_and_the_sparse_figure_does_not():
+    """A row below ``min_context`` beside a long one: on every sparse step it reads all it holds. ``mean_attended``
+    averages it in (positions read per row on steps with a sparse row); ``mean_attended_sparse`` is what the sparse
+    row read alone: the budget."""
+    target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    ids, mask = left_pad([random_prompt(1200, seed=7)[0], random_prompt(300, seed=8)[0]])
+    budget = 64
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024)):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=10, do_sample=False,
+                              cache_implementation="dustin", return_dict_in_generate=True, pad_token_id=PAD)
+    stats = getattr(out, CACHE_KWARG).stats
+    assert stats["sparse_steps"] == stats["steps"] > 0
+    assert stats["mean_attended_sparse"] == budget
+    assert stats["mean_attended"] > budget + 50  # the short row's whole context (300), averaged in
 
 
 def test_dense_layers_read_everything_on_sparse_steps():

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -27,12 +28,15 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+import transformers  # noqa: E402
 from accelerate.hooks import ModelHook, add_hook_to_module  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
+from dustin_hf.compat import VERIFIED_RANGE  # noqa: E402
 from dustin_hf.runtime import fused  # noqa: E402
 from dustin_hf.runtime.fused import (FusedTuning, add_rms_norm, apply_rotary, fused_ops,  # noqa: E402
                                      fused_ops_available, rms_norm)
@@ -43,6 +47,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 HF_ROTARY = modeling_qwen2.apply_rotary_pos_emb  # the oracle, taken before any test patches the module
+VERIFIED = Version(VERIFIED_RANGE[0]) <= Version(transformers.__version__) <= Version(VERIFIED_RANGE[1])
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)"),
@@ -62,6 +67,26 @@ def _rotary_inputs(batch=2, q_heads=4, k_heads=2, seq=5, head_dim=64, dtype=torc
     freqs = positions[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return q, k, emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def expect_fused(model) -> bool:
+    """Whether every fused path listed for ``model``'s classes must apply: on each transformers version dustin_hf
+    verified (``test_verified_transformers_code_is_recognised``), and on a newer one where the code is still the one
+    checked. Elsewhere the tests check the outputs and the warning, not what was fused."""
+    return VERIFIED or not fused._unrecognised(list(model.modules()))
+
+
+def _hub_wrapped(func):
+    """What the ``kernels`` package's ``@use_kernel_forward_from_hub`` makes of a function (its ``Func`` module, as
+    in kernels 0.19): an ``nn.Module`` instance, tagged with a layer name, whose forward calls ``func``."""
+
+    class Func(torch.nn.Module):
+        kernel_layer_name = "rotary_pos_emb"
+
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func()
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -249,12 +274,13 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
     with torch.no_grad():
         expected = model(prompt).logits.float()
         with fused_ops(model) as done:
-            assert done.norms == norms_per_layer * 2 + 1
-            assert done.rotary_modules == (modeling.__name__,)
-            assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
-            assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
-            assert fused.static_rotary(model.model.rotary_emb)
-            assert modeling.apply_rotary_pos_emb is not original_rotary
+            if expect_fused(model):
+                assert done.norms == norms_per_layer * 2 + 1
+                assert done.rotary_modules == (modeling.__name__,)
+                assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
+                assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
+                assert fused.static_rotary(model.model.rotary_emb)
+                assert modeling.apply_rotary_pos_emb is not original_rotary
             out = model(prompt).logits.float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(out, expected, **tolerance)
@@ -268,6 +294,8 @@ def test_fused_ops_calls_the_kernels():
 
     launched = collections.Counter()
     model = tiny_model("qwen2", layers=2, hidden=32).to(DEVICE)
+    if not expect_fused(model):
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
     prompt = random_prompt(3).to(DEVICE)
     with on_launch(package_kernels(triton_fused), lambda name, args, kwargs: launched.update([name])):
         with torch.no_grad(), fused_ops(model):
@@ -319,6 +347,8 @@ def test_fused_tuning_names_a_bad_value():
 
 def test_fused_ops_restores_after_an_exception_and_nests():
     model = tiny_model("llama", layers=2, hidden=32).to(DEVICE)
+    if not expect_fused(model):
+        pytest.skip(f"transformers {transformers.__version__}'s Llama code differs from the one checked")
     original_rotary = modeling_llama.apply_rotary_pos_emb
     with pytest.raises(RuntimeError, match="boom"):
         with fused_ops(model):
@@ -404,7 +434,9 @@ def test_accelerate_hooks_keep_wrapping_the_fused_forward():
 
 def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
     """Gemma's ``(1 + weight)`` norm is not listed; a listed name with another forward, or a modeling module
-    whose ``apply_rotary_pos_emb`` is not the standard one (e.g. interleaved), is left alone."""
+    whose ``apply_rotary_pos_emb`` is not the standard one (e.g. interleaved), is left alone (the listed name with
+    its warning, ``test_unrecognised_code_keeps_transformers_code_with_one_warning``)."""
+    monkeypatch.setattr(fused, "_WARNED", set())
 
     class Qwen2RMSNorm(torch.nn.Module):  # the allowlisted name, another function
         def __init__(self):
@@ -422,13 +454,88 @@ def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_modeling", fake)
     FakeAttention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
     model = torch.nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(), FakeAttention()).to(DEVICE)
-    with fused_ops(model) as done:
+    with pytest.warns(UserWarning, match="Qwen2RMSNorm.forward in transformers"), fused_ops(model) as done:
         assert (done.norms, done.rotary_modules) == (0, ())
         assert fake.apply_rotary_pos_emb is interleaved
     fake.apply_rotary_pos_emb = HF_ROTARY  # the standard function is recognised in any module
     with fused_ops(model) as done:
         assert done.rotary_modules == ("fake_modeling",)
     assert fake.apply_rotary_pos_emb is HF_ROTARY
+
+
+def test_rotary_behind_a_kernels_wrapper_is_fused(monkeypatch):
+    """With the ``kernels`` package installed (a dependency of transformers from 5.25) the modeling module's
+    ``apply_rotary_pos_emb`` is an ``nn.Module`` whose forward calls the function: the standard function behind it
+    is recognised and the global replaced (and restored); a wrapper whose forward was replaced (a hub kernel) is
+    not, and neither is the rotary of a module where an attention of the models was ``kernelize()``-d."""
+    standard = fused._wrapped_function(HF_ROTARY)
+    assert fused._same_code(standard, fused._standard_apply_rotary_pos_emb)
+    fake = types.ModuleType("fake_modeling")
+    fake.rotate_half = modeling_qwen2.rotate_half
+    monkeypatch.setitem(sys.modules, "fake_modeling", fake)
+    FakeAttention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
+    attention = FakeAttention()
+    q, k, cos, sin = _rotary_inputs(dtype=torch.float32)
+    expected = standard(q, k, cos, sin)
+
+    fake.apply_rotary_pos_emb = wrapper = _hub_wrapped(standard)
+    with fused_ops(attention) as done:
+        assert done.rotary_modules == ("fake_modeling",) and fake.apply_rotary_pos_emb._fused_original is wrapper
+        assert all(torch.equal(a, b) for a, b in zip(fake.apply_rotary_pos_emb(q, k, cos, sin), expected))
+    assert fake.apply_rotary_pos_emb is wrapper
+
+    wrapper.forward = types.MethodType(lambda self, *args: args[:2], wrapper)  # what kernelize() does
+    with fused_ops(attention) as done:
+        assert done.rotary_modules == () and fake.apply_rotary_pos_emb is wrapper
+    fake.apply_rotary_pos_emb = _hub_wrapped(standard)
+    attention._kernel_funcs = {"apply_rotary_pos_emb": wrapper}  # the attention's own copy, kernelized
+    with fused_ops(attention) as done:
+        assert done.rotary_modules == ()
+
+
+@pytest.mark.skipif(not VERIFIED, reason=f"transformers {transformers.__version__} is outside the verified range "
+                                         f"{VERIFIED_RANGE}: its code may differ, and then runs unfused with a warning")
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_verified_transformers_code_is_recognised(family):
+    """On every transformers version dustin_hf declares verified, each fused path listed for the family's classes
+    recognises their code (nothing warned about, the rotary function found behind any wrapper)."""
+    model = tiny_model(family, layers=1)
+    assert fused._unrecognised(list(model.modules())) == []
+    assert fused._standard_rotary(sys.modules[type(model).__module__]) is not None
+
+
+def test_unrecognised_code_keeps_transformers_code_with_one_warning(monkeypatch):
+    """A listed class whose forward compiles to other code, and a listed attention's modeling module whose rotary
+    is another function (what a newer transformers may bring): both keep transformers' own code, the outputs are
+    unchanged, and one warning names them; a second context warns no more."""
+    monkeypatch.setattr(fused, "_WARNED", set())
+
+    class Qwen2RMSNorm(torch.nn.Module):  # the listed name, another (equivalent) forward
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(8)), 1e-6
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return q * cos[:, None] + modeling_qwen2.rotate_half(q) * sin[:, None], k
+
+    fake = types.ModuleType("fake_modeling")
+    fake.rotate_half, fake.apply_rotary_pos_emb = modeling_qwen2.rotate_half, apply_rotary_pos_emb
+    monkeypatch.setitem(sys.modules, "fake_modeling", fake)
+    LlamaAttention = type("LlamaAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
+    model = torch.nn.Sequential(Qwen2RMSNorm(), LlamaAttention()).to(DEVICE)
+    x = torch.randn(2, 8, device=DEVICE)
+    expected = model[0](x)
+    with pytest.warns(UserWarning, match="do not apply to .*Qwen2RMSNorm.forward, fake_modeling.apply_rotary_pos_emb"):
+        with fused_ops(model) as done:
+            assert (done.norms, done.rotary_modules) == (0, ()) and fake.apply_rotary_pos_emb is apply_rotary_pos_emb
+            assert torch.equal(model[0](x), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fused_ops(model) as done:
+            assert (done.norms, done.rotary_modules) == (0, ())
 
 
 def test_only_plain_standard_layers_and_static_rotaries_are_registered():
@@ -567,6 +674,8 @@ def test_decoder_with_fused_ops_decodes_like_without():
     from dustin_hf.generate import attention_routed
 
     target, draft = tiny_model("qwen2", seed=1).to(DEVICE), tiny_model("qwen2", layers=2, seed=2).to(DEVICE)
+    if not expect_fused(target):
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
     forwards = [m.forward for m in target.modules()]
     ids = random_prompt(23, batch=2, seed=3).to(DEVICE)  # on CUDA the kernels run compiled (no interpreter there)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 12, pad_token_id=0)

@@ -1,13 +1,17 @@
 """patch()/unpatch(): everything it changes comes back; errors for bad models and bad calls."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation import configuration_utils
 
 import dustin_hf
-from dustin_hf import DustinConfig
+from dustin_hf import DustinConfig, compat
 from dustin_hf.compat import check_transformers
 
 from conftest import random_prompt, set_gamma, tiny_model
@@ -137,6 +141,14 @@ def test_unsupported_generate_options_are_refused(qwen_pair):
         with pytest.raises(ValueError, match="unknown DustinConfig field"):
             target.generate(random_prompt(8), assistant_model=draft, cache_implementation="dustin", max_new_tokens=3,
                             cache_config={"budgett": 3})
+
+
+def test_declared_range_is_the_verified_one():
+    """pyproject's lower bound (the oldest version .ci/run tests) is the oldest supported and verified one."""
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    lowest = re.search(r'"transformers>=([0-9.]+),<([0-9]+)"', pyproject)
+    assert Version(lowest.group(1)) == compat._MIN_VERSION == Version(compat.VERIFIED_RANGE[0])
+    assert int(lowest.group(2)) == compat._MAX_MAJOR
 
 
 def test_transformers_version_guard():

@@ -106,7 +106,7 @@ def test_a_call_within_the_slack_reuses_the_larger_workspace():
         assert handle.workspaces.held is held and held.runs == 2
 
 
-def test_release_frees_the_workspace_and_save_pretrained_works(tmp_path):
+def test_release_frees_the_workspace():
     target, draft = _pair()
     ids = random_prompt(48, batch=2, seed=1)
     with dustin_hf.patch(target) as handle:
@@ -115,9 +115,8 @@ def test_release_frees_the_workspace_and_save_pretrained_works(tmp_path):
         handle.release()
         assert handle.workspaces.held is None
         _generate(target, draft, ids)
-        target.save_pretrained(tmp_path)  # releases what the run left first
-        assert handle.workspaces.held is None
-        assert (tmp_path / "config.json").exists()
+        assert handle.workspaces.held is not None
+    assert handle.workspaces.held is None  # unpatch() released it
 
 
 @pytest.mark.skipif(not _triton_runs(), reason="fused ops run in Triton (CUDA, or TRITON_INTERPRET=1)")
@@ -263,3 +262,41 @@ def test_full_budget_equals_greedy_with_any_prefill_chunk():
                                   do_sample=False, cache_implementation="dustin",
                                   cache_config={"budget": 4096, "min_context": 0, "prefill_chunk": chunk})
             assert torch.equal(out, greedy), chunk
+
+
+def test_a_copied_or_moved_model_keeps_no_workspace():
+    """``copy.deepcopy`` of a patched model starts with nothing held (the caches, graphs and draft stay the
+    original's); ``model.to(...)`` frees what a run left, since no later call could use it."""
+    import copy
+
+    target, draft = _pair()
+    with dustin_hf.patch(target) as handle:
+        _generate(target, draft, random_prompt(48, batch=2, seed=1))
+        assert handle.workspaces.held is not None
+        twin = copy.deepcopy(target)
+        assert twin._dustin_patch.workspaces.held is None
+        target.to(torch.float64)
+        assert handle.workspaces.held is None
+
+
+def test_prompt_calibration_keeps_no_workspace():
+    """``calibration="prompt"`` picks other scoring heads on every call, each pick with graphs of its own: such a
+    run releases its workspace instead of keeping it (the held ones would grow without bound)."""
+    target, draft = _pair()
+    with dustin_hf.patch(target) as handle:
+        _generate(target, draft, random_prompt(64, batch=2, seed=1), cache_config={**SPARSE, "calibration": "prompt"})
+        assert handle.workspaces.held is None
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="fused ops run in Triton (CUDA, or TRITON_INTERPRET=1)")
+def test_save_pretrained_takes_fused_weights_as_they_are(tmp_path):
+    """Held fused weights (layers' parameters as views of one tensor) save and load like separate tensors."""
+    model = tiny_model("qwen2", layers=2)
+    weights = FusedWeights()
+    with fused_ops(model, weights=weights):
+        pass
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    weights.release()

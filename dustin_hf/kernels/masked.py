@@ -3,9 +3,10 @@
 The same function as :func:`dustin_hf.kernels.reference.verify_attention_reference` (new queries over a per-row
 cache, every cached position or a selected set of them, the step's new tokens bottom-right causal), plus:
 
-- ``window``: a sliding window (transformers' semantics: the query at position ``P`` sees key positions
-  ``p > P - window``); selected positions outside a query's window are not attended, and a selection is
-  gathered only where some query of the step can see it;
+- ``window``: a sliding window (transformers' semantics: the query at cache index ``P`` sees key indices
+  ``p > P - window``; ``key_slots`` gives each slot's index where it is not the slot itself, as in stock's cache
+  of a row with masked input slots); selected positions outside a query's window are not attended, and a
+  selection is gathered only where some query of the step can see it;
 - ``hide_new``: the new tokens see the cached positions only (not each other, not themselves);
 - ``return_weights``: the attention probabilities, scattered into cache-slot rows ``(B, Hq, Q, S)`` with
   ``S = max(cache_seqlens) + Q``, zero at every slot not attended (what ``output_attentions`` returns).
@@ -35,11 +36,14 @@ def masked_attention(
     indices: torch.Tensor | None = None,
     num_indices: torch.Tensor | None = None,
     window: int | None = None,
+    key_slots: torch.Tensor | None = None,
     hide_new: bool = False,
     return_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``q (B, Q, Hq, D)``, ``k_cache/v_cache (B, capacity, Hkv, D)``, ``cache_seqlens (B,)``; ``indices (B, W)``
-    and ``num_indices (B,)`` int for a selection. Returns ``(out (B, Q, Hq, D), weights (B, Hq, Q, S) | None)``."""
+    and ``num_indices (B,)`` int for a selection; ``key_slots (B, capacity)`` int, non-decreasing along a row, the
+    index the window counts for each slot (``None``: the slot). Returns ``(out (B, Q, Hq, D), weights (B, Hq, Q, S)
+    | None)``."""
     batch, n_q, n_heads, head_dim = q.shape
     device = q.device
     seqlens = cache_seqlens.to(device=device, dtype=torch.long)
@@ -56,7 +60,14 @@ def masked_attention(
     is_new = (slots[:, None, :] >= seqlens[:, None, None]) & (slots[:, None, :] <= new[:, :, None])  # (B, Q, S)
     visible = cached_ok[:, None, :] | (is_new & (not hide_new))
     if window is not None:
-        visible = visible & (new[:, :, None] - slots[:, None, :] < window)
+        if key_slots is None:
+            distance = new[:, :, None] - slots[:, None, :]  # (B, Q, S)
+        else:
+            index = key_slots.to(device=device, dtype=torch.long)
+            last = index.shape[1] - 1
+            query_index, key_index = index.gather(1, new.clamp_max(last)), index.gather(1, slots.clamp_max(last))
+            distance = query_index[:, :, None] - key_index[:, None, :]
+        visible = visible & (distance < window)
     if indices is None and not return_weights:  # every slot up to the longest row, read in place (prefill)
         read = slots
         keys, values = k_cache[:, : slots.shape[1]], v_cache[:, : slots.shape[1]]

@@ -10,7 +10,7 @@ apply_rotary_pos_emb = ALL_ATTENTION_FUNCTIONS = eager_attention_forward = Calla
 
 
 class StandardQwen2Attention:
-    """transformers' Qwen2 attention forward, verbatim (5.17 and 5.23; 5.24 names the cache ``cache``,
+    """transformers' Qwen2 attention forward, verbatim (5.17 and 5.23; from 5.24 it names the cache ``cache``,
     :class:`StandardQwen2Attention524`). No docstring: it would be a constant."""
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):

@@ -12,21 +12,23 @@ each (:mod:`dustin_hf.kernels.triton_fused`) with transformers' numerics: rotary
 rounds as transformers does, but its sum of squares is reduced in another order, so a few elements per
 million (bf16) round one ulp the other way, at most 2 ulps of a 16-bit output.
 
-What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.23 and 5.24):
+What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.23, 5.24 and 5.25):
 
 * **RMSNorm**: ``forward`` of every module instance whose class is in ``_RMS_NORM_CLASSES`` and whose
   ``forward`` compiles to the same bytecode as transformers' (:class:`_StandardRMSNorm`). Gemma's
   ``(1 + weight)`` norm is another function and is not listed. Where accelerate's device hook wraps
   the forward (``device_map``), the hook's ``_old_forward`` is replaced instead, so inputs still move.
 * **Rotary**: the attention forwards of these families call the *module global*
-  ``apply_rotary_pos_emb(query_states, key_states, cos, sin)`` by name. The class decorator
-  ``@use_kernelized_func(apply_rotary_pos_emb)`` only hands the function to the ``kernels`` package's
-  ``kernelize()`` (an instance attribute the forward never calls), and
-  ``@use_kernel_forward_from_hub("rotary_pos_emb")`` only tags the function (without ``kernels``
-  installed, both do nothing). So the global in ``sys.modules[type(attention).__module__]`` is what
-  runs, and what is replaced, when it and the module's ``rotate_half`` compile to transformers' standard
-  bytecode. That global is shared by every model of the family in the process; tensors on a device the
-  kernel cannot run on go to the original function.
+  ``apply_rotary_pos_emb(query_states, key_states, cos, sin)`` by name. Without the ``kernels`` package the
+  decorators around it (``@use_kernel_forward_from_hub("rotary_pos_emb")`` on the function,
+  ``@use_kernelized_func(apply_rotary_pos_emb)`` on the attention class) do nothing. With it (a dependency of
+  transformers from 5.25) the global is an ``nn.Module`` whose forward calls the function unless a model was
+  ``kernelize()``-d, and the attention's forward routes the call to a per-model copy of that module. Either
+  way the global in ``sys.modules[type(attention).__module__]`` is what runs, and what is replaced, when the
+  function (itself, or the one the module wraps) and the module's ``rotate_half`` compile to transformers'
+  standard bytecode, and no model given was ``kernelize()``-d (a hub kernel the user chose is left alone).
+  That global is shared by every model of the family in the process; tensors on a device the kernel cannot
+  run on go to the original global.
 
 * **Projections** (fewer, larger GEMMs: at decode sizes each GEMM launch costs more than its
   arithmetic): an MLP of the standard form ``down(silu(gate(x)) * up(x))`` (``_MLP_CLASSES``, checked by
@@ -47,7 +49,7 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 * **Decoder layers and rotary tables** (for :class:`dustin_hf.runtime.graphs.Pipeline`, the staged forward the
   decode loop captures): nothing is replaced, the context only registers (:func:`fused_decoder_layer`,
   :func:`static_rotary`) the decoder layers (``_DECODER_LAYER_CLASSES``) whose forward compiles to
-  transformers' standard pre-norm block (:class:`_StandardDecoderLayer`, both of its 5.17-5.24 spellings)
+  transformers' standard pre-norm block (:class:`_StandardDecoderLayer`, both of its 5.17-5.25 spellings)
   with fused norms, called plainly (no hooks, no replaced forward, no offloading), and the rotary modules
   (``_ROTARY_CLASSES``) of a position-static rope type (``_STATIC_ROPE_TYPES``). The pipeline then runs
   such a layer submodule by submodule with each residual add inside the next norm's launch
@@ -60,7 +62,13 @@ What :func:`fused_ops` replaces, and why there (checked on transformers 5.17, 5.
 * **Greedy heads**: nothing is replaced; :class:`dustin_hf.runtime.graphs.Pipeline` takes the argmax of a greedy
   head's logits with :func:`argmax` (on CUDA one Triton launch, the same indices as ``torch.argmax``).
 
-Everything is restored on exit, also on an exception. Nested and repeated contexts are safe: what an
+Where a listed class (or a modeling module's rotary function) compiles to other code than the one checked (a
+transformers release newer than :data:`dustin_hf.compat.VERIFIED_RANGE`), that part keeps transformers' own
+code, with one warning per process naming what differs: the outputs stay transformers', only launches are
+saved elsewhere.
+
+Everything is restored on exit, also on an exception (the fused weights only when the context made them: a
+:class:`FusedWeights` given to it keeps them for the next context). Nested and repeated contexts are safe: what an
 enclosing context already replaced is left to it. Enter the context before capturing CUDA graphs:
 graphs captured outside it keep the unfused kernels, graphs captured inside keep the fused ones.
 """
@@ -76,11 +84,14 @@ import inspect
 import os
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+import transformers
 
+from ..compat import VERIFIED_RANGE
 from ..kernels.tuning import ArgmaxTuning, Checked, GemmTuning
 from ._attention_reference import StandardQwen2Attention, StandardQwen2Attention524
 
@@ -91,24 +102,24 @@ __all__ = [
     "static_rotary",
 ]
 
-# RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24); each instance is
+# RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24, 5.25); each instance is
 # also checked against _StandardRMSNorm.forward's bytecode before it is replaced.
 _RMS_NORM_CLASSES = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
     "Qwen3MoeRMSNorm",
 })
-# MLP classes with the standard ``down(act(gate(x)) * up(x))`` forward (5.17 to 5.24), checked by bytecode too.
+# MLP classes with the standard ``down(act(gate(x)) * up(x))`` forward (5.17 to 5.25), checked by bytecode too.
 _MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _ATTENTION_CLASSES = frozenset({
     "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention",
     "Qwen3MoeAttention",
 })
-# Decoder layers whose forward is the standard pre-norm block (5.17 to 5.24, checked by bytecode too).
+# Decoder layers whose forward is the standard pre-norm block (5.17 to 5.25, checked by bytecode too).
 _DECODER_LAYER_CLASSES = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3DecoderLayer",
     "Qwen3MoeDecoderLayer",
 })
-# Rotary modules computing cos/sin position by position from ``inv_freq`` (5.17 to 5.24), and the rope types
+# Rotary modules computing cos/sin position by position from ``inv_freq`` (5.17 to 5.25), and the rope types
 # whose ``inv_freq`` does not depend on the sequence length (transformers' ``dynamic_rope_update`` changes it for
 # "dynamic" and "longrope" ones).
 _ROTARY_CLASSES = frozenset({
@@ -119,6 +130,8 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
+# What the warning about unrecognised transformers code has already named in this process.
+_WARNED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +306,7 @@ def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
         undo.append(weights.release)
     try:
         modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
+        _warn_unrecognised(modules)
         norms = sum(_fuse_norm(m, undo) for m in modules)
         rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
         mlps = sum(_fuse_mlp(m, undo, weights, tuning, gemm) for m in modules)
@@ -312,7 +326,7 @@ def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
 
 
 class _StandardRMSNorm:
-    """transformers' RMSNorm forward, verbatim (the classes in ``_RMS_NORM_CLASSES``, 5.17 to 5.24): the bytecode
+    """transformers' RMSNorm forward, verbatim (the classes in ``_RMS_NORM_CLASSES``, 5.17 to 5.25): the bytecode
     a class's forward must compile to before its instances are replaced."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -361,7 +375,7 @@ def _restore_attr(obj, attr: str, value) -> None:
 
 
 # transformers' rotate_half and apply_rotary_pos_emb (Llama/Mistral/Qwen2/Qwen3 and MoE variants, 5.17 to
-# 5.24), verbatim but for the docstrings' text: a module's pair is replaced only if it compiles to this bytecode.
+# 5.25), verbatim but for the docstrings' text: a module's pair is replaced only if it compiles to this bytecode.
 def rotate_half(x):
     """Rotates half the hidden dims of the input."""
     x1 = x[..., : x.shape[-1] // 2]
@@ -379,9 +393,48 @@ def _standard_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _attention_modules(models) -> list[str]:
-    """Names of the modules defining the models' attention classes, in first-seen order."""
-    names = (type(m).__module__ for model in models for m in model.modules() if type(m).__name__.endswith("Attention"))
-    return [name for name in dict.fromkeys(names) if name in sys.modules]
+    """Names of the modules defining the models' attention classes, in first-seen order, but none where an
+    attention of the models was ``kernelize()``-d (its rotary call then goes to the hub kernel the user chose)."""
+    attentions = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
+    kernelized = {type(m).__module__ for m in attentions if _kernelized(m)}
+    names = (type(m).__module__ for m in attentions)
+    return [name for name in dict.fromkeys(names) if name in sys.modules and name not in kernelized]
+
+
+def _kernelized(attention: torch.nn.Module) -> bool:
+    """Whether ``kernels.kernelize`` gave ``attention`` a kernel of its own for a function it calls (the ``kernels``
+    package keeps one wrapper module per model in ``_kernel_funcs``; ``kernelize`` sets that wrapper's forward)."""
+    return any("forward" in vars(f) for f in getattr(attention, "_kernel_funcs", {}).values()
+               if isinstance(f, torch.nn.Module))
+
+
+def _wrapped_function(fn) -> Callable | None:
+    """The plain function ``fn`` runs: ``fn`` itself, or the one a ``kernels`` wrapper module calls.
+
+    With the ``kernels`` package installed, ``@use_kernel_forward_from_hub`` turns a decorated function into an
+    instance of a ``Func(nn.Module)`` class (tagged ``kernel_layer_name``) whose forward calls the function, held
+    in its closure as ``func``, unless a model was kernelized. ``None`` for anything else (or a wrapper whose own
+    forward was replaced)."""
+    if inspect.isfunction(fn):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    if not (isinstance(fn, torch.nn.Module) and hasattr(type(fn), "kernel_layer_name")
+            and inspect.isfunction(forward) and "forward" not in vars(fn)):
+        return None
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    inner = cells["func"].cell_contents if "func" in cells else None
+    return inner if inspect.isfunction(inner) else None
+
+
+def _standard_rotary(module: types.ModuleType) -> Callable | None:
+    """The function behind ``module.apply_rotary_pos_emb`` if it and ``module.rotate_half`` are transformers'
+    standard ones (:func:`_standard_apply_rotary_pos_emb`, :func:`rotate_half`), else ``None``."""
+    function = _wrapped_function(getattr(module, "apply_rotary_pos_emb", None))
+    if function is None or not _same_code(function, _standard_apply_rotary_pos_emb):
+        return None
+    if not _same_code(getattr(module, "rotate_half", None), rotate_half):
+        return None
+    return function if str(inspect.signature(function)) == "(q, k, cos, sin, unsqueeze_dim=1)" else None
 
 
 def _fuse_rotary(module: types.ModuleType, undo: list) -> bool:
@@ -389,18 +442,19 @@ def _fuse_rotary(module: types.ModuleType, undo: list) -> bool:
     original = getattr(module, "apply_rotary_pos_emb", None)
     if original is None or hasattr(original, "_fused_original"):
         return False  # none, or an enclosing context did it
-    standard = _same_code(original, _standard_apply_rotary_pos_emb) and _same_code(
-        getattr(module, "rotate_half", None), rotate_half
-    )
-    if not standard or str(inspect.signature(original)) != "(q, k, cos, sin, unsqueeze_dim=1)":
+    function = _standard_rotary(module)
+    if function is None:
         return False
-    module.apply_rotary_pos_emb = _fused_rotary(original)
+    module.apply_rotary_pos_emb = _fused_rotary(original, function)
     undo.append(functools.partial(setattr, module, "apply_rotary_pos_emb", original))
     return True
 
 
-def _fused_rotary(original: Callable) -> Callable:
-    @functools.wraps(original)
+def _fused_rotary(original: Callable, function: Callable) -> Callable:
+    """``apply_rotary_pos_emb`` through :func:`apply_rotary`; ``original`` (the global it replaces: the standard
+    ``function``, or the ``kernels`` wrapper calling it) where the kernel cannot run."""
+
+    @functools.wraps(function)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not _triton_runs_on(q.device):  # another model of the family, e.g. on CPU
             return original(q, k, cos, sin, unsqueeze_dim)
@@ -414,7 +468,7 @@ def _fused_rotary(original: Callable) -> Callable:
 
 
 class _StandardMLP:
-    """transformers' gated MLP forward, verbatim (``_MLP_CLASSES``, 5.17 to 5.24)."""
+    """transformers' gated MLP forward, verbatim (``_MLP_CLASSES``, 5.17 to 5.25)."""
 
     def forward(self, x):
         down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -438,7 +492,8 @@ class FusedWeights:
     given no ``FusedWeights`` makes its own and gives every layer its own storage back on exit; a context given one
     leaves the concatenations in place, so CUDA graphs captured over them replay in a later context (the decode
     loop's :class:`~dustin_hf.workspace.Workspace`). Until :meth:`release`, the layers' parameters share storage
-    (safetensors refuses to save such a state dict: release first). A layer whose parameters were replaced since
+    (views of one tensor that do not overlap: ``state_dict()``, ``save_pretrained`` and safetensors take them as
+they take separate tensors). A layer whose parameters were replaced since
     (``param.data = ...``, ``model.to(...)``) is concatenated afresh and :attr:`generation` counts up.
     """
 
@@ -477,9 +532,6 @@ class FusedWeights:
                     for param in (m.weight, m.bias):
                         if param is not None:
                             param.data = param.data.clone()  # the concatenation goes once every view is replaced
-
-    def __len__(self) -> int:
-        return len(self._held)
 
 
 def _addresses(linears) -> tuple[int, ...]:
@@ -630,7 +682,7 @@ def fused_norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
 
 
 class _StandardDecoderLayer:
-    """transformers' decoder-layer forward, verbatim (``_DECODER_LAYER_CLASSES``, 5.17 and 5.23; its 5.24 form
+    """transformers' decoder-layer forward, verbatim (``_DECODER_LAYER_CLASSES``, 5.17 and 5.23; its form from 5.24
     names the cache ``cache``, :class:`_StandardDecoderLayer524`). No docstring: it would be a constant."""
 
     def forward(
@@ -702,19 +754,25 @@ class _StandardDecoderLayer524:
 
 def _standard_layer(module: torch.nn.Module) -> bool:
     cls = type(module)
-    if cls.__name__ not in _DECODER_LAYER_CLASSES or not _runs_as_its_class(module):
-        return False
-    forward = inspect.unwrap(cls.forward)  # 5.24 wraps it in deprecate_kwarg
-    if not any(_same_code(forward, ref.forward) for ref in (_StandardDecoderLayer, _StandardDecoderLayer524)):
+    if cls.__name__ not in _DECODER_LAYER_CLASSES or not _runs_as_its_class(module) or not _standard_layer_code(cls):
         return False
     norms = (getattr(module, name, None) for name in ("input_layernorm", "post_attention_layernorm"))
     return all(norm is not None and fused_norm(norm) is not None for norm in norms)
 
 
+def _standard_layer_code(cls: type) -> bool:
+    forward = inspect.unwrap(cls.forward)  # 5.24 wraps it in deprecate_kwarg
+    return any(_same_code(forward, ref.forward) for ref in (_StandardDecoderLayer, _StandardDecoderLayer524))
+
+
 def _standard_attention(module: torch.nn.Module) -> bool:
-    if type(module).__name__ != "Qwen2Attention" or not _runs_as_its_class(module):
-        return False
-    forward = inspect.unwrap(type(module).forward)  # 5.24 wraps it in deprecate_kwarg
+    return (type(module).__name__ == "Qwen2Attention" and _runs_as_its_class(module)
+            and _standard_attention_code(type(module)))
+
+
+def _standard_attention_code(cls: type) -> bool:
+    # 5.24 wraps the forward in deprecate_kwarg; with the kernels package, use_kernelized_func wraps it once more
+    forward = inspect.unwrap(cls.forward)
     return any(_same_code(forward, ref.forward) for ref in (StandardQwen2Attention, StandardQwen2Attention524))
 
 
@@ -744,6 +802,44 @@ def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool],
     _REGISTERED.add(module)
     undo.append(functools.partial(_REGISTERED.discard, module))
     return True
+
+
+# ----------------------------------------------------------------------------- unrecognised code
+
+
+def _unrecognised(modules) -> list[str]:
+    """What of ``modules`` a fused path is listed for but whose code differs from the one checked (the class's
+    forward, or its modeling module's rotary function): each part keeps transformers' own code."""
+    found = []
+    for module in modules:
+        cls = type(module)
+        name = cls.__name__
+        if ((name in _RMS_NORM_CLASSES and not _same_code(cls.forward, _StandardRMSNorm.forward))
+                or (name in _MLP_CLASSES and not _same_code(cls.forward, _StandardMLP.forward))
+                or (name in _DECODER_LAYER_CLASSES and not _standard_layer_code(cls))
+                or (name == "Qwen2Attention" and not _standard_attention_code(cls))):
+            found.append(f"{cls.__module__}.{cls.__qualname__}.forward")
+        if name in _ATTENTION_CLASSES and cls.__module__ in sys.modules:
+            modeling = sys.modules[cls.__module__]
+            rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+            if not hasattr(rotary, "_fused_original") and _standard_rotary(modeling) is None:
+                found.append(f"{cls.__module__}.apply_rotary_pos_emb")
+    return list(dict.fromkeys(found))
+
+
+def _warn_unrecognised(modules) -> None:
+    """One warning per process for each unrecognised part (:func:`_unrecognised`) not named before."""
+    new = [name for name in _unrecognised(modules) if name not in _WARNED]
+    if not new:
+        return
+    _WARNED.update(new)
+    low, high = VERIFIED_RANGE
+    warnings.warn(
+        f"dustin_hf's fused decode kernels do not apply to {', '.join(new)} in transformers "
+        f"{transformers.__version__}: that code differs from what dustin_hf checked (transformers {low} to {high}). "
+        "Those parts run transformers' own code (the same outputs, more kernel launches); the rest stays fused.",
+        stacklevel=4,
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
