@@ -27,10 +27,10 @@ _MODES = ("sparse", "exact")
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
-# selection="verify"'s layer when no profile names one, as a share of the target's depth: an early layer's choice
-# serves the layers after it worse than Dustin's set does, a layer past the middle about as well (search.py's
-# selection_layer_gains; calibration picks the layer per pair)
-_SELECTION_DEPTH = 0.57
+# selection="verify"'s first layer when neither the config nor a profile names the layers (a second one at half the
+# depth re-selects): early layers' choices served the later layers best on the real pair, the layer recovery ranks
+# first (16 of 28) worst (benchmarks/results/select_cpu.json); research/select_calibration.py picks them per pair
+_SELECTION_FIRST = 2
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 
@@ -324,9 +324,11 @@ def _check_heads(heads: tuple[int, ...], num_heads: int, what: str) -> None:
         raise ValueError(f"{what} {heads} out of range: the model has {num_heads} attention heads")
 
 
-def _default_selection_layer(num_layers: int) -> int:
-    """The selection layer of ``selection="verify"`` when neither the config nor a profile names one."""
-    return max(1, round(num_layers * _SELECTION_DEPTH))
+def _default_selection_layers(num_layers: int) -> tuple[int, ...]:
+    """The selection layers of ``selection="verify"`` when neither the config nor a profile names them: an early
+    one, and one at half the depth when that is between it and the last layer (which chooses for nobody)."""
+    first, second = min(_SELECTION_FIRST, max(num_layers - 2, 0)), num_layers // 2
+    return (first, second) if first < second < num_layers - 1 else (first,)
 
 
 def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> ResolvedConfig:
@@ -362,7 +364,7 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
 
     selection_layers = ()
     if config.selection == "verify":
-        given = config.selection_layers or (_default_selection_layer(t_layers),)
+        given = config.selection_layers or _default_selection_layers(t_layers)
         selection_layers = tuple(sorted({layer % t_layers for layer in given}))
         if any(not -t_layers <= layer < t_layers for layer in given) or len(selection_layers) != len(given):
             raise ValueError(f"selection_layers {given} out of range or repeated: the target has {t_layers} layers")
