@@ -276,6 +276,33 @@ def test_sparse_steps_select_in_the_forward_and_exact_mode_stays_greedy(monkeypa
     assert torch.equal(outs["exact"], greedy)
 
 
+def test_a_workspace_serves_only_its_own_selection():
+    """One patched model, calls alternating Dustin's selection and two sets of selection layers: each call builds its
+    own workspace (a reused runner would keep the selection layers it was built with) and returns what the same call
+    on a freshly patched model returns."""
+    target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 4)
+    ids = random_prompt(200, batch=2, seed=3)
+    base = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT)
+    configs = [base, {**base, "selection": "verify", "selection_layers": (1,)},
+               {**base, "selection": "verify", "selection_layers": (0,)}, base]
+    kwargs = dict(assistant_model=draft, cache_implementation="dustin", do_sample=False, max_new_tokens=16,
+                  attention_mask=torch.ones_like(ids))
+
+    expected = []
+    for config in configs:
+        with dustin_hf.patch(target):
+            expected.append(target.generate(ids, cache_config=config, **kwargs))
+    assert not torch.equal(expected[0], expected[1])  # the selections differ here
+    with dustin_hf.patch(target) as handle:
+        held = None
+        for config, alone in zip(configs, expected):
+            out = target.generate(ids, cache_config=config, **kwargs)
+            assert handle.workspaces.held is not held and handle.workspaces.held.runs == 1
+            held = handle.workspaces.held
+            assert torch.equal(out, alone)
+
+
 def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatch):
     """Exact mode samples with selection layers scoring with each row's first query alone (x's, a function of the
     prefix: p~ judges the tentative tokens, so it must not depend on the drafts after them, as
