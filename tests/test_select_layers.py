@@ -309,12 +309,7 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatc
     test_exact.py::test_sampled_exact_scores_with_the_prefix_alone asks of Dustin's scoring); sparse mode scores with
     all. The first two tokens follow the target's law where sparse mode's do not (test_exact.py's joint-law case;
     it does not tell the two scorings apart, the recorded ``queries`` do)."""
-    from test_exact import P_VALUE, _joint_law_case
-    from dustin_hf import decoding
-    from dustin_hf.telemetry import DecodeHooks
-    from transformers import GenerationConfig
-
-    from conftest import law_pvalue, tiled_prefill
+    from test_exact import P_VALUE, _joint_law_case, _pvalue
 
     target, draft, prompt, law = _joint_law_case()
     scored_with = set()
@@ -326,17 +321,9 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatc
 
     monkeypatch.setattr(attention, "choose_read_set", recording)
 
-    def pvalue(mode: str, draws: int = 2000) -> float:
+    def pvalue(mode: str) -> float:
         scored_with.clear()
-        torch.manual_seed(0)
-        config = resolve(DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode,
-                                      selection="verify", selection_layers=(0,)), target.config, draft.config)
-        generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
-        with dustin_hf.patch(target), attention_routed(target, draft):
-            decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, num_draft_tokens=2,
-                                                  hooks=DecodeHooks(prefill=tiled_prefill(1)))
-            out = decoder.generate(prompt.expand(draws, -1)).sequences
-        return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
+        return _pvalue(target, draft, prompt, law, mode, selection="verify", selection_layers=(0,))
 
     assert pvalue("sparse") < P_VALUE and scored_with == {None}
     assert pvalue("exact") > P_VALUE and scored_with == {1}
