@@ -48,7 +48,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--select", action="append", default=None, metavar="profile|[dense:]LAYERS",
                         help="selection layers, comma-separated (repeatable: one method each); 'dense:' first: the "
                              "layers before the first one read everything; 'profile' (the default): the profile's "
-                             "selection_layers (method 'verify-select')")
+                             "selection_layers, else the library's default (method 'verify-select-L<layers>')")
     parser.add_argument("--dustin-dense", action="append", default=[], metavar="LAYERS",
                         help="also Dustin's set with these layers read in full (comma-separated; repeatable): a "
                              "control that reads as many full layers as a selection method")
@@ -86,13 +86,11 @@ def main(argv=None) -> dict:
             kinds[f"{name}@{budget}"] = (name, budget, None)
         for dense_before, layers in selects:
             chosen = base.replace(selection="verify", **({} if layers is None else {"selection_layers": layers}))
-            if config.selection_layers is None and layers is None:
-                parser.error(f"{args.profile} names no selection_layers; pass --select LAYERS")
             cfg = resolve(chosen, t_cfg, d_cfg)
             if dense_before:
                 cfg = resolve(chosen.replace(dense_layers=tuple(range(min(cfg.selection_layers)))), t_cfg, d_cfg)
-            name = "verify-select" + ("-dense" if dense_before else "") + (
-                "" if layers is None else "-L" + ",".join(map(str, cfg.selection_layers)))
+            name = ("verify-select-dense-L" if dense_before else "verify-select-L") + ",".join(
+                map(str, cfg.selection_layers))
             methods[f"{name}@{budget}"] = cfg
             kinds[f"{name}@{budget}"] = (name, budget, list(cfg.selection_layers))
         if not args.no_oracle:
