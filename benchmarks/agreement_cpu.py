@@ -2,19 +2,19 @@
 
 Exact mode (``DustinConfig(mode="exact")``) commits a sparse step's tokens only once a dense verification agrees
 with them, so what it gains depends on the top-1 agreement of the sparse target (the target reading Dustin's
-selection) with the dense target. This walks texts teacher-forced (:mod:`dustin_hf.research.walk`, the same text
+selection) with the dense target. This walks texts teacher-forced (:mod:`dustin_lab.walk`, the same text
 for every method) with dense verification and, at each budget, Dustin with the sparse draft (the calibrated
 profile, ``sparse_draft=True``: exact mode's setting, so its selections are scored by the sparse draft's queries),
 and with ``--dense-draft-budgets`` also plain Dustin (the dense draft), and reports per (text, context, budget)
 the agreement of every pair of predictors on the same positions. Each walk writes one prediction trace per budget
-(:func:`dustin_hf.research.traces.prediction_record`: per position the true token, the dense and the sparse
+(:func:`dustin_lab.traces.prediction_record`: per position the true token, the dense and the sparse
 target's argmax, the dense and the sparse draft's) under ``--traces``.
 
 With ``--targets`` the same walk (no extra prefill) also runs the quality knob (``min_recovery``, the sparse draft,
 floor ``--knob-floor``, ceiling ``--knob-ceiling``) and measures true recovery at every step: per target the
 perplexity and teacher-forced acceptance against dense, the realised budget per step, the correlation of the
 scoring heads' estimated recovery with the true one (every layer, head and query of the dense target), and one knob
-trace per target (:func:`dustin_hf.research.traces.knob_trace_record`) for the GPU replay.
+trace per target (:func:`dustin_lab.traces.knob_trace_record`) for the GPU replay.
 
     python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 4096 --budgets 512 1024 2048 \\
         --targets 0.9 0.95 --out benchmarks/results/agreement_cpu_4k.json
@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 
 from dustin_hf.config import resolve
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.pair import describe_machine, load_pair
-from dustin_hf.research.prefilled import prefill_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
-from dustin_hf.research.texts import describe_text, token_window
-from dustin_hf.research.knob import budget_summary, correlation
-from dustin_hf.research.traces import knob_trace_record, prediction_record, write_knob_trace, write_predictions
-from dustin_hf.research.walk import teacher_forced_walk
+from dustin_lab.models import fetch_pair
+from dustin_lab.pair import describe_machine, load_pair
+from dustin_lab.prefilled import prefill_pair
+from dustin_hf.profiles import config_for_budget, read_profile
+from dustin_lab.texts import describe_text, token_window
+from dustin_lab.knob import budget_summary, correlation
+from dustin_lab.traces import knob_trace_record, prediction_record, write_knob_trace, write_predictions
+from dustin_lab.walk import teacher_forced_walk
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.research.demo import DemoRun, run_demo
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.pair import describe_machine, load_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
-from dustin_hf.research.texts import token_window
+from dustin_lab.demo import DemoRun, run_demo
+from dustin_lab.models import fetch_pair
+from dustin_lab.pair import describe_machine, load_pair
+from dustin_hf.profiles import config_for_budget, read_profile
+from dustin_lab.texts import token_window
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"

@@ -46,7 +46,7 @@ from pathlib import Path
 from exact_context import _timed, costs_ms, exact_rows, rates, sparse_step, step_costs, summaries
 from tqdm import tqdm
 
-from dustin_hf.research import traces as trace_io
+from dustin_lab import traces as trace_io
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,10 +1,10 @@
 """The quality knob on the real pair (CPU, float32): quality against positions read, fixed budgets beside targets.
 
-For each text and context, one ``dustin-hf eval`` unit (:func:`dustin_hf.research.evaluation.evaluate`: one
+For each text and context, one ``dustin-hf eval`` unit (:func:`dustin_lab.evaluation.evaluate`: one
 prefill, then the teacher-forced walk with dense verification, the fixed budgets and the knob's targets; no
 continuations or needles, which the walk's same-text comparison replaces). Each unit's report goes to
 ``--scratch`` as soon as it is done, so an interrupted run resumes where it stopped; with ``--features`` the
-walk's probe also writes the estimator features of every step there (:class:`~dustin_hf.research.knob.EstimatorFeatures`,
+walk's probe also writes the estimator features of every step there (:class:`~dustin_lab.knob.EstimatorFeatures`,
 read by ``benchmarks/knob_estimator.py``). Then the units are merged into one report (the summary recomputed
 over all of them) and its plot. The knob traces the GPU benchmark replays come from ``benchmarks/agreement_cpu.py
 --targets`` (the sparse draft, as the benchmark's ``dustin_knob``), not from here.
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.research.evaluation import evaluate, summarize
-from dustin_hf.research.knob import EstimatorFeatures
-from dustin_hf.research.plotting import plot_fidelity
-from dustin_hf.research.profiles import read_profile
-from dustin_hf.research.settings import EvalSettings
-from dustin_hf.research.texts import describe_text
+from dustin_lab.evaluation import evaluate, summarize
+from dustin_lab.knob import EstimatorFeatures
+from dustin_lab.plotting import plot_fidelity
+from dustin_hf.profiles import read_profile
+from dustin_lab.settings import EvalSettings
+from dustin_lab.texts import describe_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
@@ -84,8 +84,8 @@ def _unit_path(scratch: Path, text: str, context: int) -> Path:
 
 
 def _run_units(args, settings: EvalSettings, units, scratch: Path) -> None:
-    from dustin_hf.research.models import fetch_pair
-    from dustin_hf.research.pair import describe_machine, load_pair
+    from dustin_lab.models import fetch_pair
+    from dustin_lab.pair import describe_machine, load_pair
 
     torch.set_grad_enabled(False)
     config, fraction, _ = read_profile(args.profile)

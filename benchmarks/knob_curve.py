@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dustin_hf.research.evaluation import KNOB_BUDGET_LIMIT as BUDGET_LIMIT
+from dustin_lab.evaluation import KNOB_BUDGET_LIMIT as BUDGET_LIMIT
 
 PPL_LIMIT, ACCEPT_LIMIT = 1.01, 0.97  # the criteria of dustin-hf eval, checked here on every walk (the worst one)
 

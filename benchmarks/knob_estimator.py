@@ -2,17 +2,17 @@
 
 Features (per step: the true per-position weights and every head's history and lookahead attention) come
 from one of two places: ``--collect`` samples steps from book windows as calibration does
-(:func:`dustin_hf.research.calibrate.collect_features`, one dense step at each of ``--steps-per-book``
+(:func:`dustin_lab.calibrate.collect_features`, one dense step at each of ``--steps-per-book``
 positions; the profile's own books keep the held-out texts clean), or ``--walks`` reads what
 ``benchmarks/knob_cpu.py --features`` wrote along its teacher-forced walks. Then
-:func:`dustin_hf.research.estimators.study` scores each estimator as a proxy of the fixed fill's recovery and as
+:func:`dustin_lab.estimators.study` scores each estimator as a proxy of the fixed fill's recovery and as
 the knob's order and stop (see there), per text and pooled.
 
     python benchmarks/knob_estimator.py --collect mobydick paradise_lost --context 4096 --steps-per-book 24 \\
         --save /tmp/knob_calibration_features.pt --out /tmp/knob_estimator_calibration.json
     python benchmarks/knob_estimator.py --walks /tmp/dustin_hf_knob/features/* --out benchmarks/results/knob_estimator_cpu.json
 
-``--orders`` runs :func:`dustin_hf.research.estimators.order_study` instead (the library's estimate only): the knob's
+``--orders`` runs :func:`dustin_lab.estimators.order_study` instead (the library's estimate only): the knob's
 order against the paper's fixed fill at a ladder of budgets, each split by the estimate and by the truth.
 
     python benchmarks/knob_estimator.py --load /tmp/knob_calibration_features_8k.pt --orders \
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from dustin_hf.config import resolve
-from dustin_hf.research.estimators import Estimator, library_estimator, order_study, study
-from dustin_hf.research.knob import load_features
-from dustin_hf.research.profiles import config_for_budget, read_profile
+from dustin_lab.estimators import Estimator, library_estimator, order_study, study
+from dustin_lab.knob import load_features
+from dustin_hf.profiles import config_for_budget, read_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
 def _text_configs():
     from transformers import AutoConfig
 
-    from dustin_hf.research.models import fetch_pair
+    from dustin_lab.models import fetch_pair
 
     target, draft = fetch_pair(progress=False)
     return AutoConfig.from_pretrained(target).get_text_config(), AutoConfig.from_pretrained(draft).get_text_config()
@@ -127,10 +127,10 @@ def _estimators(cfg, t_cfg, d_cfg) -> dict[str, Estimator]:
 def _collect(args):
     from dataclasses import replace
 
-    from dustin_hf.research.calibrate import collect_features
-    from dustin_hf.research.models import fetch_pair
-    from dustin_hf.research.pair import describe_machine, load_pair
-    from dustin_hf.research.settings import CalibrationSettings
+    from dustin_lab.calibrate import collect_features
+    from dustin_lab.models import fetch_pair
+    from dustin_lab.pair import describe_machine, load_pair
+    from dustin_lab.settings import CalibrationSettings
 
     torch.set_grad_enabled(False)
     pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")

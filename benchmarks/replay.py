@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from dustin_hf.plan import device_tensor
-from dustin_hf.research import traces  # the trace formats and their readers, written by the research harness
-from dustin_hf.research.traces import PREDICTION_FORMAT, PREDICTION_KEYS
+from dustin_lab import traces  # the trace formats and their readers, written by the lab
+from dustin_lab.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 
 __all__ = ["AcceptReplay", "BudgetReplay", "CountReplay", "ExactReplay", "PAPER_COUNTS", "PREDICTION_FORMAT",
            "PREDICTION_KEYS", "Predictions", "at_budget", "load_budgets", "load_predictions", "synthetic_budgets",
@@ -73,7 +73,7 @@ class CountReplay:
         if not paths:
             return cls(PAPER_COUNTS, f"fixed pattern {list(PAPER_COUNTS)}, mean "
                                      f"{statistics.mean(PAPER_COUNTS) + 1:.1f} tokens per step (paper)")
-        from dustin_hf.research.traces import load_trace
+        from dustin_lab.traces import load_trace
 
         flat, names = [], []
         for path in paths:
@@ -351,7 +351,7 @@ def load_budgets(paths: list[str], context: int, min_recovery: float | None = No
     max_budget * context / C]`` (the recorded floor stays the floor); a step that read its row in full (a dense
     fallback: the count reached the row's recorded ``seqlens``) reads the benchmark's row in full too (``context``
     and more). ``min_recovery``: use only the files recorded at that target (``None``: every file must share
-    one). The files are :func:`dustin_hf.research.traces.knob_trace_record`'s."""
+    one). The files are :func:`dustin_lab.traces.knob_trace_record`'s."""
     records = [(Path(path).name, traces.load_knob_trace(path)) for path in paths]  # each checks its tag
     if min_recovery is not None:
         records = [(name, r) for name, r in records if r["min_recovery"] == min_recovery]

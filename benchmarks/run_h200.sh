@@ -30,7 +30,7 @@ set -u
 what=${1:?kernels|headline|sweep|select|score-sweep|whole-call|gpu-tests|e2e|e2e2|tests2|ab|e2e-exact|e2e-whatif}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e ./lab 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } > "$out/env.txt" 2>&1
 pair=benchmarks/traces/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct_teacher-forced

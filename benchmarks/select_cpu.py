@@ -1,6 +1,6 @@
 """Selection layers on the real pair, teacher-forced: the verification forward's own choice beside Dustin's and the oracle's.
 
-For each text and context, one teacher-forced walk (:mod:`dustin_hf.research.walk`) on one prefill, every method on
+For each text and context, one teacher-forced walk (:mod:`dustin_lab.walk`) on one prefill, every method on
 the same tokens: dense verification; Dustin's set (the profile's scoring heads) at each budget; the selection mode
 (``DustinConfig(selection="verify")``: at the selection layers the γ+1 verification queries attend to every cached
 position and choose the set the layers after them read; the layers before read Dustin's set, or everything with
@@ -59,12 +59,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from dustin_hf.config import resolve
-    from dustin_hf.research.models import fetch_pair
-    from dustin_hf.research.pair import describe_machine, load_pair
-    from dustin_hf.research.prefilled import prefill_pair
-    from dustin_hf.research.profiles import config_for_budget, read_profile
-    from dustin_hf.research.texts import describe_text, token_window
-    from dustin_hf.research.walk import teacher_forced_walk
+    from dustin_lab.models import fetch_pair
+    from dustin_lab.pair import describe_machine, load_pair
+    from dustin_lab.prefilled import prefill_pair
+    from dustin_hf.profiles import config_for_budget, read_profile
+    from dustin_lab.texts import describe_text, token_window
+    from dustin_lab.walk import teacher_forced_walk
 
     torch.set_grad_enabled(False)
     pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")

@@ -1,7 +1,7 @@
 """The selection layers of ``selection="verify"`` for a calibrated profile, by teacher-forced agreement with dense.
 
 Walks the profile's calibration books (not the held-out texts) teacher-forced with every candidate layer set of
-:func:`dustin_hf.research.select_calibration.selection_candidates` (or ``--candidates``) beside dense verification
+:func:`dustin_lab.select_calibration.selection_candidates` (or ``--candidates``) beside dense verification
 and Dustin's own set, at the profile's budget; prints each candidate's pooled top-1 agreement with dense and
 perplexity ratio, then one JSON line; with ``--write`` records the best in the profile (``config.selection_layers``
 and a ``selection_layers`` section with every candidate's figures and this command).
@@ -35,10 +35,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--write", action="store_true", help="record the best in the profile")
     args = parser.parse_args(argv)
 
-    from dustin_hf.research.models import fetch_pair
-    from dustin_hf.research.pair import describe_machine, load_pair
-    from dustin_hf.research.profiles import read_profile
-    from dustin_hf.research.select_calibration import calibrate_selection_layers
+    from dustin_lab.models import fetch_pair
+    from dustin_lab.pair import describe_machine, load_pair
+    from dustin_hf.profiles import read_profile
+    from dustin_lab.select_calibration import calibrate_selection_layers
 
     torch.set_grad_enabled(False)
     config, _, profile = read_profile(args.profile)

@@ -3,7 +3,7 @@
 ``DustinConfig(sparse_draft=True)`` lets the draft read the last verification's selection plus the
 positions written since, instead of its whole cache. Verification is unchanged; only the drafts, and so
 the acceptance, can change. Free-running continuations cannot show that reliably (each method's text
-diverges after a few tokens), so this walks a book teacher-forced (:mod:`dustin_hf.research.walk`) with three
+diverges after a few tokens), so this walks a book teacher-forced (:mod:`dustin_lab.walk`) with three
 methods on the same prefill: dense verification, Dustin, Dustin with the sparse draft. It reports
 each one's teacher-forced accepted drafts per step and perplexity, and writes the per-step counts as
 acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can replay.
@@ -15,7 +15,7 @@ acceptance traces (task ``teacher-forced``) that ``benchmarks/e2e.py`` can repla
         --only dense dustin oracle-shared oracle-per-layer --traces '' --out benchmarks/results/oracle_cpu.json
 
 ``--oracle`` adds two methods that read, at each sparse step, the top ``budget`` positions of the dense
-method's true attention (:mod:`dustin_hf.research.oracle`): ``oracle-shared`` (one set for all layers, what a
+method's true attention (:mod:`dustin_lab.oracle`): ``oracle-shared`` (one set for all layers, what a
 perfect Dustin scorer would pick) and ``oracle-per-layer`` (each layer its own set); it also measures
 every sparse method's attention recovery at every step; ``--oracle-budgets B ...`` adds both oracles at other
 budgets (``oracle-shared@B``, ``oracle-per-layer@B``); with ``--guarded`` too, both oracles also walk
@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from dustin_hf.config import resolve
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.pair import load_pair
-from dustin_hf.research.prefilled import prefill_pair
-from dustin_hf.research.profiles import config_for_budget, read_profile
-from dustin_hf.research.texts import token_window
-from dustin_hf.research.traces import trace_record, write_trace
-from dustin_hf.research.walk import teacher_forced_walk
+from dustin_lab.models import fetch_pair
+from dustin_lab.pair import load_pair
+from dustin_lab.prefilled import prefill_pair
+from dustin_hf.profiles import config_for_budget, read_profile
+from dustin_lab.texts import token_window
+from dustin_lab.traces import trace_record, write_trace
+from dustin_lab.walk import teacher_forced_walk
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"

@@ -106,6 +106,14 @@ class Runner:
         vocab = self.draft.config.vocab_size
         return torch.randint(0, vocab, (batch, context), generator=generator).to(self.device)
 
+    def configure(self, method: str, context: int) -> None:
+        """Patch the target with one of dustin_hf's methods: its config and its replayed acceptance."""
+        spec = self.sources.method("spec_dense" if method == "classic" else method, context)
+        config = spec.config or DustinConfig()
+        if method == "classic":  # dustin_hf's loop, every step dense (its rows stay below min_context; one value
+            config = config.replace(min_context=2**30)  # for every call, so that its calls share a workspace)
+        dustin_hf.patch(self.target, config, hooks=DecodeHooks(**_replay_fields(spec)))
+
     def call(self, method: str, ids: torch.Tensor, new_tokens: int) -> dict:
         """One whole ``generate()`` call of ``method``: seconds, and the loop's prefill/decode split if it has one."""
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
@@ -114,11 +122,7 @@ class Runner:
                 kwargs["assistant_model"] = self.draft
             run = lambda: self.target.generate(ids, **kwargs)  # noqa: E731
         else:
-            spec = self.sources.method("spec_dense" if method == "classic" else method, ids.shape[1])
-            config = spec.config or DustinConfig()
-            if method == "classic":  # dustin_hf's loop, every step dense (its rows stay below min_context; one value
-                config = config.replace(min_context=2**30)  # for every call, so that its calls share a workspace)
-            dustin_hf.patch(self.target, config, hooks=DecodeHooks(**_replay_fields(spec)))
+            self.configure(method, ids.shape[1])
             kwargs.update(assistant_model=self.draft, cache_implementation="dustin", return_dict_in_generate=True)
             run = lambda: self.target.generate(ids, **kwargs)  # noqa: E731
         _release()
@@ -177,7 +181,7 @@ def agreeing(models):
     return restore
 
 
-def run_shape(runner: Runner, context: int, batch: int, methods, new_tokens, log) -> list[dict]:
+def run_shape(runner: Runner, context: int, batch: int, methods, new_tokens, log, warmup: bool = False) -> list[dict]:
     records = []
     most, rest = new_tokens[0], new_tokens[1:]
 
@@ -207,7 +211,15 @@ def run_shape(runner: Runner, context: int, batch: int, methods, new_tokens, log
                         r.update(prefill_seconds=prefill, decode_seconds=r["seconds"] - prefill)
             continue
         ids = runner.ids(context, batch, seed=1)
-        for call in ("first", "warm"):
+        if warmup and method not in ("generate", "stock_assisted"):
+            runner.configure(method, context)
+            _sync()
+            start = time.perf_counter()
+            runner.handle.warmup(runner.draft, batch, context + most, do_sample=False, return_dict_in_generate=True)
+            _sync()
+            warmed = time.perf_counter() - start
+            add(method, "first_after_warmup", most, dict(runner.call(method, ids, most), warmup_seconds=warmed))
+        for call in ("warm",) if warmup and method not in ("generate", "stock_assisted") else ("first", "warm"):
             add(method, call, most, runner.call(method, ids, most))
         for n in rest:
             add(method, "warm", n, runner.call(method, ids, n))
@@ -240,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
                              "benchmarks/traces/*_predictions_*_ctx{4096,8192}_*.json)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on the CPU, SYNTHETIC predictions: checks the script, measures nothing")
+    parser.add_argument("--warmup", action="store_true",
+                        help="dustin_hf's methods: time DustinPatch.warmup() for the shape, then a call after it "
+                             "(call 'first_after_warmup', with warmup_seconds) in place of the first call")
     parser.add_argument("--out", default=None, help="save the results JSON here (rewritten after every shape)")
     return parser
 
@@ -293,13 +308,15 @@ def main(argv=None) -> dict:
         print(f"{name:<22} {r['context']:>6} {r['batch']:>3} {r['new_tokens']:>5} {r['call']:<5} {r['seconds']:>7.2f} "
               f"{r.get('prefill_seconds', float('nan')):>8.2f} {r.get('decode_seconds', float('nan')):>7.2f} "
               f"{'' if x is None else f'{x:.2f}':>6} {r['peak_gib'] or 0:>6.1f}", flush=True)
+        if "warmup_seconds" in r:
+            print(f"{'':<22} after DustinPatch.warmup(): {r['warmup_seconds']:.2f} s", flush=True)
         if "steady_step_ms" in r:
             print(f"{'':<22} {r['steps']} steps, median {r['steady_step_ms']:.2f} ms: loop decode "
                   f"{r['decode_over_steady']:.2f}x steps x median; {r['outside_loop_seconds']:.3f} s outside the loop; "
                   f"prefill {r.get('prefill_tflops', 0):.0f} TFLOP/s", flush=True)
 
     for context, batch in shapes:
-        records = run_shape(runner, context, batch, args.methods, new_tokens, log)
+        records = run_shape(runner, context, batch, args.methods, new_tokens, log, warmup=args.warmup)
         result["records"] += records
         for r in records:
             if r["method"] != "generate" and r["x_vs_plain_generate"] is not None:

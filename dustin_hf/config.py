@@ -29,7 +29,7 @@ _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
 # selection="verify"'s first layer when neither the config nor a profile names the layers (a second one at half the
 # depth re-selects): early layers' choices served the later layers best on the real pair, the layer recovery ranks
-# first (16 of 28) worst (benchmarks/results/select_cpu.json); research/select_calibration.py picks them per pair
+# first (16 of 28) worst (benchmarks/results/select_cpu.json); dustin_lab.select_calibration picks them per pair
 _SELECTION_FIRST = 2
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")

@@ -15,7 +15,7 @@ import torch
 
 from .kernels.tuning import KernelTuning
 
-__all__ = ["ForwardPlan", "DeviceTensors", "SelectLayers"]
+__all__ = ["DeviceTensors", "ForwardPlan", "SelectLayers", "device_tensor", "select_heads"]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Quick calibration from the prompt itself, when no profile exists (``DustinConfig(calibration="prompt")``).
 
-Offline calibration (:mod:`dustin_hf.research.calibrate`) needs texts and minutes. The prompt is a long text
+Offline calibration (the lab's :mod:`dustin_lab.calibrate`) needs texts and minutes. The prompt is a long text
 the models have just read, so the decoder can calibrate on it: after both prefills it replays a few
 verification-like steps inside the prompt's second half (the target over ``γ+2`` prompt tokens, the
 draft over ``γ+1``, every head of every layer kept), turns them into the same step features the

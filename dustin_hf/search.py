@@ -1,6 +1,6 @@
 """The search behind calibration: which scoring heads and ``draft_share`` recover the most attention.
 
-Offline calibration (:mod:`dustin_hf.research.calibrate`, over book windows) and prompt calibration
+Offline calibration (the lab's :mod:`dustin_lab.calibrate`, over book windows) and prompt calibration
 (:mod:`dustin_hf.prompt_calibration`, over the prompt itself) both collect verification-like steps and
 hand them here:
 

@@ -11,10 +11,10 @@ rows never wait for each other and never read each other's cache. A row shorter 
 import sys
 
 import dustin_hf
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.pair import load_pair
-from dustin_hf.research.texts import load_text
-from dustin_hf.research.tiny import tiny_pair
+from dustin_lab.models import fetch_pair
+from dustin_lab.pair import load_pair
+from dustin_lab.texts import load_text
+from dustin_lab.tiny import tiny_pair
 
 # both folders checked, one tokenizer, bfloat16 on CUDA and float32 on a CPU (the quickstart spells this out)
 pair = load_pair(*(tiny_pair() if "--tiny" in sys.argv else fetch_pair()))

@@ -14,13 +14,13 @@ import sys
 import torch
 
 import dustin_hf
-from dustin_hf.research.calibrate import calibrate
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.pair import load_pair
-from dustin_hf.research.profiles import write_profile
-from dustin_hf.research.settings import CalibrationSettings
-from dustin_hf.research.texts import token_window
-from dustin_hf.research.tiny import tiny_pair
+from dustin_hf.profiles import write_profile
+from dustin_lab.calibrate import calibrate
+from dustin_lab.models import fetch_pair
+from dustin_lab.pair import load_pair
+from dustin_lab.settings import CalibrationSettings
+from dustin_lab.texts import token_window
+from dustin_lab.tiny import tiny_pair
 
 tiny = "--tiny" in sys.argv
 target_dir, draft_dir = tiny_pair() if tiny else fetch_pair()

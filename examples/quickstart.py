@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dustin_hf
-from dustin_hf.research.models import fetch_pair
-from dustin_hf.research.texts import load_text
-from dustin_hf.research.tiny import tiny_pair
+from dustin_lab.models import fetch_pair
+from dustin_lab.texts import load_text
+from dustin_lab.tiny import tiny_pair
 
 target_dir, draft_dir = tiny_pair() if "--tiny" in sys.argv else fetch_pair()  # or any two model folders
 device = "cuda" if torch.cuda.is_available() else "cpu"

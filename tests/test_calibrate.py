@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from dustin_hf import DustinConfig
-from dustin_hf.research.calibrate import CalibrationSettings, calibrate, collect_features
+from dustin_lab.calibrate import CalibrationSettings, calibrate, collect_features
 from dustin_hf.search import Choice, StepFeatures, recovery_of
 from dustin_hf.config import resolve
-from dustin_hf.research.pair import ModelPair
-from dustin_hf.research.prefilled import prefill_pair
-from dustin_hf.research.texts import token_window
-from dustin_hf.research.walk import teacher_forced_walk
+from dustin_lab.pair import ModelPair
+from dustin_lab.prefilled import prefill_pair
+from dustin_lab.texts import token_window
+from dustin_lab.walk import teacher_forced_walk
 
 from cli_fixtures import tiny_qwen, tiny_tokenizer
 from conftest import noisy_copy

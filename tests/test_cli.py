@@ -10,8 +10,8 @@ import pytest
 
 import dustin_hf
 from dustin_hf import DustinConfig
-from dustin_hf.research import cli
-from dustin_hf.research.traces import TRACE_FORMAT, load_trace
+from dustin_lab import cli
+from dustin_lab.traces import TRACE_FORMAT, load_trace
 
 from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
 
@@ -107,7 +107,7 @@ def test_eval_sweeps_the_knob_beside_the_budgets(capsys, dirs, profile, tmp_path
     assert len(walk["steps_read"]) == len(walk["steps_estimated_recovery"]) == len(walk["accepted_trace"]) == 8
     assert report["summary"]["estimate_vs_truth"]["120"]["budget 24"]["n"] == 16
     assert "stats" not in report["continuations"][0]["targets"]["0.6"] and report["continuations"][0]["targets"]["0.6"]["knob"]
-    if importlib.util.find_spec("matplotlib") is not None:  # an optional dependency ('.[models]'), not in '.[test]'
+    if importlib.util.find_spec("matplotlib") is not None:  # an optional dependency (the lab's [models] extra)
         assert (tmp_path / "knob.png").stat().st_size > 0 and report["plot"] == str(tmp_path / "knob.png")
     else:
         assert report["plot"] is None and not (tmp_path / "knob.png").exists()
@@ -184,7 +184,7 @@ def test_help_imports_neither_torch_nor_transformers():
     script = textwrap.dedent("""
         import sys
         import dustin_hf
-        from dustin_hf.research import cli
+        from dustin_lab import cli
         assert "torch" not in sys.modules, "import dustin_hf imported torch"
         for argv in [["--help"]] + [[name, "--help"] for name in cli.COMMANDS]:
             try:

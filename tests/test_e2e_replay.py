@@ -179,7 +179,7 @@ def test_load_predictions_checks_format_gamma_and_lists(tmp_path):
 
 def _knob_record(**changes) -> dict:
     """A knob trace as the walk's writer makes it (two rows; row 1 has no third step)."""
-    from dustin_hf.research.traces import knob_trace_record
+    from dustin_lab.traces import knob_trace_record
 
     config = {"min_recovery": 0.9, "budget": 512, "max_budget": 3200}
     seqlens, counts = [[4096, 4096], [4101, 4101], [4106]], [[600, 512], [3000, 4101], [300]]

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import exact_whatif  # noqa: E402
 
-from dustin_hf.research import traces  # noqa: E402
+from dustin_lab import traces  # noqa: E402
 
 
 def _record(n=200, agree=0.8, seed=0):

@@ -128,7 +128,7 @@ def test_invalid_knob_settings_are_refused(fields, message):
 
 
 def test_budget_summary_and_correlation():
-    from dustin_hf.research.knob import budget_summary, correlation
+    from dustin_lab.knob import budget_summary, correlation
 
     summary = budget_summary([512, 600, 4096, 700], [4096, 4096, 4096, 5000])
     assert summary["steps"] == 4 and summary["read_in_full"] == 1 and summary["max"] == 4096

@@ -1,4 +1,4 @@
-"""The package's layers import in one direction (read from the source with ``ast``; nothing is imported).
+"""The library and the lab import in one direction (read from the source with ``ast``; nothing is imported).
 
 From the bottom up:
 
@@ -6,7 +6,10 @@ From the bottom up:
 - ``dustin_hf.runtime``: CUDA graphs, fused decode ops, launch settings; besides kernels and runtime it
   reads only the per-forward plan and the transformers compatibility names (``plan``, ``compat``);
 - the library core (every other module of ``dustin_hf`` and ``dustin_hf.patches``);
-- ``dustin_hf.research``: the research kit and the CLI; nothing outside it imports it.
+- ``dustin_lab`` (the folder ``lab/``, a project of its own): the CLI, demo, calibration and evaluation.
+  Nothing in the library imports it, and it reads the library through public names only: a library
+  module whose dotted path has no ``_``-prefixed part, and the names in that module's ``__all__``
+  (imported, or read as an attribute of the imported module).
 
 Every import counts, also one inside a function (a lazy import is still a dependency), and no chain of
 imports may come back to where it started.
@@ -15,18 +18,21 @@ imports may come back to where it started.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_MAY_READ = {"dustin_hf.plan", "dustin_hf.compat"}
+LAB = ROOT / "lab"
 
 
 def _module_files() -> dict[str, Path]:
     files = {}
-    for path in sorted((ROOT / "dustin_hf").rglob("*.py")) + sorted((ROOT / "patches").rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
+    folders = [(ROOT / "dustin_hf", ROOT), (ROOT / "patches", ROOT), (LAB / "dustin_lab", LAB)]
+    for path, base in [(path, base) for folder, base in folders for path in sorted(folder.rglob("*.py"))]:
+        rel = path.relative_to(base).with_suffix("")
         parts = list(rel.parts)
         if parts[0] == "patches":  # installed as dustin_hf.patches (pyproject's package-dir)
             parts = ["dustin_hf"] + parts
@@ -36,20 +42,24 @@ def _module_files() -> dict[str, Path]:
     return files
 
 
-def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The dustin_hf modules ``name`` imports (``from pkg import submodule`` counts as the submodule)."""
+def _origin(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` reads from."""
+    if not node.level:
+        return node.module or ""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The dustin_hf / dustin_lab modules ``name`` imports (``from pkg import submodule`` counts as the submodule)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                origin = ".".join(base + ([node.module] if node.module else []))
-            else:
-                origin = node.module or ""
+            origin = _origin(name, path, node)
             targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
                        for alias in node.names]
         else:
@@ -95,14 +105,64 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for name, targets in sorted(graph.items()):
         for target in sorted(targets):
-            research = target.startswith("dustin_hf.research")
             if name.startswith("dustin_hf.kernels") and not target.startswith("dustin_hf.kernels"):
                 bad.append(f"{name} -> {target}: kernels import nothing of dustin_hf outside kernels")
             elif name.startswith("dustin_hf.runtime") and not (
                     target.startswith(("dustin_hf.kernels", "dustin_hf.runtime")) or target in RUNTIME_MAY_READ):
                 bad.append(f"{name} -> {target}: the runtime reads only kernels, runtime, {sorted(RUNTIME_MAY_READ)}")
-            elif research and not name.startswith("dustin_hf.research"):
-                bad.append(f"{name} -> {target}: the library never imports the research kit")
+            elif target.startswith("dustin_lab") and not name.startswith("dustin_lab"):
+                bad.append(f"{name} -> {target}: the library never imports the lab")
+    return bad
+
+
+@functools.cache
+def _public_names(path: Path) -> frozenset[str]:
+    """The names in the module's ``__all__`` (none if it has no ``__all__``)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def _is_private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
+
+
+def private_reads(files: dict[str, Path] | None = None) -> list[str]:
+    """Every library name a lab module reads that is not public (see the module docstring)."""
+    files = files or _module_files()
+    bad = []
+
+    def check(lab_module: str, module: str, attr: str | None) -> None:
+        """``module`` (a library module) read by ``lab_module``, and ``attr`` of it if given."""
+        if attr is not None and f"{module}.{attr}" in files:
+            module, attr = f"{module}.{attr}", None  # a submodule
+        public = not _is_private(module) and (
+            attr is None or attr in _public_names(files[module]) or (attr.startswith("__") and attr.endswith("__")))
+        if not public:
+            bad.append(f"{lab_module} -> {module}{'.' + attr if attr else ''}: the lab reads only the library's "
+                       "public names (a module's __all__; make the name public there, documented)")
+
+    for name, path in sorted(files.items()):
+        if not name.startswith("dustin_lab"):
+            continue
+        aliases = {}  # a local name bound to a library module -> that module
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("dustin_hf"):
+                        check(name, alias.name, None)
+                        local = alias.asname or alias.name.partition(".")[0]  # `import a.b` binds `a`
+                        aliases[local] = alias.name if alias.asname else local
+            elif isinstance(node, ast.ImportFrom) and (origin := _origin(name, path, node)).startswith("dustin_hf"):
+                for alias in node.names:
+                    check(name, origin, alias.name)
+                    if f"{origin}.{alias.name}" in files:
+                        aliases[alias.asname or alias.name] = f"{origin}.{alias.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                check(name, aliases[node.value.id], node.attr)
     return bad
 
 
@@ -115,10 +175,27 @@ def test_layers_import_in_one_direction():
     assert layer_violations(import_graph()) == []
 
 
+def test_the_lab_reads_only_public_names_of_the_library():
+    assert private_reads() == []
+
+
+def test_the_lab_is_checked():
+    """The lab's modules are in the graph and do read the library (an empty lab would pass vacuously)."""
+    graph = import_graph()
+    lab = {name for name in graph if name.startswith("dustin_lab")}
+    assert {"dustin_lab.cli", "dustin_lab.walk", "dustin_lab.texts"} <= lab
+    assert any(target.startswith("dustin_hf") for name in lab for target in graph[name])
+
+
 @pytest.mark.parametrize("module, line, expected", [
     ("dustin_hf.kernels.triton_score", "from ..plan import select_heads", "kernels import nothing"),
-    ("dustin_hf.cache", "from .research import texts", "never imports the research kit"),
+    ("dustin_hf.cache", "from dustin_lab import texts", "the library never imports the lab"),
+    ("dustin_hf.decoding", "import dustin_lab.cli", "the library never imports the lab"),
     ("dustin_hf.runtime.graphs", "from ..selection import Selection", "the runtime reads only"),
+    ("dustin_lab.walk", "from dustin_hf.selection import _budget_fill", "public names"),
+    ("dustin_lab.walk", "from dustin_hf.plan import HostCopy", "public names"),
+    ("dustin_lab.walk", "from dustin_hf.kernels._device import sm_count", "public names"),
+    ("dustin_lab.prefilled", "x = decoding._exact_step", "public names"),
 ])
 def test_a_wrong_import_is_caught(tmp_path, module, line, expected):
     """The checks above fail on the imports they forbid: the same source with one wrong line added."""
@@ -126,8 +203,8 @@ def test_a_wrong_import_is_caught(tmp_path, module, line, expected):
     source = files[module].read_text() + f"\n{line}\n"
     copy = tmp_path / files[module].name
     copy.write_text(source)
-    graph = import_graph({**files, module: copy})
-    assert any(expected in v for v in layer_violations(graph))
+    files = {**files, module: copy}
+    assert any(expected in v for v in layer_violations(import_graph(files)) + private_reads(files))
 
 
 def test_a_cycle_is_caught(tmp_path):

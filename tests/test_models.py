@@ -1,4 +1,4 @@
-"""Offline model fetching (dustin_hf.research.models) without any download: spec table, cache hits, joining."""
+"""Offline model fetching (dustin_lab.models) without any download: spec table, cache hits, joining."""
 
 import collections
 import hashlib
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dustin_hf.research import models
-from dustin_hf.research.models import (
+from dustin_lab import models
+from dustin_lab.models import (
     QWEN25_CODER_05B_INSTRUCT,
     QWEN25_CODER_15B_INSTRUCT,
     ModelFetchError,
@@ -128,7 +128,7 @@ def test_unfinished_folder_is_not_a_cache_hit(monkeypatch, tmp_path):
 
 def test_missing_gguf_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ImportError, match=re.escape("pip install 'dustin-hf[models]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install -e './lab[models]'")):
         models.fetch_model(_fake_spec([b"x"]), cache_dir=tmp_path, progress=False)
 
 

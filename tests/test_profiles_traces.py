@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dustin_hf import DustinConfig
-from dustin_hf.research.profiles import config_for_budget, read_profile, write_profile
-from dustin_hf.research.traces import (KNOB_TRACE_FORMAT, PREDICTION_FORMAT, TRACE_FORMAT, knob_trace_record,
+from dustin_hf.profiles import config_for_budget, read_profile, write_profile
+from dustin_lab.traces import (KNOB_TRACE_FORMAT, PREDICTION_FORMAT, TRACE_FORMAT, knob_trace_record,
                                       load_knob_trace, load_predictions, load_trace, prediction_record, trace_filename,
                                       trace_record, write_knob_trace, write_predictions, write_trace)
 

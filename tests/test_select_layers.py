@@ -205,8 +205,8 @@ def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement
     """On a tiny pair (a bundled book through its tokenizer-free ids), every candidate of the grid is a method of
     one teacher-forced walk beside dense verification and Dustin's set; the chosen layers are the candidate with the
     highest pooled top-1 agreement with dense, whose figures the report holds."""
-    from dustin_hf.research import select_calibration
-    from dustin_hf.research.select_calibration import calibrate_selection_layers, selection_candidates
+    from dustin_lab import select_calibration
+    from dustin_lab.select_calibration import calibrate_selection_layers, selection_candidates
 
     assert selection_candidates(28) == [(1,), (2,), (4,), (1, 7), (1, 14), (1, 18), (2, 7), (2, 14), (2, 18), (4, 7),
                                         (4, 14), (4, 18)]

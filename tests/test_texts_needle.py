@@ -2,8 +2,8 @@
 
 import pytest
 
-from dustin_hf.research import texts
-from dustin_hf.research.needle import make_needle, make_needles, needle_found
+from dustin_lab import texts
+from dustin_lab.needle import make_needle, make_needles, needle_found
 
 from cli_fixtures import tiny_tokenizer
 

@@ -5,14 +5,14 @@ import torch
 
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
-from dustin_hf.research.continuations import speculative_continuation, token_agreement
-from dustin_hf.research.estimators import Estimator, library_estimator, order_study, study
-from dustin_hf.research.knob import EstimatorFeatures, load_features
-from dustin_hf.research.prefilled import PrefillStore, clone_cache, prefill_pair
+from dustin_lab.continuations import speculative_continuation, token_agreement
+from dustin_lab.estimators import Estimator, library_estimator, order_study, study
+from dustin_lab.knob import EstimatorFeatures, load_features
+from dustin_lab.prefilled import PrefillStore, clone_cache, prefill_pair
 from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
 from dustin_hf.scoring import attention_mass
 from dustin_hf.selection import estimated_mass
-from dustin_hf.research.walk import teacher_forced_walk
+from dustin_lab.walk import teacher_forced_walk
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
 
@@ -44,7 +44,7 @@ def state(pair):
 def test_prefill_shows_its_progress_only_when_asked(pair, capsys, monkeypatch):
     """A long prefill's bar counts the tokens both models read, chunk by chunk; without ``progress`` nothing
     prints, and the states are the same either way."""
-    from dustin_hf.research import prefilled
+    from dustin_lab import prefilled
 
     counted = []
 
@@ -236,8 +236,8 @@ def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     """After a sparse step, one dense forward over its positions leaves the cache as a dense step would."""
     from dustin_hf.runner import ModelRunner
     from dustin_hf.plan import ForwardPlan
-    from dustin_hf.research.prefilled import dustin_attention_on
-    from dustin_hf.research.walk import _refresh
+    from dustin_lab.prefilled import dustin_attention_on
+    from dustin_lab.walk import _refresh
 
     target, draft = pair
     prefilled, continuation = state
@@ -277,7 +277,7 @@ def test_refresh_every_names_sparse_methods(pair, state):
 
 def _logits(runner_cache, target, draft, tokens, plan):
     from dustin_hf.runner import ModelRunner
-    from dustin_hf.research.prefilled import dustin_attention_on
+    from dustin_lab.prefilled import dustin_attention_on
 
     runner = ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
     with torch.no_grad(), dustin_attention_on(target, draft):
@@ -288,7 +288,7 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     """Layer 0 reading every cached position through its own indices, the others a small set S, equals a plain
     plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
     layer's set changes the output."""
-    from dustin_hf.research.oracle import LayerwisePlan
+    from dustin_lab.oracle import LayerwisePlan
     from dustin_hf.plan import ForwardPlan
 
     target, draft = pair
@@ -316,7 +316,7 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
 
 
 def test_oracle_indices_are_the_top_positions_of_the_true_attention():
-    from dustin_hf.research.oracle import oracle_indices, oracle_recovery
+    from dustin_lab.oracle import oracle_indices, oracle_recovery
 
     torch.manual_seed(0)
     weights = torch.rand(3, 40).softmax(dim=-1)

@@ -8,10 +8,10 @@ every layer, head and query of the target puts on the set (:mod:`dustin_hf.recov
 * :func:`budget_summary`: the positions a method read per step (mean, median, 95th percentile, max, dense
   fallbacks), as ``stats["knob"]`` reports them for a decode;
 * :func:`correlation`: Pearson and Spearman between per-step estimates and truths;
-* :class:`EstimatorFeatures`: a walk probe (:func:`~dustin_hf.research.walk.teacher_forced_walk`'s ``probe``)
+* :class:`EstimatorFeatures`: a walk probe (:func:`~dustin_lab.walk.teacher_forced_walk`'s ``probe``)
   that keeps, per step, the true per-position weights and every head's attention of the two signals (the
   dense target's history query on every layer, the draft's lookahead queries on every layer), so that any
-  estimator can be tried offline (:mod:`dustin_hf.research.estimators`).
+  estimator can be tried offline (:mod:`dustin_lab.estimators`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..recovery import head_probabilities
+from dustin_hf.recovery import head_probabilities
 
 __all__ = ["EstimatorFeatures", "budget_summary", "correlation", "load_features"]
 

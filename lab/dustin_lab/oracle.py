@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import DeviceTensors, ForwardPlan
+from dustin_hf.plan import DeviceTensors, ForwardPlan
 
 __all__ = ["ORACLES", "LayerwisePlan", "oracle_indices"]
 

@@ -4,8 +4,8 @@ The scoring heads are calibrated by attention recovery (:mod:`dustin_hf.search`)
 and cheap to score for thousands of candidates. For selection layers it misleads: on the Qwen2.5-Coder 1.5B/0.5B
 pair the layer whose own choice added the most recovery over Dustin's set on the layers after it gave the
 *lowest* top-1 agreement with dense verification of every layer set tried on held-out texts, and early selection
-layers, which recovery ranks last, gave the highest (``benchmarks/results/select_cpu*.json``). So the candidates
-are judged by what they are for: a teacher-forced walk (:func:`~dustin_hf.research.walk.teacher_forced_walk`) over
+layers, which recovery ranks last, gave the highest (``benchmarks/results/select_cpu.json``). So the candidates
+are judged by what they are for: a teacher-forced walk (:func:`~dustin_lab.walk.teacher_forced_walk`) over
 calibration books, each candidate a method of the same walk, beside dense verification and Dustin's own set;
 the candidate whose greedy predictions agree most often with dense verification's wins (ties: the lower
 perplexity). Each candidate costs one target forward a step, so the grid is small: an early first layer, alone
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ..config import DustinConfig, resolve
+from dustin_hf.config import DustinConfig, resolve
+
 from .prefilled import prefill_pair
 from .texts import token_window
 from .walk import teacher_forced_walk

@@ -140,7 +140,7 @@ def describe_machine(device: torch.device) -> dict:
     """Where a measurement ran: CPU model and threads or GPU name, and library versions."""
     import transformers
 
-    from .. import __version__
+    from dustin_hf import __version__
 
     info = {
         "device": str(device), "platform": platform.platform(), "python": platform.python_version(),

@@ -1,4 +1,7 @@
-"""Calibration profiles: the JSON file ``dustin-hf calibrate`` writes and everything else reads.
+"""Calibration profiles: the JSON file ``dustin-hf calibrate`` writes and :func:`dustin_hf.patch` loads.
+
+The format belongs to the library (:meth:`DustinConfig.from_profile` reads its ``"config"`` section); the
+lab's calibration writes it through :func:`write_profile`.
 
     {
       "format": "dustin_hf.profile/1",
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import DustinConfig
+from .config import DustinConfig
 
 __all__ = ["PROFILE_FORMAT", "config_for_budget", "read_profile", "write_profile"]
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..compat import CACHE_KWARG
-from ..patching import patch
-from ..telemetry import synchronize
+from dustin_hf.compat import CACHE_KWARG
+from dustin_hf.patching import patch
+from dustin_hf.telemetry import synchronize
+
 from .continuations import token_agreement
 
 __all__ = ["DemoRun", "demo_runs", "run_demo"]

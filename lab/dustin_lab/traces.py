@@ -28,7 +28,7 @@ Sequences were decoded one at a time (batch 1); a batched replay can stack them 
 
 Methods whose steps mix verifiers (exact mode: sparse steps, then dense confirmations) cannot be
 replayed from counts recorded with one verifier. A **prediction trace** keeps, per position of a
-teacher-forced walk (:mod:`dustin_hf.research.walk`), every model's greedy prediction on the true
+teacher-forced walk (:mod:`dustin_lab.walk`), every model's greedy prediction on the true
 prefix, so that a replay derives any method's acceptance:
 
     {

@@ -4,7 +4,7 @@ The quality knob needs, per step, a mass over the cached positions whose sum ove
 true recovery (every layer, head and query of the target). The library's (:func:`~dustin_hf.selection.estimated_mass`)
 is the mean of the scoring heads' two signals, each normalised over ``[0, L)``. An :class:`Estimator` here is
 the same recipe with any heads of any layer for either signal, any mix and a power (``power < 1`` flattens
-the mass, for signals sharper than the truth), computed from :class:`~dustin_hf.research.knob.EstimatorFeatures`.
+the mass, for signals sharper than the truth), computed from :class:`~dustin_lab.knob.EstimatorFeatures`.
 
 :func:`study` scores estimators two ways, per text and pooled:
 
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ResolvedConfig
-from ..selection import select_by_recovery, select_positions
+from dustin_hf.config import ResolvedConfig
+from dustin_hf.selection import select_by_recovery, select_positions
+
 from .knob import correlation
 
 __all__ = ["Estimator", "library_estimator", "order_study", "study"]

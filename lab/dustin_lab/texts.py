@@ -1,13 +1,13 @@
 """Bundled public-domain books: list them, load them, cut token windows out of them.
 
 Calibration and evaluation need long natural text (thousands of tokens per prompt). The package
-ships five books as ``dustin_hf/research/data/texts/<name>.txt.gz`` (see the README there); their sha256 and
+ships five books as ``dustin_lab/data/texts/<name>.txt.gz`` (see the README there); their sha256 and
 size are checked against ``SHA256SUMS`` on every load. Source code is the other kind of text a user
 decodes: a name ``stdlib:MODULE`` (e.g. ``stdlib:typing``) stands for the source file of that module of
 the running Python's standard library (not bundled: :func:`describe_text` records its path, Python
 version and sha256, so a measurement says which file it read).
 
-    from dustin_hf.research import texts
+    from dustin_lab import texts
     texts.list_books()                                   # ['alice', 'emma', ...]
     ids = texts.token_window(tokenizer, "emma", 4096)    # (4096,) int64, from the book's start
 """
@@ -36,7 +36,7 @@ class TextTooShortError(ValueError):
 
 
 def _data_dir():
-    return resources.files("dustin_hf.research").joinpath(_PACKAGE_DIR)
+    return resources.files("dustin_lab").joinpath(_PACKAGE_DIR)
 
 
 @functools.cache

@@ -187,10 +187,10 @@ def _demo_args(parser):
           "both models read the prompt) and Dustin's stats. "
           f"{_DEMO_NEEDS}", _demo_args)
 def demo(args, out: Output) -> dict:
-    from ..config import DustinConfig
+    from dustin_hf.config import DustinConfig
     from .demo import demo_runs, print_runs, run_demo
     from .pair import describe_machine
-    from .profiles import config_for_budget, read_profile
+    from dustin_hf.profiles import config_for_budget, read_profile
     from .texts import token_window
 
     config, fraction = DustinConfig(), None
@@ -250,12 +250,12 @@ def _calibrate_args(parser):
           "Writes a profile JSON that DustinConfig.from_profile() and dustin_hf.patch(model, path) load, with the "
           "calibrated recovery beside that of DustinConfig()'s default heads.", _calibrate_args)
 def calibrate_command(args, out: Output) -> dict:
-    from ..search import StepFeatures
+    from dustin_hf.search import StepFeatures
     from .calibrate import calibrate
     from .settings import CalibrationSettings
     from .pair import describe_machine
-    from .profiles import write_profile
-    from ..config import DustinConfig
+    from dustin_hf.profiles import write_profile
+    from dustin_hf.config import DustinConfig
     from .texts import token_window
 
     settings = CalibrationSettings(
@@ -340,12 +340,12 @@ def _eval_args(parser):
           "criteria at budget 512 and, with --targets, each target's.",
           _eval_args)
 def eval_command(args, out: Output) -> dict:
-    from ..config import DustinConfig
+    from dustin_hf.config import DustinConfig
     from .evaluation import evaluate
     from .needle import make_needles
     from .pair import describe_machine
     from .plotting import plot_fidelity
-    from .profiles import read_profile
+    from dustin_hf.profiles import read_profile
     from .settings import EvalSettings
     from .texts import token_window
 

@@ -7,16 +7,16 @@ For each book window and context ``C`` (one prefill, reused by every run below):
   agreement with the dense continuation, decode tokens/s; per-step acceptance traces are saved;
   with ``settings.exact`` also Dustin's exact mode at each budget (the same selection, sparse steps
   confirmed by dense ones): its continuation must be the dense one, and its confirm stats are kept;
-* **teacher-forced walk** (:mod:`dustin_hf.research.walk`) over the next ``ppl_tokens`` tokens of the book:
+* **teacher-forced walk** (:mod:`dustin_lab.walk`) over the next ``ppl_tokens`` tokens of the book:
   perplexity per budget and its ratio to dense; attention recovery of the selections actually made,
   and of the calibrated and the default heads' selections from the same (dense) signals.
 
 With ``targets``, the quality knob (``min_recovery``, floor ``target_budget``, ceiling ``max_budget``) runs beside
 the budgets at each target: in the continuations, and in the walk, where it also reports the positions read per
 step (mean, p50, p95, max, dense fallbacks) and, for every sparse method, the per-step estimated recovery
-beside the true one and their correlation (:mod:`dustin_hf.research.knob`).
+beside the true one and their correlation (:mod:`dustin_lab.knob`).
 
-Then **needles** (:mod:`dustin_hf.research.needle`): accuracy of dense and of each budget.
+Then **needles** (:mod:`dustin_lab.needle`): accuracy of dense and of each budget.
 
 ``criteria`` checks the targets at ``criteria_budget`` (512) for every context evaluated:
 perplexity within 1% of dense, mean accepted length >= 97% of dense (in free-running generation,
@@ -34,12 +34,13 @@ from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
-from ..config import DustinConfig, resolve
+from dustin_hf.config import DustinConfig, resolve
+from dustin_hf.profiles import config_for_budget
+
 from .continuations import eos_ids, speculative_continuation, token_agreement
 from .knob import budget_summary, correlation
 from .needle import make_needles, needle_found
 from .prefilled import PrefillStore, prefill_pair
-from .profiles import config_for_budget
 from .settings import EvalSettings
 from .texts import token_window
 from .traces import trace_record, write_trace

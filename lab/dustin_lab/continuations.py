@@ -13,7 +13,8 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from ..config import ResolvedConfig
+from dustin_hf.config import ResolvedConfig
+
 from .prefilled import PrefillStore, dustin_attention_on, speculative_decoder
 
 __all__ = ["eos_ids", "speculative_continuation", "token_agreement"]

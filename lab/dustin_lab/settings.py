@@ -16,7 +16,7 @@ class CalibrationSettings:
     """What calibration reads and how hard it searches.
 
     Args:
-        books: bundled books to take windows from (:func:`dustin_hf.research.texts.list_books`).
+        books: bundled books to take windows from (:func:`dustin_lab.texts.list_books`).
         context: tokens prefilled per book; steps sit between ``min_position`` and the window's end.
         steps_per_book: verification steps sampled per book, evenly spaced.
         min_position: earliest step position; keep it above the largest budget (else the step is dense).

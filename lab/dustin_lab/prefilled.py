@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .. import decoding
-from ..cache import DustinCache
-from ..generate import attention_routed
-from ..runner import ModelRunner, model_device
-from ..telemetry import DecodeHooks
-from ..kernels import resolve_backend
-from ..patching import is_patched, patch
-from ..plan import select_heads
+from dustin_hf import decoding
+from dustin_hf.cache import DustinCache
+from dustin_hf.generate import attention_routed
+from dustin_hf.kernels import resolve_backend
+from dustin_hf.patching import is_patched, patch
+from dustin_hf.plan import select_heads
+from dustin_hf.runner import ModelRunner, model_device
+from dustin_hf.telemetry import DecodeHooks
 
 __all__ = ["Prefilled", "PrefillStore", "clone_cache", "dustin_attention_on", "prefill_pair", "speculative_decoder"]
 

@@ -20,7 +20,7 @@ agreement). Unlike free-running generation, these compare every method on the sa
 also keeps every prediction: per position ``C + j``, each method's target argmax and the argmax of
 the draft it drafted with (the first one from the prefill, the draft's from step ``s``'s first query
 at ``L - 1``), so that a replay can derive any method's acceptance from them
-(:func:`dustin_hf.research.traces.prediction_record`).
+(:func:`dustin_lab.traces.prediction_record`).
 
 Every method (dense, each budget) keeps its own row of one target cache (sparse steps write keys and
 values computed from sparse attention, as in decoding) and its own history; the draft's row is shared
@@ -40,7 +40,7 @@ Per step and sparse method the walk records the positions read, the selection's 
 scoring heads' share, :func:`~dustin_hf.selection.estimated_mass`) and its true recovery (over every layer,
 head and query of the dense method, when measured): the knob's cost and the estimate against the truth.
 
-An ``oracle`` method (an experiment, :mod:`dustin_hf.research.oracle`) verifies, at each step, with read sets taken
+An ``oracle`` method (an experiment, :mod:`dustin_lab.oracle`) verifies, at each step, with read sets taken
 from that reference attention instead of its own signals: one set shared by all layers, or one per layer.
 Its gap to dense is the loss a perfect scorer would still have with sets of that shape and size.
 """
@@ -55,17 +55,18 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..runner import ModelRunner, attention_scale, group_size, model_device
-from ..draft_reads import DraftReads
-from ..config import ResolvedConfig
-from ..kernels import resolve_backend
+from dustin_hf.config import ResolvedConfig
+from dustin_hf.draft_reads import DraftReads
+from dustin_hf.kernels import resolve_backend
+from dustin_hf.plan import ForwardPlan, device_tensor, select_heads
+from dustin_hf.recovery import position_weights, selection_recovery
+from dustin_hf.runner import ModelRunner, attention_scale, group_size, model_device
+from dustin_hf.scoring import draft_lookahead_scores, target_history_scores
+from dustin_hf.select_layers import select_spec
+from dustin_hf.selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
+
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
-from ..plan import ForwardPlan, device_tensor, select_heads
-from ..select_layers import select_spec
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
-from ..recovery import position_weights, selection_recovery
-from ..scoring import draft_lookahead_scores, target_history_scores
-from ..selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
 __all__ = ["DenseStep", "WalkResult", "teacher_forced_walk"]
 
@@ -177,7 +178,7 @@ def teacher_forced_walk(
             them, so that error written by sparse steps is not carried further than N steps.
         oracle: name -> ``"shared"`` or ``"per-layer"``, an experiment: on its sparse steps that method reads
             the top ``budget`` positions of the dense method's true attention at the step (over all layers, or
-            each layer its own; :mod:`dustin_hf.research.oracle`) instead of its own selection. Its config still decides
+            each layer its own; :mod:`dustin_lab.oracle`) instead of its own selection. Its config still decides
             when a step is sparse and which layers read densely. Needs a dense method; recovery is then
             measured every step.
         probe: called at every step with the dense method's :class:`DenseStep` (every target layer's history

@@ -22,7 +22,7 @@ model pair:
    oracle (the top positions of the reference attention itself: no selection of that size does better).
 
 The selection layers of ``selection="verify"`` are calibrated apart, by teacher-forced agreement with dense
-verification rather than by recovery (:mod:`dustin_hf.research.select_calibration`).
+verification rather than by recovery (:mod:`dustin_lab.select_calibration`).
 
 A time limit bounds the whole run: collection stops taking new books once 60% of it is spent, and
 each search stage stops early keeping the best so far.
@@ -35,10 +35,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..config import DustinConfig
-from ..kernels import resolve_backend
-from ..runner import ModelRunner
-from ..search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+from dustin_hf.config import DustinConfig
+from dustin_hf.kernels import resolve_backend
+from dustin_hf.runner import ModelRunner
+from dustin_hf.search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+
 from .prefilled import dustin_attention_on, prefill_pair
 from .settings import CalibrationSettings
 from .texts import token_window
@@ -82,7 +83,7 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
               features: StepFeatures | None = None, save_features=None) -> dict:
     """Collect, search and compare; returns the profile's sections (``config``, ``draft_share_fraction``,
     ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
-    :func:`dustin_hf.research.profiles.write_profile`). ``features`` given: skip collection (search only);
+    :func:`dustin_hf.profiles.write_profile`). ``features`` given: skip collection (search only);
     ``save_features``: a path to keep the collected features at."""
     base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None)
     start = time.perf_counter()

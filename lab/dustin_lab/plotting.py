@@ -23,7 +23,8 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed: skipping the plot (pip install 'dustin-hf[models]')", stacklevel=2)
+        warnings.warn("matplotlib is not installed: skipping the plot (pip install -e './lab[models]' in the repository)",
+                      stacklevel=2)
         return None
     summary = report["summary"]
     per_context = summary["per_context"]
