@@ -40,7 +40,7 @@ The hardware bound per step is (weight bytes + KV bytes read) / the measured cop
 positions each run's verifications actually read.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e_h200.json          # one H200, 7B + 0.5B
-    python benchmarks/e2e.py --pair 72b --batches 8 --out benchmarks/results/e2e_h200x2.json  # two H200s
+    python benchmarks/e2e.py --pair 72b --batches 8 --out e2e_h200x2.json  # two H200s
     python benchmarks/e2e.py --smoke                                          # tiny, CPU, every method
 """
 
@@ -85,7 +85,7 @@ SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # static cache last (it may compile). generate()'s dynamic cache concatenates every layer's K/V each token
 # (tens of GB at 32k), and its speed depends on what the caching allocator holds: 72B over two H200s,
 # 32k, batch 8, it read 31.1 and 40.0 tok/s as a process's first run and 41.8 to 47.2 after the
-# speculative runs (benchmarks/results/e2e_h200x2*.json), so compare ratios against it with that spread.
+# speculative runs, so compare ratios against it with that spread.
 RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "spec_sparse_draft", "dustin_exact",
              "dustin_knob", "hf_static")
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes

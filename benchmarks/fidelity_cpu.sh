@@ -16,7 +16,7 @@ dustin-hf calibrate --books mobydick,paradise_lost --context 4096 --steps-per-bo
 dustin-hf eval --profile profiles/qwen2.5-coder-1.5b+0.5b.json --books emma --contexts 4096,8192 \
   --budgets 128,256,512,1024 --ppl-tokens 256 --new-tokens 48 --needle-books prideprejudice \
   --needle-contexts 4096,8192 --needle-depths 0.1,0.5,0.9 --out benchmarks/results/fidelity_cpu.json \
-  --traces-dir benchmarks/traces 2>&1 | tee benchmarks/results/raw/fidelity_cpu.log
+  --traces-dir benchmarks/results/raw/traces 2>&1 | tee benchmarks/results/raw/fidelity_cpu.log
 
 # 3. The guarded profile is the calibrated one with "dense_layers": [0, 1, 26, 27] added by hand (its
 #    dense_layers_note says why those four); its fidelity at budget 512:

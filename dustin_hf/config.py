@@ -18,12 +18,9 @@ __all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
 _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
 _MODES = ("sparse", "exact")
 # budget=None's value per mode. Exact mode's is larger: its speed is the share of tentative tokens the dense check
-# confirms, and on the real pair the sparse target's top-1 agreement with the dense one rises from 0.82-0.93 at 512
-# to 0.91-0.99 at 2048 (4k and 8k, agreement_cpu_*.json), while a sparse step reading 2048 of 32k positions costs
-# little more than one reading 512: on an H200 (7B + 0.5B, 32k, batch 16, replayed) exact mode ran 1.22x classic
-# speculative decoding at 512, 1.35x at 1024, 1.42x at 2048 (e2e_h200_exact_budgets.json, replaying 4k/8k predictions).
-# At 16k the agreement at 2048 is lower (0.88 on Emma, agreement_cpu_16k.json); replaying those predictions, 2048
-# runs on par with the lossless baseline (e2e_h200_exact_16k.json) and 4096 ran no faster (benchmarks/results/README.md)
+# confirms, which rises with the budget (the sparse target agrees more with the dense one), while a sparse step
+# reading 2048 of 32k positions costs little more than one reading 512. Past 2048 the extra reads outweigh the
+# extra agreement (the measurements: benchmarks/results/README.md, "Exact mode and the knob")
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
@@ -104,11 +101,9 @@ class DustinConfig:
         confirm_tokens: exact mode: a row confirms once it holds this many tentative tokens (the most; the loop
             lowers a row's own limit after a confirmation that rejected some, and raises it back after ones that
             kept all). ``0``: every verification is dense (with ``sparse_draft``: the lossless sparse-draft
-            baseline, MagicDec's method). 4: at 32k and batch 16 on an H200 (budget 2048) it ran 1.51x classic
-            speculative decoding, 8 1.21x (that timed window likely holds a graph capture; priced at the
-            kernel's own 13-query cost, 8 still loses at every agreement below 1: ``benchmarks/results/README.md``):
-            a confirming step verifies ``1 + confirm_tokens + γ`` queries per row, and past 9 the dense kernel
-            reads at two thirds of its bandwidth.
+            baseline, MagicDec's method). 4 rather than 8: a confirming step verifies
+            ``1 + confirm_tokens + γ`` queries per row, and past 9 the dense kernel reads at two thirds of its
+            bandwidth, which costs more than the longer schedule saves.
         confirm_every: exact mode: a row confirms at the latest this many sparse steps after its last one.
         min_recovery: the quality knob: each row and step reads the smallest set whose *estimated recovery* (the
             share of the scoring heads' attention mass it holds: the mean of the target history's and the draft

@@ -537,7 +537,7 @@ class SpeculativeDecoder:
         # a row can hold (it confirms once it holds its limit <= confirm_tokens, after a step that added at most
         # γ+1, so confirm_tokens + γ), then as many of its new drafts as fit. Not confirm_tokens + 2γ: that many
         # queries pack more rows per KV head than the dense kernel reads at full bandwidth (a 7-head group: 13
-        # queries 0.41 ms a layer at 32k, batch 16, 9 queries 0.26 ms; confirm_probe_h200.json), and a row's
+        # queries take about 1.6x the time of 9), and a row's
         # drafts past the width count only when every tentative token before them is confirmed
         width = cfg.confirm_tokens + self.max_gamma if any(confirming) else max(drafts.row_gamma)
         if max(tentative) > width:  # the schedule keeps every limit <= confirm_tokens; a block must hold them all

@@ -20,7 +20,7 @@ tentative tokens confirms in the same forward, and in a greedy batch every other
 the step reads densely anyway (one dense kernel for the batch), rows that confirm together keep their sparse steps
 in phase, and a greedy row's tokens do not depend on when it confirms (confirmation is exact whenever it happens).
 Confirming each greedy row on its own schedule costs more steps, each paying the step's fixed cost, than it saves
-in rows read in full (``e2e_h200_exact_own_schedules.json``). Greedy rows never drop below a limit of 1
+in rows read in full (measured slower on an H200). Greedy rows never drop below a limit of 1
 (``min_limit``), so sparse steps stay sparse for the whole batch.
 """
 

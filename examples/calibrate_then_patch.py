@@ -2,14 +2,19 @@
 
     python examples/calibrate_then_patch.py           # the offline Qwen2.5-Coder 1.5B + 0.5B pair (minutes)
     python examples/calibrate_then_patch.py --tiny    # random-weight tiny models (seconds)
+    python examples/calibrate_then_patch.py --out profile.json    # keep the profile here
 
 Calibration searches the target layer and heads, the draft layers and heads and ``draft_share``
 (``m``) that recover the most of the target's full attention under the budget, on verification-like
 steps sampled from long texts; ``dustin-hf calibrate`` runs the same search from the command line.
-The profile is a JSON file: ``dustin_hf.patch(model, "profile.json")`` loads it.
+The profile is a JSON file: ``dustin_hf.patch(model, "profile.json")`` loads it. It is written to
+``--out PATH`` when given, else into a temporary folder (the example writes nothing into the working
+directory).
 """
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -32,7 +37,8 @@ else:
     settings = CalibrationSettings(books=("mobydick",), time_limit=600)  # seconds for collection and search
 result = calibrate(pair, settings)
 config = dustin_hf.DustinConfig(**result.pop("config"))
-path = write_profile("profile.json", config, result.pop("draft_share_fraction"), **result)
+out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else Path(tempfile.mkdtemp()) / "profile.json"
+path = write_profile(out, config, result.pop("draft_share_fraction"), **result)
 print(f"recovery on {len(result['texts'])} steps: calibrated {result['recovery']['mean']:.3f}, "
       f"default heads {result['default_recovery']['mean']:.3f}; profile written to {path}")
 

@@ -9,7 +9,7 @@ nothing of it patched; :func:`compile_for` then compiles a caught launch for the
 specialisation Triton's JIT would pick for those arguments.
 
 Run as a script, without ``TRITON_INTERPRET`` (``tests/test_score_kernel.py`` does so in a subprocess): it
-calls the scoring of one step at the shapes of ``benchmarks/select_timing.py`` (Qwen2.5-72B's target layer and
+calls the scoring of one step at the attention headline point (Qwen2.5-72B's target layer and
 the Qwen2.5-0.5B draft, batch 16, 32k positions) on a simulated H200 and prints one JSON list: per launch,
 the kernel, its tile sizes and a count of each global load/store/cp.async/atomic instruction in the PTX.
 Values cannot be checked this way, only how the memory is accessed, which no CPU test of the values can
@@ -187,7 +187,7 @@ def compile_for(launch: Launch, capability: int):
 
 
 def scoring_step(batch: int = 16, context: int = 32768, n_queries: int = 5) -> None:
-    """One step's target and draft scoring at select_timing.py's point (tensors on ``"cuda"``)."""
+    """One step's target and draft scoring at the headline point (tensors on ``"cuda"``)."""
     from dustin_hf import scoring
 
     def empty(*shape):

@@ -204,7 +204,7 @@ def launch_config(
     num_splits = triton.cdiv(n_blocks, blocks_per_split)  # drop splits that would own no tile at all
     if num_warps is None:
         # dense, 128 (query, head) rows of head dim 128 (a confirming step's 13 queries of a 7-query-head group):
-        # 40% of the copy bandwidth on an H200 with 4 warps, 62% with 8 (confirm_probe_h200.json); other tiles
+        # 40% of the copy bandwidth on an H200 with 4 warps, 62% with 8; other tiles
         # keep the rule they were tuned with
         wide = not sparse and block_m >= 128 and block_d >= 128
         num_warps = 8 if wide or block_m * block_d >= 128 * 256 else 4

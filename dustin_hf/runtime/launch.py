@@ -16,7 +16,7 @@ def prefer_cublaslt(device: torch.device):
     PyTorch's default, the cuBLAS API, runs the skinny down projections of a target's verification (a 7B's
     at 80 rows, a 72B's at 40) as split-K with a reduction launch where cuBLASLt picks one kernel without,
     which is faster; the other projections (and a 0.5B draft's down projection at 16 rows, split-K in both)
-    run the same kernels either way (``benchmarks/blas_choice.py`` compares them). The setting is
+    run the same kernels either way. The setting is
     process-wide while ``generate`` runs.
     """
     if device.type != "cuda":

@@ -197,4 +197,11 @@ def print_runs(results: dict, gamma: int, say) -> None:
         "verification keeps the longest prefix the dense target agrees with, puts the dense target's token at the "
         "first disagreement, and checks the new drafts after them. Only confirmed tokens are committed, so its text "
         "is the dense one at any budget; it is fast when most tentative tokens survive.",
-        "decode tokens/s: tokens committed after both models read the prompt, over the time since.")
+        "decode tokens/s: tokens committed after both models read the prompt, over the time since.",
+        "what this run can show: correctness, not speed. Exact mode's text equals the dense one token for token, and "
+        "sparse mode's parts from it where a near-tie flipped: sparse mode is lossy at a small budget (a larger budget, "
+        "dense_layers or exact mode narrow or remove the gap). What it cannot show: where Dustin pays. On a CPU at a "
+        "few thousand tokens a step's time is the models' weights, not the reads of the cache, so sparse reads save "
+        "little and exact mode's dense checks cost more than they save; Dustin pays on a GPU at long contexts (tens "
+        "of thousands of tokens) and large batches, where reading the KV cache dominates the decode. The measured "
+        "whole generate() calls are in benchmarks/results/README.md.")
