@@ -74,8 +74,8 @@ BUDGET = 512
 NEW_TOKENS = 256  # per row, speculative methods (--new-tokens)
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
-METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "spec_sparse_draft", "dustin_exact", "dustin_knob",
-           "hf_dynamic", "hf_static")
+METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft", "dustin_exact",
+           "dustin_knob", "hf_dynamic", "hf_static")
 DEFAULT_METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")
 # the methods that replay from per-position predictions only (exact mode's outcomes, the knob's step)
 PREDICTED_ONLY = ("spec_sparse_draft", "dustin_exact", "dustin_knob")
@@ -220,6 +220,9 @@ class Sources:
             return Method(name, plain, (self._accept(name, "draft", "sparse"),))
         if name == "dustin_sparse_draft":
             return Method(name, plain.replace(sparse_draft=True), (self._accept(name, "draft_sparse", "sparse"),))
+        if name == "dustin_select":  # the step's cost with selection layers; the acceptance replayed is Dustin's set's
+            config = plain.replace(sparse_draft=True, selection="verify")
+            return Method(name, config, (self._accept("dustin_sparse_draft", "draft_sparse", "sparse"),))
         if self.predictions is None:
             raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
                              "--predictions benchmarks/traces/*_predictions_*.json")

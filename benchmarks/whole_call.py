@@ -19,6 +19,8 @@ Methods (``--methods``):
                     "dustin"``, ``min_context`` past the context: no step is sparse)
   dustin_sparse_draft  Dustin, budget 512, the draft reading a selection too (``sparse_draft=True``)
   dustin_exact      exact mode (``mode="exact"``: the target's own tokens), its default budget (2048), sparse draft
+  dustin_select     Dustin + ``sparse_draft`` with ``selection="verify"`` (not run by default): its step's cost; the
+                    acceptance replayed is Dustin's set's (the replay traces predate the mode)
 
 Every method drafts 4 tokens a step (the draft's ``num_assistant_tokens``, constant schedule). Per (method,
 context, batch) three calls run in one process: ``--new-tokens``' largest count twice (the ``first`` call, which
@@ -56,7 +58,8 @@ from replay import load_predictions, synthetic_predictions
 # ----------------------------------------------------------------------------- sweep constants
 SHAPES_RUN = ((32768, 16), (8192, 16), (8192, 4), (32768, 1))  # (context, batch)
 NEW_TOKENS = (1024, 256)  # the first is the count the first (and second) call makes
-METHODS = ("generate", "stock_assisted", "classic", "dustin_sparse_draft", "dustin_exact")
+METHODS = ("generate", "stock_assisted", "classic", "dustin_sparse_draft", "dustin_exact", "dustin_select")
+DEFAULT_METHODS = METHODS[:-1]
 SMOKE = dict(shapes=((160, 2), (96, 1)), new_tokens=(24, 12), budget=32)
 MATRIX_TFLOPS = 790  # the H200's bf16 matrix rate on random data, measured here (device KINDS.md)
 
@@ -244,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--shapes", nargs="+", default=None, metavar="CONTEXTxBATCH",
                         help="e.g. 32768x16 8192x4 (default: " + " ".join(f"{c}x{b}" for c, b in SHAPES_RUN) + ")")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=None,
                         help=f"tokens per row, largest first (default {' '.join(map(str, NEW_TOKENS))})")
     parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",

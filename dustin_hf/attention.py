@@ -15,6 +15,9 @@ the keys of this forward, or whose rows count masked input slots in their window
 its window; on a sparse step the layer reads its whole window when the window fits the read budget (so a budget
 covering the window is exact), else the selection within it. The same path serves the hidden query of a masked
 last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
+
+A selection layer of a sparse forward (``ForwardPlan.select``) reads every cached position and chooses the read set
+of the layers after it (:mod:`dustin_hf.select_layers`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .kernels import full_rows_written, verify_attention
 from .kernels.masked import masked_attention
 from .kernels.reference import prefill_attention
 from .plan import ForwardPlan
+from .select_layers import choose_read_set
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
 
@@ -71,6 +75,11 @@ def dustin_attention(
     if prompt:
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
+    if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
+        sparse = False
+        dustin_plan.keep_selection(choose_read_set(q, key.transpose(1, 2), tensors, dustin_plan.key_span,
+                                                   dustin_plan.select,
+                                                   scaling if scaling is not None else q.shape[-1] ** -0.5))
     window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
     if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
                                        or dustin_plan.window_slots is not None):

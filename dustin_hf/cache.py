@@ -201,6 +201,7 @@ class DustinCache(Cache):
             if length != self.seq_lengths[row]:
                 raise RuntimeError(f"plan says row {row} holds {length} positions, the cache says {self.seq_lengths[row]}")
         self.ensure_capacity(plan.max_seqlen_k)
+        plan.begin()
         self.active_plan = plan
         try:
             yield plan

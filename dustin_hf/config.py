@@ -23,6 +23,11 @@ _MODES = ("sparse", "exact")
 # extra agreement (the measurements: benchmarks/results/README.md, "Exact mode and the knob")
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
+_SELECTIONS = ("dustin", "verify")
+# selection="verify"'s first layer when neither the config nor a profile names the layers (a second one at half the
+# depth re-selects): early layers' choices served the later layers best on the real pair, the layer recovery ranks
+# first (16 of 28) worst (benchmarks/results/select_cpu.json); dustin_lab.select_calibration picks them per pair
+_SELECTION_FIRST = 2
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
 
@@ -67,6 +72,16 @@ class DustinConfig:
             the paper's method. A fidelity guard for models whose attention is too diffuse in a few
             layers for one shared set (``dustin-hf eval`` shows per-layer recovery); each dense layer
             reads the whole cache, so it costs as much as ``context / budget`` sparse layers.
+        selection: who chooses what the sparse layers read. ``"dustin"``: the set chosen before the verification
+            forward from the target's history and the draft's lookahead (the paper's), read by every sparse layer.
+            ``"verify"``: at ``selection_layers`` the verification forward's own queries attend to every cached
+            position and choose, per row, the set the layers after them read (sinks, the recent window, then the
+            positions with the most attention; :mod:`dustin_hf.select_layers`); the layers before the first one
+            read Dustin's set (or everything, when listed in ``dense_layers``). Each selection layer reads the whole
+            cache, as a dense layer does.
+        selection_layers: the target layers that choose when ``selection="verify"`` (negative indices count from
+            the last layer; unused by ``"dustin"``, so a profile can record its calibrated ones for either).
+            ``None``: the default (:func:`resolve`).
         calibration: ``"none"``: score with the heads above (or their defaults). ``"prompt"``: after
             prefill, search the scoring heads and ``draft_share`` on a few verification-like steps
             replayed inside the prompt (seconds; see :mod:`dustin_hf.prompt_calibration`); the
@@ -115,6 +130,8 @@ class DustinConfig:
     draft_layers: tuple[int, ...] | None = None
     draft_heads: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     dense_layers: tuple[int, ...] = ()
+    selection: str = "dustin"
+    selection_layers: tuple[int, ...] | None = None
     calibration: str = "none"
     sparse_draft: bool = False
     mode: str = "sparse"
@@ -163,6 +180,15 @@ class DustinConfig:
                 or len(set(layers)) != len(tuple(layers)):
             raise ValueError(f"dense_layers must be a sequence of distinct ints (e.g. (0, -1)), got {layers!r}")
         object.__setattr__(self, "dense_layers", tuple(layers))
+        if self.selection not in _SELECTIONS:
+            raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
+        chosen = self.selection_layers
+        if chosen is not None:
+            if isinstance(chosen, int) or not chosen or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in chosen) or len(set(chosen)) != len(chosen):
+                raise ValueError(f"selection_layers must be a non-empty sequence of distinct ints (e.g. (2,)) or None, "
+                                 f"got {chosen!r}")
+            object.__setattr__(self, "selection_layers", tuple(chosen))
         if self.calibration not in _CALIBRATIONS:
             raise ValueError(f"calibration must be one of {_CALIBRATIONS}, got {self.calibration!r}")
         if self.calibration == "prompt" and fixed == self.budget:
@@ -274,6 +300,7 @@ class ResolvedConfig:
     draft_layers: tuple[int, ...]
     draft_heads: tuple[tuple[int, ...], ...]
     dense_layers: tuple[int, ...] = ()  # non-negative, sorted
+    selection_layers: tuple[int, ...] = ()  # selection="verify": non-negative, sorted (): the paper's selection
     calibration: str = "none"  # "prompt": the decoder searches the heads above after prefill
     sparse_draft: bool = False  # the draft reads the previous selection + what was written since
     mode: str = "sparse"  # "exact": sparse steps accept tentatively, dense verifications confirm
@@ -290,6 +317,13 @@ def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
 def _check_heads(heads: tuple[int, ...], num_heads: int, what: str) -> None:
     if max(heads) >= num_heads:
         raise ValueError(f"{what} {heads} out of range: the model has {num_heads} attention heads")
+
+
+def _default_selection_layers(num_layers: int) -> tuple[int, ...]:
+    """The selection layers of ``selection="verify"`` when neither the config nor a profile names them: an early
+    one, and one at half the depth when that is between it and the last layer (which chooses for nobody)."""
+    first, second = min(_SELECTION_FIRST, max(num_layers - 2, 0)), num_layers // 2
+    return (first, second) if first < second < num_layers - 1 else (first,)
 
 
 def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> ResolvedConfig:
@@ -323,6 +357,13 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
     if any(not -t_layers <= layer < t_layers for layer in config.dense_layers) or len(dense_layers) != len(config.dense_layers):
         raise ValueError(f"dense_layers {config.dense_layers} out of range or repeated: the target has {t_layers} layers")
 
+    selection_layers = ()
+    if config.selection == "verify":
+        given = config.selection_layers or _default_selection_layers(t_layers)
+        selection_layers = tuple(sorted({layer % t_layers for layer in given}))
+        if any(not -t_layers <= layer < t_layers for layer in given) or len(selection_layers) != len(given):
+            raise ValueError(f"selection_layers {given} out of range or repeated: the target has {t_layers} layers")
+
     free = config.budget - config.sink_tokens - config.recent_tokens
     draft_share = free // 2 if config.draft_share is None else config.draft_share
     return ResolvedConfig(
@@ -338,6 +379,7 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         draft_layers=tuple(draft_layers),
         draft_heads=tuple(tuple(h) for h in per_layer),
         dense_layers=dense_layers,
+        selection_layers=selection_layers,
         calibration=config.calibration,
         sparse_draft=config.sparse_draft,
         mode=config.mode,

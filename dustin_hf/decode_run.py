@@ -402,7 +402,8 @@ class DecodeRun:
         target = self.target
         verify_in = torch.cat([self.rows.tokens.gather(1, base[:, None]), drafts.tokens], dim=1)  # (B, γ+1)
         raw, captured = target.step(verify_in, seqlens, keep=drafts.gamma + 1, capture=self.history_capture,
-                                    capture_last=False, selection=selection)
+                                    capture_last=False, selection=selection,
+                                    query_counts=[g + 1 for g in drafts.row_gamma])
         tokens = drafts.tokens.unbind(1)
         scores = None if self.tokens_only else self.process(raw, lambda b, i: self.rows.history(b, tokens[:i]))
         return raw, scores, captured
@@ -434,9 +435,9 @@ class DecodeRun:
         return n_accepted, next_token
 
     def attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
-        """Per active row: the cached positions it read per layer (dense layers read everything), and whether its
-        read set held less than the row (a sparse row, not one read in full)."""
-        layers, dense = self.target_layers, len(self.dustin.dense_layers)
+        """Per active row: the cached positions it read per layer (dense and selection layers read everything), and
+        whether its read set held less than the row (a sparse row, not one read in full)."""
+        layers, dense = self.target_layers, len(set(self.dustin.dense_layers) | set(self.dustin.selection_layers))
         return [((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers,
                  selection.counts[b] < seqlens[b]) for b in active]
 

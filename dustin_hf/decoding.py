@@ -31,6 +31,7 @@ from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, s
 from .runner import ModelRunner
 from .runtime.fused import FusedWeights, fused_ops, fused_ops_available
 from .runtime.launch import all_on_cuda
+from .select_layers import select_spec
 from .telemetry import DecodeHooks, PhaseClock
 from .workspace import Shape, Workspace, capacity_for
 
@@ -173,9 +174,12 @@ class SpeculativeDecoder:
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         sparse_draft = cfg is not None and cfg.sparse_draft
         draft_width = read_width + DraftReads.extra_for(cfg, self.drafting.max_gamma) if sparse_draft else 0
+        # exact mode's sampling needs p~ to be a function of the prefix: only the first query (x's) scores there
+        exact_sampling = self.generation.do_sample and cfg is not None and cfg.mode == "exact"
+        select = select_spec(cfg, queries=1 if exact_sampling else None) if cfg is not None else None
         shape = Shape(batch=len(prompts), backend=self.backend, graphs=graphs,
                       fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
-                      widths=(read_width, draft_width), dustin=cfg, tuning=self.runtime.tuning)
+                      widths=(read_width, draft_width), dustin=cfg, tuning=self.runtime.tuning, select=select)
         workspaces = self.runtime.workspaces
         workspace = None if workspaces is None else workspaces.take(self.target, self.draft, shape, needed)
         if workspace is None:
@@ -183,7 +187,7 @@ class SpeculativeDecoder:
             target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
                                  self.backend, graphs[0], graph_width=read_width,
                                  dense_layers=cfg.dense_layers if cfg is not None else (),
-                                 tokens_only=self.tokens_only, tuning=self.runtime.tuning.kernels)
+                                 tokens_only=self.tokens_only, tuning=self.runtime.tuning.kernels, select=select)
             draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
                                 graphs[1], graph_width=draft_width, tokens_only=self.tokens_only,
                                 tuning=self.runtime.tuning.kernels)

@@ -87,7 +87,7 @@ def exact_step(run: DecodeRun) -> None:
     proposal = inputs[:, 1:]
     target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
     raw, captured = target.step(inputs, starts, keep=1 + width, capture=run.history_capture,
-                                capture_last=False, selection=reads)
+                                capture_last=False, selection=reads, query_counts=[1 + g for g in gammas])
     scores = None
     if not run.tokens_only:
         prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]

@@ -15,7 +15,7 @@ import torch
 
 from .kernels.tuning import KernelTuning
 
-__all__ = ["DeviceTensors", "ForwardPlan", "device_tensor", "select_heads"]
+__all__ = ["DeviceTensors", "ForwardPlan", "SelectLayers", "device_tensor", "select_heads"]
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,30 @@ class DeviceTensors:
     cache_seqlens: torch.Tensor  # (B',) int32: cached positions before this forward
     indices: torch.Tensor | None  # (B', W) int32: selected cached positions (sparse), else None
     num_indices: torch.Tensor | None  # (B',) int32
+    query_counts: torch.Tensor | None = None  # (B',) int32: each row's own leading queries (selection layers)
 
     def to(self, device: torch.device) -> "DeviceTensors":
         return DeviceTensors(*(None if t is None else t.to(device, non_blocking=True) for t in (
-            self.cache_seqlens, self.indices, self.num_indices)))
+            self.cache_seqlens, self.indices, self.num_indices, self.query_counts)))
 
     def write_positions(self, q_len: int) -> torch.Tensor:
         """``(B', Q)`` int64 cache slots of the new tokens: ``cache_seqlens[b] + arange(Q)``."""
         return self.cache_seqlens.long()[:, None] + torch.arange(q_len, device=self.cache_seqlens.device)
+
+
+@dataclass(frozen=True)
+class SelectLayers:
+    """Selection layers of a sparse forward (:mod:`dustin_hf.select_layers`): each reads every cached position and
+    chooses, per row, the read set of the layers after it (up to the next one).
+
+    ``layers``: the selection layers, non-negative; ``sink_tokens`` / ``recent_tokens``: kept in every chosen set;
+    ``queries``: the leading queries of each row that score positions (``None``: all of the forward's).
+    """
+
+    layers: tuple[int, ...]
+    sink_tokens: int
+    recent_tokens: int
+    queries: int | None = None
 
 
 @dataclass
@@ -69,6 +85,10 @@ class ForwardPlan:
             (:attr:`~dustin_hf.selection.Selection.full_rows`; the kernels' ``full_rows``).
         attention_weights: the attention function returns its probabilities (``output_attentions``; a slower path).
         tuning: the kernels' launch heuristics (``None``: the defaults).
+        select: on a sparse forward, layers that read everything and choose the read set of the layers after them
+            (:class:`SelectLayers`); ``None``: every sparse layer reads ``indices``.
+        query_counts: per covered row, its own leading queries (host ints): a row that drafted fewer tokens than
+            the longest one scores with its own queries only, never with the tokens after them. ``None``: all.
     """
 
     rows: slice
@@ -89,7 +109,11 @@ class ForwardPlan:
     full_rows: bool = False
     attention_weights: bool = False
     tuning: KernelTuning | None = None
+    select: SelectLayers | None = None
+    query_counts: list[int] | None = None
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
+    # the read set a selection layer chose in this forward, per device; later layers read it instead of indices
+    _selected: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _on_device: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -124,8 +148,33 @@ class ForwardPlan:
         """Longest key range of any row, new tokens included (host int: no device sync)."""
         return self.key_bound if self.key_bound is not None else max(self.cache_seqlens) + self.q_len
 
+    @property
+    def key_span(self) -> int:
+        """Cached positions a selection layer scores per row: the longest row's (host ints), or every slot a
+        captured forward's rows may hold."""
+        return max(self.cache_seqlens) if not self.static else self.max_seqlen_k - self.q_len
+
+    def selects_at(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx`` is a selection layer of this (sparse) forward."""
+        return self.select is not None and layer_idx in self.select.layers and self.is_sparse
+
+    def begin(self) -> None:
+        """A forward starts: the layers before its first selection layer read ``indices`` again."""
+        self._selected.clear()
+
+    def keep_selection(self, tensors: DeviceTensors) -> None:
+        """What a selection layer chose: the layers after it read ``tensors`` (on any device) until the next one."""
+        self._selected.clear()
+        self._selected[tensors.cache_seqlens.device] = tensors
+
     def on(self, device: torch.device) -> DeviceTensors:
-        """The plan's tensors on ``device``, built on first use and reused by every later layer."""
+        """The plan's tensors on ``device``, built on first use and reused by every later layer (after a selection
+        layer: the set it chose)."""
+        if self._selected:
+            tensors = self._selected.get(device)
+            if tensors is None:
+                tensors = self._selected[device] = next(iter(self._selected.values())).to(device)
+            return tensors
         tensors = self._on_device.get(device)
         if tensors is None:
             if self._on_device:  # copy from a device we already have, rather than from the host again
@@ -134,7 +183,8 @@ class ForwardPlan:
                 seqlens = device_tensor(self.cache_seqlens, device, torch.int32)
                 indices = None if self.indices is None else self.indices.to(device, torch.int32, non_blocking=True)
                 num = None if self.num_indices is None else self.num_indices.to(device, torch.int32, non_blocking=True)
-                tensors = DeviceTensors(seqlens, indices, num)
+                counts = None if self.query_counts is None else device_tensor(self.query_counts, device, torch.int32)
+                tensors = DeviceTensors(seqlens, indices, num, counts)
             self._on_device[device] = tensors
         return tensors
 

@@ -10,7 +10,7 @@ import torch
 from .cache import DustinCache
 from .compat import CACHE_KWARG, model_device, window_cuts
 from .kernels.tuning import KernelTuning
-from .plan import ForwardPlan
+from .plan import ForwardPlan, SelectLayers
 from .runtime.graphs import GraphedForward, Pipeline
 
 __all__ = ["ModelRunner", "prefill_chunk"]
@@ -32,8 +32,10 @@ class ModelRunner:
     """
 
     def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
-                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False, tuning: KernelTuning | None = None):
+                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False, tuning: KernelTuning | None = None,
+                 select: SelectLayers | None = None):
         self.model, self.cache, self.backend, self.tuning = model, cache, backend, tuning
+        self.select = select  # selection layers of the sparse steps (ForwardPlan.select)
         self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
         self.dense_layers = dense_layers  # read in full even on sparse steps
         self.graph_width = graph_width  # the one sparse width worth a graph (the read width: budget or knob ceiling)
@@ -88,9 +90,10 @@ class ModelRunner:
         return logits
 
     def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
-             selection=None) -> tuple[torch.Tensor, dict]:
+             selection=None, query_counts: list[int] | None = None) -> tuple[torch.Tensor, dict]:
         """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
-        or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``."""
+        or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``. ``query_counts``: each row's own
+        leading tokens of the ``Q`` (its selection layers score with those alone; ``None``: all)."""
         indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
         full_rows = selection is not None and selection.full_rows
         if selection is not None:  # a count past the width reads past the index rows (a GPU: illegal access)
@@ -105,14 +108,15 @@ class ModelRunner:
             plan = ForwardPlan(
                 rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
                 indices=indices, num_indices=num_indices, full_rows=full_rows,
-                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers,
+                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers, select=self.select,
+                query_counts=query_counts if self.select is not None else None,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
                 positions=self.positions, window_slots=self.window_slots, read_budget=self.graph_width,
                 tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
-        return graphed(input_ids, seqlens, indices, num_indices)
+        return graphed(input_ids, seqlens, indices, num_indices, query_counts)
 
     def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
                    indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None, *,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ResolvedConfig
+from .plan import SelectLayers
 from .runner import ModelRunner
 from .runtime.fused import FusedWeights
 from .runtime.tuning import Tuning
@@ -52,6 +53,7 @@ class Shape:
     widths: tuple[int, int]  # the sparse read widths the target's and the draft's graphs are captured at
     dustin: ResolvedConfig | None
     tuning: Tuning
+    select: SelectLayers | None = None  # the target's selection layers (their scoring queries differ by mode)
 
 
 def capacity_for(needed: int) -> int:

@@ -158,12 +158,12 @@ def _joint_law_case():
     return target, draft, prompt, (p0[:, None] * p1).flatten()
 
 
-def _pvalue(target, draft, prompt, law, mode, draws=2000) -> float:
+def _pvalue(target, draft, prompt, law, mode, draws=2000, **settings) -> float:
     """The chi-square p-value of ``draws`` sampled (t0, t1) pairs against ``law`` (the decoder run directly, its
-    prefill copied from one row: the rows are one prompt)."""
+    prefill copied from one row: the rows are one prompt); ``settings``: more :class:`DustinConfig` fields."""
     torch.manual_seed(0)
-    config = resolve(dustin_hf.DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode),
-                     target.config, draft.config)
+    config = resolve(dustin_hf.DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode,
+                                            **settings), target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
         decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, drafting=Drafting(2),

@@ -340,3 +340,48 @@ def test_prefill_in_one_forward_matches_chunks_on_cuda():
             results.append((logits[0].float(), cache.layers[-1].buffers()[0][0, :3000].float()))
     torch.testing.assert_close(results[0][0], results[1][0], atol=0.05, rtol=0.05)
     torch.testing.assert_close(results[0][1], results[1][1], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "exact"])
+def test_selection_layers_replay_inside_the_cuda_graphs(mode):
+    """selection='verify' through the Triton kernels, fused ops and CUDA graphs (float32): the selection layer's
+    choice is captured with the forward (no capture failure, the same tokens as the eager loop, one host sync a
+    step as before); exact mode's output is greedy's."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    from dustin_hf.config import resolve
+    from dustin_hf.decode_settings import Drafting, RuntimeOptions
+    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.generate import attention_routed
+
+    target, draft = _pair()
+    rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
+    ids, mask = left_pad(rows)
+    greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
+    config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
+    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton", mode=mode, selection="verify",
+                                    selection_layers=(1,)), target.config, draft.config)
+    outputs = []
+    with dustin_hf.patch(target), attention_routed(target, draft):
+        for graphs in (False, True):
+            decoder = SpeculativeDecoder(target, draft, config, dustin=resolved, drafting=Drafting(4),
+                                         runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = decoder.generate(ids.cuda(), mask.cuda())
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            stats = result.cache.stats
+            steps = stats["sparse_steps"] + stats["dense_steps"]
+            assert stats["sparse_steps"] > 0 and not stats["cuda_graphs"]["target"]["failed"]
+            if graphs:
+                assert stats["cuda_graphs"]["target"]["captured"] > 0
+                assert len([w for w in caught if "synchroniz" in str(w.message)]) <= steps + 40
+            outputs.append(result.sequences)
+    assert torch.equal(outputs[0], outputs[1])
+    if mode == "exact":
+        assert torch.equal(outputs[1], greedy)

@@ -39,6 +39,7 @@ BATCHES = [(700, 300), (180, 650)]  # each batch's two other rows, row 0 first (
 SPARSE = {"budget": 48, "min_context": 256, "sink_tokens": 2, "recent_tokens": 6}
 DENSE = {"budget": 4096, "min_context": 0}  # covers every context here
 EXACT = {**SPARSE, "mode": "exact", "confirm_tokens": 2, "confirm_every": 2}  # sampled rows confirm on their own
+VERIFY = {"selection": "verify", "selection_layers": (0,)}
 SEED = 11
 LAST_ROW = 2  # the subject sits at row 0 (alone), 1 and 2
 
@@ -51,6 +52,9 @@ CASES = {  # name: (num_assistant_tokens_schedule, assistant_confidence_threshol
     "heuristic-threshold-sampling-sparse": ("heuristic", 0.5, True, SPARSE),
     "exact-sampling": ("constant", 0.0, True, EXACT),
     "exact-heuristic-threshold-sampling": ("heuristic", 0.5, True, EXACT),
+    # the verification forward chooses each row's read set at its selection layer (test_select_layers.py)
+    "verify-select-threshold-greedy-sparse": ("constant", 0.5, False, {**SPARSE, **VERIFY}),
+    "verify-select-exact-sampling": ("constant", 0.0, True, {**EXACT, **VERIFY}),
 }
 
 

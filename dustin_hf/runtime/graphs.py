@@ -245,7 +245,7 @@ class GraphedForward:
 
     Args:
         runner: the decoding loop's model wrapper (``.pipeline``, ``.cache``, ``.device``, ``.backend``,
-            ``.dense_layers``, ``.graph_pools``: per device, a memory pool and a capture stream shared by
+            ``.dense_layers``, ``.select``, ``.graph_pools``: per device, a memory pool and a capture stream shared by
             the loop's graphs).
         q_len: new tokens per row.
         width: columns of the sparse read set (0: dense).
@@ -263,11 +263,13 @@ class GraphedForward:
             torch.zeros(batch, dtype=torch.int32, device=device),
             torch.zeros(batch, width, dtype=torch.int32, device=device) if width else None,
             torch.zeros(batch, dtype=torch.int32, device=device) if width else None,
+            torch.zeros(batch, dtype=torch.int32, device=device) if width and runner.select is not None else None,
         ) for device in pipeline.devices)
         self.plan = ForwardPlan(
             rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
             capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
             dense_layers=runner.dense_layers, read_budget=runner.graph_width, tuning=runner.tuning,
+            select=runner.select,
             full_rows=full_rows,
         )
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -282,9 +284,11 @@ class GraphedForward:
         """Captured, and the cache buffers the graphs point into are still the current ones."""
         return self.graphs is not None and self._capacity == self.runner.cache.capacity
 
-    def __call__(self, input_ids: torch.Tensor, seqlens: list[int] | torch.Tensor, indices=None, num_indices=None):
+    def __call__(self, input_ids: torch.Tensor, seqlens: list[int] | torch.Tensor, indices=None, num_indices=None,
+                 query_counts: list[int] | None = None):
         """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller;
         for a runner that decodes greedily (``runner.tokens_only``) ``(B, keep)`` argmax tokens instead of logits.
+        ``query_counts``: each row's own leading queries, for selection layers (``None``: all).
 
         ``seqlens`` is a host list, or (only once :attr:`replayable`) a device tensor: then nothing is read
         from the host, so the replay can be queued before the host knows where the rows stand.
@@ -299,6 +303,9 @@ class GraphedForward:
             if tensors.indices is not None:
                 tensors.indices.copy_(indices, non_blocking=True)
                 tensors.num_indices.copy_(num_indices, non_blocking=True)
+            if tensors.query_counts is not None:
+                tensors.query_counts.copy_(torch.tensor(query_counts or [self.q_len] * len(tensors.query_counts),
+                                                        dtype=torch.int32), non_blocking=True)
         if not on_device:
             self.plan.cache_seqlens = list(seqlens)
         cache = self.runner.cache

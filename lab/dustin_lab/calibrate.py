@@ -21,6 +21,9 @@ model pair:
 3. **Report** the calibrated choice beside ``DustinConfig()``'s defaults on the same steps, and the
    oracle (the top positions of the reference attention itself: no selection of that size does better).
 
+The selection layers of ``selection="verify"`` are calibrated apart, by teacher-forced agreement with dense
+verification rather than by recovery (:mod:`dustin_lab.select_calibration`).
+
 A time limit bounds the whole run: collection stops taking new books once 60% of it is spent, and
 each search stage stops early keeping the best so far.
 """

@@ -170,6 +170,9 @@ def _demo_args(parser):
     parser.add_argument("--calibration", choices=("none", "prompt"), default="none",
                         help="prompt: search the scoring heads on the prompt itself after prefill (seconds; "
                              "instead of --profile)")
+    parser.add_argument("--selection", choices=("dustin", "verify"), default="dustin",
+                        help="verify: selection layers choose what the later layers read inside the verification "
+                             "forward (DustinConfig.selection; its layer from --profile, else the default)")
 
 
 @register("demo", "dense speculative decoding vs Dustin and exact Dustin on a long book prompt, through model.generate",
@@ -196,7 +199,8 @@ def demo(args, out: Output) -> dict:
     if args.profile and args.calibration == "prompt":
         raise UsageError("--calibration prompt searches the heads a profile would give; pass one or the other")
     config = config_for_budget(config, fraction, args.budget).replace(min_context=args.min_context,
-                                                                      calibration=args.calibration)
+                                                                      calibration=args.calibration,
+                                                                      selection=args.selection)
     pair = _load(args, out, check=lambda tok: token_window(tok, args.book, args.context, args.offset))
     prompt = token_window(pair.tokenizer, args.book, args.context, args.offset)
     machine = describe_machine(pair.device)

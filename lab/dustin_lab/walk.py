@@ -63,6 +63,7 @@ from dustin_hf.plan import ForwardPlan, device_tensor, select_heads
 from dustin_hf.recovery import position_weights, selection_recovery
 from dustin_hf.runner import ModelRunner
 from dustin_hf.scoring import draft_lookahead_scores, target_history_scores
+from dustin_hf.select_layers import select_spec
 from dustin_hf.selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
@@ -217,7 +218,7 @@ def teacher_forced_walk(
 
     # rows: dense methods first, then the sparse ones grouped by their dense layers, oracles last (a forward covers
     # a contiguous slice of rows, and an oracle's per-layer read sets need a forward of its own)
-    order = sorted(methods, key=lambda n: (n in oracle, methods[n] is not None, _dense_layers(methods[n])))
+    order = sorted(methods, key=lambda n: (n in oracle, methods[n] is not None, _layer_roles(methods[n])))
     own_drafts = [n for n in order if methods[n] is not None and methods[n].sparse_draft]
     target_model = ModelRunner(target, clone_cache(state.target_cache, capacity, rows=len(order)), backend)
     draft_model = ModelRunner(draft, clone_cache(state.draft_cache, capacity, rows=1 + len(own_drafts)), backend)
@@ -263,8 +264,8 @@ def teacher_forced_walk(
                         run.selection, run.estimate = _select(run.history, cfg, keys, s_draft[run.draft_row], base,
                                                               t_group, t_scale, at)
                 # 3. verify: one forward of the group's rows, each against its selection (dense: everything)
-                logits, captured = _verify(target_model, group, verify_in, at, gamma, backend,
-                                           {layer: all_t_heads for layer in layers})
+                logits, captured, chosen = _verify(target_model, group, verify_in, at, gamma, backend,
+                                                   {layer: all_t_heads for layer in layers})
                 for i, run in enumerate(group):
                     if run.config is not None:
                         continue
@@ -302,6 +303,8 @@ def teacher_forced_walk(
                     run.history = select_heads(captured[cfg.target_layer][i : i + 1, gamma], cfg.target_heads, dim=1)
                     if weights is not None and run.layer_indices is not None:
                         run.recovery.append(oracle_recovery(weights, torch.cat(list(run.layer_indices.values()))))
+                    elif weights is not None and run.selection is not None and chosen:
+                        run.recovery.append(_read_recovery(weights, cfg, run.selection, chosen, i))
                     elif weights is not None and run.selection is not None:
                         run.recovery.append(selection_recovery(weights, run.selection.indices[0],
                                                                run.selection.counts[0]))
@@ -359,13 +362,53 @@ def _dense_layers(cfg: ResolvedConfig | None) -> tuple[int, ...]:
     return () if cfg is None else cfg.dense_layers
 
 
+def _layer_roles(cfg: ResolvedConfig | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a forward's layers do besides reading the selection: its dense layers and its selection layers."""
+    return ((), ()) if cfg is None else (cfg.dense_layers, cfg.selection_layers)
+
+
+@dataclass
+class _SelectingPlan(ForwardPlan):
+    """A :class:`ForwardPlan` with selection layers that keeps what each one chose, ``{layer: (B', W) int32}``, so
+    that the walk can measure the recovery of what the layers after it read."""
+
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
+    _layer: int | None = field(default=None, init=False, repr=False)
+
+    def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        self._layer = layer_idx  # the attention function keeps this layer's queries before it selects
+        super().keep_queries(layer_idx, query)
+
+    def keep_selection(self, tensors) -> None:
+        self.chosen[self._layer] = tensors.indices
+        super().keep_selection(tensors)
+
+
+def _read_recovery(weights: torch.Tensor, cfg: ResolvedConfig, before: Selection, chosen: dict[int, torch.Tensor],
+                   row: int) -> torch.Tensor:
+    """Per layer ``(n_layers,)``, the share of ``weights`` that what the layer read captures: a dense or selection
+    layer everything, a layer before the first selection layer ``before`` (one row), a later one the set its
+    selection layer chose for ``row`` of the forward (``before``'s count)."""
+    count = before.counts[0]
+    parts = []
+    for layer in range(weights.shape[0]):
+        last = max((s for s in chosen if s <= layer), default=None)
+        if layer in cfg.dense_layers or layer in chosen:
+            parts.append(weights.new_ones(()))
+        else:
+            indices = before.indices[0] if last is None else chosen[last][row]
+            parts.append(selection_recovery(weights[layer : layer + 1], indices, count)[0])
+    return torch.stack(parts)
+
+
 def _forward_groups(runs: list[_Method], oracle: dict[str, str]) -> list[list[_Method]]:
-    """Consecutive rows that share one target forward: the same dense layers, no oracle (each its own forward)."""
+    """Consecutive rows that share one target forward: the same dense and selection layers, no oracle (each its own
+    forward)."""
     groups: list[list[_Method]] = []
     for run in runs:
         last = groups[-1][0] if groups else None
         if last is not None and run.name not in oracle and last.name not in oracle \
-                and _dense_layers(last.config) == _dense_layers(run.config):
+                and _layer_roles(last.config) == _layer_roles(run.config):
             groups[-1].append(run)
         else:
             groups.append([run])
@@ -400,12 +443,15 @@ def _verify(model: ModelRunner, group: list[_Method], verify_in, at, gamma, back
         indices=None if reads is None else reads.indices, num_indices=None if reads is None else reads.num_indices,
         capture=capture, dense_layers=_dense_layers(group[0].config),
     )
-    if group[0].layer_indices is None:
+    spec = select_spec(group[0].config)
+    if spec is not None:
+        plan = _SelectingPlan(**plan_kwargs, select=spec)
+    elif group[0].layer_indices is None:
         plan = ForwardPlan(**plan_kwargs)
     else:  # an oracle's per-layer read sets (a group of its own): the plain-PyTorch path
         plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=group[0].layer_indices)
     logits = model.forward(plan, verify_in.expand(rows, -1), keep=gamma + 1)
-    return logits, plan.captured
+    return logits, plan.captured, getattr(plan, "chosen", {})
 
 
 def _dense_recovery(model, row, queries, at, scale, recovery_configs, dense_history, s_draft, base, group, signals):

@@ -1,0 +1,107 @@
+"""Selection layers: the verification forward chooses the read set of the layers after them.
+
+Dustin chooses a step's read set before the verification forward, from signals that only approximate its
+queries (the last committed token's attention, the draft's). The forward itself computes the queries of the
+very tokens it verifies. At a selection layer (``DustinConfig(selection="verify")``; TidalDecode's token-selection
+layers) those γ+1 queries attend to every cached position, and each row's read set for the layers after it (up
+to the next selection layer) becomes:
+
+1. the first ``sink_tokens`` and the last ``recent_tokens`` cached positions;
+2. the rest of the row's count by the layer's attention: per position, the mean over the layer's heads and the
+   row's own queries (the tokens it verifies: a row that drafted fewer than the longest row's count scores without
+   the tokens past its own) of each query's attention over the cached positions (its softmax over them alone, as
+   :func:`dustin_hf.recovery.position_weights` defines it, so that calibration scores sets the same way).
+
+A row keeps its count (the budget, or the quality knob's count), so the later layers read as many positions as
+they would have read of Dustin's set; a row that reads everything (its count covers what it holds) keeps doing so.
+Layers before the first selection layer read the set chosen before the forward. Rows are independent; nothing
+is read on the host, so a captured forward replays the choice. The scoring runs in PyTorch on every backend (one
+matmul over the layer's keys); there is no fused kernel for it yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import DeviceTensors, SelectLayers
+
+__all__ = ["choose_read_set", "layer_position_weights", "select_spec"]
+
+
+def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, span: int,
+                           softmax_scale: float, query_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, the mean over heads and queries of each query's attention over the row's cached positions.
+
+    Args:
+        q: ``(B, Q, nheads, headdim)``, the scoring queries (post-RoPE).
+        k_cache: ``(B, capacity, nheads_k, headdim)``, ``capacity >= span``.
+        cache_seqlens: ``(B,)`` int, cached positions per row (``<= span``).
+        span: positions scored per row (host int).
+        query_counts: ``(B,)`` int, the leading queries of each row that count (at least 1); ``None``: all ``Q``.
+
+    Returns ``(B, span)`` float32, zero past each row's length (a row with nothing cached: all zero).
+    """
+    batch, n_q, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    # (B, Hkv, G*Q, D): the query heads of one key head together, each head's queries in a row
+    queries = q.float().reshape(batch, n_q, n_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        batch, n_kv, group * n_q, head_dim)
+    keys = k_cache[:, :span].float().permute(0, 2, 3, 1)  # (B, Hkv, D, span)
+    logits = torch.matmul(queries, keys).mul_(softmax_scale)  # (B, Hkv, G*Q, span)
+    outside = torch.arange(span, device=q.device)[None, :] >= cache_seqlens.to(q.device).long()[:, None]  # (B, span)
+    logits.masked_fill_(outside[:, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1).nan_to_num_(0.0).view(batch, n_kv, group, n_q, span)
+    if query_counts is None:
+        return probs.mean(dim=(1, 2, 3))  # (B, span)
+    counts = query_counts.to(q.device).long().clamp(1, n_q)  # (B,)
+    own = (torch.arange(n_q, device=q.device)[None, :] < counts[:, None]).to(probs.dtype)  # (B, Q)
+    return (probs * own[:, None, None, :, None]).sum(dim=(1, 2, 3)) / (n_heads * counts[:, None])  # (B, span)
+
+
+def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTensors, span: int, spec: SelectLayers,
+                    softmax_scale: float) -> DeviceTensors:
+    """The read set of the layers after a selection layer (module docstring), from the layer's queries and keys.
+
+    Args:
+        q: ``(B, Q, nheads, headdim)``, the forward's queries at the selection layer (post-RoPE).
+        k_cache: ``(B, capacity, nheads_k, headdim)``, the layer's cache rows of the forward.
+        tensors: the read set so far: ``indices (B, W)`` int32, ``num_indices (B,)`` int32 (each row's count, kept),
+            and ``query_counts (B,)`` int32 (each row's own leading queries; ``None``: all score).
+        span: cached positions scored per row, ``>= max(cache_seqlens)`` (host int).
+        spec: the windows kept, and how many leading queries score.
+
+    Returns the new :class:`DeviceTensors` (same ``cache_seqlens`` and ``num_indices``; sorted indices, the
+    entries past a row's count 0, never read); a row whose count covers its length keeps its index row.
+    """
+    seqlens = tensors.cache_seqlens.long()
+    counts = tensors.num_indices.long()
+    width = tensors.indices.shape[1]
+    n_q = q.shape[1] if spec.queries is None else min(spec.queries, q.shape[1])
+    weights = layer_position_weights(q[:, :n_q], k_cache, seqlens, span, softmax_scale,
+                                     tensors.query_counts)  # (B, span)
+    sink, recent = spec.sink_tokens, spec.recent_tokens
+    positions = torch.arange(span, device=weights.device)
+    # candidates: in range, neither a sink nor in the recent window (their weights are >= 0: -1 ranks below any)
+    taken = (positions[None, :] < sink) | (positions[None, :] >= seqlens[:, None] - recent)
+    fill = min(max(width - sink - recent, 0), span)  # the most any row takes by weight (host ints)
+    top = weights.masked_fill(taken, -1.0).topk(fill, dim=1).indices  # (B, fill), by weight, highest first
+    past = span + 1  # stands for "not chosen": sorts last
+    top = torch.where(torch.arange(fill, device=top.device)[None, :] < (counts - sink - recent)[:, None], top, past)
+    batch = seqlens.shape[0]
+    chosen = torch.cat([positions[:sink].expand(batch, sink),
+                        seqlens[:, None] - recent + torch.arange(recent, device=seqlens.device), top], dim=1)
+    chosen = chosen.sort(dim=1).values
+    chosen = torch.where(chosen == past, 0, chosen)
+    chosen = torch.nn.functional.pad(chosen, (0, width - chosen.shape[1]))[:, :width].to(torch.int32)
+    full = (counts >= seqlens)[:, None]
+    return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
+                         tensors.query_counts)
+
+
+def select_spec(config, queries: int | None = None) -> SelectLayers | None:
+    """The :class:`SelectLayers` of a resolved config (``None``: Dustin's selection alone); ``queries``: the
+    leading queries that score (``None``: all)."""
+    if config is None or not config.selection_layers:
+        return None
+    return SelectLayers(config.selection_layers, config.sink_tokens, config.recent_tokens, queries)
