@@ -20,13 +20,13 @@ _MODES = ("sparse", "exact")
 # budget=None's value per mode. Exact mode's is larger: its speed is the share of tentative tokens the dense check
 # confirms, which rises with the budget (the sparse target agrees more with the dense one), while a sparse step
 # reading 2048 of 32k positions costs little more than one reading 512. Past 2048 the extra reads outweigh the
-# extra agreement (the measurements: benchmarks/results/README.md, "Exact mode and the knob")
+# extra agreement
 _DEFAULT_BUDGET = {"sparse": 512, "exact": 2048}
 _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
 # selection="verify"'s first layer when neither the config nor a profile names the layers (a second one at half the
-# depth re-selects): early layers' choices served the later layers best on the real pair, the layer recovery ranks
-# first (16 of 28) worst (benchmarks/results/select_cpu.json); dustin_lab.select_calibration picks them per pair
+# depth re-selects): an early layer's choice serves the layers after it better than a middle one's, although
+# attention recovery ranks early layers last; calibration picks the layers per pair by agreement with dense
 _SELECTION_FIRST = 2
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
@@ -363,6 +363,9 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         selection_layers = tuple(sorted({layer % t_layers for layer in given}))
         if any(not -t_layers <= layer < t_layers for layer in given) or len(selection_layers) != len(given):
             raise ValueError(f"selection_layers {given} out of range or repeated: the target has {t_layers} layers")
+        if config.selection_layers and t_layers > 1 and selection_layers[-1] == t_layers - 1:
+            raise ValueError(f"selection_layers {given}: the last layer ({t_layers - 1}) has no layer after it to choose "
+                             f"for; the latest useful one is {t_layers - 2}")
 
     free = config.budget - config.sink_tokens - config.recent_tokens
     draft_share = free // 2 if config.draft_share is None else config.draft_share

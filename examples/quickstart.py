@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dustin_hf
-from dustin_lab.models import fetch_pair
+from dustin_lab.models import fetch_pair  # the lab (pip install -e ./lab): the offline pair, books, tiny models
 from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 

@@ -188,8 +188,8 @@ def test_a_dense_forward_never_selects(monkeypatch):
 def test_selection_settings_are_validated_and_resolved():
     target = tiny_model("qwen2", layers=6, hidden=32)
     assert resolve(DustinConfig(), target.config, target.config).selection_layers == ()
-    assert resolve(DustinConfig(selection="verify", selection_layers=(-1, 2)), target.config,
-                   target.config).selection_layers == (2, 5)
+    assert resolve(DustinConfig(selection="verify", selection_layers=(-2, 2)), target.config,
+                   target.config).selection_layers == (2, 4)
     assert resolve(DustinConfig(selection="verify"), target.config, target.config).selection_layers  # a default
     # recorded layers (a profile's) are kept for selection="verify" and unused by the paper's selection
     assert resolve(DustinConfig(selection_layers=(3,)), target.config, target.config).selection_layers == ()
@@ -200,6 +200,8 @@ def test_selection_settings_are_validated_and_resolved():
         DustinConfig(selection="verify", selection_layers=(2, 2))
     with pytest.raises(ValueError, match="out of range"):
         resolve(DustinConfig(selection="verify", selection_layers=(6,)), target.config, target.config)
+    with pytest.raises(ValueError, match="no layer after it"):  # the last layer would choose for nobody
+        resolve(DustinConfig(selection="verify", selection_layers=(1, -1)), target.config, target.config)
 
 
 def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement(monkeypatch):
@@ -244,6 +246,33 @@ def test_full_budget_equals_greedy_and_stock_assisted(family):
         out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False,
                               cache_implementation="dustin")
     assert torch.equal(stock, greedy) and torch.equal(out, greedy)
+
+
+def test_a_row_its_budget_covers_equals_greedy_beside_a_sparse_row(monkeypatch):
+    """The full-budget guarantee where the selection layers run: in one batch a long row's steps are sparse (its
+    selection layer chooses) while the budget covers the short row's whole context; the short row still decodes
+    plain greedy's tokens, and so does exact mode's long row."""
+    target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 4)
+    prompts = [random_prompt(n, seed=n)[0] for n in (600, 40)]
+    ids, mask = left_pad(prompts)
+    chose = []
+    real = attention.choose_read_set
+    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
+    new = dict(do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    alone = [target.generate(p[None], **new)[0, p.shape[0]:] for p in prompts]
+    config = dict(budget=96, min_context=16, sink_tokens=SINK, recent_tokens=RECENT, selection="verify",
+                  selection_layers=(1,))
+    with dustin_hf.patch(target):
+        for mode in ("sparse", "exact"):
+            chose.clear()
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin",
+                                  return_dict_in_generate=True, cache_config={**config, "mode": mode}, **new)
+            assert out.past_key_values.stats["sparse_steps"] > 0 and chose
+            short = out.sequences[1, ids.shape[1]:]
+            assert torch.equal(short, alone[1]), mode
+            if mode == "exact":
+                assert torch.equal(out.sequences[0, ids.shape[1]:], alone[0])
 
 
 def _ragged_case():
