@@ -13,7 +13,7 @@ This script times, for each (model layout, batch, context):
   installed, and the Triton split-K kernel in dense mode;
 * sparse kernels per budget: the fused Triton kernel over random sorted unique indices, and
   gather + varlen;
-* :func:`selection_cost_ms`: scoring + selection from ``dustin_hf.scoring``/``dustin_hf.selection``
+* :func:`selection_cost_ms`: scoring + selection from ``dustin_hf.selection.scoring``/``dustin_hf.selection.fill``
   (recorded as "not measured" when those cannot be called; never estimated).
 
 Inputs are random (never zeros) in caches sized exactly to ``context + Q``; when one input set fits
@@ -323,7 +323,7 @@ def _reference_row0(x: Inputs, layout: Layout, budget: int | None) -> torch.Tens
 
 def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, draft: Layout = DRAFT_LAYOUT,
                       device: torch.device | None = None, dtype: torch.dtype = DTYPE, timer: str = "do_bench") -> dict:
-    """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.scoring``/``selection``.
+    """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.selection.scoring``/``selection``.
 
     Times nothing else: the target-history scores (one target layer, its default scoring heads), the
     draft-lookahead scores (the default draft layers/heads of ``draft``, gamma = Q - 1 queries) and
@@ -332,7 +332,9 @@ def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, 
     """
     device = device or torch.device("cuda")
     try:
-        from dustin_hf import config, scoring, selection  # noqa: F401
+        from dustin_hf import config  # noqa: F401
+        from dustin_hf.selection import scoring  # noqa: F401
+        from dustin_hf.selection import fill as selection  # noqa: F401
     except ImportError as error:
         return {"scoring_ms": None, "selection_ms": None, "status": f"not measured: {error}"}
     try:
@@ -391,7 +393,7 @@ class ScoringStep:
                    [randn(batch, N_QUERIES - 1, len(h), draft.head_dim) for h in cfg.draft_heads])
 
     def score_target(self, backend: str) -> torch.Tensor:
-        from dustin_hf import scoring
+        from dustin_hf.selection import scoring
 
         lay = self.layout
         return scoring.target_history_scores(self.history_q, self.target_keys, self.seqlens, self.cfg.target_heads,
@@ -399,7 +401,7 @@ class ScoringStep:
                                              backend=backend)
 
     def score_draft(self, backend: str) -> torch.Tensor:
-        from dustin_hf import scoring
+        from dustin_hf.selection import scoring
 
         lay = self.draft
         return scoring.draft_lookahead_scores(self.draft_q, self.draft_keys, self.seqlens, self.cfg.draft_heads,
@@ -407,7 +409,7 @@ class ScoringStep:
                                               max(self.seqlens_host), backend=backend)
 
     def select(self, target: torch.Tensor, drafted: torch.Tensor, backend: str):
-        from dustin_hf import selection
+        from dustin_hf.selection import fill as selection
 
         return selection.select_positions(self.seqlens_host, drafted, target, [True] * len(self.seqlens_host),
                                           self.cfg, lengths=self.seqlens, backend=backend)

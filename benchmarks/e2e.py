@@ -62,7 +62,7 @@ from transformers import StoppingCriteria
 
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.telemetry import DecodeHooks
+from dustin_hf.decode.hooks import DecodeHooks
 from replay import (AcceptReplay, BudgetReplay, CountReplay, ExactReplay, at_budget, load_budgets, load_predictions,
                     synthetic_budgets, synthetic_predictions)
 
@@ -349,15 +349,15 @@ def run_speculative(target, draft, batch: int, context: int, method: Method, dty
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
     resolved = None if method.config is None else resolve(method.config, target.config, draft.config)
     decoder = SpeculativeDecoder(
-        target, draft, config, dustin=resolved, drafting=Drafting(GAMMA), runtime=RuntimeOptions(tuning=tuning),
+        target, draft, config, dustin_config=resolved, drafting=Drafting(GAMMA), runtime=RuntimeOptions(tuning=tuning),
         hooks=method.hooks(prefill=_random_prefill(dtype), profile=profile),
     )
     ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)

@@ -1,7 +1,7 @@
 """Replayed outcomes for the end-to-end benchmark: what each step keeps, from traces of the real pair.
 
 The GPU benchmark runs random-weight models of the real shapes, whose drafts are meaningless, so every
-step's outcome is replayed through :class:`~dustin_hf.telemetry.DecodeHooks` while all compute stays real.
+step's outcome is replayed through :class:`~dustin_hf.decode.hooks.DecodeHooks` while all compute stays real.
 One small class per kind of outcome:
 
 * :class:`CountReplay`: per-step accepted counts cycled from acceptance traces
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.plan import device_tensor
+from dustin_hf.runtime.plan import device_tensor
 from dustin_lab import traces  # the trace formats and their readers, written by the lab
 from dustin_lab.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 
@@ -89,7 +89,7 @@ class CountReplay:
                                 "its own offset, cycled)")
 
     def hooks(self) -> dict:
-        """Fresh :class:`~dustin_hf.telemetry.DecodeHooks` fields for one run: ``accept``."""
+        """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``accept``."""
         step = [0]
 
         def accept(n_accepted: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ class AcceptReplay:
                        f"{self.mean_tokens_per_step():.2f} tokens/step){note}")
 
     def hooks(self) -> dict:
-        """Fresh :class:`~dustin_hf.telemetry.DecodeHooks` fields for one run: ``accept``."""
+        """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``accept``."""
         state = {}
 
         def accept(n_accepted: torch.Tensor) -> torch.Tensor:
@@ -247,7 +247,7 @@ class AcceptReplay:
 
 
 class ExactReplay:
-    """Exact mode's outcomes (:attr:`~dustin_hf.telemetry.DecodeHooks.confirm`) on each row's recorded text.
+    """Exact mode's outcomes (:attr:`~dustin_hf.decode.hooks.DecodeHooks.confirm`) on each row's recorded text.
 
     A row with ``tentative[b] = t > 0`` confirms: its tentative tokens are the sparse target's predictions at
     the committed pointer ``c .. c+t-1``; it keeps the longest prefix ``j`` the dense target agrees with and
@@ -275,7 +275,7 @@ class ExactReplay:
                        f"offset with a committed and a tentative pointer{note}")
 
     def hooks(self) -> dict:
-        """Fresh :class:`~dustin_hf.telemetry.DecodeHooks` fields for one run: ``confirm``."""
+        """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``confirm``."""
         state = {}
 
         def confirm(n_accepted: torch.Tensor, tentative: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -307,7 +307,7 @@ class ExactReplay:
 # ----------------------------------------------------------------------------- the knob's budgets
 @dataclass(frozen=True)
 class BudgetReplay:
-    """The quality knob's read-set sizes (:attr:`~dustin_hf.telemetry.DecodeHooks.budgets`), cycled per row.
+    """The quality knob's read-set sizes (:attr:`~dustin_hf.decode.hooks.DecodeHooks.budgets`), cycled per row.
 
     ``counts`` are already scaled to the benchmark's context; ``floor`` and ``ceiling`` are the run's
     ``budget`` and ``max_budget``; ``min_recovery`` the recorded target."""
@@ -319,7 +319,7 @@ class BudgetReplay:
     source: str
 
     def hooks(self) -> dict:
-        """Fresh :class:`~dustin_hf.telemetry.DecodeHooks` fields for one run: ``budgets``."""
+        """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``budgets``."""
         step = [0]
 
         def budgets(seqlens: list[int]) -> list[int]:

@@ -51,7 +51,7 @@ import torch
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.telemetry import DecodeHooks
+from dustin_hf.decode.hooks import DecodeHooks
 from e2e import GAMMA, SHAPES, Sources, build_model
 from replay import load_predictions, synthetic_predictions
 

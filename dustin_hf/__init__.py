@@ -17,11 +17,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # plain import statements (not importlib strings), so the layer test reads these dependencies too
     if name == "DustinCache":
-        from .cache import DustinCache as value
+        from .decode.cache import DustinCache as value
     elif name == "DustinConfig":
         from .config import DustinConfig as value
     elif name in ("DustinPatch", "is_patched", "patch"):
-        from . import patching
+        from .adapter import patching
 
         value = getattr(patching, name)
     else:

@@ -76,7 +76,7 @@ class DustinConfig:
             forward from the target's history and the draft's lookahead (the paper's), read by every sparse layer.
             ``"verify"``: at ``selection_layers`` the verification forward's own queries attend to every cached
             position and choose, per row, the set the layers after them read (sinks, the recent window, then the
-            positions with the most attention; :mod:`dustin_hf.select_layers`); the layers before the first one
+            positions with the most attention; :mod:`dustin_hf.selection.layers`); the layers before the first one
             read Dustin's set (or everything, when listed in ``dense_layers``). Each selection layer reads the whole
             cache, as a dense layer does.
         selection_layers: the target layers that choose when ``selection="verify"`` (negative indices count from
@@ -84,7 +84,7 @@ class DustinConfig:
             ``None``: the default (:func:`resolve`).
         calibration: ``"none"``: score with the heads above (or their defaults). ``"prompt"``: after
             prefill, search the scoring heads and ``draft_share`` on a few verification-like steps
-            replayed inside the prompt (seconds; see :mod:`dustin_hf.prompt_calibration`); the
+            replayed inside the prompt (seconds; see :mod:`dustin_hf.calibration.prompt`); the
             searched fields must then be left ``None``.
         sparse_draft: the draft also reads a selection on sparse steps: the positions the previous
             step verified against plus those written since, instead of its whole cache (its scoring
@@ -118,7 +118,7 @@ class DustinConfig:
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
         prefill_chunk: prompt tokens per forward during prefill (bounds activation memory). ``None``: on CUDA
             as many as half the free device memory holds (a whole prompt, as a rule: its attention is then one
-            square causal call, the fastest kernel SDPA has), elsewhere 4096 (:func:`dustin_hf.runner.prefill_chunk`).
+            square causal call, the fastest kernel SDPA has), elsewhere 4096 (:func:`dustin_hf.decode.runner.prefill_chunk`).
     """
 
     budget: int | None = None

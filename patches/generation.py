@@ -8,7 +8,7 @@ class still sees the original) that overrides two methods:
 - ``_prepare_cache_for_generation``: with ``cache_implementation="dustin"``, checks that this is
   assisted generation and leaves the cache to the decoding loop (which builds a ``DustinCache`` for
   the target and one for the draft);
-- ``_assisted_decoding``: runs :class:`dustin_hf.decoding.SpeculativeDecoder` for Dustin or for any
+- ``_assisted_decoding``: runs :class:`dustin_hf.decode.decoder.SpeculativeDecoder` for Dustin or for any
   batch larger than one (stock transformers refuses those); a batch of one without Dustin takes the
   stock path unchanged.
 
@@ -65,7 +65,7 @@ class DustinGenerationMixin:
                 streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
                 assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
             )
-        from dustin_hf.generate import run_assisted
+        from dustin_hf.adapter.assisted import run_assisted
 
         result = run_assisted(
             self, assistant_model, input_ids, generation_config, logits_processor, stopping_criteria,

@@ -124,7 +124,7 @@ def eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indi
     """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly (monkeypatch it in): the rows' lengths
     come from the device values (a replay reads nothing else; the host's lengths are only settled after the step's
     sync)."""
-    from dustin_hf.selection import Selection
+    from dustin_hf.selection.fill import Selection
 
     self.cache.seq_lengths = seqlens.tolist()
     selection = None if indices is None else Selection(indices, num_indices, num_indices.tolist(), full_rows=full_rows)
@@ -148,11 +148,11 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor,
 
 
 def tiled_prefill(prompts: int):
-    """A prefill with :meth:`~dustin_hf.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat its
+    """A prefill with :meth:`~dustin_hf.decode.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat its
     first ``prompts`` rows in turn (row ``b`` is row ``b % prompts``): it prefills those and copies each to the
     rows that repeat it. Law tests sample thousands of rows of one or two prompts; use it as a decoder's
     ``DecodeHooks(prefill=...)`` or in place of ``ModelRunner.prefill`` (it calls the one defined now)."""
-    from dustin_hf.runner import ModelRunner
+    from dustin_hf.decode.runner import ModelRunner
 
     prefill = ModelRunner.prefill
 

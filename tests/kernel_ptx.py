@@ -188,7 +188,7 @@ def compile_for(launch: Launch, capability: int):
 
 def scoring_step(batch: int = 16, context: int = 32768, n_queries: int = 5) -> None:
     """One step's target and draft scoring at the headline point (tensors on ``"cuda"``)."""
-    from dustin_hf import scoring
+    from dustin_hf.selection import scoring
 
     def empty(*shape):
         return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)

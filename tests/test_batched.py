@@ -89,7 +89,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     the step's sync (CUDA graphs only; run eagerly here), give the same tokens as running them after the
     sync, with rows finishing at EOS and at their length on different steps, and a row below ``min_context``
     (read in full, its sparse-draft count past the read set's width: ``full_rows``)."""
-    from dustin_hf.runner import ModelRunner
+    from dustin_hf.decode.runner import ModelRunner
 
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target), 3)
@@ -204,10 +204,10 @@ def test_profile_records_each_steps_phases():
     """profile=True: per step, wall and host seconds per phase; 'events' needs CUDA; anything else is refused."""
     from transformers import GenerationConfig
 
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.telemetry import DecodeHooks
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.hooks import DecodeHooks
+    from dustin_hf.adapter.assisted import attention_routed
 
     target = tiny_model("qwen2", seed=1)
     draft = set_gamma(noisy_copy(target), 3)
@@ -238,9 +238,9 @@ def test_a_call_leaves_the_decoder_as_it_was_set_up(mode):
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     target = tiny_model("qwen2", seed=1)
     draft = set_gamma(noisy_copy(target), 3)
@@ -249,7 +249,7 @@ def test_a_call_leaves_the_decoder_as_it_was_set_up(mode):
     dustin = resolve(DustinConfig(budget=24, sink_tokens=4, recent_tokens=8, min_context=0, mode=mode,
                                   backend="reference"), target.config, draft.config)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(3, schedule="heuristic"),
+        decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(3, schedule="heuristic"),
                                      runtime=RuntimeOptions(backend="reference"))
         before = {name: id(value) for name, value in vars(decoder).items()}
         first = decoder.generate(ids, mask)

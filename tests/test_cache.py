@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dustin_hf.cache import DustinCache
-from dustin_hf.plan import ForwardPlan
+from dustin_hf.decode.cache import DustinCache
+from dustin_hf.runtime.plan import ForwardPlan
 
 HEADS, DIM = 2, 4
 

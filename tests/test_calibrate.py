@@ -7,7 +7,7 @@ import torch
 
 from dustin_hf import DustinConfig
 from dustin_lab.calibrate import CalibrationSettings, calibrate, collect_features
-from dustin_hf.search import Choice, StepFeatures, recovery_of
+from dustin_hf.calibration.search import Choice, StepFeatures, recovery_of
 from dustin_hf.config import resolve
 from dustin_lab.pair import ModelPair
 from dustin_lab.prefilled import prefill_pair

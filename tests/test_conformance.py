@@ -27,7 +27,7 @@ import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.config import resolve
-from dustin_hf.selection import select_positions
+from dustin_hf.selection.fill import select_positions
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from stock import (
@@ -553,7 +553,7 @@ def test_only_the_heuristic_schedule_writes_its_final_length_back(schedule, monk
     The final length itself need not equal stock's: the steps differ (the loop takes the first token from the
     prefill; stock drafts at most up to the length limit, so a last step with room for one token drafts none and
     counts as one that kept all its drafts, +2)."""
-    from dustin_hf.decoding import SpeculativeDecoder
+    from dustin_hf.decode.decoder import SpeculativeDecoder
 
     start = 4
     model = tiny_model("qwen2", layers=2)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import decode_run, selector
+from dustin_hf.decode import run as decode_run
+from dustin_hf.selection import selector
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.draft_reads import DraftReads
-from dustin_hf.selection import Selection
+from dustin_hf.selection.draft_reads import DraftReads
+from dustin_hf.selection.fill import Selection
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 

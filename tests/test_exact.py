@@ -11,13 +11,14 @@ import torch
 from transformers import GenerationConfig
 
 import dustin_hf
-from dustin_hf import decoding, exact_step
-from dustin_hf.decode_settings import Drafting
+from dustin_hf.decode import decoder as decoding
+from dustin_hf.decode import exact_step
+from dustin_hf.decode.settings import Drafting
 from dustin_hf.config import resolve
-from dustin_hf.exact import ConfirmSchedule, blocks
-from dustin_hf.generate import attention_routed
-from dustin_hf.runner import ModelRunner
-from dustin_hf.telemetry import DecodeHooks
+from dustin_hf.decode.exact import ConfirmSchedule, blocks
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.decode.hooks import DecodeHooks
 
 from conftest import (
     PAD, eager_step_ahead, joint_law, law_pvalue, left_pad, noisy_copy, random_prompt, set_gamma, tiled_prefill,
@@ -166,7 +167,7 @@ def _pvalue(target, draft, prompt, law, mode, draws=2000, **settings) -> float:
                                             **settings), target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, drafting=Drafting(2),
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin_config=config, drafting=Drafting(2),
                                               hooks=DecodeHooks(prefill=tiled_prefill(1)))
         out = decoder.generate(prompt.expand(draws, -1)).sequences
     return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
@@ -220,7 +221,7 @@ def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **con
     config = resolve(dustin_hf.DustinConfig(**{**LAW_CONFIG, **config}), target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=ids.shape[1] + LAW_TOKENS, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin=config, drafting=Drafting(1),
+        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin_config=config, drafting=Drafting(1),
                                               hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))))
         result = decoder.generate(ids, mask)
     return result.sequences[:, ids.shape[1]:], result.stats.reports["exact"]
@@ -284,7 +285,7 @@ def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
     """p~ judges the tentative tokens' proposals, so it must not depend on them: a sampled exact step scores
     positions with the draft's query of x alone (its later queries were fed the drafts p~ is about to judge);
     greedy exact mode and sparse mode score with all γ."""
-    from dustin_hf.selector import Selector
+    from dustin_hf.selection.selector import Selector
 
     seen = []
     real = Selector.select
@@ -340,7 +341,7 @@ def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
 
     gen = GenerationConfig(do_sample=sample, max_length=ids.shape[1] + 40, pad_token_id=PAD)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin=config, drafting=Drafting(4),
+        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin_config=config, drafting=Drafting(4),
                                               hooks=DecodeHooks(confirm=confirm))
         result = decoder.generate(ids, mask)
     assert result.stats.reports["exact"]["tentative_rejected"] > 0 and calls[0] > 4

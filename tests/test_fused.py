@@ -670,9 +670,9 @@ def test_decoder_with_fused_ops_decodes_like_without():
     from transformers import GenerationConfig
 
     import dustin_hf
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     target, draft = tiny_model("qwen2", seed=1).to(DEVICE), tiny_model("qwen2", layers=2, seed=2).to(DEVICE)
     if not expect_fused(target):

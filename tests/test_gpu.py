@@ -54,9 +54,9 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     target, draft = _pair()  # float32: eager and replayed kernels may split the keys differently
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
@@ -67,7 +67,7 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=resolved if dustin else None,
+            decoder = SpeculativeDecoder(target, draft, config, dustin_config=resolved if dustin else None,
                                          drafting=Drafting(4),
                                          runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
             result = decoder.generate(ids.cuda(), mask.cuda())
@@ -143,9 +143,9 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
     from dustin_hf.runtime.graphs import Pipeline
 
     torch.cuda.set_device(0)
@@ -161,7 +161,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for name, dustin, graphs in (("full", full, True), ("eager", sparse, False), ("graphed", sparse, True)):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(4),
+            decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(4),
                                          runtime=RuntimeOptions(backend="triton",
                                                                 cuda_graphs=None if graphs else False))
             result = decoder.generate(ids.cuda(), mask.cuda())
@@ -248,9 +248,9 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 500, 2100)]
@@ -261,7 +261,7 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=dustin, drafting=Drafting(4),
+            decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(4),
                                          runtime=RuntimeOptions(backend="triton",
                                                                 cuda_graphs=None if graphs else False))
             result = decoder.generate(ids.cuda(), mask.cuda())
@@ -302,7 +302,7 @@ def test_quality_knob_and_masked_rows_on_cuda():
 
 @pytest.mark.parametrize("sparse_draft", [False, True])
 def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
-    """The workspace a call leaves (caches, CUDA graphs, fused weights: dustin_hf.workspace) serves the next call of
+    """The workspace a call leaves (caches, CUDA graphs, fused weights: dustin_hf.decode.workspace) serves the next call of
     its shape, and that call returns what a call after ``release()`` (everything built afresh) returns."""
     target, draft = _pair(dtype=torch.bfloat16)
     config = DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
@@ -326,9 +326,9 @@ def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
 def test_prefill_in_one_forward_matches_chunks_on_cuda():
     """The whole prompt in one forward (square causal attention: cuDNN's kernel on Hopper) against chunks that
     attend to their prefix (flash's), bf16: the same last logits and cache within bf16's rounding."""
-    from dustin_hf.cache import DustinCache
-    from dustin_hf.generate import attention_routed
-    from dustin_hf.runner import ModelRunner
+    from dustin_hf.decode.cache import DustinCache
+    from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.decode.runner import ModelRunner
 
     target, _ = _pair(dtype=torch.bfloat16)
     ids = random_prompt(3000, seed=5)[0].cuda()
@@ -352,9 +352,9 @@ def test_selection_layers_replay_inside_the_cuda_graphs(mode):
     from transformers import GenerationConfig
 
     from dustin_hf.config import resolve
-    from dustin_hf.decode_settings import Drafting, RuntimeOptions
-    from dustin_hf.decoding import SpeculativeDecoder
-    from dustin_hf.generate import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.adapter.assisted import attention_routed
 
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
@@ -366,7 +366,7 @@ def test_selection_layers_replay_inside_the_cuda_graphs(mode):
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin=resolved, drafting=Drafting(4),
+            decoder = SpeculativeDecoder(target, draft, config, dustin_config=resolved, drafting=Drafting(4),
                                          runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

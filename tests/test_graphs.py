@@ -15,11 +15,11 @@ import torch
 
 import dustin_hf
 from dustin_hf.runtime import fused
-from dustin_hf.cache import DustinCache
-from dustin_hf.runner import ModelRunner
-from dustin_hf.generate import attention_routed
+from dustin_hf.decode.cache import DustinCache
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.runtime.graphs import Pipeline, Stage
-from dustin_hf.plan import ForwardPlan
+from dustin_hf.runtime.plan import ForwardPlan
 
 from conftest import TRITON_RUNS, on_launch, package_kernels, random_prompt, tiny_model
 

@@ -6,7 +6,7 @@ import torch
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
-from dustin_hf.selection import estimated_mass, select_by_recovery
+from dustin_hf.selection.fill import estimated_mass, select_by_recovery
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 

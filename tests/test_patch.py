@@ -11,7 +11,8 @@ from transformers import AttentionInterface, GenerationConfig
 from transformers.generation import configuration_utils
 
 import dustin_hf
-from dustin_hf import DustinConfig, compat
+from dustin_hf import DustinConfig
+from dustin_hf import compat
 from dustin_hf.compat import check_transformers
 
 from conftest import random_prompt, set_gamma, tiny_model

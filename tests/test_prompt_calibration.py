@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import prompt_calibration
+from dustin_hf.calibration import prompt as prompt_calibration
 
 from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 

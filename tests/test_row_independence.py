@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf.decode_run import DecodeRun
-from dustin_hf.exact import ConfirmSchedule
-from dustin_hf.sampling import RowGenerators
+from dustin_hf.decode.run import DecodeRun
+from dustin_hf.decode.exact import ConfirmSchedule
+from dustin_hf.decode.sampling import RowGenerators
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, tiny_model
 
@@ -71,7 +71,7 @@ def _pair():
 def _seed_row(position: int) -> None:
     """Seed the global generator so that the row at ``position`` gets the same random stream in every run.
 
-    :class:`~dustin_hf.sampling.RowGenerators` seeds row ``b`` with the ``b``-th value of one ``torch.randint``
+    :class:`~dustin_hf.decode.sampling.RowGenerators` seeds row ``b`` with the ``b``-th value of one ``torch.randint``
     call: skipping ``LAST_ROW - position`` values first hands every position the same seed (checked here)."""
     def seed_at(skip: int, row: int) -> int:
         torch.manual_seed(SEED)

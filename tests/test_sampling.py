@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 import dustin_hf
-from dustin_hf.sampling import RowGenerators, accept_greedy, accept_sampled
+from dustin_hf.decode.sampling import RowGenerators, accept_greedy, accept_sampled
 
 from conftest import joint_law, law_pvalue, noisy_copy, set_gamma, tiled_prefill, tiny_model
 
@@ -109,7 +109,7 @@ def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
     p ~ 1e-42; a bonus drawn from the last draft's p draws sequences top-p excludes (p = 0)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    from dustin_hf.runner import ModelRunner
+    from dustin_hf.decode.runner import ModelRunner
 
     vocab, tokens, draws, temperature, top_p = 4, 5, 3000, 0.5, 0.8
     target = tiny_model("qwen2", layers=2, hidden=32, vocab=vocab)

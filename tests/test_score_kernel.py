@@ -23,7 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
+from dustin_hf.selection.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
 from conftest import TRITON_RUNS, capture_graph, explicit_attention_mass, sm90_ptx_report  # noqa: E402
 

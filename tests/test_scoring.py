@@ -2,7 +2,7 @@
 
 import torch
 
-from dustin_hf.scoring import attention_mass, draft_lookahead_scores, target_history_scores
+from dustin_hf.selection.scoring import attention_mass, draft_lookahead_scores, target_history_scores
 
 from conftest import explicit_attention_mass
 
@@ -48,7 +48,7 @@ def test_draft_lookahead_counts_only_cached_positions():
 
 def test_select_heads_equals_index_select_without_an_index_tensor():
     """Heads evenly spaced are a view; any other set is stacked from views (no host->device copy, graph-safe)."""
-    from dustin_hf.plan import select_heads
+    from dustin_hf.runtime.plan import select_heads
 
     x = torch.randn(2, 3, 8, 4)
     for heads in [(0,), (2, 3, 4), (1, 3, 5), (5, 1), (0, 2, 3), (7,), (6, 4, 2)]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.selection import select_positions
+from dustin_hf.selection.fill import select_positions
 
 from conftest import TRITON_RUNS, capture_graph, tiny_model
 

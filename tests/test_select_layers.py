@@ -3,7 +3,7 @@
 The read sets of a real forward are recorded at the attention kernel: the layers before the selection layer read the
 set chosen before the forward, the selection layer reads every cached position, and the layers after it read the
 set that this forward's own queries at the selection layer attend to most (checked against an independent
-computation, :func:`dustin_hf.recovery.position_weights`, not against the code under test). A stale choice (the
+computation, :func:`dustin_hf.selection.recovery.position_weights`, not against the code under test). A stale choice (the
 previous forward's queries) is caught by the same check. Then the decoder: a budget covering the context is greedy
 and stock assisted decoding; exact mode stays exact, greedy and sampled; rows stay independent
 (``test_row_independence.py`` walks the mode too).
@@ -15,15 +15,16 @@ import pytest
 import torch
 
 import dustin_hf
-from dustin_hf import attention, select_layers
-from dustin_hf.cache import DustinCache
+from dustin_hf.adapter import attention
+from dustin_hf.selection import layers as select_layers
+from dustin_hf.decode.cache import DustinCache
 from dustin_hf.compat import attention_scale
 from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.generate import attention_routed
-from dustin_hf.plan import DeviceTensors, ForwardPlan, SelectLayers
-from dustin_hf.recovery import position_weights
-from dustin_hf.runner import ModelRunner
-from dustin_hf.select_layers import choose_read_set, select_spec
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.runtime.plan import DeviceTensors, ForwardPlan, SelectLayers
+from dustin_hf.selection.recovery import position_weights
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.selection.layers import choose_read_set, select_spec
 
 from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 

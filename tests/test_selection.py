@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.selection import select_positions
+from dustin_hf.selection.fill import select_positions
 
 from conftest import tiny_model
 
@@ -110,7 +110,7 @@ def test_random_scores_give_valid_selections(seed):
 def test_truncated_keeps_each_rows_entries_below_its_limit():
     """After exact mode's confirmation a row's positions from its confirmed start are rewritten: its read set keeps
     the sorted prefix below that start (the sparse draft reads the rest as positions written since)."""
-    from dustin_hf.selection import Selection, truncated
+    from dustin_hf.selection.fill import Selection, truncated
 
     indices = torch.tensor([[0, 1, 5, 9, 12, 0], [0, 2, 3, 4, 0, 0]], dtype=torch.int32)
     selection = Selection(indices, torch.tensor([5, 4], dtype=torch.int32), [5, 4])
@@ -128,7 +128,7 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     read in full give the counts on the host, without reading the device, equal to counting the entries below the
     cut, for the paper's fill, a sliding window (one shorter than the recent window too) and the knob's sets; a cut
     below a recent window falls back to counting on the device."""
-    from dustin_hf.selection import select_by_recovery, truncated
+    from dustin_hf.selection.fill import select_by_recovery, truncated
 
     generator = torch.Generator().manual_seed(seed)
     fields = dict(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)

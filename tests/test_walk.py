@@ -9,9 +9,9 @@ from dustin_lab.continuations import speculative_continuation, token_agreement
 from dustin_lab.estimators import Estimator, library_estimator, order_study, study
 from dustin_lab.knob import EstimatorFeatures, load_features
 from dustin_lab.prefilled import PrefillStore, clone_cache, prefill_pair
-from dustin_hf.recovery import head_probabilities, position_weights, selection_recovery
-from dustin_hf.scoring import attention_mass
-from dustin_hf.selection import estimated_mass
+from dustin_hf.selection.recovery import head_probabilities, position_weights, selection_recovery
+from dustin_hf.selection.scoring import attention_mass
+from dustin_hf.selection.fill import estimated_mass
 from dustin_lab.walk import teacher_forced_walk
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
@@ -234,8 +234,8 @@ def test_token_agreement():
 
 def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     """After a sparse step, one dense forward over its positions leaves the cache as a dense step would."""
-    from dustin_hf.runner import ModelRunner
-    from dustin_hf.plan import ForwardPlan
+    from dustin_hf.decode.runner import ModelRunner
+    from dustin_hf.runtime.plan import ForwardPlan
     from dustin_lab.prefilled import dustin_attention_on
     from dustin_lab.walk import _refresh
 
@@ -276,7 +276,7 @@ def test_refresh_every_names_sparse_methods(pair, state):
 
 
 def _logits(runner_cache, target, draft, tokens, plan):
-    from dustin_hf.runner import ModelRunner
+    from dustin_hf.decode.runner import ModelRunner
     from dustin_lab.prefilled import dustin_attention_on
 
     runner = ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
@@ -289,7 +289,7 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
     layer's set changes the output."""
     from dustin_lab.oracle import LayerwisePlan
-    from dustin_hf.plan import ForwardPlan
+    from dustin_hf.runtime.plan import ForwardPlan
 
     target, draft = pair
     prefilled, continuation = state

@@ -4,7 +4,7 @@ Stock's cache keeps every input slot, masked or not, and a window counts cache i
 (``masking_utils.sliding_window_overlay``: key visible iff ``kv_idx > q_idx - window``); the decode loop's caches
 hold the unmasked tokens only. So a masked slot inside a window takes a place there: the masked attention, the
 read sets chosen inside a window and the windows of the prompt's own queries count stock's indices
-(:func:`dustin_hf.masks.stock_slots`). End to end, the conformance grid (``test_conformance_grid.py``) compares
+(:func:`dustin_hf.decode.masks.stock_slots`). End to end, the conformance grid (``test_conformance_grid.py``) compares
 tokens with stock's; here the pieces, and sparse steps inside windows.
 """
 
@@ -16,9 +16,9 @@ import torch
 import dustin_hf
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.kernels.masked import masked_attention
-from dustin_hf.masks import prompts_from_mask, stock_slots
-from dustin_hf.selection import select_by_recovery, select_positions
-from dustin_hf.selector import Selector
+from dustin_hf.decode.masks import prompts_from_mask, stock_slots
+from dustin_hf.selection.fill import select_by_recovery, select_positions
+from dustin_hf.selection.selector import Selector
 
 from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
 

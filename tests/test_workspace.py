@@ -1,9 +1,9 @@
 """What a patched model keeps between generate() calls, and the prompt's forwards.
 
-A call leaves its caches, CUDA graphs and fused weights (:mod:`dustin_hf.workspace`) for the next call of the same
+A call leaves its caches, CUDA graphs and fused weights (:mod:`dustin_hf.decode.workspace`) for the next call of the same
 shape: that call must give exactly what a fresh one gives, and a call of another shape, another model, or after
 the weights moved must never read them. ``release()`` frees them. The prompt is read in as few forwards as memory
-allows (:meth:`~dustin_hf.runner.ModelRunner.prefill`): one per row, or neighbouring rows of one length together,
+allows (:meth:`~dustin_hf.decode.runner.ModelRunner.prefill`): one per row, or neighbouring rows of one length together,
 or a long row in chunks that attend to the chunks before; each way gives the same logits and cache.
 """
 
@@ -14,10 +14,10 @@ import torch
 from transformers import DynamicCache
 
 import dustin_hf
-from dustin_hf.cache import DustinCache
+from dustin_hf.decode.cache import DustinCache
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.generate import attention_routed
-from dustin_hf.runner import ModelRunner, _row_groups
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.decode.runner import ModelRunner, _row_groups
 from dustin_hf.runtime.fused import FusedWeights, fused_ops
 
 from conftest import _triton_runs, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model

@@ -1,6 +1,6 @@
 """Triton kernels for Dustin's scores: attention probability mass per cached position, two passes.
 
-Computes exactly :func:`dustin_hf.scoring.attention_mass`: every (query ``j``, scoring head ``h``)
+Computes exactly :func:`dustin_hf.selection.scoring.attention_mass`: every (query ``j``, scoring head ``h``)
 of row ``b`` takes a softmax over the key positions ``[0, query_pos[b, j]]`` of its KV head, and
 position ``p < num_positions`` receives the sum over (query, head) of its probability.
 
@@ -408,7 +408,7 @@ def attention_mass_triton(
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
-    Same contract as :func:`dustin_hf.scoring.attention_mass`.
+    Same contract as :func:`dustin_hf.selection.scoring.attention_mass`.
 
     Args:
         queries: ``(B, n_q, len(heads), D)``, fp16/bf16/fp32, post-RoPE queries of query heads

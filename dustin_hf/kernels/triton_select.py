@@ -1,6 +1,6 @@
 """Triton kernels for Dustin's budget fill: every sparse row's read set in two launches, no host sync.
 
-Computes what :func:`dustin_hf.selection.select_positions` computes for a row read sparsely: with
+Computes what :func:`dustin_hf.selection.fill.select_positions` computes for a row read sparsely: with
 ``L_b`` cached positions and candidates ``[sink, L_b - recent)``, the sinks ``[0, sink)``, the recent
 window ``[L_b - recent, L_b)``, the top ``share`` candidates by the draft score, then the top
 ``fill`` remaining candidates by the history score; ``budget = sink + recent + share + fill``

@@ -491,7 +491,7 @@ class FusedWeights:
     Each fused layer's parameters become views of the concatenation (no second copy of the weights). A context
     given no ``FusedWeights`` makes its own and gives every layer its own storage back on exit; a context given one
     leaves the concatenations in place, so CUDA graphs captured over them replay in a later context (the decode
-    loop's :class:`~dustin_hf.workspace.Workspace`). Until :meth:`release`, the layers' parameters share storage
+    loop's :class:`~dustin_hf.decode.workspace.Workspace`). Until :meth:`release`, the layers' parameters share storage
     (views of one tensor that do not overlap: ``state_dict()``, ``save_pretrained`` and safetensors take them as
 they take separate tensors). A layer whose parameters were replaced since
     (``param.data = ...``, ``model.to(...)``) is concatenated afresh and :attr:`generation` counts up.

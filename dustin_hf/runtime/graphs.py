@@ -47,7 +47,7 @@ import torch
 from . import fused
 from ..compat import CACHE_KWARG
 from ..kernels.tuning import KernelTuning
-from ..plan import DeviceTensors, ForwardPlan
+from .plan import DeviceTensors, ForwardPlan
 
 __all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
 
@@ -241,7 +241,7 @@ def _add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) ->
 
 
 class GraphedForward:
-    """One captured forward of a model over its :class:`~dustin_hf.cache.DustinCache`, one graph per stage.
+    """One captured forward of a model over its :class:`~dustin_hf.decode.cache.DustinCache`, one graph per stage.
 
     Args:
         runner: the decoding loop's model wrapper (``.pipeline``, ``.cache``, ``.device``, ``.backend``,
@@ -250,8 +250,8 @@ class GraphedForward:
         q_len: new tokens per row.
         width: columns of the sparse read set (0: dense).
         keep: logits kept per row (the last ``keep`` positions).
-        capture, capture_last: scoring queries to keep (see :class:`~dustin_hf.plan.ForwardPlan`).
-        full_rows: rows may read in full through their counts (:attr:`~dustin_hf.plan.ForwardPlan.full_rows`).
+        capture, capture_last: scoring queries to keep (see :class:`~dustin_hf.runtime.plan.ForwardPlan`).
+        full_rows: rows may read in full through their counts (:attr:`~dustin_hf.runtime.plan.ForwardPlan.full_rows`).
     """
 
     def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool,

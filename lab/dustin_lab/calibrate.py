@@ -1,7 +1,7 @@
 """Offline calibration: the scoring heads and ``draft_share`` that maximise attention recovery.
 
 Dustin scores positions on a few heads only: the target's history attention on one layer and the
-draft's lookahead attention on a few layers (:mod:`dustin_hf.scoring`). Which heads matters: the
+draft's lookahead attention on a few layers (:mod:`dustin_hf.selection.scoring`). Which heads matters: the
 chosen set must capture as much of the target's full attention as possible. Calibration, once per
 model pair:
 
@@ -9,7 +9,7 @@ model pair:
    several positions ``L`` run the target over ``tokens[L-1 : L+γ+1]`` and the draft over
    ``tokens[L-1 : L+γ]`` keeping every head of every layer. Per step this gives
    - ``W (layers, L)``: the reference attention (mean over heads and the γ+1 verification queries,
-     renormalised over the cached positions; see :mod:`dustin_hf.recovery`),
+     renormalised over the cached positions; see :mod:`dustin_hf.selection.recovery`),
    - ``T (target layers, heads, L)``: each target head's history attention (query at ``L-1``),
    - ``D (draft layers, heads, L)``: each draft head's lookahead attention (queries ``L..L+γ-1``).
 2. **Search**, greedily (recovery is linear in the selection, so a candidate costs one budget fill):
@@ -17,7 +17,7 @@ model pair:
    group for the best layers); then draft layers (up to three) with heads from one GQA group each,
    with ``m`` at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent
    windows, and ``m`` once more. Scores average the budgets asked for.
-   The selection is :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
+   The selection is :func:`dustin_hf.selection.fill.select_positions`, the decoder's own budget fill.
 3. **Report** the calibrated choice beside ``DustinConfig()``'s defaults on the same steps, and the
    oracle (the top positions of the reference attention itself: no selection of that size does better).
 
@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 
 from dustin_hf.config import DustinConfig
 from dustin_hf.kernels import resolve_backend
-from dustin_hf.runner import ModelRunner
-from dustin_hf.search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.calibration.search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
 
 from .prefilled import dustin_attention_on, prefill_pair
 from .settings import CalibrationSettings

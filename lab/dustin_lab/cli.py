@@ -250,7 +250,7 @@ def _calibrate_args(parser):
           "Writes a profile JSON that DustinConfig.from_profile() and dustin_hf.patch(model, path) load, with the "
           "calibrated recovery beside that of DustinConfig()'s default heads.", _calibrate_args)
 def calibrate_command(args, out: Output) -> dict:
-    from dustin_hf.search import StepFeatures
+    from dustin_hf.calibration.search import StepFeatures
     from .calibrate import calibrate
     from .settings import CalibrationSettings
     from .pair import describe_machine

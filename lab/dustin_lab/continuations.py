@@ -1,6 +1,6 @@
 """Greedy continuations by speculative decoding, dense or Dustin, from a stored prefill.
 
-One function runs :class:`~dustin_hf.decoding.SpeculativeDecoder` on one prompt with a fixed γ (no
+One function runs :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` on one prompt with a fixed γ (no
 confidence-based early stop, so every step proposes γ drafts and traces are comparable) and returns
 the generated tokens, the cache's stats, the per-step acceptance trace and timings. Another compares
 two continuations token by token.

@@ -31,8 +31,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.patching import patch
-from dustin_hf.telemetry import synchronize
+from dustin_hf.adapter.patching import patch
+from dustin_hf.decode.hooks import synchronize
 
 from .continuations import token_agreement
 

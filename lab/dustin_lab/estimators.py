@@ -1,7 +1,7 @@
 """Estimators of a read set's recovery, tried offline on the features a walk's probe wrote.
 
 The quality knob needs, per step, a mass over the cached positions whose sum over a set tracks that set's
-true recovery (every layer, head and query of the target). The library's (:func:`~dustin_hf.selection.estimated_mass`)
+true recovery (every layer, head and query of the target). The library's (:func:`~dustin_hf.selection.fill.estimated_mass`)
 is the mean of the scoring heads' two signals, each normalised over ``[0, L)``. An :class:`Estimator` here is
 the same recipe with any heads of any layer for either signal, any mix and a power (``power < 1`` flattens
 the mass, for signals sharper than the truth), computed from :class:`~dustin_lab.knob.EstimatorFeatures`.
@@ -10,7 +10,7 @@ the mass, for signals sharper than the truth), computed from :class:`~dustin_lab
 
 * **as a proxy**: on the paper's fixed fill of each budget (the same set for every estimator), Pearson and
   Spearman of the estimator's sum over the set against the set's true recovery, and the mean error;
-* **as the knob's order and stop**: the knob's selection (:func:`~dustin_hf.selection.select_by_recovery`)
+* **as the knob's order and stop**: the knob's selection (:func:`~dustin_hf.selection.fill.select_by_recovery`)
   made from the estimator's mass at each target: the positions read, the true recovery they reach (mean and
   10th percentile over steps), so that estimators and the fixed budgets compare at the same mean read.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dustin_hf.config import ResolvedConfig
-from dustin_hf.selection import select_by_recovery, select_positions
+from dustin_hf.selection.fill import select_by_recovery, select_positions
 
 from .knob import correlation
 
@@ -73,7 +73,7 @@ class Estimator:
 
 
 def library_estimator(config: ResolvedConfig) -> Estimator:
-    """The recipe :func:`~dustin_hf.selection.estimated_mass` follows with ``config``'s scoring heads."""
+    """The recipe :func:`~dustin_hf.selection.fill.estimated_mass` follows with ``config``'s scoring heads."""
     return Estimator(target=((config.target_layer, config.target_heads),),
                      draft=tuple(zip(config.draft_layers, config.draft_heads)))
 
@@ -184,7 +184,7 @@ def order_study(steps: dict[str, list[dict]], config: ResolvedConfig, targets: l
     ``ladder``: the rungs (default ``budget`` to ``max_budget`` in steps of 128); the fixed fill of each rung uses
     :func:`_fixed_fills`' draft share rule. Rows (as :func:`study`'s knob rows, per target):
 
-    * ``library_knob``: :func:`~dustin_hf.selection.select_by_recovery` (positions by estimated mass);
+    * ``library_knob``: :func:`~dustin_hf.selection.fill.select_by_recovery` (positions by estimated mass);
     * ``ladder_knob``: the smallest rung whose fixed fill's estimate reaches the target, else every position;
     * ``oracle_ladder``: the smallest rung whose fixed fill's *true* recovery reaches it, else every position;
     * ``oracle_library``: the same over the library's order cut at the rungs' counts;

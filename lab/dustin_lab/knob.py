@@ -1,9 +1,9 @@
 """The quality knob's evidence: what it read, and how well its estimate tracks the true recovery.
 
 The knob (``DustinConfig.min_recovery``) grows each row's read set until the *estimated* recovery
-(:func:`~dustin_hf.selection.estimated_mass`: the scoring heads' attention) reaches the target. Whether that
+(:func:`~dustin_hf.selection.fill.estimated_mass`: the scoring heads' attention) reaches the target. Whether that
 controls quality depends on how closely the estimate follows the *true* recovery: the share of attention that
-every layer, head and query of the target puts on the set (:mod:`dustin_hf.recovery`). Here:
+every layer, head and query of the target puts on the set (:mod:`dustin_hf.selection.recovery`). Here:
 
 * :func:`budget_summary`: the positions a method read per step (mean, median, 95th percentile, max, dense
   fallbacks), as ``stats["knob"]`` reports them for a decode;
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.recovery import head_probabilities
+from dustin_hf.selection.recovery import head_probabilities
 
 __all__ = ["EstimatorFeatures", "budget_summary", "correlation", "load_features"]
 

@@ -4,7 +4,7 @@ An experiment, not part of the method. Dustin predicts one read set per row from
 (draft lookahead, target history) and shares it across every layer and head. To tell how much of its
 loss comes from the prediction and how much from sharing one set, the walk can replace a method's
 selection by one made from the *true* attention of the step's γ+1 verification queries (the dense
-method's queries and keys at the same step, see :func:`dustin_hf.recovery.position_weights`):
+method's queries and keys at the same step, see :func:`dustin_hf.selection.recovery.position_weights`):
 
 * ``"shared"``: the top ``budget`` positions of the attention averaged over all layers, heads and
   queries, one set read by every sparse layer (what a perfect Dustin scorer would pick; since
@@ -15,7 +15,7 @@ method's queries and keys at the same step, see :func:`dustin_hf.recovery.positi
 Per-layer sets need a read set per layer, which the kernels do not take: :class:`LayerwisePlan`
 hands each layer its own indices on the plain-PyTorch path. It relies on the attention function
 calling :meth:`ForwardPlan.keep_queries` for a layer before :meth:`ForwardPlan.on` (as
-:func:`dustin_hf.attention.dustin_attention` does); the tests check the routing against
+:func:`dustin_hf.adapter.attention.dustin_attention` does); the tests check the routing against
 ``dense_layers``.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dustin_hf.plan import DeviceTensors, ForwardPlan
+from dustin_hf.runtime.plan import DeviceTensors, ForwardPlan
 
 __all__ = ["ORACLES", "LayerwisePlan", "oracle_indices"]
 

@@ -2,7 +2,7 @@
 
 On a CPU the 1.5B target reads 4k tokens in minutes, so evaluation prefills each prompt once and
 starts every later run (dense speculative decoding, Dustin at each budget, the teacher-forced walk)
-from a copy of the same state. The state is exactly what :class:`~dustin_hf.decoding.SpeculativeDecoder`
+from a copy of the same state. The state is exactly what :class:`~dustin_hf.decode.decoder.SpeculativeDecoder`
 has after its own prefill of the prompt: the target cache holds the prompt, the draft cache all but
 its last token, and the target's last query on the scoring layer is kept as the first history.
 
@@ -20,17 +20,17 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from dustin_hf import decoding
-from dustin_hf.cache import DustinCache
+from dustin_hf.decode import decoder as decoding
+from dustin_hf.decode.cache import DustinCache
 from dustin_hf.compat import model_device
-from dustin_hf.decode_settings import Drafting
-from dustin_hf.generate import attention_routed
+from dustin_hf.decode.settings import Drafting
+from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.kernels import resolve_backend
-from dustin_hf.patching import is_patched, patch
-from dustin_hf.plan import select_heads
-from dustin_hf.prompt_calibration import calibrate_on_prompts
-from dustin_hf.runner import ModelRunner
-from dustin_hf.telemetry import DecodeHooks
+from dustin_hf.adapter.patching import is_patched, patch
+from dustin_hf.runtime.plan import select_heads
+from dustin_hf.calibration.prompt import calibrate_on_prompts
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.decode.hooks import DecodeHooks
 
 __all__ = ["Prefilled", "PrefillStore", "clone_cache", "dustin_attention_on", "prefill_pair", "speculative_decoder"]
 
@@ -156,8 +156,8 @@ class PrefillStore:
 
 
 def speculative_decoder(target, draft, generation_config, *, dustin, gamma: int, store: PrefillStore | None = None):
-    """A :class:`~dustin_hf.decoding.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
+    """A :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
-    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin=dustin, drafting=Drafting(gamma),
+    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin_config=dustin, drafting=Drafting(gamma),
                                        hooks=None if store is None else DecodeHooks(prefill=store.hook()),
                                        calibrate=calibrate_on_prompts)

@@ -1,6 +1,6 @@
 """Calibration of ``selection="verify"``: which selection layers keep the sparse target closest to the dense one.
 
-The scoring heads are calibrated by attention recovery (:mod:`dustin_hf.search`), a quantity linear in the read set
+The scoring heads are calibrated by attention recovery (:mod:`dustin_hf.calibration.search`), a quantity linear in the read set
 and cheap to score for thousands of candidates. For selection layers it misleads: on the Qwen2.5-Coder 1.5B/0.5B
 pair the layer whose own choice added the most recovery over Dustin's set on the layers after it gave the
 *lowest* top-1 agreement with dense verification of every layer set tried on held-out texts, and early selection

@@ -9,7 +9,7 @@ exactly the next γ tokens and all were accepted. Step ``s`` at ``L = C + s(γ+1
      same tokens over γ forwards) and keeps its queries at ``L .. L+γ-1`` on the scoring layers;
   2. select (per budget): ``S_draft`` from those queries, ``S_target`` from the target's query of
      the last committed token (kept by the previous step), budget fill by ``select_positions``,
-     exactly as the decoder's selector does (:meth:`dustin_hf.selector.Selector.select`);
+     exactly as the decoder's selector does (:meth:`dustin_hf.selection.selector.Selector.select`);
   3. verify: the target reads ``tokens[L : L+γ+1]`` against the selection (dense: everything); its
      logits give the NLL of ``tokens[L+1 : L+γ+2]``, and its query at ``L+γ`` becomes the history.
 
@@ -35,9 +35,9 @@ and the oracle: the top positions of the reference attention itself (recovery is
 selection, so no set of that size captures more).
 
 A method whose config sets ``min_recovery`` (the quality knob) reads, at each step, the smallest set whose
-estimated recovery reaches its target (:func:`~dustin_hf.selection.select_by_recovery`), as the decoder does.
+estimated recovery reaches its target (:func:`~dustin_hf.selection.fill.select_by_recovery`), as the decoder does.
 Per step and sparse method the walk records the positions read, the selection's estimated recovery (the
-scoring heads' share, :func:`~dustin_hf.selection.estimated_mass`) and its true recovery (over every layer,
+scoring heads' share, :func:`~dustin_hf.selection.fill.estimated_mass`) and its true recovery (over every layer,
 head and query of the dense method, when measured): the knob's cost and the estimate against the truth.
 
 An ``oracle`` method (an experiment, :mod:`dustin_lab.oracle`) verifies, at each step, with read sets taken
@@ -57,14 +57,14 @@ from tqdm.auto import tqdm
 
 from dustin_hf.compat import attention_scale, group_size, model_device
 from dustin_hf.config import ResolvedConfig
-from dustin_hf.draft_reads import DraftReads
+from dustin_hf.selection.draft_reads import DraftReads
 from dustin_hf.kernels import resolve_backend
-from dustin_hf.plan import ForwardPlan, device_tensor, select_heads
-from dustin_hf.recovery import position_weights, selection_recovery
-from dustin_hf.runner import ModelRunner
-from dustin_hf.scoring import draft_lookahead_scores, target_history_scores
-from dustin_hf.select_layers import select_spec
-from dustin_hf.selection import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
+from dustin_hf.runtime.plan import ForwardPlan, device_tensor, select_heads
+from dustin_hf.selection.recovery import position_weights, selection_recovery
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.selection.scoring import draft_lookahead_scores, target_history_scores
+from dustin_hf.selection.layers import select_spec
+from dustin_hf.selection.fill import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
 
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
@@ -136,7 +136,7 @@ class DenseStep:
     """What the dense method saw at one step, handed to :func:`teacher_forced_walk`'s ``probe``.
 
     ``at`` is ``L``, the cached positions; ``weights`` the reference attention ``(n_layers, L)``
-    (:func:`~dustin_hf.recovery.position_weights`). Keys are row 0's cache buffers, ``(T, Hkv, D)`` with
+    (:func:`~dustin_hf.selection.recovery.position_weights`). Keys are row 0's cache buffers, ``(T, Hkv, D)`` with
     ``T > L + γ``: a probe reads ``[:L]`` (the draft's ``[:L + γ]``) and must not keep them past the call.
     """
 
@@ -499,7 +499,7 @@ def _draft_step(draft_model, selections, tokens, at, gamma, backend, d_capture, 
 
 def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at) -> tuple[Selection, float]:
     """A method's selection at ``L`` (the knob's with ``min_recovery``): ``S_target`` from its ``history (1, heads,
-    D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery (:func:`~dustin_hf.selection.estimated_mass`
+    D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery (:func:`~dustin_hf.selection.fill.estimated_mass`
     summed over the set)."""
     s_target = target_history_scores(history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
                                      t_group, t_scale, at).to(base.device)

@@ -1,12 +1,12 @@
 """The search behind calibration: which scoring heads and ``draft_share`` recover the most attention.
 
 Offline calibration (the lab's :mod:`dustin_lab.calibrate`, over book windows) and prompt calibration
-(:mod:`dustin_hf.prompt_calibration`, over the prompt itself) both collect verification-like steps and
+(:mod:`dustin_hf.calibration.prompt`, over the prompt itself) both collect verification-like steps and
 hand them here:
 
 - :func:`step_features`: one step at ``L`` cached positions, every head of every layer kept:
   ``W (layers, L)`` the reference attention of the γ+1 verification queries (renormalised over the
-  cached positions, :mod:`dustin_hf.recovery`), ``T (target layers, heads, L)`` each target head's
+  cached positions, :mod:`dustin_hf.selection.recovery`), ``T (target layers, heads, L)`` each target head's
   history attention (query at ``L-1``), ``D (draft layers, heads, L)`` each draft head's lookahead
   attention (queries ``L..L+γ-1``);
 - :func:`search`, greedy (recovery is linear in the selection, so a candidate costs one budget fill):
@@ -14,7 +14,7 @@ hand them here:
   for the best layers); then draft layers (up to three) with heads from one GQA group each, with ``m``
   at half the free budget; then ``m`` on a grid; then (optionally) the sink and recent windows, and
   ``m`` once more. Scores average the budgets asked for. The selection is
-  :func:`dustin_hf.selection.select_positions`, the decoder's own budget fill.
+  :func:`dustin_hf.selection.fill.select_positions`, the decoder's own budget fill.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .compat import attention_scale, group_size
-from .config import DustinConfig, resolve
-from .plan import ForwardPlan
-from .recovery import head_probabilities, position_weights
-from .selection import select_positions
+from ..compat import attention_scale, group_size
+from ..config import DustinConfig, resolve
+from ..runtime.plan import ForwardPlan
+from ..selection.recovery import head_probabilities, position_weights
+from ..selection.fill import select_positions
 
 __all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search", "stack_features",
            "step_features"]

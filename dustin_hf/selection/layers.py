@@ -10,7 +10,7 @@ to the next selection layer) becomes:
 2. the rest of the row's count by the layer's attention: per position, the mean over the layer's heads and the
    row's own queries (the tokens it verifies: a row that drafted fewer than the longest row's count scores without
    the tokens past its own) of each query's attention over the cached positions (its softmax over them alone, as
-   :func:`dustin_hf.recovery.position_weights` defines it, so that calibration scores sets the same way).
+   :func:`dustin_hf.selection.recovery.position_weights` defines it, so that calibration scores sets the same way).
 
 A row keeps its count (the budget, or the quality knob's count), so the later layers read as many positions as
 they would have read of Dustin's set; a row that reads everything (its count covers what it holds) keeps doing so.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import DeviceTensors, SelectLayers
+from ..runtime.plan import DeviceTensors, SelectLayers
 
 __all__ = ["choose_read_set", "layer_position_weights", "select_spec"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import device_tensor
+from ..runtime.plan import device_tensor
 
 __all__ = ["RowGenerators", "accept_greedy", "accept_sampled", "pick_tokens"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import device_tensor
+from ..runtime.plan import device_tensor
 
 __all__ = ["ConfirmSchedule", "ExactStats", "block_proposals", "blocks"]
 

@@ -3,7 +3,7 @@
 transformers calls it from every attention layer with the layer's post-RoPE queries and what the
 cache's ``update`` returned (views of the full preallocated buffers). Everything else it needs,
 each row's length, the step's sparse read set, which queries to keep for scoring, comes from the
-:class:`~dustin_hf.plan.ForwardPlan` the decoding loop passes to the model as the keyword
+:class:`~dustin_hf.runtime.plan.ForwardPlan` the decoding loop passes to the model as the keyword
 argument ``dustin_plan`` (transformers forwards unknown keyword arguments down to attention).
 
 No attention mask is registered for this name, so transformers builds none; causality (bottom-right:
@@ -17,18 +17,18 @@ covering the window is exact), else the selection within it. The same path serve
 last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
 
 A selection layer of a sparse forward (``ForwardPlan.select``) reads every cached position and chooses the read set
-of the layers after it (:mod:`dustin_hf.select_layers`).
+of the layers after it (:mod:`dustin_hf.selection.layers`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import full_rows_written, verify_attention
-from .kernels.masked import masked_attention
-from .kernels.reference import prefill_attention
-from .plan import ForwardPlan
-from .select_layers import choose_read_set
+from ..kernels import full_rows_written, verify_attention
+from ..kernels.masked import masked_attention
+from ..kernels.reference import prefill_attention
+from ..runtime.plan import ForwardPlan
+from ..selection.layers import choose_read_set
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
 

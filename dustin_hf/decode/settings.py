@@ -1,4 +1,4 @@
-"""What a :class:`~dustin_hf.decoding.SpeculativeDecoder` is set up with, in three small groups.
+"""What a :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` is set up with, in three small groups.
 
 - :class:`GenerateSettings`: what ``generate()`` prepared (logits processors, stopping criteria, EOS and pad ids,
   which outputs to return, the streamer), read once from the generation config;
@@ -6,7 +6,7 @@
 - :class:`RuntimeOptions`: how the loop runs on the hardware (attention backend, CUDA graphs, fused ops, launch
   tuning, and the workspaces that keep caches and graphs between calls).
 
-Each is fixed for the decoder's life; what changes per call lives on the run (:mod:`dustin_hf.decode_run`).
+Each is fixed for the decoder's life; what changes per call lives on the run (:mod:`dustin_hf.decode.run`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .rows import token_ids
-from .runtime.tuning import Tuning
+from ..runtime.tuning import Tuning
 from .workspace import Workspaces
 
 __all__ = ["DRAFT_SCHEDULES", "Drafting", "GenerateSettings", "RuntimeOptions"]
@@ -77,7 +77,7 @@ class RuntimeOptions:
         tuning: the GPU path's launch heuristics and fused projections (:class:`~dustin_hf.runtime.tuning.Tuning`);
             ``None``: the measured defaults. Benchmarks compare variants by passing their own.
         workspaces: where a run takes the caches, CUDA graphs and fused weights of an earlier run of the same
-            shape and leaves its own for the next (:mod:`dustin_hf.workspace`; a patched model's
+            shape and leaves its own for the next (:mod:`dustin_hf.decode.workspace`; a patched model's
             ``DustinPatch.workspaces``); ``None``: built for each run and released after it.
     """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.tuning import ScoreTuning
+from ..kernels.tuning import ScoreTuning
 
 __all__ = ["attention_mass", "target_history_scores", "draft_lookahead_scores"]
 
@@ -65,8 +65,8 @@ def attention_mass(
         queries and heads (positions a query cannot see get nothing from it).
     """
     if backend == "triton" and query_counts is None:
-        from .kernels import launch_device
-        from .kernels.triton_score import attention_mass_triton
+        from ..kernels import launch_device
+        from ..kernels.triton_score import attention_mass_triton
 
         with launch_device(queries):
             return attention_mass_triton(queries, keys, query_pos.to(keys.device), heads, group_size, softmax_scale,
@@ -162,8 +162,8 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_siz
     """The Triton path of :func:`draft_lookahead_scores`: one call for all layers (their scores summed in
     one pass 2, which also zeroes the draft tokens' own positions), the positions ``L_b + i`` taken from a
     view of the lengths: no elementwise kernels."""
-    from .kernels import launch_device
-    from .kernels.triton_score import attention_mass_layers_triton
+    from ..kernels import launch_device
+    from ..kernels.triton_score import attention_mass_layers_triton
 
     gamma = draft_queries[0].shape[1]
     seqlens = seqlens.to(draft_queries[0].device)

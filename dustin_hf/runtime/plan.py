@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.tuning import KernelTuning
+from ..kernels.tuning import KernelTuning
 
 __all__ = ["DeviceTensors", "ForwardPlan", "SelectLayers", "device_tensor", "select_heads"]
 
@@ -38,7 +38,7 @@ class DeviceTensors:
 
 @dataclass(frozen=True)
 class SelectLayers:
-    """Selection layers of a sparse forward (:mod:`dustin_hf.select_layers`): each reads every cached position and
+    """Selection layers of a sparse forward (:mod:`dustin_hf.selection.layers`): each reads every cached position and
     chooses, per row, the read set of the layers after it (up to the next one).
 
     ``layers``: the selection layers, non-negative; ``sink_tokens`` / ``recent_tokens``: kept in every chosen set;
@@ -53,7 +53,7 @@ class SelectLayers:
 
 @dataclass
 class ForwardPlan:
-    """What one forward of a model over a :class:`~dustin_hf.cache.DustinCache` does.
+    """What one forward of a model over a :class:`~dustin_hf.decode.cache.DustinCache` does.
 
     Args:
         rows: the cache rows this forward covers (its batch is ``rows.stop - rows.start``).
@@ -72,17 +72,17 @@ class ForwardPlan:
         dense_layers: layers that ignore ``indices`` and read every cached position.
         positions: ``(B', > every slot)`` int64, on any device: the position id of each slot of the covered rows
             (a row whose last input slot was masked, or the caller's ``position_ids``:
-            :func:`dustin_hf.masks.position_table`); ``None``: position ids are the slots.
+            :func:`dustin_hf.decode.masks.position_table`); ``None``: position ids are the slots.
         hide_new: the new tokens attend to the cached positions only, not to each other or themselves (the
             query of a masked last input slot, which stock transformers never lets see itself).
         window_slots: ``(B', > every slot)`` int64, on any device: the index each slot of the covered rows has in
             stock's cache, which a sliding window counts (rows with masked input slots,
-            :func:`dustin_hf.masks.stock_slots`); ``None``: the slots themselves. Windowed layers then take the
+            :func:`dustin_hf.decode.masks.stock_slots`); ``None``: the slots themselves. Windowed layers then take the
             general masked path.
         read_budget: positions a sparse forward reads per row (the selection's width); a sliding-window layer
             whose window fits in it reads its whole window instead of the selection within it.
         full_rows: a row whose count covers all it holds reads everything, its index row not listing it
-            (:attr:`~dustin_hf.selection.Selection.full_rows`; the kernels' ``full_rows``).
+            (:attr:`~dustin_hf.selection.fill.Selection.full_rows`; the kernels' ``full_rows``).
         attention_weights: the attention function returns its probabilities (``output_attentions``; a slower path).
         tuning: the kernels' launch heuristics (``None``: the defaults).
         select: on a sparse forward, layers that read everything and choose the read set of the layers after them

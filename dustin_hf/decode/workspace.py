@@ -1,11 +1,11 @@
 """What a decode run builds that the next run of the same shape reuses, instead of building it again.
 
-A run's two :class:`~dustin_hf.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and the
-CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selector.Selector` owns the scoring
+A run's two :class:`~dustin_hf.decode.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and the
+CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selection.selector.Selector` owns the scoring
 step's graph; the graphs read the concatenated projection weights of
 :class:`~dustin_hf.runtime.fused.FusedWeights`. Capturing a shape costs an eager forward and the capture itself,
 about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
-(:class:`Workspaces`, on its :class:`~dustin_hf.patching.DustinPatch`) and the next call takes it when it fits:
+(:class:`Workspaces`, on its :class:`~dustin_hf.adapter.patching.DustinPatch`) and the next call takes it when it fits:
 
 * the same two model objects, their parameters and buffers where they were (a replaced parameter, a model moved
   to another device or dtype never reuses graphs that read the old memory);
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ResolvedConfig
-from .plan import SelectLayers
+from ..config import ResolvedConfig
+from ..runtime.plan import SelectLayers
 from .runner import ModelRunner
-from .runtime.fused import FusedWeights
-from .runtime.tuning import Tuning
-from .selector import Selector
+from ..runtime.fused import FusedWeights
+from ..runtime.tuning import Tuning
+from ..selection.selector import Selector
 
 __all__ = ["SLACK", "Shape", "Workspace", "Workspaces", "capacity_for"]
 
@@ -51,7 +51,7 @@ class Shape:
     fused: tuple[bool, bool]
     tokens_only: bool
     widths: tuple[int, int]  # the sparse read widths the target's and the draft's graphs are captured at
-    dustin: ResolvedConfig | None
+    dustin_config: ResolvedConfig | None
     tuning: Tuning
     select: SelectLayers | None = None  # the target's selection layers (their scoring queries differ by mode)
 

@@ -1,6 +1,6 @@
 """One ``generate()`` call of the decode loop: its state, and the step that drafts, verifies and commits.
 
-:class:`~dustin_hf.decoding.SpeculativeDecoder` holds what it was set up with and makes a :class:`DecodeRun` per
+:class:`~dustin_hf.decode.decoder.SpeculativeDecoder` holds what it was set up with and makes a :class:`DecodeRun` per
 call: the rows, the runners and caches of the call, its stats, schedules, last selection and queued drafts. The
 run prefills, then calls its step until every row is done.
 
@@ -10,7 +10,7 @@ State at the start of every step, for row b with ``L = L_b`` target-cached posit
     target cache      positions [0, L)
     draft cache       positions [0, L-1)
 
-One step (:meth:`DecodeRun.step`; exact mode's in :mod:`dustin_hf.exact_step`):
+One step (:meth:`DecodeRun.step`; exact mode's in :mod:`dustin_hf.decode.exact_step`):
 
   1. draft: feed tokens[b, L-1:L+1] (2 tokens, so that every row feeds the same count), then γ-1 single
      tokens, drawing d_1..d_γ from the draft's distributions q_1..q_γ;
@@ -42,22 +42,22 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DustinCache
-from .compat import attention_scale, common_window, group_size, model_device
-from .config import ResolvedConfig
-from .draft_reads import DraftReads
+from ..compat import attention_scale, common_window, group_size, model_device
+from ..config import ResolvedConfig
+from ..selection.draft_reads import DraftReads
 from .exact import ConfirmSchedule
 from .masks import Prompt
 from .outputs import OutputRecorder
-from .plan import HostCopy, device_tensor, select_heads
+from ..runtime.plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
 from .rows import Rows
 from .runner import ModelRunner
-from .runtime.launch import prefer_cublaslt
+from ..runtime.launch import prefer_cublaslt
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
-from .selection import Selection, dense_rows
-from .selector import Selector
+from ..selection.fill import Selection, dense_rows
+from ..selection.selector import Selector
 from .stats import RunStats
-from .telemetry import PhaseClock, synchronize
+from .hooks import PhaseClock, synchronize
 from .workspace import Workspace
 
 __all__ = ["DecodeResult", "DecodeRun", "Drafts"]
@@ -68,7 +68,7 @@ class DecodeResult:
     sequences: torch.Tensor  # (B, prompt_len + max generated), the input layout + generated tokens
     scores: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) processed target scores
     logits: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) raw target logits
-    attentions: tuple | None  # per generated index, per layer: stock's layout (see dustin_hf.outputs)
+    attentions: tuple | None  # per generated index, per layer: stock's layout (see dustin_hf.decode.outputs)
     hidden_states: tuple | None
     stats: RunStats  # what the run did (also ``cache.stats``, as a dict)
     cache: DustinCache  # the target's cache (a workspace's: the next run of that workspace empties it)
@@ -106,9 +106,9 @@ class DecodeRun:
     selection and the next step's queued draft forwards. Made per call, dropped after it.
 
     Args:
-        decoder: the :class:`~dustin_hf.decoding.SpeculativeDecoder` whose settings the run reads (never writes).
-        workspace: the caches and runners of this run (:mod:`dustin_hf.workspace`).
-        prompts: each row's prompt (:func:`~dustin_hf.masks.prompts_from_mask`); ``padded_len`` their input width.
+        decoder: the :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` whose settings the run reads (never writes).
+        workspace: the caches and runners of this run (:mod:`dustin_hf.decode.workspace`).
+        prompts: each row's prompt (:func:`~dustin_hf.decode.masks.prompts_from_mask`); ``padded_len`` their input width.
         max_new: tokens each row may generate.
         window_slots: what sliding windows count where rows have holes (``None``: the slots themselves).
     """
@@ -117,12 +117,12 @@ class DecodeRun:
                  max_new: int, window_slots: torch.Tensor | None):
         gen, drafting = decoder.generation, decoder.drafting
         self.gen, self.hooks, self.calibrate = gen, decoder.hooks, decoder.calibrate
-        self.dustin: ResolvedConfig | None = decoder.dustin  # prompt calibration replaces it for this run
+        self.dustin_config: ResolvedConfig | None = decoder.dustin_config  # prompt calibration replaces it for this run
         self.backend, self.kernel_tuning = decoder.backend, decoder.runtime.tuning.kernels
         self.do_sample, self.tokens_only = gen.do_sample, decoder.tokens_only
         self.gamma, self.threshold = drafting.num_draft_tokens, drafting.confidence_threshold
         self.schedule, self.max_gamma = drafting.schedule, drafting.max_gamma
-        self.sparse_draft = self.dustin is not None and self.dustin.sparse_draft
+        self.sparse_draft = self.dustin_config is not None and self.dustin_config.sparse_draft
         self.workspace, self.target, self.draft = workspace, workspace.target, workspace.draft
         self.window_slots = window_slots
         t_cfg = self.target.model.config.get_text_config()
@@ -140,7 +140,7 @@ class DecodeRun:
                                       min_length_from_new=gen.min_length_from_new)
         self.rng = RowGenerators(batch, device) if self.do_sample else None
         self.row_gamma = [self.gamma] * batch  # each row's draft length for its next step (the schedule's state)
-        cfg = self.dustin
+        cfg = self.dustin_config
         self.confirm = ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every,
                                        min_limit=0 if self.do_sample else 1) \
             if cfg is not None and cfg.mode == "exact" else None
@@ -158,7 +158,7 @@ class DecodeRun:
         """Prefill, then ``step(self)`` until every row is done (or ``max_time`` is up); the call's result."""
         started = time.perf_counter()
         self.prefill(prompts)
-        if self.dustin is not None:
+        if self.dustin_config is not None:
             self.selector = self._selector()
         with prefer_cublaslt(self.device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's default
             synchronize(self.device)
@@ -180,11 +180,11 @@ class DecodeRun:
     def _selector(self) -> Selector:
         """The workspace's selector when it was made for this run's settings, else a new one kept there."""
         selector = self.workspace.selector
-        if selector is None or selector.config != self.dustin:  # prompt calibration may have changed the heads
+        if selector is None or selector.config != self.dustin_config:  # prompt calibration may have changed the heads
             target, draft = self.target.model, self.draft.model
             t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
             selector = self.workspace.selector = Selector(
-                self.dustin, self.backend, group_size(t_cfg), group_size(d_cfg),
+                self.dustin_config, self.backend, group_size(t_cfg), group_size(d_cfg),
                 attention_scale(target, t_cfg), attention_scale(draft, d_cfg),
                 graphs=self.workspace.shape.graphs[0], window=common_window(target), tuning=self.kernel_tuning)
         selector.budgets, selector.window_slots = self.hooks.budgets, self.window_slots
@@ -198,7 +198,7 @@ class DecodeRun:
         stats.generated_tokens = sum(rows.generated)
         stats.step_end_times, stats.step_tokens = [t - decoding for t in step_ends], step_tokens
         stats.reports["cuda_graphs"] = {"target": target.graph_report, "draft": draft.graph_report,
-                                        "select": self.selector.graph_report if self.dustin is not None
+                                        "select": self.selector.graph_report if self.dustin_config is not None
                                         else {"captured": 0, "failed": []}}
         if self.clock.mode:
             stats.reports.update(phase_seconds=self.clock.steps, phase_host_seconds=self.clock.host_steps)
@@ -214,12 +214,12 @@ class DecodeRun:
         names the first new token; the draft reads all but the last prompt token. With ``calibration="prompt"``
         the scoring heads are searched on the prompts in between (by the search the decoder was handed,
         ``calibrate``). A row whose last input slot was masked takes its first token from that slot's query
-        instead (:meth:`~dustin_hf.runner.ModelRunner.hidden_query`)."""
+        instead (:meth:`~dustin_hf.decode.runner.ModelRunner.hidden_query`)."""
         target, draft = self.target, self.draft
         prefill = self.hooks.prefill or ModelRunner.prefill
-        chunk = self.dustin.prefill_chunk if self.dustin is not None else None  # None: from free memory
+        chunk = self.dustin_config.prefill_chunk if self.dustin_config is not None else None  # None: from free memory
         rows, prompt_lens = self.rows, [p.length for p in prompts]
-        calibrate = self.dustin is not None and self.dustin.calibration == "prompt"
+        calibrate = self.dustin_config is not None and self.dustin_config.calibration == "prompt"
         if calibrate:  # the target layer is chosen after prefill: keep every layer's last query
             t_cfg = target.model.config.get_text_config()
             t_capture = {layer: tuple(range(t_cfg.num_attention_heads)) for layer in range(t_cfg.num_hidden_layers)}
@@ -243,10 +243,10 @@ class DecodeRun:
         # last id, as every later token does (draft_feed): its proposals there are poor, the output is the same
         prefill(draft, [p.tokens[:-1].clamp_max(self.draft_vocab - 1) for p in prompts], chunk, {})
         if calibrate:
-            self.dustin, report = self.calibrate(target, draft, rows.tokens, self.dustin, self.gamma, prompt_lens)
+            self.dustin_config, report = self.calibrate(target, draft, rows.tokens, self.dustin_config, self.gamma, prompt_lens)
             self.stats.reports["calibration"] = report
-        if self.dustin is not None:
-            layer, heads = self.dustin.target_layer, self.dustin.target_heads
+        if self.dustin_config is not None:
+            layer, heads = self.dustin_config.target_layer, self.dustin_config.target_heads
             history = torch.cat([k[layer][:, 0] for k in kept])  # (B, kept heads, D)
             if calibrate:
                 history = select_heads(history, heads, dim=1)
@@ -258,7 +258,7 @@ class DecodeRun:
         rows, target, draft = self.rows, self.target, self.draft
         seqlens = [n - 1 for n in rows.lens]  # L_b: target-cached positions (the last token is not cached)
         base = device_tensor(seqlens, rows.tokens.device)
-        sparse = self.dustin is not None and not all(dense_rows(seqlens, self.dustin))
+        sparse = self.dustin_config is not None and not all(dense_rows(seqlens, self.dustin_config))
 
         # 1. Draft d_1..d_γ per row (the first forwards may have been queued by the last step).
         drafts = self.draft_tokens(seqlens, base, sparse)
@@ -317,8 +317,8 @@ class DecodeRun:
             draft.cache.advance(slice(0, batch), [queued + 1] * batch)
             self.stats.draft_forwards_ahead += queued
             self.stats.steps_drafted_ahead += 1
-        if self.dustin is not None:
-            queries = captured[self.dustin.target_layer]  # (B, Q, heads, D)
+        if self.dustin_config is not None:
+            queries = captured[self.dustin_config.target_layer]  # (B, Q, heads, D)
             picked = device_tensor([max(k - 1, 0) for k in kept], queries.device)
             history = queries[torch.arange(batch, device=queries.device), picked]
             target.cache.set_history(history, [s + k - 1 for s, k in zip(starts, kept)])
@@ -326,7 +326,7 @@ class DecodeRun:
     def draft_tokens(self, seqlens: list[int], base: torch.Tensor, sparse: bool) -> Drafts:
         """Step 1: up to γ draft forwards. The first feeds [tokens[L-1], tokens[L]] so that every row feeds two;
         the draft cache holds L-1 positions, then L+1, L+2, ... after each forward. With ``sparse_draft`` the draft
-        reads the last selection plus the positions written since (:class:`~dustin_hf.draft_reads.DraftReads`).
+        reads the last selection plus the positions written since (:class:`~dustin_hf.selection.draft_reads.DraftReads`).
 
         Each row drafts its own count: its schedule's length, cut after a draft below the confidence threshold.
         The forwards run while some unfinished row is still drafting; a row's drafts past its own count are
@@ -342,7 +342,7 @@ class DecodeRun:
             queued, reads, feed = ahead.outputs, ahead.reads, None
         else:
             queued = ()
-            reads = DraftReads.after(self.last_selection, self.dustin, self.max_gamma, draft.cache.capacity) \
+            reads = DraftReads.after(self.last_selection, self.dustin_config, self.max_gamma, draft.cache.capacity) \
                 if sparse and self.sparse_draft else None
             feed = self.draft_feed(base - 1)
         device = rows.tokens.device
@@ -411,7 +411,7 @@ class DecodeRun:
     def accept(self, drafts: Drafts, raw: torch.Tensor, scores: torch.Tensor | None,
                tentative: list[int] | None = None, dense: list[bool] | None = None):
         """Step 4: ``n_accepted (B,)`` leading drafts kept and the target's ``next_token (B,)`` after them
-        (:func:`~dustin_hf.sampling.accept_greedy` / :func:`~dustin_hf.sampling.accept_sampled`); a replayed
+        (:func:`~dustin_hf.decode.sampling.accept_greedy` / :func:`~dustin_hf.decode.sampling.accept_sampled`); a replayed
         acceptance (:attr:`DecodeHooks.accept`; in exact mode :attr:`DecodeHooks.confirm`, told how many of each
         block's proposals are tentative tokens) replaces the counts, the target's own token follows them."""
         replay = self.hooks.accept
@@ -437,18 +437,18 @@ class DecodeRun:
     def attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
         """Per active row: the cached positions it read per layer (dense and selection layers read everything), and
         whether its read set held less than the row (a sparse row, not one read in full)."""
-        layers, dense = self.target_layers, len(set(self.dustin.dense_layers) | set(self.dustin.selection_layers))
+        layers, dense = self.target_layers, len(set(self.dustin_config.dense_layers) | set(self.dustin_config.selection_layers))
         return [((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers,
                  selection.counts[b] < seqlens[b]) for b in active]
 
     @property
     def history_capture(self) -> dict:
         """The target's scoring queries to keep on a verification: its scoring layer's heads (Dustin only)."""
-        return {self.dustin.target_layer: self.dustin.target_heads} if self.dustin is not None else {}
+        return {self.dustin_config.target_layer: self.dustin_config.target_heads} if self.dustin_config is not None else {}
 
     def draft_capture(self, sparse: bool) -> dict:
         """The draft's scoring queries to keep on a step: its scoring layers' heads when the step is sparse."""
-        return dict(zip(self.dustin.draft_layers, self.dustin.draft_heads)) if sparse else {}
+        return dict(zip(self.dustin_config.draft_layers, self.dustin_config.draft_heads)) if sparse else {}
 
     def draft_feed(self, before: torch.Tensor) -> torch.Tensor:
         """``(B, 2)``: each row's committed tokens at ``before`` and ``before + 1`` (the draft's first input)."""
@@ -460,7 +460,7 @@ class DecodeRun:
         when the forwards hand out tokens (:attr:`tokens_only`: nothing on the host between them) all γ.
 
         The step's copy to the host is queued before them and the host waits for that copy alone
-        (:class:`~dustin_hf.plan.HostCopy`), so it does its bookkeeping and queues the rest of the next step
+        (:class:`~dustin_hf.runtime.plan.HostCopy`), so it does its bookkeeping and queues the rest of the next step
         while the GPU runs these forwards, instead of the GPU idling until the host has queued more. A row
         that commits ``k = n + 1`` tokens (``n`` drafts accepted) holds ``L + k - 1`` draft positions next
         step, feeds its tokens at ``L + k - 1`` and ``L + k``, then its drafts; a row finished before this
@@ -472,14 +472,14 @@ class DecodeRun:
         else ``None`` (or fewer forwards) and the next step runs the rest.
         """
         draft = self.draft
-        if self.dustin is not None and selection is None:
+        if self.dustin_config is not None and selection is None:
             return None
         sparse = selection is not None
         kept = n_accepted  # k - 1
         if any(self.rows.finished):
             kept = torch.where(device_tensor(self.rows.finished, base.device), -1, n_accepted)
         before = (base + kept).clamp_max(draft.cache.capacity - 1 - self.max_gamma)  # L + k - 1
-        reads = DraftReads.after((selection, seqlens), self.dustin, self.max_gamma, draft.cache.capacity) \
+        reads = DraftReads.after((selection, seqlens), self.dustin_config, self.max_gamma, draft.cache.capacity) \
             if sparse and self.sparse_draft else None
         capture, feed, outputs = self.draft_capture(sparse), self.draft_feed(before), []
         for i in range(max(self.row_gamma) if self.tokens_only else 1):

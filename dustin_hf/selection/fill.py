@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ResolvedConfig
-from .kernels import available_backends
-from .kernels.tuning import SelectTuning
-from .plan import device_tensor
+from ..config import ResolvedConfig
+from ..kernels import available_backends
+from ..kernels.tuning import SelectTuning
+from ..runtime.plan import device_tensor
 
 __all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "truncated",
            "with_dense_rows"]
@@ -79,7 +79,7 @@ def select_positions(
         window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
             window the budget covers is read whole); one per row where rows differ (masked input slots take
-            places in stock's windows, :meth:`dustin_hf.selector.Selector._row_windows`). ``None``: the whole
+            places in stock's windows, :meth:`dustin_hf.selection.selector.Selector._row_windows`). ``None``: the whole
             context.
         tuning: the Triton selection's launch heuristic (``None``: the default).
         full_rows: name rows read in full by their counts (outside sliding windows, as above).
@@ -103,8 +103,8 @@ def select_positions(
     fill = config.budget - sink - recent - share
     history = _history_scores(draft_scores, target_scores, has_history)
     if _resolve_backend(backend, draft_scores, share, fill, tuning) == "triton":
-        from .kernels import launch_device
-        from .kernels.triton_select import select_sparse_triton
+        from ..kernels import launch_device
+        from ..kernels.triton_select import select_sparse_triton
 
         with launch_device(draft_scores):
             indices = select_sparse_triton(draft_scores.contiguous(), history.contiguous(), lengths, sink=sink,
@@ -177,7 +177,7 @@ def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill:
     if backend == "auto":
         if "triton" not in available_backends(draft_scores.device):
             return "reference"
-        from .kernels.triton_select import supports
+        from ..kernels.triton_select import supports
 
         return "triton" if supports(draft_scores.shape[1], share, fill, tuning) else "reference"
     return backend

@@ -23,12 +23,12 @@ import torch
 from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, dustin_attention
-from .compat import CACHE_KWARG, check_model, check_transformers
-from .config import DustinConfig
-from .patches.cache_registry import register_cache_implementation, unregister_cache_implementation
-from .patches.generation import patched_class
-from .telemetry import DecodeHooks
-from .workspace import Workspaces
+from ..compat import CACHE_KWARG, check_model, check_transformers
+from ..config import DustinConfig
+from ..patches.cache_registry import register_cache_implementation, unregister_cache_implementation
+from ..patches.generation import patched_class
+from ..decode.hooks import DecodeHooks
+from ..decode.workspace import Workspaces
 
 __all__ = ["DustinPatch", "patch", "is_patched"]
 
@@ -92,7 +92,7 @@ class DustinPatch:
         ``do_sample``, ``cache_config``, logits processors: they decide the graphs' shapes), for ``steps`` decode steps.
         Its prompts are short (past ``min_context`` and the budget, so the sparse steps run too) and its length
         budget is ``max_length`` (the real calls' prompt plus ``max_new_tokens``), so its caches and graphs are those
-        a real call of that length reuses (:mod:`dustin_hf.workspace`). Returns the run's ``stats``; its prompt
+        a real call of that length reuses (:mod:`dustin_hf.decode.workspace`). Returns the run's ``stats``; its prompt
         attention's cuDNN plan is built for the short prompt, so the first real call still builds its own.
         """
         from transformers import StoppingCriteria, StoppingCriteriaList
@@ -154,7 +154,7 @@ def patch(model, config: DustinConfig | str | Path | None = None, *, hooks: Deco
         config: a :class:`DustinConfig`, a path to a calibration profile (JSON), or ``None`` for
             the defaults. ``generate(..., cache_config={...})`` overrides fields for one call.
         hooks: what a benchmark or an evaluation plugs into every decode run
-            (:class:`~dustin_hf.telemetry.DecodeHooks`: replayed acceptance, phase timing); ``None`` for none.
+            (:class:`~dustin_hf.decode.hooks.DecodeHooks`: replayed acceptance, phase timing); ``None`` for none.
             Patching a patched model again with hooks replaces them (``handle.hooks = None`` removes them).
 
     Returns:

@@ -6,9 +6,9 @@ own number of tokens per step), greedy or sampling.
 
 :class:`SpeculativeDecoder` holds what a decoder is set up with (the models, :class:`GenerateSettings`, the
 Dustin settings, :class:`Drafting`, :class:`RuntimeOptions`, hooks) and, per ``generate()`` call, finds the
-caches and CUDA graphs of the call (:mod:`dustin_hf.workspace`) and runs a
-:class:`~dustin_hf.decode_run.DecodeRun`, which holds everything of that call and its decode step (exact mode's
-in :mod:`dustin_hf.exact_step`). Prompt calibration is handed in (``calibrate``), so the loop stays below the
+caches and CUDA graphs of the call (:mod:`dustin_hf.decode.workspace`) and runs a
+:class:`~dustin_hf.decode.run.DecodeRun`, which holds everything of that call and its decode step (exact mode's
+in :mod:`dustin_hf.decode.exact_step`). Prompt calibration is handed in (``calibrate``), so the loop stays below the
 calibration search.
 """
 
@@ -20,19 +20,19 @@ import torch
 from transformers import GenerationConfig
 
 from .cache import DustinCache
-from .compat import model_device, window_cuts
-from .config import ResolvedConfig
-from .decode_run import DecodeResult, DecodeRun
-from .decode_settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
-from .draft_reads import DraftReads
+from ..compat import model_device, window_cuts
+from ..config import ResolvedConfig
+from .run import DecodeResult, DecodeRun
+from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
+from ..selection.draft_reads import DraftReads
 from .exact_step import exact_step
-from .kernels import resolve_backend
+from ..kernels import resolve_backend
 from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
 from .runner import ModelRunner
-from .runtime.fused import FusedWeights, fused_ops, fused_ops_available
-from .runtime.launch import all_on_cuda
-from .select_layers import select_spec
-from .telemetry import DecodeHooks, PhaseClock
+from ..runtime.fused import FusedWeights, fused_ops, fused_ops_available
+from ..runtime.launch import all_on_cuda
+from ..selection.layers import select_spec
+from .hooks import DecodeHooks, PhaseClock
 from .workspace import Shape, Workspace, capacity_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in decode_settings
@@ -45,17 +45,17 @@ class SpeculativeDecoder:
         target, draft: causal LMs whose attention is routed to ``"dustin"`` for the call's duration.
         generation: what ``generate()`` prepared (:meth:`GenerateSettings.from_generate`), or a bare
             ``GenerationConfig`` (no logits processors, no stopping criteria besides its length and EOS).
-        dustin: resolved Dustin settings, or ``None`` for dense verification.
+        dustin_config: resolved Dustin settings, or ``None`` for dense verification.
         drafting: γ, its schedule and the confidence stop (:class:`Drafting`; ``None``: 4 drafts, constant).
         runtime: backend, CUDA graphs, fused ops, tuning and workspaces (:class:`RuntimeOptions`; ``None``: the
             defaults, each GPU feature on where the models and backend allow it).
-        hooks: what a benchmark or an evaluation plugs in (:class:`~dustin_hf.telemetry.DecodeHooks`: replayed
+        hooks: what a benchmark or an evaluation plugs in (:class:`~dustin_hf.decode.hooks.DecodeHooks`: replayed
             acceptance, a stored prefill, phase timing); ``None`` for none.
         calibrate: with ``calibration="prompt"``, the search run on the prompts after prefill:
             ``calibrate(target runner, draft runner, tokens (B, T), config, γ, prompt lengths) -> (config, report)``
-            (``generate()`` passes :func:`dustin_hf.prompt_calibration.calibrate_on_prompts`).
+            (``generate()`` passes :func:`dustin_hf.calibration.prompt.calibrate_on_prompts`).
 
-    ``generate`` returns a :class:`~dustin_hf.decode_run.DecodeResult` whose ``stats`` (also the target cache's
+    ``generate`` returns a :class:`~dustin_hf.decode.run.DecodeResult` whose ``stats`` (also the target cache's
     ``stats``) say what the run did: step counts, acceptance, positions read, ``prefill_seconds``,
     ``decode_seconds``, ``step_end_times`` (host clock, each after the step's device sync), ``step_tokens`` (tokens
     committed by all rows at each step) and reports (``cuda_graphs``, ``fused_ops``, ``calibration``, phase times).
@@ -66,7 +66,7 @@ class SpeculativeDecoder:
         target,
         draft,
         generation: GenerateSettings | GenerationConfig,
-        dustin: ResolvedConfig | None = None,
+        dustin_config: ResolvedConfig | None = None,
         drafting: Drafting | None = None,
         runtime: RuntimeOptions | None = None,
         hooks: DecodeHooks | None = None,
@@ -74,15 +74,15 @@ class SpeculativeDecoder:
     ):
         if not isinstance(generation, GenerateSettings):
             generation = GenerateSettings.from_generate(generation)
-        if dustin is not None and dustin.calibration == "prompt" and calibrate is None:
+        if dustin_config is not None and dustin_config.calibration == "prompt" and calibrate is None:
             raise ValueError("calibration='prompt' needs the search to run on the prompts: pass "
-                             "calibrate=dustin_hf.prompt_calibration.calibrate_on_prompts")
+                             "calibrate=dustin_hf.calibration.prompt.calibrate_on_prompts")
         self.target, self.draft = target, draft
-        self.generation, self.dustin, self.calibrate = generation, dustin, calibrate
+        self.generation, self.dustin_config, self.calibrate = generation, dustin_config, calibrate
         self.drafting = drafting or Drafting()
         self.runtime = runtime or RuntimeOptions()
         self.hooks = hooks or DecodeHooks()
-        self.backend = resolve_backend(dustin.backend if dustin is not None else self.runtime.backend,
+        self.backend = resolve_backend(dustin_config.backend if dustin_config is not None else self.runtime.backend,
                                        model_device(target))
         # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         cuda_graphs, fused = self.runtime.cuda_graphs, self.runtime.fused_ops
@@ -101,8 +101,8 @@ class SpeculativeDecoder:
                                 or generation.output_logits or generation.recording)
 
     def decode_step(self, run: DecodeRun) -> None:
-        """One step of ``run``: exact mode's (:func:`~dustin_hf.exact_step.exact_step`) or the plain one
-        (:meth:`DecodeRun.step <dustin_hf.decode_run.DecodeRun.step>`). A profiler may wrap it on an instance."""
+        """One step of ``run``: exact mode's (:func:`~dustin_hf.decode.exact_step.exact_step`) or the plain one
+        (:meth:`DecodeRun.step <dustin_hf.decode.run.DecodeRun.step>`). A profiler may wrap it on an instance."""
         if run.confirm is not None:
             exact_step(run)
         else:
@@ -121,10 +121,10 @@ class SpeculativeDecoder:
             raise ValueError("streaming is supported for batch size 1 only")
         check_token_ids(prompts, self.target.config.get_text_config().vocab_size)
         needed = max(p.length for p in prompts) + max_new + self.drafting.max_gamma + 2
-        if self.dustin is not None and self.dustin.mode == "exact":  # tentative tokens past max_new, wider blocks
-            needed += self.dustin.confirm_tokens + 2 * self.drafting.max_gamma + 2
+        if self.dustin_config is not None and self.dustin_config.mode == "exact":  # tentative tokens past max_new, wider blocks
+            needed += self.dustin_config.confirm_tokens + 2 * self.drafting.max_gamma + 2
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
-        calibrating = self.dustin is not None and self.dustin.calibration == "prompt"  # each run picks its heads
+        calibrating = self.dustin_config is not None and self.dustin_config.calibration == "prompt"  # each run picks its heads
         workspace = None
         try:
             workspace, window_slots = self._workspace(prompts, padded_len, needed)
@@ -156,7 +156,7 @@ class SpeculativeDecoder:
 
     def _workspace(self, prompts: list[Prompt], padded_len: int,
                    needed: int) -> tuple[Workspace, torch.Tensor | None]:
-        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.workspace`); its
+        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`); its
         runners get this run's position and window tables. Also what sliding windows count where rows have holes
         (``None``: the slots), which the selector reads."""
         recording = self.generation.recording
@@ -170,7 +170,7 @@ class SpeculativeDecoder:
         # attentions and hidden states to return run eagerly
         graphs = tuple(self.graphs[role] and positions is None and not recording and not windowed[role]
                        for role in ("target", "draft"))
-        cfg = self.dustin
+        cfg = self.dustin_config
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         sparse_draft = cfg is not None and cfg.sparse_draft
         draft_width = read_width + DraftReads.extra_for(cfg, self.drafting.max_gamma) if sparse_draft else 0
@@ -179,7 +179,7 @@ class SpeculativeDecoder:
         select = select_spec(cfg, queries=1 if exact_sampling else None) if cfg is not None else None
         shape = Shape(batch=len(prompts), backend=self.backend, graphs=graphs,
                       fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
-                      widths=(read_width, draft_width), dustin=cfg, tuning=self.runtime.tuning, select=select)
+                      widths=(read_width, draft_width), dustin_config=cfg, tuning=self.runtime.tuning, select=select)
         workspaces = self.runtime.workspaces
         workspace = None if workspaces is None else workspaces.take(self.target, self.draft, shape, needed)
         if workspace is None:

@@ -1,8 +1,8 @@
 """Exact mode's decode step: the loop's five steps with tentative acceptance and dense confirmation.
 
-:mod:`dustin_hf.exact` holds exact mode's per-row schedule and block arithmetic; this module is the step that
-uses them, run by :class:`~dustin_hf.decoding.SpeculativeDecoder` in place of :meth:`DecodeRun.step
-<dustin_hf.decode_run.DecodeRun.step>` when ``DustinConfig(mode="exact")``. It shares the run's draft, accept,
+:mod:`dustin_hf.decode.exact` holds exact mode's per-row schedule and block arithmetic; this module is the step that
+uses them, run by :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` in place of :meth:`DecodeRun.step
+<dustin_hf.decode.run.DecodeRun.step>` when ``DustinConfig(mode="exact")``. It shares the run's draft, accept,
 queue and settle phases with the plain step.
 """
 
@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from .decode_run import DecodeRun, Drafts
+from .run import DecodeRun, Drafts
 from .exact import block_proposals, blocks
-from .plan import HostCopy, device_tensor
-from .selection import dense_rows, truncated, with_dense_rows
+from ..runtime.plan import HostCopy, device_tensor
+from ..selection.fill import dense_rows, truncated, with_dense_rows
 
 __all__ = ["exact_step"]
 
 
 def exact_step(run: DecodeRun) -> None:
-    """One step of exact mode (:mod:`dustin_hf.exact`): the same five steps, but a row verified sparsely
+    """One step of exact mode (:mod:`dustin_hf.decode.exact`): the same five steps, but a row verified sparsely
     accepts tentatively, and a confirming row's verification is dense with its tentative tokens in front of
     the new drafts: one speculative block ``[x, t_1..t_n, d_1..d_γ]`` from the row's last committed token x,
     whose proposal is p~ for the t's and q for the d's. What a confirming or dense row accepts is committed;
     what a sparse row accepts joins its tentative tokens."""
-    rows, schedule, cfg = run.rows, run.confirm, run.dustin
+    rows, schedule, cfg = run.rows, run.confirm, run.dustin_config
     target, draft = run.target, run.draft
     batch, device = rows.batch_size, rows.tokens.device
     seqlens = [n - 1 for n in rows.held]  # L_b: cached positions (committed + tentative, the last not cached)

@@ -1,7 +1,7 @@
 """What benchmarks and evaluation plug into a decode run: replayed acceptance, a stored prefill, phase timing.
 
 The library never needs any of it: ``generate()`` runs without hooks. A benchmark passes one
-:class:`DecodeHooks` to :class:`~dustin_hf.decoding.SpeculativeDecoder` instead of reaching into the loop.
+:class:`DecodeHooks` to :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` instead of reaching into the loop.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class DecodeHooks:
         accept: replayed acceptance: maps the computed ``n_accepted (B,)`` (a device tensor) to the counts to
             keep (a device tensor, clamped to ``[0, γ]``); the target's own token follows them. GPU benchmarks use
             it to run random weights at the acceptance of a recorded trace.
-        prefill: replaces :meth:`~dustin_hf.runner.ModelRunner.prefill` (same signature and results), to start
+        prefill: replaces :meth:`~dustin_hf.decode.runner.ModelRunner.prefill` (same signature and results), to start
             from a stored prefill (evaluation) or from random K/V (benchmarks).
         confirm: exact mode's replayed acceptance: ``confirm(n_accepted (B,), tentative (B,), dense (B,) bool)``
             where each row's block holds ``tentative[b]`` tentative tokens before its drafts (0 for a row not

@@ -30,7 +30,7 @@ def head_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_pos: tor
 
     Returns:
         ``(H, num_positions)`` float32. Summed over a subset of heads this is what
-        :func:`dustin_hf.scoring.attention_mass` computes for those heads (up to float rounding).
+        :func:`dustin_hf.selection.scoring.attention_mass` computes for those heads (up to float rounding).
     """
     n_q, n_heads, _ = queries.shape
     span = int(query_pos.max()) + 1

@@ -8,7 +8,7 @@ slot is simply overwritten by the next step.
 
 Physical layout per layer: ``(batch, capacity, kv_heads, head_dim)`` (flash-attn's ``k_cache``
 layout); ``update`` returns ``(batch, kv_heads, capacity, head_dim)`` views, transformers' layout.
-Which slots a forward writes comes from the active :class:`~dustin_hf.plan.ForwardPlan`.
+Which slots a forward writes comes from the active :class:`~dustin_hf.runtime.plan.ForwardPlan`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import contextlib
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .plan import ForwardPlan
+from ..runtime.plan import ForwardPlan
 from .stats import RunStats
 
 __all__ = ["DustinCache", "DustinLayer", "GeneratedCache"]
@@ -74,8 +74,8 @@ class DustinLayer(CacheLayerMixin):
         rows = plan.rows
         slots = plan.write_positions(key_states.device)  # (B', Q)
         if plan.backend == "triton" and key_states.is_cuda and key_states.dtype == self._k.dtype:
-            from .kernels import launch_device
-            from .kernels.triton_cache import write_kv_triton
+            from ..kernels import launch_device
+            from ..kernels.triton_cache import write_kv_triton
 
             with launch_device(key_states):
                 write_kv_triton(key_states, value_states, self._k, self._v, slots, rows.start)  # one launch, not three
@@ -274,7 +274,7 @@ class DustinCache(Cache):
 
     @property
     def stats(self) -> dict:
-        """What the decode run that used this cache did (:meth:`dustin_hf.stats.RunStats.as_dict`):
+        """What the decode run that used this cache did (:meth:`dustin_hf.decode.stats.RunStats.as_dict`):
         ``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read per
         row and layer, rows read in full included) and ``mean_attended_sparse`` (the rows verified sparsely
         only), acceptance counters, timings and reports."""
@@ -296,5 +296,5 @@ class GeneratedCache(DynamicCache):
 
     @property
     def stats(self) -> dict:
-        """:meth:`dustin_hf.stats.RunStats.as_dict` of the run that made it (see :attr:`DustinCache.stats`)."""
+        """:meth:`dustin_hf.decode.stats.RunStats.as_dict` of the run that made it (see :attr:`DustinCache.stats`)."""
         return self.run_stats.as_dict()

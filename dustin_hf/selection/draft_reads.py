@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ResolvedConfig
-from .plan import device_tensor
-from .selection import Selection
+from ..config import ResolvedConfig
+from ..runtime.plan import device_tensor
+from .fill import Selection
 
 __all__ = ["DraftReads"]
 
@@ -25,7 +25,7 @@ class DraftReads:
 
     ``indices`` is ``(B, W)``: for a sparse row the last selection (its ``S`` columns: the budget, or the quality
     knob's ceiling), then ``L' .. L' + extra - 1`` where ``L'`` is the row's cached length at that verification.
-    A dense row reads all it holds through its count (:attr:`~dustin_hf.selection.Selection.full_rows`); its
+    A dense row reads all it holds through its count (:attr:`~dustin_hf.selection.fill.Selection.full_rows`); its
     index row is filler, never read. After the verification a row committed ``k <= γ+1`` tokens and the draft
     writes up to γ more, so at most ``extra = 2γ`` positions are new (more in exact mode: :meth:`extra_for`);
     ``W`` is ``S + extra`` (``S`` widened to a sparse row's longer selection, which is rare).

@@ -1,8 +1,8 @@
 """Step 2 of a Dustin step: score every cached position and choose what each row's verification reads.
 
-The two signals (:mod:`dustin_hf.scoring`): the draft's lookahead attention (the queries that produced this
+The two signals (:mod:`dustin_hf.selection.scoring`): the draft's lookahead attention (the queries that produced this
 step's drafts, on the draft's scoring heads) and the target's history attention (the query of each row's last
-committed token, kept by the previous verification). The budget fill (:mod:`dustin_hf.selection`) turns them
+committed token, kept by the previous verification). The budget fill (:mod:`dustin_hf.selection.fill`) turns them
 into one sorted index set per row, shared by every layer and head of the target.
 
 With the Triton backend the scores span the cache capacity, a size fixed for the whole generation (each row's
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from .config import ResolvedConfig
-from .kernels.tuning import KernelTuning
-from .runtime.graphs import GraphedCall
+from ..config import ResolvedConfig
+from ..kernels.tuning import KernelTuning
+from ..runtime.graphs import GraphedCall
 from .scoring import draft_lookahead_scores, target_history_scores
-from .selection import Selection, dense_rows, select_by_recovery, select_positions
+from .fill import Selection, dense_rows, select_by_recovery, select_positions
 
 __all__ = ["Selector"]
 
@@ -36,10 +36,10 @@ class Selector:
         t_scale, d_scale: their attention scales.
         graphs: capture the steady step (needs the target's graph pools).
         window: the sliding window every target layer has (Mistral-style models), else ``None``: the read set is
-            chosen inside it (:func:`~dustin_hf.selection.select_positions`).
+            chosen inside it (:func:`~dustin_hf.selection.fill.select_positions`).
         window_slots: ``(B, capacity)`` int64 on the CPU, what the window counts in rows with masked input slots
-            (:func:`dustin_hf.masks.stock_slots`), else ``None`` (the cache positions).
-        budgets: the quality knob's replayed counts (:attr:`~dustin_hf.telemetry.DecodeHooks.budgets`).
+            (:func:`dustin_hf.decode.masks.stock_slots`), else ``None`` (the cache positions).
+        budgets: the quality knob's replayed counts (:attr:`~dustin_hf.decode.hooks.DecodeHooks.budgets`).
         tuning: the kernels' launch heuristics (scoring and selection take theirs).
     """
 

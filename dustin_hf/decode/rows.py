@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import device_tensor
+from ..runtime.plan import device_tensor
 
 __all__ = ["Rows", "token_ids"]
 
@@ -25,7 +25,7 @@ class Rows:
     """Committed tokens, lengths and stop state of every row, plus the scores/logits kept for the output.
 
     Args:
-        prompts: each row's prompt (:class:`~dustin_hf.masks.Prompt`: its tokens, and what processors see of it).
+        prompts: each row's prompt (:class:`~dustin_hf.decode.masks.Prompt`: its tokens, and what processors see of it).
         width: token slots per row (the longest prompt + ``max_new`` + room for a step's candidates).
         pad: id written in unused slots and after a row's end in the returned sequences.
         max_new: tokens each row may generate.

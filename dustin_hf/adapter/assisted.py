@@ -1,4 +1,4 @@
-"""From ``generate()``'s prepared arguments to a :class:`~dustin_hf.decoding.SpeculativeDecoder` run.
+"""From ``generate()``'s prepared arguments to a :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` run.
 
 Checks what the loop does not support (with errors that say so), resolves the Dustin settings for
 this call (the patch's config, overridden by ``generate(..., cache_config={...})``), routes both
@@ -14,13 +14,13 @@ from collections.abc import Mapping
 import torch
 from transformers import GenerationConfig
 
-from . import prompt_calibration
+from ..calibration import prompt as prompt_calibration
 from .attention import ATTENTION_NAME
-from .compat import CACHE_KWARG, check_pair
-from .config import resolve
-from .decode_settings import Drafting, GenerateSettings, RuntimeOptions
-from .decoding import DecodeResult, SpeculativeDecoder
-from .masks import prompts_from_mask
+from ..compat import CACHE_KWARG, check_pair
+from ..config import resolve
+from ..decode.settings import Drafting, GenerateSettings, RuntimeOptions
+from ..decode.decoder import DecodeResult, SpeculativeDecoder
+from ..decode.masks import prompts_from_mask
 
 __all__ = ["attention_routed", "run_assisted"]
 
@@ -79,8 +79,8 @@ def run_assisted(
     """Speculative decoding of ``input_ids`` (any batch size) with ``draft`` proposing tokens.
 
     The loop keeps its caches and CUDA graphs on the target's patch handle for the next call
-    (:mod:`dustin_hf.workspace`); with ``return_dict_in_generate`` the result's ``cache`` is a copy in stock's
-    layout (:class:`~dustin_hf.cache.GeneratedCache`), else ``None``."""
+    (:mod:`dustin_hf.decode.workspace`); with ``return_dict_in_generate`` the result's ``cache`` is a copy in stock's
+    layout (:class:`~dustin_hf.decode.cache.GeneratedCache`), else ``None``."""
     model_kwargs = model_kwargs or {}
     if draft is None:
         raise ValueError(
@@ -124,7 +124,7 @@ def run_assisted(
     drafting = draft_settings(draft)
     decoder = SpeculativeDecoder(
         target, draft, GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
-        dustin=dustin,
+        dustin_config=dustin,
         drafting=Drafting(int(drafting["num_assistant_tokens"]), drafting["assistant_confidence_threshold"] or None,
                           drafting["num_assistant_tokens_schedule"]),
         runtime=RuntimeOptions(workspaces=handle.workspaces), hooks=handle.hooks,

@@ -8,10 +8,10 @@ from collections.abc import Callable
 import torch
 
 from .cache import DustinCache
-from .compat import CACHE_KWARG, model_device, window_cuts
-from .kernels.tuning import KernelTuning
-from .plan import ForwardPlan, SelectLayers
-from .runtime.graphs import GraphedForward, Pipeline
+from ..compat import CACHE_KWARG, model_device, window_cuts
+from ..kernels.tuning import KernelTuning
+from ..runtime.plan import ForwardPlan, SelectLayers
+from ..runtime.graphs import GraphedForward, Pipeline
 
 __all__ = ["ModelRunner", "prefill_chunk"]
 
@@ -25,8 +25,8 @@ class ModelRunner:
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
     per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`positions` (``(B, capacity)``,
-    :func:`dustin_hf.masks.position_table`) gives the position id of each cache slot where they are not the slots;
-    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.masks.stock_slots`) is what the sliding windows count
+    :func:`dustin_hf.decode.masks.position_table`) gives the position id of each cache slot where they are not the slots;
+    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.decode.masks.stock_slots`) is what the sliding windows count
     in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
     slots and runs the fast kernels only).
     """
@@ -201,7 +201,7 @@ class ModelRunner:
     def hidden_query(self, row: int, token: int, position: int) -> torch.Tensor:
         """The logits ``(V,)`` of ``token`` at ``position`` in ``row``, attending to the row's cached positions
         only, not to itself, and leaving the cache as it was: the query of a masked last input slot, which names
-        the first new token in stock ``generate()`` (see :mod:`dustin_hf.masks`)."""
+        the first new token in stock ``generate()`` (see :mod:`dustin_hf.decode.masks`)."""
         held = self.cache.seq_lengths[row]
         slots = None
         if self.window_slots is not None:  # the masked slot sits in stock's cache just before the first new token

@@ -22,7 +22,7 @@ import time
 import torch
 
 from .search import default_choice, recovery_of, search, stack_features, step_features
-from .config import SEARCHED_FIELDS, DustinConfig, ResolvedConfig, resolve
+from ..config import SEARCHED_FIELDS, DustinConfig, ResolvedConfig, resolve
 
 __all__ = ["SEARCH_SECONDS", "STEPS", "calibrate_on_prompts"]
 
@@ -58,7 +58,7 @@ def _positions(length: int, gamma: int) -> list[int]:
 def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedConfig, gamma: int,
                          lengths: list[int]) -> tuple[ResolvedConfig, dict]:
     """The scoring heads and ``m`` searched on the prompts (the first ``lengths[b]`` of ``tokens[b]``, ``(B, T)``)
-    held by ``target``/``draft`` (:class:`~dustin_hf.runner.ModelRunner` s right after prefill: the target caches
+    held by ``target``/``draft`` (:class:`~dustin_hf.decode.runner.ModelRunner` s right after prefill: the target caches
     each prompt, the draft all but its last token); returns the new resolved config and a report
     (``stats["calibration"]``)."""
     started = time.perf_counter()
