@@ -37,7 +37,7 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 from dustin_hf.compat import VERIFIED_RANGE  # noqa: E402
-from dustin_hf.runtime import fused  # noqa: E402
+from dustin_hf.runtime import _transformers_reference, fused, ops, recognise  # noqa: E402
 from dustin_hf.runtime.fused import (FusedTuning, add_rms_norm, apply_rotary, fused_ops,  # noqa: E402
                                      fused_ops_available, rms_norm)
 
@@ -73,7 +73,7 @@ def expect_fused(model) -> bool:
     """Whether every fused path listed for ``model``'s classes must apply: on each transformers version dustin_hf
     verified (``test_verified_transformers_code_is_recognised``), and on a newer one where the code is still the one
     checked. Elsewhere the tests check the outputs and the warning, not what was fused."""
-    return VERIFIED or not fused._unrecognised(list(model.modules()))
+    return VERIFIED or not recognise._unrecognised(list(model.modules()))
 
 
 def _hub_wrapped(func):
@@ -360,7 +360,7 @@ def test_fused_ops_restores_after_an_exception_and_nests():
             assert (inner.norms, inner.rotary_modules, inner.layers, inner.rotary_tables) == (0, (), 0, 0)
         assert outer.norms == 5 and modeling_llama.apply_rotary_pos_emb is patched_rotary
         assert outer.layers == 2 and fused.fused_decoder_layer(model.model.layers[0])  # the inner exit kept it
-        assert model.model.norm.forward.func is fused._fused_rms_norm_forward
+        assert model.model.norm.forward.func is ops._fused_rms_norm_forward
     _assert_restored(model, modeling_llama, original_rotary)
     with fused_ops(model) as again:
         assert again.norms == 5
@@ -427,7 +427,7 @@ def test_accelerate_hooks_keep_wrapping_the_fused_forward():
     x = torch.randn(3, 32, device=DEVICE)
     with fused_ops(norm) as done:
         assert done.norms == 1 and norm.forward is hooked_forward
-        assert norm._old_forward.func is fused._fused_rms_norm_forward
+        assert norm._old_forward.func is ops._fused_rms_norm_forward
         torch.testing.assert_close(norm(x), old_forward(x), rtol=2e-6, atol=1e-6)
     assert seen and norm.forward is hooked_forward and norm._old_forward is old_forward
 
@@ -436,7 +436,7 @@ def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
     """Gemma's ``(1 + weight)`` norm is not listed; a listed name with another forward, or a modeling module
     whose ``apply_rotary_pos_emb`` is not the standard one (e.g. interleaved), is left alone (the listed name with
     its warning, ``test_unrecognised_code_keeps_transformers_code_with_one_warning``)."""
-    monkeypatch.setattr(fused, "_WARNED", set())
+    monkeypatch.setattr(recognise, "_WARNED", set())
 
     class Qwen2RMSNorm(torch.nn.Module):  # the allowlisted name, another function
         def __init__(self):
@@ -468,8 +468,8 @@ def test_rotary_behind_a_kernels_wrapper_is_fused(monkeypatch):
     ``apply_rotary_pos_emb`` is an ``nn.Module`` whose forward calls the function: the standard function behind it
     is recognised and the global replaced (and restored); a wrapper whose forward was replaced (a hub kernel) is
     not, and neither is the rotary of a module where an attention of the models was ``kernelize()``-d."""
-    standard = fused._wrapped_function(HF_ROTARY)
-    assert fused._same_code(standard, fused._standard_apply_rotary_pos_emb)
+    standard = recognise._wrapped_function(HF_ROTARY)
+    assert recognise._same_code(standard, _transformers_reference.apply_rotary_pos_emb)
     fake = types.ModuleType("fake_modeling")
     fake.rotate_half = modeling_qwen2.rotate_half
     monkeypatch.setitem(sys.modules, "fake_modeling", fake)
@@ -500,15 +500,15 @@ def test_verified_transformers_code_is_recognised(family):
     """On every transformers version dustin_hf declares verified, each fused path listed for the family's classes
     recognises their code (nothing warned about, the rotary function found behind any wrapper)."""
     model = tiny_model(family, layers=1)
-    assert fused._unrecognised(list(model.modules())) == []
-    assert fused._standard_rotary(sys.modules[type(model).__module__]) is not None
+    assert recognise._unrecognised(list(model.modules())) == []
+    assert recognise._standard_rotary(sys.modules[type(model).__module__]) is not None
 
 
 def test_unrecognised_code_keeps_transformers_code_with_one_warning(monkeypatch):
     """A listed class whose forward compiles to other code, and a listed attention's modeling module whose rotary
     is another function (what a newer transformers may bring): both keep transformers' own code, the outputs are
     unchanged, and one warning names them; a second context warns no more."""
-    monkeypatch.setattr(fused, "_WARNED", set())
+    monkeypatch.setattr(recognise, "_WARNED", set())
 
     class Qwen2RMSNorm(torch.nn.Module):  # the listed name, another (equivalent) forward
         def __init__(self):
