@@ -15,7 +15,7 @@ from dustin_lab.texts import token_window
 from dustin_lab.walk import teacher_forced_walk
 
 from cli_fixtures import tiny_qwen, tiny_tokenizer
-from conftest import noisy_copy
+from tiny_models import noisy_copy, one_thread  # noqa: F401  (one_thread: the fixture below)
 
 GAMMA = 3
 

@@ -14,7 +14,7 @@ from dustin_hf.selection.scoring import attention_mass
 from dustin_hf.selection.fill import estimated_mass
 from dustin_lab.walk import teacher_forced_walk
 
-from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 CONTEXT, GAMMA = 80, 3
 

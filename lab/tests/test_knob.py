@@ -8,7 +8,7 @@ from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
 from dustin_hf.selection.fill import estimated_mass, select_by_recovery
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 

@@ -14,6 +14,7 @@ from dustin_lab import cli
 from dustin_lab.traces import TRACE_FORMAT, load_trace
 
 from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
+from tiny_models import one_thread  # noqa: F401  (the fixture below)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
