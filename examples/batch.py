@@ -8,7 +8,7 @@ rows never wait for each other and never read each other's cache. A row shorter 
 ``min_context`` is verified densely, the others sparsely, in the same step.
 """
 
-import sys
+import argparse
 
 import dustin_hf
 from dustin_lab.models import fetch_pair
@@ -17,7 +17,9 @@ from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 
 # both folders checked, one tokenizer, bfloat16 on CUDA and float32 on a CPU (the quickstart spells this out)
-pair = load_pair(*(tiny_pair() if "--tiny" in sys.argv else fetch_pair()))
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--tiny", action="store_true", help="random-weight tiny models (seconds)")
+pair = load_pair(*(tiny_pair() if parser.parse_args().tiny else fetch_pair()))
 tok, model, draft, device = pair.tokenizer, pair.target, pair.draft, pair.device
 tok.padding_side = "left"  # pad on the left: the prompts end together
 

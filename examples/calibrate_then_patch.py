@@ -12,7 +12,7 @@ The profile is a JSON file: ``dustin_hf.patch(model, "profile.json")`` loads it.
 directory).
 """
 
-import sys
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -27,7 +27,11 @@ from dustin_lab.settings import CalibrationSettings
 from dustin_lab.texts import token_window
 from dustin_lab.tiny import tiny_pair
 
-tiny = "--tiny" in sys.argv
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--tiny", action="store_true", help="random-weight tiny models (seconds)")
+parser.add_argument("--out", type=Path, help="write the profile here (default: a temporary folder)")
+args = parser.parse_args()
+tiny = args.tiny
 target_dir, draft_dir = tiny_pair() if tiny else fetch_pair()
 pair = load_pair(target_dir, draft_dir)  # checks that both folders share a tokenizer, then loads both models
 if tiny:  # short windows and small budgets for the tiny models
@@ -37,7 +41,7 @@ else:
     settings = CalibrationSettings(books=("mobydick",), time_limit=600)  # seconds for collection and search
 result = calibrate(pair, settings)
 config = dustin_hf.DustinConfig(**result.pop("config"))
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else Path(tempfile.mkdtemp()) / "profile.json"
+out = args.out or Path(tempfile.mkdtemp()) / "profile.json"
 path = write_profile(out, config, result.pop("draft_share_fraction"), **result)
 print(f"recovery on {len(result['texts'])} steps: calibrated {result['recovery']['mean']:.3f}, "
       f"default heads {result['default_recovery']['mean']:.3f}; profile written to {path}")

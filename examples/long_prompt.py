@@ -10,7 +10,7 @@ step against ``budget`` selected cached positions instead of all of them, so its
 from the dense one where two candidates were close (by design, not an error).
 """
 
-import sys
+import argparse
 import time
 
 import dustin_hf
@@ -20,7 +20,9 @@ from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 
 # both folders checked, one tokenizer, bfloat16 on CUDA and float32 on a CPU (the quickstart spells this out)
-pair = load_pair(*(tiny_pair() if "--tiny" in sys.argv else fetch_pair()))
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--tiny", action="store_true", help="random-weight tiny models (seconds)")
+pair = load_pair(*(tiny_pair() if parser.parse_args().tiny else fetch_pair()))
 tok, model, draft, device = pair.tokenizer, pair.target, pair.draft, pair.device
 draft.generation_config.num_assistant_tokens = 4
 draft.generation_config.assistant_confidence_threshold = 0.0  # always draft 4: the same γ for both runs

@@ -6,7 +6,7 @@
 The README's usage section is this file's code below the docstring (a test keeps them equal).
 """
 
-import sys
+import argparse
 import time
 
 import torch
@@ -17,7 +17,9 @@ from dustin_lab.models import fetch_pair  # the lab (pip install -e ./lab): the 
 from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 
-target_dir, draft_dir = tiny_pair() if "--tiny" in sys.argv else fetch_pair()  # or any two model folders
+parser = argparse.ArgumentParser(description="Ask an Instruct model about a long text: stock generate(), then Dustin.")
+parser.add_argument("--tiny", action="store_true", help="random-weight tiny models: seconds, nothing to download")
+target_dir, draft_dir = tiny_pair() if parser.parse_args().tiny else fetch_pair()  # or any two model folders
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 tok = AutoTokenizer.from_pretrained(target_dir)

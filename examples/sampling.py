@@ -9,7 +9,7 @@ normalised max(0, p - q); so with a budget that covers the context the output fo
 target's distribution. Sparse steps sample from the target's distribution as verified sparsely.
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -20,7 +20,9 @@ from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 
 # both folders checked, one tokenizer, bfloat16 on CUDA and float32 on a CPU (the quickstart spells this out)
-pair = load_pair(*(tiny_pair() if "--tiny" in sys.argv else fetch_pair()))
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--tiny", action="store_true", help="random-weight tiny models (seconds)")
+pair = load_pair(*(tiny_pair() if parser.parse_args().tiny else fetch_pair()))
 tok, model, draft, device = pair.tokenizer, pair.target, pair.draft, pair.device
 
 dustin_hf.patch(model)
