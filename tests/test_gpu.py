@@ -342,6 +342,56 @@ def test_prefill_in_one_forward_matches_chunks_on_cuda():
     torch.testing.assert_close(results[0][1], results[1][1], atol=0.05, rtol=0.05)
 
 
+def test_selection_layer_kernels_at_7b_head_shapes_replay_in_a_cuda_graph():
+    """``choose_read_set`` through the scoring and selection kernels at Qwen2.5-7B's head shapes (28 query heads over
+    4 KV heads, head dim 128, bf16, 5 queries, rows of their own query counts and read counts), captured in a CUDA
+    graph and replayed on new keys and lengths: the weights keep flash-attn's rule against a float64 computation
+    (at most twice the error of PyTorch's bf16 logits, plus 1e-6), and each sparse row's chosen set holds its windows
+    and the positions that computation ranks highest (up to near-ties: at least 99.9% of the best set's mass)."""
+    from conftest import capture_graph
+    from dustin_hf.runtime.plan import DeviceTensors, SelectLayers
+    from dustin_hf.selection.layers import choose_read_set, layer_position_weights
+    from dustin_hf.selection.scoring import attention_mass
+
+    gen = torch.Generator().manual_seed(12)
+    batch, n_q, heads, kv_heads, dim, capacity, width, scale = 4, 5, 28, 4, 128, 9000, 512, 128 ** -0.5
+    q = (1.5 * torch.randn(batch, n_q, heads, dim, generator=gen)).cuda().bfloat16()
+    keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen).cuda().bfloat16().transpose(1, 2)  # HF layout
+    seqlens = torch.tensor([8000, 5000, 300, 7000], dtype=torch.int32, device="cuda")
+    indices = torch.arange(width, dtype=torch.int32, device="cuda").expand(batch, -1).contiguous()
+    tensors = DeviceTensors(seqlens, indices, torch.tensor([512, 400, 512, 512], dtype=torch.int32, device="cuda"),
+                            torch.tensor([5, 3, 5, 1], dtype=torch.int32, device="cuda"))
+    spec, span = SelectLayers((1,), 4, 16), 8500
+    graph, (weights, chosen) = capture_graph(lambda: (
+        layer_position_weights(q, keys, seqlens, span, scale, tensors.query_counts, backend="triton"),
+        choose_read_set(q, keys, tensors, span, spec, scale, backend="triton").indices))
+    keys.copy_(torch.randn(batch, capacity, kv_heads, dim, generator=gen).cuda().bfloat16())
+    seqlens.copy_(torch.tensor([8400, 6000, 300, 7999]))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    own = tensors.query_counts.long()
+    visible = torch.arange(span, device="cuda")[None, :] < seqlens.long()[:, None]  # (B, span)
+    logits = torch.einsum("bqhd,bphd->bqhp", q.double(), keys[:, :span].double().repeat_interleave(7, dim=2)) * scale
+    probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # (B, Q, H, span)
+    probs = probs * (torch.arange(n_q, device="cuda")[None, :] < own[:, None])[:, :, None, None]
+    exact = probs.sum(dim=(1, 2)) / (heads * own[:, None])
+    mass = attention_mass(q, keys, (seqlens.long() - 1)[:, None].expand(-1, n_q), tuple(range(heads)), 7, scale,
+                          span, span, query_counts=own)
+    baseline = (mass.double() / (heads * own[:, None]) - exact).abs().max().item()
+    err = (weights.double() - exact).abs().max().item()
+    assert err <= 2 * baseline + 1e-6, f"max abs error {err:.3g} > 2 x {baseline:.3g} + 1e-6"
+    for b in (0, 1, 3):  # row 2's count covers its length: it keeps its index row
+        length, count = int(seqlens[b]), int(tensors.num_indices[b])
+        row = chosen[b, :count].long()
+        assert (chosen[b, count:] == 0).all() and bool((row[1:] > row[:-1]).all())
+        assert row[:4].tolist() == [0, 1, 2, 3] and row[-16:].tolist() == list(range(length - 16, length))
+        candidates = exact[b, 4:length - 16]
+        best = candidates.topk(count - 20).values.sum()
+        assert exact[b, row[4:-16]].sum() >= 0.999 * best, f"row {b}"
+    assert torch.equal(chosen[2], tensors.indices[2])
+
+
 @pytest.mark.parametrize("mode", ["sparse", "exact"])
 def test_selection_layers_replay_inside_the_cuda_graphs(mode):
     """selection='verify' through the Triton kernels, fused ops and CUDA graphs (float32): the selection layer's

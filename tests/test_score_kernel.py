@@ -151,6 +151,29 @@ def test_backend_switch_in_attention_mass():
         attention_mass(*_with_span(inputs), backend="cuda")
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_query_counts_leave_out_a_rows_later_queries(shared):
+    """``query_counts``: row b adds the mass of its first ``query_counts[b]`` queries only (0: nothing), with each
+    query at its own position or all at one (a stride-0 view); a small launch splits the keys three ways."""
+    case = Case(group=4, n_q=4, head_dim=32, two_groups=True, layout="hf", seed=5)
+    q, keys, query_pos, heads, group, scale, num_positions = _make_inputs(case, torch.float32)
+    if shared:
+        query_pos = query_pos[:, :1].expand(-1, 4)
+    counts = torch.tensor([2, 0, 3], device=DEVICE)
+    span = int(query_pos.max()) + 1
+    args = (q, keys, query_pos, heads, group, scale, num_positions, span)
+    want = attention_mass(*args, query_counts=counts)
+    small = _kernel().launch_config(3, 6, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
+    for config in (None, small):
+        got = _kernel().attention_mass_triton(*args, query_counts=counts, config=config)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert got[1].abs().max() == 0
+    for b, n in ((0, 2), (2, 3)):  # the counts spelled out: rows 0 and 2 by their own leading queries alone
+        alone = attention_mass(q[b:b + 1, :n], keys[b:b + 1], query_pos[b:b + 1, :n], heads, group, scale,
+                               num_positions, span)
+        torch.testing.assert_close(want[b:b + 1], alone, rtol=1e-5, atol=1e-7)
+
+
 def test_heads_in_any_order():
     """Heads of one KV head at uneven places in ``heads`` (packed with a copy rather than a view)."""
     gen = torch.Generator().manual_seed(6)

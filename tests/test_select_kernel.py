@@ -138,6 +138,28 @@ def test_one_sided_budget_splits(share):
     assert _kernel_rows(seqlens, draft, target, cfg, chunk=128) == _reference_rows(seqlens, draft, target, cfg)
 
 
+@pytest.mark.parametrize("share", [0, 20])
+def test_per_row_counts_stop_the_history_fill(share):
+    """``counts``: row b takes ``counts[b] - sink - recent - share`` positions by the history score (the draft's
+    share and the windows whole), sorted, and 0 in its slots past ``counts[b]``; a row at the full budget takes
+    what it takes without counts."""
+    from dustin_hf.kernels import triton_select
+
+    seqlens, counts = [700, 531, 650], [64, 45, 42]
+    generator = torch.Generator().manual_seed(8)
+    draft, target = _scores(seqlens, generator), _scores(seqlens, generator)
+    fill = 64 - 4 - 16 - share
+    out = triton_select.select_sparse_triton(
+        draft, target, torch.tensor(seqlens, device=DEVICE), sink=4, recent=16, share=share, fill=fill,
+        counts=torch.tensor(counts, device=DEVICE), config=triton_select.launch_config(700, share, fill, chunk=128))
+    assert out.shape == (3, 64)
+    for b, count in enumerate(counts):
+        cfg = _config(budget=count, sink_tokens=4, recent_tokens=16, draft_share=share)
+        assert out[b, :count].tolist() == _explicit(seqlens[b:b + 1], draft[b:b + 1].cpu(), target[b:b + 1].cpu(),
+                                                    cfg)[0], f"row {b}"
+        assert (out[b, count:] == 0).all(), f"row {b}"
+
+
 def test_signed_and_low_precision_scores():
     """Negative scores (both picks end among them), -0.0 against +0.0 (one score), and fp16 inputs keep the
     float order."""

@@ -346,9 +346,9 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatc
     scored_with = set()
     real = attention.choose_read_set
 
-    def recording(q, k_cache, tensors, span, spec, scale):
+    def recording(q, k_cache, tensors, span, spec, scale, **kwargs):
         scored_with.add(spec.queries)
-        return real(q, k_cache, tensors, span, spec, scale)
+        return real(q, k_cache, tensors, span, spec, scale, **kwargs)
 
     monkeypatch.setattr(attention, "choose_read_set", recording)
 

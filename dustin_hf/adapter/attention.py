@@ -77,9 +77,13 @@ def dustin_attention(
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
     if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
         sparse = False
-        dustin_plan.keep_selection(choose_read_set(q, key.transpose(1, 2), tensors, dustin_plan.key_span,
-                                                   dustin_plan.select,
-                                                   scaling if scaling is not None else q.shape[-1] ** -0.5))
+        tuning = dustin_plan.tuning
+        dustin_plan.keep_selection(choose_read_set(
+            q, key.transpose(1, 2), tensors, dustin_plan.key_span, dustin_plan.select,
+            scaling if scaling is not None else q.shape[-1] ** -0.5,
+            backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
+            score_tuning=None if tuning is None else tuning.score,
+            select_tuning=None if tuning is None else tuning.select))
     window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
     if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
                                        or dustin_plan.window_slots is not None):

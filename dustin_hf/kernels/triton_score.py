@@ -2,7 +2,9 @@
 
 Computes exactly :func:`dustin_hf.selection.scoring.attention_mass`: every (query ``j``, scoring head ``h``)
 of row ``b`` takes a softmax over the key positions ``[0, query_pos[b, j]]`` of its KV head, and
-position ``p < num_positions`` receives the sum over (query, head) of its probability.
+position ``p < num_positions`` receives the sum over (query, head) of its probability. With
+``query_counts`` a row counts only its leading queries (a selection layer's row that drafted fewer tokens than
+the longest): the others see no key, so pass 1 reads none for them and they add nothing.
 
 Why a kernel: PyTorch materialises the fp32 logits and probabilities of every scoring row over the
 whole span (and softmaxes them in several passes); here the keys are read once and the only other
@@ -221,10 +223,11 @@ def call_config(
 # tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
 @triton.jit(do_not_specialize=[
     "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_lb", "stride_lr",
-    "stride_xb", "span", "chunk",
+    "stride_xb", "stride_cb", "span", "chunk",
 ])
 def _score_pass1_kernel(
     Q, K, QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
+    QCOUNT,  # (B,) int, read iff HAS_COUNTS: query j of row b counts iff j < QCOUNT[b]
     SHIFTED, TILE_MAX, LSE,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R) the rows' log-sum-exps
     LSE_PART, TICKETS,  # (B, R, num_splits) per-split log-sum-exps; (>= B * M_TILES,) int32 zeroed counters
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
@@ -235,10 +238,11 @@ def _score_pass1_kernel(
     stride_eb,  # LSE, unit stride along rows
     stride_lb, stride_lr,  # LSE_PART, unit stride along splits
     stride_xb, stride_xt,  # QPOS
+    stride_cb,  # QCOUNT
     query_offset, query_step,  # query j of row b sits at QPOS[b, j] + query_offset + j * query_step
     span, chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
     N_QUERIES: tl.constexpr, N_HEADS: tl.constexpr, ALL_HEADS: tl.constexpr, HEAD_OFFSET: tl.constexpr,
-    HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr, HAS_COUNTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two; 1: one split, which writes LSE itself
     PDL: tl.constexpr,
@@ -261,6 +265,8 @@ def _score_pass1_kernel(
     q = q.to(K.dtype.element_ty)  # as the reference: queries meet the keys in the keys' dtype
     last = tl.load(QPOS + b * stride_xb + query * stride_xt, mask=row_ok, other=0).to(tl.int32)
     last = tl.where(row_ok, last + query_offset + query * query_step, -1)  # (BLOCK_M,)
+    if HAS_COUNTS:  # a query past its row's count sees nothing: it adds nothing, and pass 1 reads no key for it
+        last = tl.where(query < tl.load(QCOUNT + b * stride_cb), last, -1)
 
     lo = tl.multiple_of(split * chunk, BLOCK_N)  # chunk is a multiple of BLOCK_N (host)
     hi = tl.minimum(tl.minimum(lo + chunk, span), tl.max(last, 0) + 1)  # nothing past the last visible key
@@ -323,16 +329,17 @@ def _merge_lse_if_last(ticket, num_splits, part_ptrs, lse_ptrs, row_ok, BLOCK_S:
 
 
 @triton.jit(do_not_specialize=[
-    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_xb", "stride_ob", "num_positions", "tile",
+    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_xb", "stride_cb", "stride_ob",
+    "num_positions", "tile",
 ])
 def _score_pass2_kernel(
-    SHIFTED, TILE_MAX, LSE, QPOS, LIMIT, OUT,  # LIMIT (B,) read iff HAS_LIMIT; OUT (B, num_positions)
-    stride_pb, stride_pr, stride_mb, stride_mt, stride_eb, stride_xb, stride_xt, stride_limit, stride_ob,
+    SHIFTED, TILE_MAX, LSE, QPOS, QCOUNT, LIMIT, OUT,  # QCOUNT as in pass 1; LIMIT (B,) read iff HAS_LIMIT
+    stride_pb, stride_pr, stride_mb, stride_mt, stride_eb, stride_xb, stride_xt, stride_cb, stride_limit, stride_ob,
     query_offset, query_step,  # as in pass 1
     num_positions, tile,
     N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_COUNTS: tl.constexpr,
     SHARED_POS: tl.constexpr,  # every query of a row reads QPOS[b, 0] (a stride-0 view, or one query)
     PDL: tl.constexpr,
 ):
@@ -351,6 +358,8 @@ def _score_pass2_kernel(
         limit = tl.load(LIMIT + b * stride_limit).to(tl.int32)
     if SHARED_POS:
         first_pos = tl.load(QPOS + b * stride_xb).to(tl.int32)
+    if HAS_COUNTS:
+        counted = tl.load(QCOUNT + b * stride_cb).to(tl.int32)
     for start in tl.range(lo, hi, BLOCK_T * BLOCK_N, num_stages=NUM_STAGES):
         tile_start = start + t * BLOCK_N  # (BLOCK_T,) first position of each of pass 1's tiles
         n = tile_start[:, None] + tl.arange(0, BLOCK_N)[None, :]  # (BLOCK_T, BLOCK_N) positions
@@ -376,6 +385,8 @@ def _score_pass2_kernel(
             last = last + query_offset + query * query_step
             # pass 1 skipped what no query sees: `seen` / `tile_seen` keep that garbage out (where, not *)
             last = tl.where(r_ok, tl.minimum(last, hi - 1), -1)  # padding rows see nothing, nobody sees >= hi
+            if HAS_COUNTS:  # nor does a query past its row's count (pass 1 saw no key for it)
+                last = tl.where(query < counted, last, -1)
             tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile
             # masked by what the buffer holds, not by `tile_seen`: no load waits for another inside the loop
             tile_max = tl.load(TILE_MAX + b * stride_mb + (tile_start // BLOCK_N)[None, :] * stride_mt + r[:, None],
@@ -405,6 +416,7 @@ def attention_mass_triton(
     tuning: ScoreTuning | None = None,
     query_offset: int = 0,
     query_step: int = 0,
+    query_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed attention probabilities of ``queries`` over key positions ``[0, num_positions)``.
 
@@ -427,13 +439,16 @@ def attention_mass_triton(
         query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j * query_step``
             instead (host ints), so positions derived from a per-row length (the draft's ``L_b + j``, the
             target's ``L_b - 1``) can be passed as a stride-0 view of the lengths, with no kernel to make them.
+        query_counts: ``(B,)`` int32/int64: row b counts only its first ``query_counts[b]`` queries, the others add
+            nothing (``None``: all ``n_q``).
 
     Returns:
         ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
     """
     return attention_mass_layers_triton([queries], [keys], query_pos, [heads], group_size, softmax_scale,
                                         num_positions, key_span, out=out, position_limit=position_limit, config=config,
-                                        tuning=tuning, query_offset=query_offset, query_step=query_step)
+                                        tuning=tuning, query_offset=query_offset, query_step=query_step,
+                                        query_counts=query_counts)
 
 
 def attention_mass_layers_triton(
@@ -452,6 +467,7 @@ def attention_mass_layers_triton(
     tuning: ScoreTuning | None = None,
     query_offset: int = 0,
     query_step: int = 0,
+    query_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sum over layers of :func:`attention_mass_triton`, with one pass 2 for all of them.
 
@@ -463,8 +479,8 @@ def attention_mass_layers_triton(
         queries: per layer ``(B, n_q, len(heads[l]), D)``; one ``B``, ``n_q`` and ``D`` for all layers.
         keys: per layer ``(B, capacity_l, kv_heads_l, D)``, one dtype for all layers.
         query_pos, group_size, softmax_scale, num_positions, key_span, out, position_limit, config, tuning,
-            query_offset, query_step: as in :func:`attention_mass_triton`; the queries of every layer sit
-            at the same positions.
+            query_offset, query_step, query_counts: as in :func:`attention_mass_triton`; the queries of every layer
+            sit at the same positions.
 
     Returns:
         ``(B, num_positions)`` float32.
@@ -475,7 +491,7 @@ def attention_mass_layers_triton(
                          f"{len(keys)} and {len(heads)}")
     for layer_queries, layer_keys, layer_heads in zip(queries, keys, heads):
         _check_inputs(layer_queries, layer_keys, query_pos, layer_heads, group_size, num_positions, key_span, out,
-                      position_limit)
+                      position_limit, query_counts)
         if layer_keys.dtype != keys[0].dtype or layer_keys.device != keys[0].device \
                 or layer_queries.shape[1::2] != queries[0].shape[1::2]:
             raise ValueError("all layers need one key dtype and device, one number of queries and one head dim; "
@@ -500,7 +516,8 @@ def attention_mass_layers_triton(
                                                heads[first:first + step], group_size, softmax_scale, num_positions,
                                                key_span, out=out, position_limit=position_limit if last else None,
                                                config=given,  # None: each group of layers sizes its own pass 2
-                                               tuning=tuning, query_offset=query_offset, query_step=query_step)
+                                               tuning=tuning, query_offset=query_offset, query_step=query_step,
+                                               query_counts=query_counts)
         return out
     if out is None:
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
@@ -520,6 +537,7 @@ def attention_mass_layers_triton(
     counters = tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     pdl = dependent_launch(out)
+    counts = query_counts if query_counts is not None else query_pos  # placeholder, never read
     head_offset = 0
     for layer_queries, layer_keys, layer_groups, layer_tiles in zip(queries, keys, groups, m_tiles):
         for (kv_head, members), tiles in zip(layer_groups, layer_tiles):
@@ -527,14 +545,14 @@ def attention_mass_layers_triton(
             group_keys = layer_keys[:, :, kv_head]  # (B, capacity, D)
             rows = n_queries * len(members)
             _score_pass1_kernel[(config.num_splits * tiles, batch)](
-                group_queries, group_keys, query_pos, shifted, tile_max, lse, lse_part, counters,
+                group_queries, group_keys, query_pos, counts, shifted, tile_max, lse, lse_part, counters,
                 softmax_scale * _LOG2E,
                 *group_queries.stride(), *group_keys.stride(),
                 *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
-                *query_pos.stride(), query_offset, query_step,
+                *query_pos.stride(), counts.stride(0), query_offset, query_step,
                 span, config.chunk,
                 N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=total_heads, HEAD_OFFSET=head_offset,
-                HEAD_DIM=head_dim, M_TILES=tiles,
+                HEAD_DIM=head_dim, M_TILES=tiles, HAS_COUNTS=query_counts is not None,
                 BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
                 BLOCK_D=block_d, DOT_PRECISION="ieee" if keys[0].dtype == torch.float32 else "tf32",
                 BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1, PDL=pdl,
@@ -544,13 +562,14 @@ def attention_mass_layers_triton(
     limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
     block_r = min(config.block_r, triton.next_power_of_2(n_rows))
     _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), batch)](
-        shifted, tile_max, lse, query_pos, limit, out,
-        *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), limit.stride(0),
+        shifted, tile_max, lse, query_pos, counts, limit, out,
+        *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), counts.stride(0),
+        limit.stride(0),
         out.stride(0), query_offset, query_step,
         num_positions, config.tile,
         N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
         BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
-        ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None,
+        ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None, HAS_COUNTS=query_counts is not None,
         SHARED_POS=n_queries == 1 or query_pos.stride(1) == 0, PDL=pdl,
         num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
@@ -572,7 +591,8 @@ def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[
             for kv in sorted({h // group_size for h in heads})]
 
 
-def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit) -> None:
+def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit,
+                  query_counts=None) -> None:
     """Shape/dtype checks on host metadata only (no device reads)."""
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"queries must be (B, n_q, len(heads), D) and keys (B, capacity, kv_heads, D); "
@@ -599,3 +619,7 @@ def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, ke
         raise ValueError(f"out must be ({batch}, {num_positions}) float32 with unit stride along positions")
     if position_limit is not None and position_limit.shape != (batch,):
         raise ValueError(f"position_limit must be ({batch},); got {tuple(position_limit.shape)}")
+    if query_counts is not None and (query_counts.shape != (batch,)
+                                     or query_counts.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"query_counts must be ({batch},) int32/int64; got {tuple(query_counts.shape)} "
+                         f"{query_counts.dtype}")

@@ -4,7 +4,9 @@ Computes what :func:`dustin_hf.selection.fill.select_positions` computes for a r
 ``L_b`` cached positions and candidates ``[sink, L_b - recent)``, the sinks ``[0, sink)``, the recent
 window ``[L_b - recent, L_b)``, the top ``share`` candidates by the draft score, then the top
 ``fill`` remaining candidates by the history score; ``budget = sink + recent + share + fill``
-positions per row, sorted ascending.
+positions per row, sorted ascending. With per-row ``counts`` (the quality knob's counts, which a selection
+layer keeps: :mod:`dustin_hf.selection.layers`) row ``b`` takes only ``min(fill, counts[b] - sink - recent - share)``
+positions by the history score, and its slots past ``counts[b]`` hold 0.
 
 Ties: candidates are ranked in one total order, score descending then position ascending, so at
 the k-th score the lowest positions win and exactly k are taken. ``torch.topk`` (the PyTorch path)
@@ -220,21 +222,30 @@ def _local_pools_kernel(
 
 @triton.jit(do_not_specialize=["stride_pd_plane", "stride_pd", "stride_ph_plane", "stride_ph", "n_draft", "n_history"])
 def _merge_pools_kernel(
-    DRAFT_POOL, HISTORY_POOL, LENGTHS, OUT,  # pools as launch 1 wrote them; OUT (B, budget) int32
-    stride_pd_plane, stride_pd, stride_ph_plane, stride_ph, stride_l, stride_ob,
+    DRAFT_POOL, HISTORY_POOL, LENGTHS, COUNTS, OUT,  # pools as launch 1 wrote them; OUT (B, budget) int32
+    stride_pd_plane, stride_pd, stride_ph_plane, stride_ph, stride_l, stride_c, stride_ob,
     n_draft, n_history,  # pool entries per row: n_chunks * POOL_D, n_chunks * POOL_H
     SINK: tl.constexpr, RECENT: tl.constexpr, SHARE: tl.constexpr, FILL: tl.constexpr,
     DRAFT_BLOCK: tl.constexpr, HISTORY_BLOCK: tl.constexpr, SINK_BLOCK: tl.constexpr,
-    RECENT_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    RECENT_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,  # COUNTS (B,) int read: a row's history fill stops at its count
+    PDL: tl.constexpr,
 ):
     await_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     out = OUT + b * stride_ob
     length = tl.load(LENGTHS + b * stride_l).to(tl.int32)
+    if HAS_COUNTS:
+        fill = tl.minimum(tl.maximum(tl.load(COUNTS + b * stride_c).to(tl.int32) - SINK - RECENT - SHARE, 0), FILL)
+    else:
+        fill = FILL
     s = tl.arange(0, SINK_BLOCK)
     tl.store(out + s, s, mask=s < SINK)
     r = tl.arange(0, RECENT_BLOCK)
-    tl.store(out + SINK + SHARE + FILL + r, length - RECENT + r, mask=r < RECENT)
+    tl.store(out + SINK + SHARE + fill + r, length - RECENT + r, mask=r < RECENT)
+    if HAS_COUNTS:  # the slots past the row's count: 0, never read
+        m = tl.arange(0, MIDDLE_BLOCK)
+        tl.store(out + SINK + SHARE + fill + RECENT + m, 0, mask=m < FILL - fill)
 
     if SHARE > 0:  # D: the top SHARE of the draft pool
         j = tl.arange(0, DRAFT_BLOCK)
@@ -253,15 +264,15 @@ def _merge_pools_kernel(
         if SHARE > 0:
             h_draft = tl.load(row + 2 * stride_ph_plane, mask=j < n_history, other=0).to(tl.uint32, bitcast=True)
             free = free & ((h_draft < d_threshold) | ((h_draft == d_threshold) & (h_pos > d_cut)))
-        in_h, _ = _top_k(h_key, free, FILL)
+        in_h, _ = _top_k(h_key, free, fill)
         tl.store(out + SINK + SHARE + tl.cumsum(in_h.to(tl.int32), 0) - 1, h_pos, mask=in_h)
 
     # D and H sit unsorted between the sinks and the recent window: read them back (the barrier makes
     # every thread's stores visible) and sort them in registers
     tl.debug_barrier()
     m = tl.arange(0, MIDDLE_BLOCK)
-    middle = tl.load(out + SINK + m, mask=m < SHARE + FILL, other=2147483647)
-    tl.store(out + SINK + m, tl.sort(middle, 0), mask=m < SHARE + FILL)
+    middle = tl.load(out + SINK + m, mask=m < SHARE + fill, other=2147483647)
+    tl.store(out + SINK + m, tl.sort(middle, 0), mask=m < SHARE + fill)
 
 
 def select_sparse_triton(
@@ -273,6 +284,7 @@ def select_sparse_triton(
     recent: int,
     share: int,
     fill: int,
+    counts: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
     tuning: SelectTuning | None = None,
 ) -> torch.Tensor:
@@ -285,6 +297,9 @@ def select_sparse_triton(
         lengths: ``(B,)`` int32/int64, cached positions ``L_b`` per row; a row is meant to satisfy
             ``budget < L_b <= span`` (other rows get an in-range but meaningless answer).
         sink, recent, share, fill: the budget split (host ints).
+        counts: ``(B,)`` int32/int64, each row's positions in all (``>= sink + recent + share``): row ``b`` takes
+            ``min(fill, counts[b] - sink - recent - share)`` by the history score, and its slots past ``counts[b]``
+            hold 0; ``None``: every row takes ``fill``.
         config: this call's launch parameters instead of the heuristic's (:func:`launch_config`).
         tuning: the heuristic's constants (``None``: the defaults).
 
@@ -292,7 +307,7 @@ def select_sparse_triton(
         ``(B, sink + recent + share + fill)`` int32, each row sorted ascending.
     """
     batch, span = draft_scores.shape
-    _check_inputs(draft_scores, history_scores, lengths)
+    _check_inputs(draft_scores, history_scores, lengths, counts)
     budget = sink + recent + share + fill
     out = torch.empty(batch, budget, dtype=torch.int32, device=draft_scores.device)
     if batch == 0 or budget == 0:
@@ -317,12 +332,14 @@ def select_sparse_triton(
         POOL_D_BLOCK=_block(pool_d), POOL_H_BLOCK=_block(pool_h), CHUNK=config.chunk, PDL=pdl,
         num_warps=config.num_warps_local, launch_pdl=pdl,
     )
+    row_counts = counts if counts is not None else lengths  # placeholder, never read
     _merge_pools_kernel[(batch,)](
-        draft_pool, history_pool, lengths, out,
-        *draft_pool.stride()[:2], *history_pool.stride()[:2], lengths.stride(0), out.stride(0),
+        draft_pool, history_pool, lengths, row_counts, out,
+        *draft_pool.stride()[:2], *history_pool.stride()[:2], lengths.stride(0), row_counts.stride(0), out.stride(0),
         n_chunks * pool_d, n_chunks * pool_h,
         **sizes, DRAFT_BLOCK=_block(n_chunks * pool_d), HISTORY_BLOCK=_block(n_chunks * pool_h),
-        SINK_BLOCK=_block(sink), RECENT_BLOCK=_block(recent), MIDDLE_BLOCK=_block(share + fill), PDL=pdl,
+        SINK_BLOCK=_block(sink), RECENT_BLOCK=_block(recent), MIDDLE_BLOCK=_block(share + fill),
+        HAS_COUNTS=counts is not None, PDL=pdl,
         num_warps=config.num_warps_merge, launch_pdl=pdl,
     )
     return out
@@ -333,7 +350,7 @@ def _block(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
-def _check_inputs(draft_scores, history_scores, lengths) -> None:
+def _check_inputs(draft_scores, history_scores, lengths, counts=None) -> None:
     """Shape/dtype checks on host metadata only (no device reads)."""
     if draft_scores.dim() != 2 or history_scores.shape != draft_scores.shape:
         raise ValueError(f"draft_scores and history_scores must both be (B, span); got {tuple(draft_scores.shape)} "
@@ -346,3 +363,6 @@ def _check_inputs(draft_scores, history_scores, lengths) -> None:
     if lengths.shape != draft_scores.shape[:1] or lengths.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"lengths must be ({draft_scores.shape[0]},) int32/int64; got {tuple(lengths.shape)} "
                          f"{lengths.dtype}")
+    if counts is not None and (counts.shape != lengths.shape or counts.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"counts must be ({draft_scores.shape[0]},) int32/int64; got {tuple(counts.shape)} "
+                         f"{counts.dtype}")

@@ -15,21 +15,31 @@ to the next selection layer) becomes:
 A row keeps its count (the budget, or the quality knob's count), so the later layers read as many positions as
 they would have read of Dustin's set; a row that reads everything (its count covers what it holds) keeps doing so.
 Layers before the first selection layer read the set chosen before the forward. Rows are independent; nothing
-is read on the host, so a captured forward replays the choice. The scoring runs in PyTorch on every backend (one
-matmul over the layer's keys); there is no fused kernel for it yet.
+is read on the host, so a captured forward replays the choice.
+
+``backend="reference"`` is the PyTorch code below (the oracle, and the path on CPU). With ``backend="triton"``
+the scoring runs in the project's scoring kernel (:mod:`dustin_hf.kernels.triton_score`: the keys read once in
+their own dtype, where PyTorch makes an fp32 copy of the layer's keys and its logits), all heads of a KV head
+packed in one program, a row's queries past its own count left out in the kernel, and the fill in the selection
+kernel (:mod:`dustin_hf.kernels.triton_select`, with a history score only and per-row counts) instead of a
+``topk`` over the whole span, a concatenation and a sort. The fill's tie rule is that kernel's (lowest positions
+first; ``torch.topk`` takes any), and the kernel multiplies the queries in the keys' dtype as the attention does,
+so at 16 bits the two paths may differ at a near-tie.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.tuning import ScoreTuning, SelectTuning
 from ..runtime.plan import DeviceTensors, SelectLayers
 
 __all__ = ["choose_read_set", "layer_position_weights", "select_spec"]
 
 
 def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, span: int,
-                           softmax_scale: float, query_counts: torch.Tensor | None = None) -> torch.Tensor:
+                           softmax_scale: float, query_counts: torch.Tensor | None = None, *,
+                           backend: str = "reference", tuning: ScoreTuning | None = None) -> torch.Tensor:
     """Per row, the mean over heads and queries of each query's attention over the row's cached positions.
 
     Args:
@@ -38,9 +48,15 @@ def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens
         cache_seqlens: ``(B,)`` int, cached positions per row (``<= span``).
         span: positions scored per row (host int).
         query_counts: ``(B,)`` int, the leading queries of each row that count (at least 1); ``None``: all ``Q``.
+        backend: ``"reference"`` (PyTorch) or ``"triton"`` (the scoring kernel; CUDA, or the Triton interpreter).
+        tuning: the scoring kernel's launch heuristic (``None``: its defaults).
 
     Returns ``(B, span)`` float32, zero past each row's length (a row with nothing cached: all zero).
     """
+    if backend == "triton":
+        return _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, query_counts, tuning)
+    if backend != "reference":
+        raise ValueError(f"unknown selection backend {backend!r}; choose 'reference' or 'triton'")
     batch, n_q, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
@@ -59,8 +75,26 @@ def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens
     return (probs * own[:, None, None, :, None]).sum(dim=(1, 2, 3)) / (n_heads * counts[:, None])  # (B, span)
 
 
+def _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, query_counts, tuning) -> torch.Tensor:
+    """:func:`layer_position_weights` through :func:`~dustin_hf.kernels.triton_score.attention_mass_triton`: every
+    query of row ``b`` sits at ``L_b - 1`` (it sees the cached positions and nothing new), given as a stride-0 view
+    of the lengths and an offset, so nothing but the kernel's two passes and one division is launched."""
+    from ..kernels import launch_device
+    from ..kernels.triton_score import attention_mass_triton
+
+    batch, n_q, n_heads, _ = q.shape
+    seqlens = cache_seqlens.to(k_cache.device)
+    counts = None if query_counts is None else query_counts.to(k_cache.device).clamp(1, n_q)
+    with launch_device(k_cache):
+        mass = attention_mass_triton(q, k_cache, seqlens[:, None].expand(batch, n_q), tuple(range(n_heads)),
+                                     n_heads // k_cache.shape[2], softmax_scale, span, span, query_offset=-1,
+                                     query_counts=counts, tuning=tuning)  # (B, span), summed over heads and queries
+    return mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
+
+
 def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTensors, span: int, spec: SelectLayers,
-                    softmax_scale: float) -> DeviceTensors:
+                    softmax_scale: float, *, backend: str = "reference", score_tuning: ScoreTuning | None = None,
+                    select_tuning: SelectTuning | None = None) -> DeviceTensors:
     """The read set of the layers after a selection layer (module docstring), from the layer's queries and keys.
 
     Args:
@@ -70,6 +104,9 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
             and ``query_counts (B,)`` int32 (each row's own leading queries; ``None``: all score).
         span: cached positions scored per row, ``>= max(cache_seqlens)`` (host int).
         spec: the windows kept, and how many leading queries score.
+        backend: ``"reference"`` (PyTorch) or ``"triton"`` (the scoring and selection kernels; the PyTorch fill
+            where the span outgrows the selection kernel's pools). ``score_tuning`` / ``select_tuning``: their
+            launch heuristics (``None``: the defaults).
 
     Returns the new :class:`DeviceTensors` (same ``cache_seqlens`` and ``num_indices``; sorted indices, the
     entries past a row's count 0, never read); a row whose count covers its length keeps its index row.
@@ -78,9 +115,19 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
     counts = tensors.num_indices.long()
     width = tensors.indices.shape[1]
     n_q = q.shape[1] if spec.queries is None else min(spec.queries, q.shape[1])
-    weights = layer_position_weights(q[:, :n_q], k_cache, seqlens, span, softmax_scale,
-                                     tensors.query_counts)  # (B, span)
+    weights = layer_position_weights(q[:, :n_q], k_cache, seqlens, span, softmax_scale, tensors.query_counts,
+                                     backend=backend, tuning=score_tuning)  # (B, span)
     sink, recent = spec.sink_tokens, spec.recent_tokens
+    full = (counts >= seqlens)[:, None]
+    if backend == "triton" and _fills_in_kernel(span, width, sink, recent, select_tuning):
+        from ..kernels import launch_device
+        from ..kernels.triton_select import select_sparse_triton
+
+        with launch_device(weights):  # the history score alone: a draft share of 0
+            chosen = select_sparse_triton(weights, weights, seqlens, sink=sink, recent=recent, share=0,
+                                          fill=width - sink - recent, counts=counts, tuning=select_tuning)
+        return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
+                             tensors.query_counts)
     positions = torch.arange(span, device=weights.device)
     # candidates: in range, neither a sink nor in the recent window (their weights are >= 0: -1 ranks below any)
     taken = (positions[None, :] < sink) | (positions[None, :] >= seqlens[:, None] - recent)
@@ -94,9 +141,18 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
     chosen = chosen.sort(dim=1).values
     chosen = torch.where(chosen == past, 0, chosen)
     chosen = torch.nn.functional.pad(chosen, (0, width - chosen.shape[1]))[:, :width].to(torch.int32)
-    full = (counts >= seqlens)[:, None]
     return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
                          tensors.query_counts)
+
+
+def _fills_in_kernel(span: int, width: int, sink: int, recent: int, tuning: SelectTuning | None) -> bool:
+    """Whether the selection kernel takes this fill (host ints): a width with room past the windows, and pools
+    that fit one program. (A row with fewer candidates than its fill reads in full by its count: its index row
+    is kept, whatever the kernel wrote.)"""
+    from ..kernels.triton_select import supports
+
+    fill = width - sink - recent
+    return fill > 0 and supports(span, 0, fill, tuning)
 
 
 def select_spec(config, queries: int | None = None) -> SelectLayers | None:

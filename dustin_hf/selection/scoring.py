@@ -56,21 +56,21 @@ def attention_mass(
         query_offset, query_step: query j of row b sits at ``query_pos[b, j] + query_offset + j *
             query_step`` (host ints); lets callers pass a stride-0 view of per-row lengths (the Triton
             path then launches nothing to make the positions).
-        query_counts: ``(B,)`` int: row b counts only its first ``query_counts[b]`` queries (``None``: all);
-            the PyTorch path only.
+        query_counts: ``(B,)`` int: row b counts only its first ``query_counts[b]`` queries (``None``: all).
         tuning: the Triton kernel's launch heuristic (``None``: the default).
 
     Returns:
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
         queries and heads (positions a query cannot see get nothing from it).
     """
-    if backend == "triton" and query_counts is None:
+    if backend == "triton":
         from ..kernels import launch_device
         from ..kernels.triton_score import attention_mass_triton
 
         with launch_device(queries):
             return attention_mass_triton(queries, keys, query_pos.to(keys.device), heads, group_size, softmax_scale,
                                          num_positions, key_span, query_offset=query_offset, query_step=query_step,
+                                         query_counts=None if query_counts is None else query_counts.to(keys.device),
                                          tuning=tuning)
     _check_backend(backend)
     batch, n_q = queries.shape[:2]
