@@ -323,7 +323,7 @@ def _reference_row0(x: Inputs, layout: Layout, budget: int | None) -> torch.Tens
 
 def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, draft: Layout = DRAFT_LAYOUT,
                       device: torch.device | None = None, dtype: torch.dtype = DTYPE, timer: str = "do_bench") -> dict:
-    """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.selection.scoring``/``selection``.
+    """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.selection.scoring`` and ``.fill``.
 
     Times nothing else: the target-history scores (one target layer, its default scoring heads), the
     draft-lookahead scores (the default draft layers/heads of ``draft``, gamma = Q - 1 queries) and

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "attention_scale", "check_transformers", "check_model", "check_pair",
            "common_window", "group_size", "model_device", "window_cuts"]
 
-VERIFIED_RANGE = ("5.17.0", "5.25.0")  # inclusive; both ends tested (.ci/run)
+# Inclusive: the releases the fused ops' copies of transformers code were checked against (5.17, 5.23, 5.24, 5.25).
+# CI tests the oldest and the newest release the registry serves (.ci/run), which is 5.25 until a newer one ships.
+VERIFIED_RANGE = ("5.17.0", "5.25.0")
 
 # The keyword that carries the KV cache into a model's forward and through generate()'s model kwargs:
 # "past_key_values" up to 5.23, "cache" from 5.24 (which still accepts the old name, with a warning).

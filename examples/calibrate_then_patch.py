@@ -41,8 +41,8 @@ else:
     settings = CalibrationSettings(books=("mobydick",), time_limit=600)  # seconds for collection and search
 result = calibrate(pair, settings)
 config = dustin_hf.DustinConfig(**result.pop("config"))
-out = args.out or Path(tempfile.mkdtemp()) / "profile.json"
-path = write_profile(out, config, result.pop("draft_share_fraction"), **result)
+profile = args.out or Path(tempfile.mkdtemp()) / "profile.json"
+path = write_profile(profile, config, result.pop("draft_share_fraction"), **result)
 print(f"recovery on {len(result['texts'])} steps: calibrated {result['recovery']['mean']:.3f}, "
       f"default heads {result['default_recovery']['mean']:.3f}; profile written to {path}")
 

@@ -17,9 +17,11 @@ from dustin_lab.models import fetch_pair  # the lab (pip install -e ./lab): the 
 from dustin_lab.texts import load_text
 from dustin_lab.tiny import tiny_pair
 
-parser = argparse.ArgumentParser(description="Ask an Instruct model about a long text: stock generate(), then Dustin.")
+parser = argparse.ArgumentParser(description="Ask an Instruct model about a long text: stock generate(), then Dustin. "
+                                 "Without --tiny it fetches the offline Qwen2.5-Coder pair first (4.6 GB).")
 parser.add_argument("--tiny", action="store_true", help="random-weight tiny models: seconds, nothing to download")
-target_dir, draft_dir = tiny_pair() if parser.parse_args().tiny else fetch_pair()  # or any two model folders
+args, _ = parser.parse_known_args()  # known args only: pasted into a notebook, the kernel's own arguments pass
+target_dir, draft_dir = tiny_pair() if args.tiny else fetch_pair()  # or any two model folders
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 tok = AutoTokenizer.from_pretrained(target_dir)

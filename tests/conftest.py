@@ -3,8 +3,7 @@ graph capture, kernels' launch hooks, statistical checks. No downloads anywhere 
 
 from __future__ import annotations
 
-from tiny_models import *  # noqa: F401,F403  (first: it sets TRITON_INTERPRET before anything loads triton)
-from tiny_models import noisy_copy, set_gamma, tiny_model
+from tiny_models import noisy_copy, one_thread, set_gamma, tiny_model  # noqa: F401  (first: it sets TRITON_INTERPRET)
 
 import contextlib
 import importlib.util

@@ -45,13 +45,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import dustin_hf
 from dustin_hf.compat import CACHE_KWARG
 
-from conftest import PAD, VOCAB, noisy_copy, tiny_model
+from tiny_models import PAD, VOCAB, noisy_copy, tiny_model
 
 __all__ = ["CI_CASES", "Case", "case_ids", "check_case", "draw_case", "from_json", "report", "reproduction",
            "shared_tokenizer", "shrink"]
 
 CI_CASES = 128
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # mistral with sliding_window=None (conftest)
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # mistral with sliding_window=None (tiny_models)
 DRAFT_KINDS = ("independent", "clone", "small_vocab")
 _ATTENTION = "dustin"
 

@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dustin_hf.compat import CACHE_KWARG
 
-from conftest import tiny_model
+from tiny_models import tiny_model
 
 __all__ = [
     "ASSISTED_CALL", "FAMILIES", "TESTER_SEQ_LENGTH", "TESTER_VOCAB", "TokenCollector", "alone",

@@ -11,7 +11,7 @@ import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 
-from conftest import PAD, VOCAB, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, VOCAB, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from fuzz import shared_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

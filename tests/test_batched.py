@@ -6,7 +6,8 @@ import torch
 import dustin_hf
 from dustin_hf import DustinConfig
 
-from conftest import PAD, eager_step_ahead, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import eager_step_ahead
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 

@@ -7,7 +7,7 @@ import pytest
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
 
-from conftest import tiny_model
+from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize(

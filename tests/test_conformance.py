@@ -29,7 +29,7 @@ from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.config import resolve
 from dustin_hf.selection.fill import select_positions
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from stock import (
     ASSISTED_CALL, FAMILIES, TESTER_SEQ_LENGTH, TESTER_VOCAB, TokenCollector, alone, assert_outputs_match_greedy,
     char_tokenizer, check_cache_for_generate, check_generate_outputs, output_shapes, processor_kwargs,

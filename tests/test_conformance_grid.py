@@ -28,7 +28,7 @@ from packaging.version import Version
 import dustin_hf
 from dustin_hf.compat import CACHE_KWARG
 
-from conftest import PAD, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, noisy_copy, random_prompt, set_gamma, tiny_model
 from stock import assert_outputs_match_greedy, check_generate_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.selection.draft_reads import DraftReads
 from dustin_hf.selection.fill import Selection
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 CASES = [(1, 1), (9, 3), (61, 6)]  # (prompt length, γ)
 

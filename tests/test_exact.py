@@ -20,10 +20,8 @@ from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.hooks import DecodeHooks
 
-from conftest import (
-    PAD, eager_step_ahead, joint_law, law_pvalue, left_pad, noisy_copy, random_prompt, set_gamma, tiled_prefill,
-    tiny_model,
-)
+from conftest import eager_step_ahead, joint_law, law_pvalue, tiled_prefill
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 

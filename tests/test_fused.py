@@ -41,7 +41,8 @@ from dustin_hf.runtime import _transformers_reference, fused, ops, recognise  # 
 from dustin_hf.runtime.fused import (FusedTuning, add_rms_norm, apply_rotary, fused_ops,  # noqa: E402
                                      fused_ops_available, rms_norm)
 
-from conftest import capture_graph, on_launch, package_kernels, random_prompt, tiny_model  # noqa: E402
+from conftest import capture_graph, on_launch, package_kernels  # noqa: E402
+from tiny_models import random_prompt, tiny_model  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")

@@ -7,7 +7,7 @@ import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.kernels import resolve_backend
 
-from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

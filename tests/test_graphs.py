@@ -21,7 +21,8 @@ from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.runtime.graphs import Pipeline, Stage
 from dustin_hf.runtime.plan import ForwardPlan
 
-from conftest import TRITON_RUNS, on_launch, package_kernels, random_prompt, tiny_model
+from conftest import TRITON_RUNS, on_launch, package_kernels
+from tiny_models import random_prompt, tiny_model
 
 # These tests run the pipeline on CPU (stages cut on the CPU device), so the fused kernels need Triton's
 # interpreter; on a CUDA machine Triton compiles for the GPU instead and cannot take CPU tensors. There,

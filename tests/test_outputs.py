@@ -5,7 +5,7 @@ import torch
 
 import dustin_hf
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -15,7 +15,7 @@ from dustin_hf import DustinConfig
 from dustin_hf import compat
 from dustin_hf.compat import check_transformers
 
-from conftest import random_prompt, set_gamma, tiny_model
+from tiny_models import random_prompt, set_gamma, tiny_model
 
 
 def _snapshot(model):

@@ -6,7 +6,7 @@ import torch
 import dustin_hf
 from dustin_hf.calibration import prompt as prompt_calibration
 
-from conftest import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -30,7 +30,7 @@ from dustin_hf.decode.run import DecodeRun
 from dustin_hf.decode.exact import ConfirmSchedule
 from dustin_hf.decode.sampling import RowGenerators
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

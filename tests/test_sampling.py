@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 import dustin_hf
 from dustin_hf.decode.sampling import RowGenerators, accept_greedy, accept_sampled
 
-from conftest import joint_law, law_pvalue, noisy_copy, set_gamma, tiled_prefill, tiny_model
+from conftest import joint_law, law_pvalue, tiled_prefill
+from tiny_models import noisy_copy, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 

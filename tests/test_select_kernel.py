@@ -7,7 +7,7 @@ multiset of scores as ``torch.topk``). Small explicit chunks force several launc
 which the heuristic would not pick at these sizes.
 
 Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CPU
-(``TRITON_INTERPRET=1``, set by conftest before triton is imported) with small shapes.
+(``TRITON_INTERPRET=1``, set by tiny_models (conftest imports it first) before triton is imported) with small shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.selection.fill import select_positions
 
-from conftest import TRITON_RUNS, capture_graph, tiny_model
+from conftest import TRITON_RUNS, capture_graph
+from tiny_models import tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -26,7 +26,7 @@ from dustin_hf.selection.recovery import position_weights
 from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.selection.layers import choose_read_set, select_spec
 
-from conftest import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

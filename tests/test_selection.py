@@ -6,7 +6,7 @@ import torch
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.selection.fill import select_positions
 
-from conftest import tiny_model
+from tiny_models import tiny_model
 
 
 def _config(**kwargs):

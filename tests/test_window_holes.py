@@ -20,7 +20,7 @@ from dustin_hf.decode.masks import prompts_from_mask, stock_slots
 from dustin_hf.selection.fill import select_by_recovery, select_positions
 from dustin_hf.selection.selector import Selector
 
-from conftest import noisy_copy, random_prompt, set_gamma, tiny_model
+from tiny_models import noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

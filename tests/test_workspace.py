@@ -20,7 +20,8 @@ from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.decode.runner import ModelRunner, _row_groups
 from dustin_hf.runtime.fused import FusedWeights, fused_ops
 
-from conftest import _triton_runs, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from conftest import _triton_runs
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,8 +1,9 @@
 """Tiny random-weight models built from configs, their prompts, and the one-thread fixture: what both the
 library's tests (``tests/``) and the lab's (``lab/tests/``) build on. No downloads anywhere in the tests.
 
-``tests/conftest.py`` re-exports them (a library test reads ``from conftest import tiny_model``); the lab's tests
-import this module by name (pyproject's ``pythonpath`` puts ``tests/`` on the path), fixture ``one_thread`` included."""
+Tests import them from here (``from tiny_models import tiny_model``): pyproject's ``pythonpath`` puts ``tests/`` on
+the path for both folders. ``tests/conftest.py`` imports this module first (it sets ``TRITON_INTERPRET`` before
+anything loads triton) and holds the fixture ``one_thread`` for the library's tests; a lab test imports it."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from ..selection.layers import select_spec
 from .hooks import DecodeHooks, PhaseClock
 from .workspace import Shape, Workspace, capacity_for
 
-__all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in decode_settings
+__all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
 
 
 class SpeculativeDecoder:

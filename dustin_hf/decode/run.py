@@ -14,7 +14,8 @@ One step (:meth:`DecodeRun.step`; exact mode's in :mod:`dustin_hf.decode.exact_s
 
   1. draft: feed tokens[b, L-1:L+1] (2 tokens, so that every row feeds the same count), then γ-1 single
      tokens, drawing d_1..d_γ from the draft's distributions q_1..q_γ;
-  2. select (Dustin only): score positions from the kept queries, fill the budget per row (:mod:`selector`);
+  2. select (Dustin only): score positions from the kept queries, fill the budget per row
+     (:mod:`dustin_hf.selection.selector`);
   3. verify: the target reads [x, d_1..d_γ] at positions L..L+γ against the selection (or everything),
      giving its distributions p_1..p_{γ+1} (p_i predicts the token after the i-th input);
   4. accept per row (:mod:`sampling`): greedy keeps d_i while d_i = argmax p_i; sampling keeps d_i with

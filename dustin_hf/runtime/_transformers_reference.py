@@ -67,7 +67,8 @@ class StandardMLP:
 
 class StandardDecoderLayer:
     """transformers' decoder-layer forward, verbatim (``_DECODER_LAYER_CLASSES``, 5.17 and 5.23; its form from 5.24
-    names the cache ``cache``, :class:`StandardDecoderLayer524`). No docstring: it would be a constant."""
+    names the cache ``cache``, :class:`StandardDecoderLayer524`). The forward has no docstring (one is a constant of
+    its code object)."""
 
     def forward(
         self,
@@ -138,7 +139,7 @@ class StandardDecoderLayer524:
 
 class StandardQwen2Attention:
     """transformers' Qwen2 attention forward, verbatim (5.17 and 5.23; from 5.24 it names the cache ``cache``,
-    :class:`StandardQwen2Attention524`). No docstring: it would be a constant."""
+    :class:`StandardQwen2Attention524`). The forward has no docstring (one is a constant of its code object)."""
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]

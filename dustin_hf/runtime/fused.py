@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..kernels.tuning import GemmTuning
-from .ops import (_fused_rms_norm_forward, _interpreting, _triton_runs_on, add_rms_norm, apply_rotary, argmax,
-                  fused_ops_available, gated_linear, rms_norm, rotary_write_kv, silu_mul, skinny_linear)
+from .ops import (_fused_rms_norm_forward, _interpreting, add_rms_norm, apply_rotary, argmax, fused_ops_available,
+                  gated_linear, rms_norm, rotary_write_kv, silu_mul, skinny_linear, triton_runs_on)
 from .projections import FusedTuning, FusedWeights, _fuse_mlp, _fuse_output, _fuse_qkv
 from .recognise import _RMS_NORM_CLASSES, _standard_norm_code, _standard_rotary, _warn_unrecognised
 from .registry import (_register, _replace_forward, _standard_attention, _standard_layer, _static_rotary,
@@ -170,7 +170,7 @@ def _fused_rotary(original: Callable, function: Callable) -> Callable:
 
     @functools.wraps(function)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if not _triton_runs_on(q.device):  # another model of the family, e.g. on CPU
+        if not triton_runs_on(q.device):  # another model of the family, e.g. on CPU
             return original(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary(q, k, cos, sin, unsqueeze_dim)
 

@@ -121,7 +121,7 @@ class Pipeline:
             elif step == "head":
                 logits = self.head(state["h"])
                 state = {"tokens": fused.argmax(logits, self.tuning.argmax)} if tokens else {"logits": logits.float()}
-            elif fused.fused_decoder_layer(self.layers[step]) and ops._triton_runs_on(state["h"].device):
+            elif fused.fused_decoder_layer(self.layers[step]) and ops.triton_runs_on(state["h"].device):
                 state = self._fused_layer(self.layers[step], state, plan, cache)
             else:
                 state = _settled(state)
@@ -188,7 +188,7 @@ class Pipeline:
         (:func:`~dustin_hf.runtime.fused.static_rotary`), rows gathered from a table the module computed once for
         positions ``0..capacity-1`` (one index launch instead of ~13 kernels), bit for bit its output."""
         module = self.decoder.rotary_emb
-        if not (fused.static_rotary(module) and ops._triton_runs_on(h.device)):
+        if not (fused.static_rotary(module) and ops.triton_runs_on(h.device)):
             return module(h, positions)
         capacity = cache.capacity  # every position a forward writes is below it (the cache grew before)
         table = self._rotary_tables.get(h.device)
@@ -234,7 +234,7 @@ def _add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) ->
     fused RMSNorm and the two tensors match, else the add and the norm module."""
     params = fused.fused_norm(norm)
     if (params is not None and x.dtype == residual.dtype and x.shape == residual.shape
-            and ops._triton_runs_on(x.device)):
+            and ops.triton_runs_on(x.device)):
         return fused.add_rms_norm(x, residual, *params)
     total = residual + x
     return norm(total), total

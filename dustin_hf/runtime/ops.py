@@ -27,7 +27,7 @@ from ..kernels.tuning import ArgmaxTuning, GemmTuning
 
 __all__ = [
     "add_rms_norm", "apply_rotary", "argmax", "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv",
-    "silu_mul", "skinny_linear",
+    "silu_mul", "skinny_linear", "triton_runs_on",
 ]
 
 
@@ -139,7 +139,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _triton_runs_on(device: torch.device) -> bool:
+def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
 
@@ -149,11 +149,11 @@ def _has_triton() -> bool:
 
 
 def _argmax_kernel_runs_on(device: torch.device) -> bool:
-    return _has_triton() and _triton_runs_on(device)
+    return _has_triton() and triton_runs_on(device)
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if not _triton_runs_on(t.device):
+    if not triton_runs_on(t.device):
         raise ValueError(
             f"the fused kernels run in Triton: they need CUDA tensors (got {t.device}), or on CPU the "
             "Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"

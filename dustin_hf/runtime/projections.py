@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from ..kernels.tuning import Checked, GemmTuning
-from .ops import _triton_runs_on, gated_linear, silu_mul, skinny_linear
+from .ops import gated_linear, silu_mul, skinny_linear, triton_runs_on
 from .recognise import _ATTENTION_CLASSES, _MLP_CLASSES, _standard_mlp_code
 from .registry import _replace_forward
 
@@ -69,7 +69,7 @@ def _plain_linears(*linears) -> bool:
         return False
     weights = [m.weight for m in linears]
     return len({(w.dtype, w.device) for w in weights}) == 1 and weights[0].dtype in (
-        torch.float16, torch.bfloat16, torch.float32) and _triton_runs_on(weights[0].device)
+        torch.float16, torch.bfloat16, torch.float32) and triton_runs_on(weights[0].device)
 
 
 class FusedWeights:

@@ -1,11 +1,15 @@
 """Which of a model's transformers code is the code dustin_hf checked: the version check behind
 :func:`dustin_hf.runtime.fused.fused_ops`.
 
-A fused path applies to a module only when its class is listed here (``_RMS_NORM_CLASSES``, ``_MLP_CLASSES``,
-``_ATTENTION_CLASSES``, ``_DECODER_LAYER_CLASSES``) and its forward -- or, for the rotary embedding, its modeling
-module's ``apply_rotary_pos_emb`` and ``rotate_half`` -- compiles to the same instructions, names and constants as
-the verbatim copy in :mod:`dustin_hf.runtime._transformers_reference` (:func:`_same_code`). Comparing bytecode, not
-version numbers, also catches a model whose code was patched.
+A fused path that replaces a module's own forward (RMSNorm, the MLP, the rotary embedding, the decoder layer's and
+the Qwen2 attention's pipeline) applies only when the module's class is listed here (``_RMS_NORM_CLASSES``,
+``_MLP_CLASSES``, ``_ATTENTION_CLASSES``, ``_DECODER_LAYER_CLASSES``) and its forward -- or, for the rotary
+embedding, its modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` -- compiles to the same instructions,
+names and constants as the verbatim copy in :mod:`dustin_hf.runtime._transformers_reference` (:func:`_same_code`).
+Comparing bytecode, not version numbers, also catches a model whose code was patched. The attention's projections
+need no such check: their fusion (:mod:`dustin_hf.runtime.projections`) replaces only the forwards of the plain
+``nn.Linear`` modules of a listed attention class, and ``k_proj`` / ``v_proj`` take their slice of the fused GEMM
+only when called on the very tensor ``q_proj`` saw (else they run their own linear), whatever code calls them.
 
 Where a listed class (or a modeling module's rotary function) compiles to other code than the one checked (a
 transformers release newer than :data:`dustin_hf.compat.VERIFIED_RANGE`), that part keeps transformers' own code,
@@ -130,7 +134,8 @@ def _warn_unrecognised(modules) -> None:
     warnings.warn(
         f"dustin_hf's fused decode kernels do not apply to {', '.join(new)} in transformers "
         f"{transformers.__version__}: that code differs from what dustin_hf checked (transformers {low} to {high}). "
-        "Those parts run transformers' own code (the same outputs, more kernel launches); the rest stays fused.",
+        "Those parts run transformers' own code (the same outputs, more kernel launches); the rest stays fused, "
+        "the attention's q/k/v and o_proj GEMMs included (they replace only the linear layers' forwards).",
         stacklevel=4,
     )
 

@@ -40,7 +40,7 @@ def speculative_continuation(target, draft, prompt: torch.Tensor, *, config: Res
     pad = eos_token_ids[0] if eos_token_ids else 0
     generation_config = GenerationConfig(do_sample=False, max_length=prompt.numel() + max_new_tokens,
                                          eos_token_id=eos_token_ids or None, pad_token_id=pad)
-    decoder = speculative_decoder(target, draft, generation_config, dustin=config, gamma=gamma, store=store)
+    decoder = speculative_decoder(target, draft, generation_config, dustin_config=config, gamma=gamma, store=store)
     device = target.get_input_embeddings().weight.device
     start = time.perf_counter()
     with torch.no_grad(), dustin_attention_on(target, draft):

@@ -155,9 +155,11 @@ class PrefillStore:
         return prefill
 
 
-def speculative_decoder(target, draft, generation_config, *, dustin, gamma: int, store: PrefillStore | None = None):
+def speculative_decoder(target, draft, generation_config, *, dustin_config, gamma: int,
+                        store: PrefillStore | None = None):
     """A :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
-    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin_config=dustin, drafting=Drafting(gamma),
+    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin_config=dustin_config,
+                                       drafting=Drafting(gamma),
                                        hooks=None if store is None else DecodeHooks(prefill=store.hook()),
                                        calibrate=calibrate_on_prompts)
