@@ -33,6 +33,7 @@ import torch
 
 from ..kernels.tuning import ScoreTuning, SelectTuning
 from ..runtime.plan import DeviceTensors, SelectLayers
+from .scoring import attention_mass
 
 __all__ = ["choose_read_set", "layer_position_weights", "select_spec"]
 
@@ -76,19 +77,16 @@ def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens
 
 
 def _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, query_counts, tuning) -> torch.Tensor:
-    """:func:`layer_position_weights` through :func:`~dustin_hf.kernels.triton_score.attention_mass_triton`: every
-    query of row ``b`` sits at ``L_b - 1`` (it sees the cached positions and nothing new), given as a stride-0 view
-    of the lengths and an offset, so nothing but the kernel's two passes and one division is launched."""
-    from ..kernels import launch_device
-    from ..kernels.triton_score import attention_mass_triton
-
+    """:func:`layer_position_weights` through the scoring kernel (:func:`~.scoring.attention_mass`, as Dustin's own
+    history scores): every query of row ``b`` sits at ``L_b - 1`` (it sees the cached positions and nothing new),
+    given as a stride-0 view of the lengths and an offset, so nothing but the kernel's two passes and one division
+    is launched."""
     batch, n_q, n_heads, _ = q.shape
     seqlens = cache_seqlens.to(k_cache.device)
     counts = None if query_counts is None else query_counts.to(k_cache.device).clamp(1, n_q)
-    with launch_device(k_cache):
-        mass = attention_mass_triton(q, k_cache, seqlens[:, None].expand(batch, n_q), tuple(range(n_heads)),
-                                     n_heads // k_cache.shape[2], softmax_scale, span, span, query_offset=-1,
-                                     query_counts=counts, tuning=tuning)  # (B, span), summed over heads and queries
+    mass = attention_mass(q, k_cache, seqlens[:, None].expand(batch, n_q), tuple(range(n_heads)),
+                          n_heads // k_cache.shape[2], softmax_scale, span, span, backend="triton", query_offset=-1,
+                          query_counts=counts, tuning=tuning)  # (B, span), summed over heads and queries
     return mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
 
 
