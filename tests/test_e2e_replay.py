@@ -252,6 +252,14 @@ def test_methods_have_the_settings_the_issues_name():
     assert set(knob.hooks().__dict__) >= {"accept", "budgets"} and knob.hooks().accept is not None
 
 
+def test_every_method_has_a_place_in_the_run_order():
+    # main() sorts the asked methods by RUN_ORDER: one missing there raised ValueError when asked for
+    assert set(e2e.METHODS) <= set(e2e.RUN_ORDER)
+    assert set(e2e.DEFAULT_METHODS) <= set(e2e.METHODS)
+    select = _sources().method("dustin_select", 96).config
+    assert (select.selection, select.sparse_draft) == ("verify", True)
+
+
 def test_methods_say_what_they_need():
     with pytest.raises(ValueError, match="--predictions"):
         _sources(predictions=None).method("dustin_exact", 96)
