@@ -16,6 +16,9 @@ Each unit (text, context) is written to ``--scratch`` when done, so an interrupt
     # the layer sweep on a calibration book (not a held-out one): several layer sets at one budget, no oracle
     python benchmarks/select_cpu.py --texts mobydick --budgets 512 --select 1 --select 2 --select 4 --select 2,14 \\
         --no-oracle --out benchmarks/results/select_cpu_layers.json
+    # exact mode instead of the walk: greedy model.generate() continuations with Dustin's set and with the selection
+    # layers (the sparse draft on), the share of tentative tokens the dense confirmation keeps
+    python benchmarks/select_cpu.py --exact 200 --texts alice stdlib:typing --budgets 512 --out /tmp/exact.json
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def main(argv=None) -> dict:
                              "control that reads as many full layers as a selection method")
     parser.add_argument("--no-dustin", action="store_true", help="leave Dustin's set out")
     parser.add_argument("--no-oracle", action="store_true", help="leave the shared oracle out")
+    parser.add_argument("--exact", type=int, default=0, metavar="TOKENS",
+                        help="instead of the walk: exact mode's greedy continuation of TOKENS tokens per text, context "
+                             "and budget, once with Dustin's set and once with the profile's selection layers (the "
+                             "sparse draft on, or off with --no-sparse-draft); the report's 'exact' records")
+    parser.add_argument("--no-sparse-draft", action="store_true", help="--exact: the draft reads everything")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_select", help="per-unit reports")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -70,6 +78,8 @@ def main(argv=None) -> dict:
     pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
     config, fraction, _ = read_profile(args.profile)
+    if args.exact:
+        return _exact(args, pair, config, fraction, describe_machine)
     selects = [(False, None) if spec == "profile" else
                (spec.startswith("dense:"), tuple(int(v) for v in spec.removeprefix("dense:").split(",")))
                for spec in ([] if args.no_select else args.select or ["profile"])]
@@ -122,6 +132,54 @@ def main(argv=None) -> dict:
             del state, walk
             _write(args, units, methods, pair, describe_machine)
     return _write(args, units, methods, pair, describe_machine)
+
+
+def _exact(args, pair, config, fraction, describe_machine) -> dict:
+    """``--exact``: per text, context and budget, exact mode's continuation with each selection; the confirmed
+    fraction is the share of tentative (sparse-verified) tokens the dense confirmation kept."""
+    from dustin_hf.profiles import config_for_budget
+    from dustin_lab.demo import DemoRun, run_demo
+    from dustin_lab.texts import token_window
+
+    sparse_draft = not args.no_sparse_draft
+    specs = [] if args.no_select else args.select or ["profile"]
+    if any(spec.startswith("dense:") for spec in specs):
+        raise SystemExit("--exact takes --select profile or LAYERS, not dense:LAYERS")
+    layers = [None if spec == "profile" else tuple(int(v) for v in spec.split(",")) for spec in specs]
+    selections = ([] if args.no_dustin else [("dustin", None)]) + [("verify", chosen) for chosen in layers]
+    records = []
+    report = {"command": shlex.join(["python", "benchmarks/select_cpu.py", *sys.argv[1:]]),
+              "machine": describe_machine(pair.device), "model_pair": pair.describe(), "gamma": GAMMA,
+              "greedy": True, "exact": records}
+    for context in args.contexts:
+        for text in args.texts:
+            prompt = token_window(pair.tokenizer, text, context, args.offset)
+            for budget in args.budgets:
+                for selection, chosen in selections:
+                    cfg = config_for_budget(config, fraction, budget).replace(
+                        min_context=1024, selection=selection, **({} if chosen is None else {"selection_layers": chosen}))
+                    run = DemoRun("exact", f"exact mode, {selection} selection, budget {budget}",
+                                  {"cache_implementation": "dustin",
+                                   "cache_config": {"mode": "exact", "sparse_draft": sparse_draft}})
+                    result = run_demo(pair, cfg, prompt, [run], GAMMA, args.exact, lambda *lines: None)["exact"]
+                    stats = result["stats"]
+                    records.append({
+                        "selection": selection, "selection_layers": None if chosen is None else list(chosen),
+                        "text": text, "context": context, "budget": budget, "new_tokens": len(result["tokens"]),
+                        "sparse_draft": sparse_draft, "confirmed_fraction": stats["exact"]["confirmed_fraction"],
+                        "tentative_confirmed": stats["exact"]["tentative_confirmed"],
+                        "tentative_rejected": stats["exact"]["tentative_rejected"],
+                        "tokens_per_target_forward": len(result["tokens"]) / stats["steps"],
+                        "seconds": result["generate_seconds"]})
+                    r = records[-1]
+                    print(f"{text}@{context} budget {budget} {selection}: confirmed fraction "
+                          f"{r['confirmed_fraction']:.3f} ({r['tentative_confirmed']} kept, {r['tentative_rejected']} "
+                          f"dropped), {r['tokens_per_target_forward']:.2f} tokens a target forward, "
+                          f"{r['seconds']:.0f} s", flush=True)
+                    out = Path(args.out)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def _records(walk, kinds: dict, text: str, context: int) -> list[dict]:
