@@ -380,3 +380,15 @@ def test_memory_accesses_are_wide_on_sm90():
                 f"no ticket merge of the splits: {label}"
         else:
             assert not [op for op in ops if op.startswith("ld.global.") and ".b16" in op], f"narrow loads: {label}"
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton")
+@pytest.mark.parametrize("rows, head_dim, batch, span", [(4, 128, 16, 33000), (4, 64, 4, 8300), (48, 64, 16, 33000),
+                                                         (140, 128, 16, 33000), (1, 64, 1, 100)])
+def test_pass_2_reads_stay_inside_each_row(rows, head_dim, batch, span):
+    """Pass 2 loads whole steps of ``block_p`` positions, masked by row only: up to ``span`` rounded up to a step. With
+    few rows (a target's history scores) a step is 16 tiles, past a row sized to whole tiles by up to 15 of them."""
+    kernel = _kernel()
+    config = kernel.launch_config(batch, batch, head_dim, span, span, 132, rows=rows)
+    furthest = -(-span // config.block_p) * config.block_p
+    assert kernel.buffer_tiles(span, config) * config.block_n >= furthest

@@ -526,7 +526,7 @@ def attention_mass_layers_triton(
         accumulate = True
     prepare_interpreter()
 
-    n_tiles = triton.cdiv(span, config.block_n)
+    n_tiles = buffer_tiles(span, config)
     shifted_dtype = torch.float32 if keys[0].dtype == torch.float32 else torch.float16  # scores - running max
     # rows padded to whole tiles: a row stride divisible by 16 lets Triton vectorise the 16-bit accesses
     shifted = torch.empty(batch, n_rows, n_tiles * config.block_n, dtype=shifted_dtype, device=device)
@@ -574,6 +574,13 @@ def attention_mass_layers_triton(
         num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
     return out
+
+
+def buffer_tiles(span: int, config: LaunchConfig) -> int:
+    """Key tiles per row of pass 1's buffers: ``span`` rounded up to whole pass 2 steps, whose loads (masked by row
+    only) read whole steps and must stay inside each row."""
+    step_tiles = config.block_p // config.block_n
+    return triton.cdiv(triton.cdiv(span, config.block_n), step_tiles) * step_tiles
 
 
 def _heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
