@@ -76,7 +76,8 @@ from ._device import prepare_interpreter, sm_count, tickets
 from .tuning import ScoreTuning
 from .triton_launch import await_producers, dependent_launch
 
-__all__ = ["LaunchConfig", "attention_mass_layers_triton", "attention_mass_triton", "call_config", "launch_config"]
+__all__ = ["LaunchConfig", "attention_mass_layers_triton", "attention_mass_triton", "buffer_tiles", "call_config",
+           "launch_config"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
