@@ -86,8 +86,8 @@ SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # (tens of GB at 32k), and its speed depends on what the caching allocator holds: 72B over two H200s,
 # 32k, batch 8, it read 31.1 and 40.0 tok/s as a process's first run and 41.8 to 47.2 after the
 # speculative runs, so compare ratios against it with that spread.
-RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft", "dustin_exact",
-             "dustin_knob", "hf_static")
+RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft",
+             "dustin_exact", "dustin_knob", "hf_static")
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
 # each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
 COMPILE_STATIC = False

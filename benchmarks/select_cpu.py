@@ -78,11 +78,11 @@ def main(argv=None) -> dict:
     pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
     config, fraction, _ = read_profile(args.profile)
-    if args.exact:
-        return _exact(args, pair, config, fraction, describe_machine)
     selects = [(False, None) if spec == "profile" else
                (spec.startswith("dense:"), tuple(int(v) for v in spec.removeprefix("dense:").split(",")))
                for spec in ([] if args.no_select else args.select or ["profile"])]
+    if args.exact:
+        return _exact(args, pair, config, fraction, selects, describe_machine)
     methods, oracle, kinds = {"dense": None}, {}, {"dense": ("dense", None, None)}
     for budget in args.budgets:
         base = config_for_budget(config, fraction, budget).replace(min_context=1024)
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     return _write(args, units, methods, pair, describe_machine)
 
 
-def _exact(args, pair, config, fraction, describe_machine) -> dict:
+def _exact(args, pair, config, fraction, selects, describe_machine) -> dict:
     """``--exact``: per text, context and budget, exact mode's continuation with each selection; the confirmed
     fraction is the share of tentative (sparse-verified) tokens the dense confirmation kept."""
     from dustin_hf.profiles import config_for_budget
@@ -142,11 +142,9 @@ def _exact(args, pair, config, fraction, describe_machine) -> dict:
     from dustin_lab.texts import token_window
 
     sparse_draft = not args.no_sparse_draft
-    specs = [] if args.no_select else args.select or ["profile"]
-    if any(spec.startswith("dense:") for spec in specs):
+    if any(dense_before for dense_before, _ in selects):
         raise SystemExit("--exact takes --select profile or LAYERS, not dense:LAYERS")
-    layers = [None if spec == "profile" else tuple(int(v) for v in spec.split(",")) for spec in specs]
-    selections = ([] if args.no_dustin else [("dustin", None)]) + [("verify", chosen) for chosen in layers]
+    selections = ([] if args.no_dustin else [("dustin", None)]) + [("verify", layers) for _, layers in selects]
     records = []
     report = {"command": shlex.join(["python", "benchmarks/select_cpu.py", *sys.argv[1:]]),
               "machine": describe_machine(pair.device), "model_pair": pair.describe(), "gamma": GAMMA,
@@ -156,8 +154,9 @@ def _exact(args, pair, config, fraction, describe_machine) -> dict:
             prompt = token_window(pair.tokenizer, text, context, args.offset)
             for budget in args.budgets:
                 for selection, chosen in selections:
-                    cfg = config_for_budget(config, fraction, budget).replace(
-                        min_context=1024, selection=selection, **({} if chosen is None else {"selection_layers": chosen}))
+                    chosen_layers = {} if chosen is None else {"selection_layers": chosen}
+                    cfg = config_for_budget(config, fraction, budget).replace(min_context=1024, selection=selection,
+                                                                               **chosen_layers)
                     run = DemoRun("exact", f"exact mode, {selection} selection, budget {budget}",
                                   {"cache_implementation": "dustin",
                                    "cache_config": {"mode": "exact", "sparse_draft": sparse_draft}})

@@ -8,8 +8,9 @@ max abs error against the loop may be at most twice the error of PyTorch's own f
 logits), plus ``1e-6``. The chosen sets must equal the PyTorch path's where no scores tie (random fp32 inputs).
 
 Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CPU (``TRITON_INTERPRET=1``, set by
-tiny_models, which conftest imports first, before triton is imported) with small shapes. Small launch settings force several splits per row in the
-scoring kernel and several chunks per row in the selection kernel, which the heuristics would not pick here.
+tiny_models, which conftest imports first, before triton is imported) with small shapes. Small launch settings
+force several splits per row in the scoring kernel and several chunks per row in the selection kernel, which the
+heuristics would not pick here.
 """
 
 from __future__ import annotations

@@ -170,8 +170,8 @@ def launch_config(
     ``tuning.sparse_programs_per_sm`` (sparse) or ``tuning.programs_per_sm`` (dense) of them (floor, so no
     partial extra wave; ``tuning.heavy_programs_per_sm`` for a dense call of more than
     ``tuning.heavy_tiles_per_sm`` key tiles per SM), but never fewer than ``tuning.min_blocks_per_split`` key tiles
-    per split, and at most ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge: ``"ticket"`` up to
-    ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
+    per split, and at most ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge:
+    ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
     block may use): a heuristic key-tile width and stage count that would not fit are reduced
     (:func:`_fit_shared`); given ones are kept.
     """
