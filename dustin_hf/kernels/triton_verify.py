@@ -168,9 +168,8 @@ def launch_config(
     heuristic value. Splits: none for a short key range (at most ``tuning.short_range_blocks`` tiles) whose
     programs fill half the SMs already; otherwise enough programs to give every SM about
     ``tuning.sparse_programs_per_sm`` (sparse) or ``tuning.programs_per_sm`` (dense) of them (floor, so no
-    partial extra wave; ``tuning.heavy_programs_per_sm`` for a dense call of more than
-    ``tuning.heavy_tiles_per_sm`` key tiles per SM), but never fewer than ``tuning.min_blocks_per_split`` key tiles
-    per split, and at most ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge:
+    partial extra wave), but never fewer than ``tuning.min_blocks_per_split`` key tiles per split, and at most
+    ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge:
     ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
     block may use): a heuristic key-tile width and stage count that would not fit are reduced
     (:func:`_fit_shared`); given ones are kept.
@@ -194,8 +193,6 @@ def launch_config(
                                           smem_limit)
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
     programs = batch * n_kv_heads * m_tiles
-    if not sparse and programs * n_blocks > tuning.heavy_tiles_per_sm * sm_count:
-        programs_per_sm = tuning.heavy_programs_per_sm
     if num_splits is None and n_blocks <= tuning.short_range_blocks and 2 * programs >= sm_count:
         num_splits = 1
     if num_splits is None:

@@ -62,12 +62,6 @@ class VerifyTuning(Checked):
         full_rows_divisor: a sparse call whose rows may read in full (``full_rows``) splits those rows' keys as a
             dense call of ``batch // full_rows_divisor`` rows would: finer than a whole dense batch, so that one such
             row spreads over many SMs, while a batch of them takes a few waves.
-        heavy_tiles_per_sm, heavy_programs_per_sm: a dense call with more than ``heavy_tiles_per_sm`` key tiles
-            per SM in all (programs x tiles a row, over the SMs) aims for ``heavy_programs_per_sm`` programs per SM
-            instead of ``programs_per_sm``. On an H200 at 7B head shapes (4 KV heads) such calls (batch 16 at 24k and
-            32k, 12 at 32k, 8 at 64k, 32 at 16k; 5 and 13 queries) ran 17-33% faster split 4x finer, the merge kernel
-            included (batch 16, 32k: 0.48 -> 0.33 ms); at 60-125 tiles per SM the finer split was as often slower.
-            72B's layout (8 KV heads) was not compared with the coarser split in one process.
     """
 
     programs_per_sm: int = 2
@@ -80,8 +74,6 @@ class VerifyTuning(Checked):
     sparse_stages: tuple[int, ...] = (5, 3)
     pipeline_smem_bytes: int = 160 * 1024
     full_rows_divisor: int = 4
-    heavy_tiles_per_sm: int = 160
-    heavy_programs_per_sm: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
