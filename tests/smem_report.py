@@ -8,7 +8,7 @@ it for the GPU's architecture and reports the shared memory the compiled kernel 
 own estimate (``_shared_bytes``) and the limit, as one JSON list:
 
 * verification (``kernel: "verify"``): bf16 and fp32, head dim 64 and 128, one and five queries of a
-  7-query-head group, sparse and dense;
+  7-query-head group, sparse, dense, and dense writing a selection layer's scores;
 * decode GEMMs (``"skinny"``, ``"gated"``): ``skinny_linear`` at 16, 32, 80 and 128 rows (the 7B's q/k/v
   shape) and ``gated_linear`` at 16 and 32 rows (the 0.5B draft's gate/up), bf16 and fp32.
 
@@ -49,12 +49,17 @@ def _verify_report(shared) -> list[dict]:
     from dustin_hf.kernels import triton_verify
 
     rows = []
-    for cc, dtype, head_dim, n_queries, sparse in itertools.product(
-            GPUS, (torch.bfloat16, torch.float32), (64, 128), (1, 5), (True, False)):
+    for cc, dtype, head_dim, n_queries, (sparse, scores) in itertools.product(
+            GPUS, (torch.bfloat16, torch.float32), (64, 128), (1, 5), ((True, False), (False, False), (False, True))):
         def run():
             q = torch.empty(BATCH, n_queries, N_KV_HEADS * GROUP, head_dim, device="cuda", dtype=dtype)
             cache = torch.empty(BATCH, CONTEXT + n_queries, N_KV_HEADS, head_dim, device="cuda", dtype=dtype)
             seqlens = torch.empty(BATCH, device="cuda", dtype=torch.int32)
+            if scores:  # a selection layer's dense call, writing the scores too
+                triton_verify.verify_attention_scores_triton(
+                    q, cache, cache, seqlens, softmax_scale=head_dim**-0.5, max_seqlen_k=CONTEXT + n_queries,
+                    span=CONTEXT, query_counts=seqlens)
+                return
             indices = torch.empty(BATCH, BUDGET, device="cuda", dtype=torch.int32) if sparse else None
             triton_verify.verify_attention_triton(
                 q, cache, cache, seqlens, softmax_scale=head_dim**-0.5, indices=indices,
@@ -65,7 +70,7 @@ def _verify_report(shared) -> list[dict]:
         num_stages = launch.options["num_stages"]
         rows.append(dict(
             kernel="verify", cc=cc, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, n_queries=n_queries,
-            sparse=sparse, block_m=block_m, block_n=block_n, num_stages=num_stages, shared=shared(cc, launch),
+            sparse=sparse, scores=scores, block_m=block_m, block_n=block_n, num_stages=num_stages, shared=shared(cc, launch),
             estimate=triton_verify._shared_bytes(block_m, block_n, block_d, dtype.itemsize, num_stages, sparse),
             limit=GPUS[cc].max_shared_mem))
     return rows

@@ -17,7 +17,8 @@ covering the window is exact), else the selection within it. The same path serve
 last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
 
 A selection layer of a sparse forward (``ForwardPlan.select``) reads every cached position and chooses the read set
-of the layers after it (:mod:`dustin_hf.selection.layers`).
+of the layers after it (:mod:`dustin_hf.selection.layers`); on the Triton backend its attention kernel writes the
+scores the choice needs (:func:`~dustin_hf.selection.layers.selection_attention`), so its keys are read once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..kernels import full_rows_written, verify_attention
 from ..kernels.masked import masked_attention
 from ..kernels.reference import prefill_attention
 from ..runtime.plan import ForwardPlan
-from ..selection.layers import choose_read_set
+from ..selection.layers import choose_read_set, selection_attention
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
 
@@ -75,20 +76,27 @@ def dustin_attention(
     if prompt:
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
-    if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
-        sparse = False
-        tuning = dustin_plan.tuning
-        dustin_plan.keep_selection(choose_read_set(
-            q, key.transpose(1, 2), tensors, dustin_plan.key_span, dustin_plan.select,
-            scaling if scaling is not None else q.shape[-1] ** -0.5,
-            backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
-            score_tuning=None if tuning is None else tuning.score,
-            select_tuning=None if tuning is None else tuning.select))
     window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
     if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
                                        or dustin_plan.window_slots is not None):
         window = sliding_window
-    if window is not None or dustin_plan.hide_new or dustin_plan.attention_weights:
+    masked = window is not None or dustin_plan.hide_new or dustin_plan.attention_weights
+    if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
+        sparse = False
+        tuning = dustin_plan.tuning
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        if dustin_plan.backend == "triton" and not masked:  # one read of the keys for the attention and the choice
+            out, chosen = selection_attention(q, key.transpose(1, 2), value.transpose(1, 2), tensors,
+                                              dustin_plan.key_span, dustin_plan.max_seqlen_k, dustin_plan.select,
+                                              scale, tuning=tuning)
+            dustin_plan.keep_selection(chosen)
+            return out, None
+        dustin_plan.keep_selection(choose_read_set(
+            q, key.transpose(1, 2), tensors, dustin_plan.key_span, dustin_plan.select, scale,
+            backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
+            score_tuning=None if tuning is None else tuning.score,
+            select_tuning=None if tuning is None else tuning.select))
+    if masked:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
         indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
         if sparse and dustin_plan.full_rows:  # the masked path reads listed positions only

@@ -76,8 +76,8 @@ from ._device import prepare_interpreter, sm_count, tickets
 from .tuning import ScoreTuning
 from .triton_launch import await_producers, dependent_launch
 
-__all__ = ["LaunchConfig", "attention_mass_layers_triton", "attention_mass_triton", "buffer_tiles", "call_config",
-           "launch_config"]
+__all__ = ["LaunchConfig", "ScoreBuffers", "attention_mass_from_scores", "attention_mass_layers_triton",
+           "attention_mass_triton", "buffer_tiles", "call_config", "launch_config", "score_buffers"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
@@ -560,9 +560,18 @@ def attention_mass_layers_triton(
                 num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
             )
             head_offset += len(members)
+    _pass2(shifted, tile_max, lse, query_pos, query_counts, position_limit, out, accumulate, config, n_rows,
+           total_heads, num_positions, query_offset, query_step, pdl)
+    return out
+
+
+def _pass2(shifted, tile_max, lse, query_pos, query_counts, position_limit, out, accumulate, config, n_rows,
+           total_heads, num_positions, query_offset, query_step, pdl) -> None:
+    """Launch pass 2 over pass 1's buffers (rows ``j * total_heads + k``) into ``out``."""
+    counts = query_counts if query_counts is not None else query_pos  # placeholder, never read
     limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
     block_r = min(config.block_r, triton.next_power_of_2(n_rows))
-    _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), batch)](
+    _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), out.shape[0])](
         shifted, tile_max, lse, query_pos, counts, limit, out,
         *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), counts.stride(0),
         limit.stride(0),
@@ -571,9 +580,67 @@ def attention_mass_layers_triton(
         N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
         BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
         ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None, HAS_COUNTS=query_counts is not None,
-        SHARED_POS=n_queries == 1 or query_pos.stride(1) == 0, PDL=pdl,
+        SHARED_POS=query_pos.shape[1] == 1 or query_pos.stride(1) == 0, PDL=pdl,
         num_warps=config.num_warps_reduce, launch_pdl=pdl,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreBuffers:
+    """Pass 1's outputs, written by another kernel that reads the keys anyway (the dense verification kernel at a
+    selection layer, :func:`dustin_hf.kernels.triton_verify.verify_attention_scores_triton`), for pass 2 to sum.
+
+    Rows are numbered ``j * heads + h`` (query ``j``, query head ``h``), as pass 1 numbers them.
+
+    Attributes:
+        shifted: ``(B, queries * heads, tiles * block_n)``, each score minus the running max of its row (fp16 for
+            16-bit keys, fp32 for fp32), ``-inf`` past the keys it covers; positions no split wrote are never read.
+        tile_max: ``(B, tiles, queries * heads)`` fp32, the running max after each key tile.
+        lse: ``(B, lse_queries * heads)`` fp32, each row's log-sum-exp (base 2) over the cached positions; rows of
+            queries past ``queries`` are the writer's own and never read.
+        config: pass 2's launch parameters (``block_n``: the writer's key tile).
+        queries, heads: the scoring queries (the leading ones) and query heads.
+    """
+
+    shifted: torch.Tensor
+    tile_max: torch.Tensor
+    lse: torch.Tensor
+    config: LaunchConfig
+    queries: int
+    heads: int
+
+
+def score_buffers(batch: int, queries: int, lse_queries: int, heads: int, span: int, block_n: int, head_dim: int,
+                  keys: torch.Tensor, *, tuning: ScoreTuning | None = None) -> ScoreBuffers:
+    """Empty :class:`ScoreBuffers` for ``queries`` scoring queries of ``heads`` heads over ``span`` positions, in key
+    tiles of ``block_n`` (the writer's), sized for pass 2's whole steps (:func:`buffer_tiles`); ``lse_queries``: the
+    writer's queries (``>= queries``); ``keys``: the cache the writer reads (dtype, device)."""
+    rows = queries * heads
+    config = launch_config(batch, batch, head_dim, span, span, sm_count(keys.device), key_bytes=keys.element_size(),
+                           rows=rows, tuning=tuning, block_n=block_n)
+    tiles = buffer_tiles(span, config)
+    shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16
+    return ScoreBuffers(
+        shifted=torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
+        tile_max=torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
+        lse=torch.empty(batch, lse_queries * heads, dtype=torch.float32, device=keys.device),
+        config=config, queries=queries, heads=heads)
+
+
+def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tensor, span: int,
+                               query_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Pass 2 over ``buffers``: per row ``b`` and position ``p < span``, the sum over heads and counted queries of
+    each query's attention over the cached positions ``[0, cache_seqlens[b])`` (``query_counts``: row ``b`` counts
+    its first ``query_counts[b]`` queries; ``None``: all). Returns ``(B, span)`` fp32, 0 past each row's length."""
+    prepare_interpreter()
+    batch = buffers.shifted.shape[0]
+    out = torch.empty(batch, span, dtype=torch.float32, device=buffers.shifted.device)
+    if span == 0 or batch == 0:
+        return out
+    seqlens = cache_seqlens.to(out.device)
+    query_pos = seqlens[:, None].expand(batch, buffers.queries)  # every query sits at L_b - 1: offset -1 below
+    _pass2(buffers.shifted, buffers.tile_max, buffers.lse, query_pos, query_counts, None, out, False, buffers.config,
+           buffers.queries * buffers.heads, buffers.heads, span, -1, 0, dependent_launch(out))
     return out
 
 

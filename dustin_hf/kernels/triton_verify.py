@@ -74,10 +74,12 @@ import triton
 import triton.language as tl
 
 from ._device import prepare_interpreter, sm_count, smem_limit, tickets
-from .tuning import VerifyTuning
 from .triton_launch import await_producers, dependent_launch
+from .triton_score import ScoreBuffers, score_buffers
+from .tuning import ScoreTuning, VerifyTuning
 
-__all__ = ["LaunchConfig", "launch_config", "sparse_loop_keys", "verify_attention_triton"]
+__all__ = ["LaunchConfig", "launch_config", "sparse_loop_keys", "verify_attention_scores_triton",
+           "verify_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
@@ -245,6 +247,7 @@ def _verify_fwd_kernel(
     Q, K, V, SEQLENS, INDICES, NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
     OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT (or by the last split, TICKET_MERGE), else partials
     TICKETS,  # (B * Hkv * M_TILES,) int32 counters, zero between launches; read iff TICKET_MERGE
+    SHIFTED, TILE_MAX, LSE_C, LSE_C_PART, QCOUNT,  # SCORES only (verify_attention_scores_triton); QCOUNT iff HAS_COUNTS
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -252,7 +255,8 @@ def _verify_fwd_kernel(
     stride_ib, stride_in,
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_pb, stride_pt, stride_ph, stride_ps,  # OUT_PART (B, Q, Hq, S, D) with unit d stride
-    stride_lb, stride_lt, stride_lh,  # LSE_PART (B, Q, Hq, S) with unit split stride
+    stride_lb, stride_lt, stride_lh,  # LSE_PART (B, Q, Hq, S) with unit split stride; LSE_C_PART alike
+    stride_sb, stride_sr, stride_mb, stride_mt, stride_eb, stride_cb,  # SHIFTED, TILE_MAX, LSE_C, QCOUNT (SCORES)
     chunk,  # key ordinals per split (multiple of BLOCK_N)
     N_QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -260,6 +264,7 @@ def _verify_fwd_kernel(
     DOT_PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
     OPEN_LOOP: tl.constexpr, OFFSETS_32: tl.constexpr, SAME_T_STRIDE: tl.constexpr, PDL: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every row; 1: only rows read in full (num_indices >= cache_seqlens); 2: only the others
+    SCORES: tl.constexpr = False, SCORE_QUERIES: tl.constexpr = 0, HAS_COUNTS: tl.constexpr = False,
 ):
     await_producers(PDL)
     split = tl.program_id(0) // M_TILES
@@ -287,7 +292,7 @@ def _verify_fwd_kernel(
     else:
         n_cached = cached_len
     lo = split * chunk
-    if TAIL_FIRST:  # the loop walks the selected positions only
+    if TAIL_FIRST or SCORES:  # the loop walks the selected (SCORES: the cached) positions only
         hi = tl.minimum(lo + chunk, n_cached)
     else:  # ... or those and the new tokens
         hi = tl.minimum(lo + chunk, n_cached + N_QUERIES)
@@ -301,16 +306,16 @@ def _verify_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of p @ v
     if TAIL_FIRST:  # the new tokens, on split 0, before the loop (a 5-key tile in the loop costs a whole tile)
-        t = tl.arange(0, BLOCK_T)
-        t_ok = (t < N_QUERIES) & (split == 0)
+        t_ok = (tl.arange(0, BLOCK_T) < N_QUERIES) & (split == 0)
         if ROWS != 0:
             t_ok = t_ok & own
-        t_mask = t_ok[:, None] & d_ok[None, :]
-        t_pos = (cached_len + t).to(tl.int64)
-        k_t = tl.load(k_base + t_pos[:, None] * stride_kt, mask=t_mask, other=0.0)  # (BLOCK_T, BLOCK_D)
-        v_t = tl.load(v_base + t_pos[:, None] * stride_vt, mask=t_mask, other=0.0)
-        t_visible = t_ok[None, :] & (t[None, :] <= query[:, None])
-        m_i, l_i, acc = _attend_tile(q, k_t, v_t, t_visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok,
+                                           m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
+    if SCORES:  # the rows that score: the leading queries (of the row's own count), every head
+        score_row = row_ok & (query < SCORE_QUERIES)
+        if HAS_COUNTS:
+            score_row = score_row & (query < tl.load(QCOUNT + b * stride_cb))
+        score_out = query * (GROUP * tl.num_programs(1)) + head  # (BLOCK_M,) row j * Hq + h of the score buffers
     if OPEN_LOOP:  # every row sees every key of the loop (no causal mask): lean tiles
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
@@ -333,7 +338,17 @@ def _verify_fwd_kernel(
                 k = tl.load(k_base + k_off[:, None], mask=d_ok[None, :], other=0.0)
                 v = tl.load(v_base + v_off[:, None], mask=d_ok[None, :], other=0.0)
             bias = tl.where(key_ok, 0.0, float("-inf"))  # (BLOCK_N,)
-            m_i, l_i, acc = _attend_open_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            if SCORES:  # the tile's step inline, its scores shifted by the running max kept for the scoring pass
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                x_ptrs = SHIFTED + tl.multiple_of(b * stride_sb + score_out * stride_sr, BLOCK_N)[:, None] + n[None, :]
+                tl.store(x_ptrs, (s - m_new[:, None]).to(SHIFTED.dtype.element_ty), mask=score_row[:, None],
+                         eviction_policy="evict_last")  # read back soon by the scoring pass: keep it in L2
+                tl.store(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + score_out, m_new, mask=score_row)
+                l_i, acc = _accumulate(s, m_new, v, m_i, l_i, acc, DOT_PRECISION)
+                m_i = m_new
+            else:
+                m_i, l_i, acc = _attend_open_tile(q, k, v, bias, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     else:
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
@@ -344,6 +359,16 @@ def _verify_fwd_kernel(
             v = tl.load(v_base + pos[:, None] * stride_vt, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             visible = key_ok[None, :] & ((n[None, :] - n_cached) <= query[:, None])  # causal on the new tail
             m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    if SCORES:  # the split's log-sum-exp over the cached positions alone, then the new tokens (split 0)
+        lse_c = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        lse_c_rows = b * stride_lb + query * stride_lt + head * stride_lh
+        if SINGLE_SPLIT:
+            tl.store(LSE_C + b * stride_eb + score_out, tl.where(l_i == 0.0, 0.0, lse_c), mask=score_row)
+        else:
+            tl.store(LSE_C_PART + lse_c_rows + split, lse_c, mask=score_row)
+        t_ok = (tl.arange(0, BLOCK_T) < N_QUERIES) & (split == 0)
+        m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok,
+                                           m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
@@ -360,12 +385,18 @@ def _verify_fwd_kernel(
         if TICKET_MERGE:
             group_slot = (b * tl.num_programs(1) + kv_head) * M_TILES + m_tile
             num_splits = tl.num_programs(0) // M_TILES
-            if ROWS == 0:
+            if SCORES:  # the last split merges the cached log-sum-exps too
                 _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
+                               LSE_C_PART + lse_c_rows, LSE_C + b * stride_eb + score_out, score_row, True)
+            elif ROWS == 0:
+                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
+                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
+                               LSE_PART, LSE_PART, row_ok, False)
             elif own:  # every program of a (row, kv head, row tile) takes this branch alike: no ticket is left taken
                 _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S)
+                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
+                               LSE_PART, LSE_PART, row_ok, False)
 
 
 @triton.jit
@@ -377,6 +408,20 @@ def _owned(num_indices, seqlen, ROWS: tl.constexpr):
     else:
         own = tl.load(num_indices) < tl.load(seqlen)
     return own
+
+
+@triton.jit
+def _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok, m_i, l_i, acc, qk_scale,
+                       DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The step's new tokens (slots ``cached_len + t`` where ``t_ok``) in a tile of their own, causal: query ``i``
+    sees ``t <= i``; returns the updated online-softmax state."""
+    t = tl.arange(0, BLOCK_T)
+    t_mask = t_ok[:, None] & d_ok[None, :]
+    t_pos = (cached_len + t).to(tl.int64)
+    k_t = tl.load(k_base + t_pos[:, None] * stride_kt, mask=t_mask, other=0.0)  # (BLOCK_T, BLOCK_D)
+    v_t = tl.load(v_base + t_pos[:, None] * stride_vt, mask=t_mask, other=0.0)
+    t_visible = t_ok[None, :] & (t[None, :] <= query[:, None])
+    return _attend_tile(q, k_t, v_t, t_visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
 
 @triton.jit
@@ -418,12 +463,15 @@ def _accumulate(s, m_ref, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 def _merge_if_last(
     ticket, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps, LSE_PART, lse_rows, store_mask, row_ok, d,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    lse_c_parts, lse_c_out, score_row, SCORES: tl.constexpr,
 ):
     """Take a ticket; the last of the ``num_splits`` programs of this (row, kv head, row tile) merges.
 
     ``o_ptrs`` (BLOCK_M, BLOCK_D) are this program's output addresses; ``part_rows``/``lse_rows``
     (BLOCK_M,) the offsets of split 0 of its rows in OUT_PART (split stride ``stride_ps``, unit d
-    stride) and LSE_PART (unit split stride). ``BLOCK_S >= num_splits`` is a power of two.
+    stride) and LSE_PART (unit split stride). ``BLOCK_S >= num_splits`` is a power of two. ``SCORES``: it also
+    merges the rows' cached log-sum-exps (``lse_c_parts`` (BLOCK_M,) split 0 of each, unit split stride) into
+    ``lse_c_out`` where ``score_row``.
 
     Memory ordering (PTX memory model; the grid-sync pattern of CUDA cooperative groups):
     * release: every thread stored its share of the partial above; the CTA barrier orders those stores
@@ -456,7 +504,22 @@ def _merge_if_last(
             m = m_new
         out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]  # w_sum >= 1 on real rows (the top split's w = 1)
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=store_mask)
+        if SCORES:
+            _merge_lse(lse_c_parts, lse_c_out, score_row, num_splits, BLOCK_S)
         tl.store(ticket, 0)  # every split has its ticket: nothing reads the counter again in this launch
+
+
+@triton.jit
+def _merge_lse(part_ptrs, out_ptrs, rows_ok, num_splits, BLOCK_S: tl.constexpr):
+    """``out = log2(sum_s 2^part_s)`` per row (``part_ptrs``: split 0 of each row, unit split stride; empty splits
+    are ``-inf``); a row that saw nothing gets 0 (finite: the scoring pass's rows see some key or are left out)."""
+    s = tl.arange(0, BLOCK_S)
+    part = tl.load(part_ptrs[:, None] + s[None, :], mask=rows_ok[:, None] & (s[None, :] < num_splits),
+                   other=float("-inf"), cache_modifier=".cg")  # (rows, BLOCK_S)
+    part_max = tl.max(part, 1)
+    part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
+    total = tl.sum(tl.exp2(part - part_max[:, None]), 1)
+    tl.store(out_ptrs, part_max + tl.log2(tl.where(total == 0.0, 1.0, total)), mask=rows_ok)
 
 
 @triton.jit
@@ -484,13 +547,17 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
 def _merge_splits_kernel(
     OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
     SEQLENS, NUM_INDICES,  # read iff ROWS != 0
+    LSE_C_PART, LSE_C,  # SCORES: (R, S) and (R,) fp32, the cached log-sum-exps
     num_splits, rows_per_b,  # rows_per_b = Q * Hq: output rows of one batch row
+    score_rows_per_b,  # SCORES: the leading rows of a batch row that score (SCORE_QUERIES * Hq)
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+    SCORES: tl.constexpr = False,
 ):
     """One program per (batch row, query, head): ``out = sum_s w_s out_s / sum_s w_s``.
 
     ``w_s = 2^(lse_s - max_s lse_s)``; an empty split has ``lse_s = -inf``, so ``w_s = 0``. ``ROWS`` as in the
-    main kernel: a row the launch does not own is neither read nor written.
+    main kernel: a row the launch does not own is neither read nor written. ``SCORES``: a scoring row's cached
+    log-sum-exps are merged too.
     """
     await_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -512,6 +579,13 @@ def _merge_splits_kernel(
     w_sum = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)  # (BLOCK_D,)
     tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    if SCORES:  # as _merge_lse, for one row
+        scores = (row % rows_per_b) < score_rows_per_b
+        lse_c = tl.load(LSE_C_PART + row * num_splits + s, mask=s_ok & scores, other=float("-inf"))  # (BLOCK_S,)
+        c_max = tl.max(lse_c, 0)
+        c_max = tl.where(c_max == float("-inf"), 0.0, c_max)
+        total = tl.sum(tl.exp2(lse_c - c_max), 0)
+        tl.store(LSE_C + row, c_max + tl.log2(tl.where(total == 0.0, 1.0, total)), mask=scores)
 
 
 def verify_attention_triton(
@@ -590,6 +664,67 @@ def verify_attention_triton(
                    out=out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+    """What a dense call writes for the scoring pass (:func:`verify_attention_scores_triton`)."""
+
+    buffers: ScoreBuffers
+    queries: int  # the leading queries that score
+    query_counts: torch.Tensor | None  # (B,): row b's queries past query_counts[b] score nothing; None: all score
+
+
+def verify_attention_scores_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    max_seqlen_k: int,
+    span: int,
+    score_queries: int | None = None,
+    query_counts: torch.Tensor | None = None,
+    tuning: VerifyTuning | None = None,
+    score_tuning: ScoreTuning | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, ScoreBuffers]:
+    """Dense :func:`verify_attention_triton` that also writes the scoring kernel's pass 1 outputs for the leading
+    ``score_queries`` queries (``None``: all), every head, over the cached positions alone (each query's softmax over
+    ``[0, cache_seqlens[b])``, the new tokens left out): a selection layer's key read serves both.
+
+    The kernel walks the cached positions in its open loop (every query sees every cached key) and writes, per
+    tile, the scores shifted by the running max and that max, and per split the log-sum-exp, before it attends to
+    the new tokens (split 0, causal); the merge of the splits merges those log-sum-exps too.
+    :func:`dustin_hf.kernels.triton_score.attention_mass_from_scores` then sums the probabilities.
+
+    Args:
+        q, k_cache, v_cache, cache_seqlens, softmax_scale, tuning: as :func:`verify_attention_triton` (dense).
+        max_seqlen_k: ``max(cache_seqlens) + Q`` (or a bound of it), host int.
+        span: positions the scores cover, ``>= max(cache_seqlens)`` (host int).
+        query_counts: ``(B,)`` int, ``>= 1``: row ``b`` scores only its first ``query_counts[b]`` queries.
+        score_tuning: the scoring pass's heuristic (its step sizes the buffers).
+        config: this call's launch parameters instead of the heuristic's (a dense :func:`launch_config`).
+
+    Returns the attention output ``(B, Q, nheads, headdim)`` and the :class:`ScoreBuffers`.
+    """
+    batch, n_queries, n_heads, head_dim = q.shape
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, None)
+    score_queries = n_queries if score_queries is None else min(score_queries, n_queries)
+    if score_queries < 1 or span > k_cache.shape[1]:
+        raise ValueError(f"need at least one scoring query and a span ({span}) within the cache "
+                         f"({k_cache.shape[1]}); got {score_queries} queries")
+    n_kv_heads = k_cache.shape[2]
+    if config is None:  # the splits divide the cached keys
+        config = launch_config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim,
+                               max(1, max_seqlen_k - n_queries), sm_count(q.device), elem_bytes=q.element_size(),
+                               tuning=tuning, smem_limit=smem_limit(q.device))
+    buffers = score_buffers(batch, score_queries, n_queries, n_heads, span, config.block_n, head_dim, k_cache,
+                            tuning=score_tuning)
+    out = _launch(q, k_cache, v_cache, cache_seqlens, cache_seqlens, cache_seqlens, softmax_scale, False, config,
+                  scores=_Scores(buffers, score_queries, query_counts))
+    return out, buffers
+
+
 def _tail_first(n_queries: int) -> bool:
     """Whether a sparse call attends to its new tokens before the key loop: with several queries (module
     docstring). One query keeps its new token at the loop's end, where it costs no tile of its own."""
@@ -628,9 +763,10 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
 
 
 def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig,
-            rows: int = 0, out: torch.Tensor | None = None):
+            rows: int = 0, out: torch.Tensor | None = None, scores: _Scores | None = None):
     """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output. ``rows``:
-    which rows it computes (the kernel's ``ROWS``: 0 all; 1 those read in full, 2 the others, into ``out``)."""
+    which rows it computes (the kernel's ``ROWS``: 0 all; 1 those read in full, 2 the others, into ``out``).
+    ``scores`` (a dense call): the kernel also writes the scoring pass's inputs there."""
     prepare_interpreter()
     batch, n_queries, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
@@ -649,14 +785,22 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         out_part = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)  # (B, Q, Hq, S, D)
         lse_part = torch.empty(part_shape, dtype=torch.float32, device=q.device)  # (B, Q, Hq, S)
         part_strides, lse_strides = out_part.stride()[:4], lse_part.stride()[:3]
+    if scores is None:
+        score_args, score_strides = (out, out, out, out, cache_seqlens), (0,) * 6  # unused placeholders
+    else:
+        b = scores.buffers
+        lse_c_part = lse_part if single else torch.empty_like(lse_part)  # (B, Q, Hq, S): as the outputs' partials
+        counts = scores.query_counts if scores.query_counts is not None else cache_seqlens  # else never read
+        score_args = (b.shifted, b.tile_max, b.lse, lse_c_part, counts)
+        score_strides = (*b.shifted.stride()[:2], *b.tile_max.stride()[:2], b.lse.stride(0), counts.stride(0))
     grid = (cfg.num_splits * m_tiles, n_kv_heads, batch)
     tail_first = sparse and _tail_first(n_queries)
     pdl = dependent_launch(q)
     _verify_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, counters,
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, counters, *score_args,
         softmax_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
-        *out.stride(), *part_strides, *lse_strides,
+        *out.stride(), *part_strides, *lse_strides, *score_strides,
         cfg.chunk,
         N_QUERIES=n_queries, GROUP=group, HEAD_DIM=head_dim, M_TILES=m_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
@@ -664,15 +808,18 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
         BLOCK_S=triton.next_power_of_2(cfg.num_splits) if ticket else 1,  # constexpr: only where it is used
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
         TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
-        OPEN_LOOP=tail_first or n_queries == 1,
+        OPEN_LOOP=tail_first or n_queries == 1 or scores is not None,
         OFFSETS_32=cfg.int32_offsets and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
         SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl, ROWS=rows,
+        SCORES=scores is not None, SCORE_QUERIES=0 if scores is None else scores.queries,
+        HAS_COUNTS=scores is not None and scores.query_counts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if cfg.merge == "kernel":
         _merge_splits_kernel[(batch * n_queries * n_heads,)](
-            out_part, lse_part, out, cache_seqlens, num_indices, cfg.num_splits, n_queries * n_heads,
+            out_part, lse_part, out, cache_seqlens, num_indices, score_args[3], score_args[2], cfg.num_splits,
+            n_queries * n_heads, 0 if scores is None else scores.queries * n_heads,
             HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d, PDL=pdl,
-            ROWS=rows, num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
+            ROWS=rows, SCORES=scores is not None, num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
         )
     return out

@@ -24,7 +24,9 @@ packed in one program, a row's queries past its own count left out in the kernel
 kernel (:mod:`dustin_hf.kernels.triton_select`, with a history score only and per-row counts) instead of a
 ``topk`` over the whole span, a concatenation and a sort. The fill's tie rule is that kernel's (lowest positions
 first; ``torch.topk`` takes any), and the kernel multiplies the queries in the keys' dtype as the attention does,
-so at 16 bits the two paths may differ at a near-tie.
+so at 16 bits the two paths may differ at a near-tie. Inside the decoding loop a selection layer on the Triton
+backend goes further (:func:`selection_attention`): its dense attention kernel writes the scoring kernel's first
+pass as it reads the keys, so the layer reads its keys once instead of twice.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..kernels.tuning import ScoreTuning, SelectTuning
 from ..runtime.plan import DeviceTensors, SelectLayers
 from .scoring import attention_mass
 
-__all__ = ["choose_read_set", "layer_position_weights", "select_spec"]
+__all__ = ["choose_read_set", "layer_position_weights", "select_spec", "selection_attention"]
 
 
 def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, span: int,
@@ -92,7 +94,7 @@ def _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, que
 
 def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTensors, span: int, spec: SelectLayers,
                     softmax_scale: float, *, backend: str = "reference", score_tuning: ScoreTuning | None = None,
-                    select_tuning: SelectTuning | None = None) -> DeviceTensors:
+                    select_tuning: SelectTuning | None = None, weights: torch.Tensor | None = None) -> DeviceTensors:
     """The read set of the layers after a selection layer (module docstring), from the layer's queries and keys.
 
     Args:
@@ -105,6 +107,8 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
         backend: ``"reference"`` (PyTorch) or ``"triton"`` (the scoring and selection kernels; the PyTorch fill
             where the span outgrows the selection kernel's pools). ``score_tuning`` / ``select_tuning``: their
             launch heuristics (``None``: the defaults).
+        weights: ``(B, span)``, the layer's :func:`layer_position_weights` when already computed
+            (:func:`selection_attention`); ``None``: computed here.
 
     Returns the new :class:`DeviceTensors` (same ``cache_seqlens`` and ``num_indices``; sorted indices, the
     entries past a row's count 0, never read); a row whose count covers its length keeps its index row.
@@ -112,9 +116,9 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
     seqlens = tensors.cache_seqlens.long()
     counts = tensors.num_indices.long()
     width = tensors.indices.shape[1]
-    n_q = q.shape[1] if spec.queries is None else min(spec.queries, q.shape[1])
-    weights = layer_position_weights(q[:, :n_q], k_cache, seqlens, span, softmax_scale, tensors.query_counts,
-                                     backend=backend, tuning=score_tuning)  # (B, span)
+    if weights is None:
+        weights = layer_position_weights(q[:, :_score_queries(q, spec)], k_cache, seqlens, span, softmax_scale,
+                                         tensors.query_counts, backend=backend, tuning=score_tuning)  # (B, span)
     sink, recent = spec.sink_tokens, spec.recent_tokens
     full = (counts >= seqlens)[:, None]
     if backend == "triton" and _fills_in_kernel(span, width, sink, recent, select_tuning):
@@ -141,6 +145,48 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
     chosen = torch.nn.functional.pad(chosen, (0, width - chosen.shape[1]))[:, :width].to(torch.int32)
     return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
                          tensors.query_counts)
+
+
+def selection_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: DeviceTensors,
+                        span: int, max_seqlen_k: int, spec: SelectLayers, softmax_scale: float, *,
+                        tuning=None) -> tuple[torch.Tensor, DeviceTensors]:
+    """A selection layer on the Triton path: its dense attention and its choice from one read of its keys.
+
+    The verification kernel writes the scores of the scoring queries as it attends
+    (:func:`~dustin_hf.kernels.triton_verify.verify_attention_scores_triton`), so the scoring kernel's pass 1,
+    which would read the keys a second time, is not run; its pass 2 and the fill follow as in
+    :func:`choose_read_set`. The weights are :func:`layer_position_weights`'s, up to rounding (the product in the
+    keys' dtype, the probabilities from 16-bit shifted scores, as the scoring kernel's).
+
+    Args:
+        q: ``(B, Q, nheads, headdim)``; ``k_cache``, ``v_cache``: ``(B, capacity, nheads_k, headdim)``.
+        tensors, span, spec, softmax_scale: as :func:`choose_read_set`; ``max_seqlen_k``: as the dense call's.
+        tuning: the kernels' :class:`~dustin_hf.kernels.tuning.KernelTuning` (``None``: the defaults).
+
+    Returns the attention output ``(B, Q, nheads, headdim)`` and the read set of the layers after this one.
+    """
+    from ..kernels import launch_device
+    from ..kernels.triton_score import attention_mass_from_scores
+    from ..kernels.triton_verify import verify_attention_scores_triton
+
+    n_q = _score_queries(q, spec)
+    n_heads = q.shape[2]
+    counts = None if tensors.query_counts is None else tensors.query_counts.to(q.device).clamp(1, n_q)
+    with launch_device(q):
+        out, buffers = verify_attention_scores_triton(
+            q, k_cache, v_cache, tensors.cache_seqlens, softmax_scale=softmax_scale, max_seqlen_k=max_seqlen_k,
+            span=span, score_queries=n_q, query_counts=counts, tuning=None if tuning is None else tuning.verify,
+            score_tuning=None if tuning is None else tuning.score)
+        mass = attention_mass_from_scores(buffers, tensors.cache_seqlens, span, counts)  # (B, span)
+    weights = mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
+    chosen = choose_read_set(q, k_cache, tensors, span, spec, softmax_scale, backend="triton",
+                             select_tuning=None if tuning is None else tuning.select, weights=weights)
+    return out, chosen
+
+
+def _score_queries(q: torch.Tensor, spec: SelectLayers) -> int:
+    """The leading queries that score: all of ``q``'s, or ``spec.queries`` of them."""
+    return q.shape[1] if spec.queries is None else min(spec.queries, q.shape[1])
 
 
 def _fills_in_kernel(span: int, width: int, sink: int, recent: int, tuning: SelectTuning | None) -> bool:
