@@ -8,7 +8,8 @@ profile, ``sparse_draft=True``: exact mode's setting, so its selections are scor
 and with ``--dense-draft-budgets`` also plain Dustin (the dense draft), and reports per (text, context, budget)
 the agreement of every pair of predictors on the same positions. Each walk writes one prediction trace per budget
 (:func:`dustin_lab.traces.prediction_record`: per position the true token, the dense and the sparse
-target's argmax, the dense and the sparse draft's) under ``--traces``.
+target's argmax, the dense and the sparse draft's) under ``--traces``. With ``--selection verify`` the sparse target
+reads the selection layers' sets instead of Dustin's (the profile's layers), for the replay of exact mode with them.
 
 With ``--targets`` the same walk (no extra prefill) also runs the quality knob (``min_recovery``, the sparse draft,
 floor ``--knob-floor``, ceiling ``--knob-ceiling``) and measures true recovery at every step: per target the
@@ -20,6 +21,8 @@ trace per target (:func:`dustin_lab.traces.knob_trace_record`) for the GPU repla
         --targets 0.9 0.95 --out benchmarks/results/agreement_cpu_4k.json
     python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 8192 \\
         --budgets 512 1024 2048 4096 --out benchmarks/results/agreement_cpu_8k.json
+    python benchmarks/agreement_cpu.py --selection verify --texts emma alice stdlib:typing --budgets 512 2048 \
+        --dense-draft-budgets --out benchmarks/results/agreement_cpu_4k_select.json
 """
 
 from __future__ import annotations
@@ -107,6 +110,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--dense-draft-budgets", type=int, nargs="*", default=[512],
                         help="also walk plain Dustin (dense draft) at these budgets")
+    parser.add_argument("--selection", choices=("dustin", "verify"), default="dustin",
+                        help="who chooses the sparse target's read sets: Dustin's set (default) or the selection "
+                             "layers (DustinConfig(selection='verify'), the profile's layers; traces ..._select.json)")
     parser.add_argument("--targets", type=float, nargs="*", default=[],
                         help="also walk the quality knob (min_recovery) at these targets, with the sparse draft")
     parser.add_argument("--knob-floor", type=int, default=512, help="the knob's budget (its floor)")
@@ -126,13 +132,14 @@ def main(argv=None) -> dict:
     config, fraction, _ = read_profile(args.profile)
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
     report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "machine": describe_machine(pair.device),
-              "model_pair": names, "profile": _shown(args.profile),
+              "model_pair": names, "profile": _shown(args.profile), "selection": args.selection,
               "gamma": GAMMA, "min_context": MIN_CONTEXT, "results": [], "traces": []}
     for context in args.contexts:
         budgets = [b for b in args.budgets if b < context]
         configs = {b: config_for_budget(config, fraction, b).replace(min_context=MIN_CONTEXT) for b in budgets}
         methods = {"dense": None,
-                   **{f"sd{b}": resolve(configs[b].replace(sparse_draft=True), t_cfg, d_cfg) for b in budgets},
+                   **{f"sd{b}": resolve(configs[b].replace(sparse_draft=True, selection=args.selection), t_cfg, d_cfg)
+                      for b in budgets},
                    **{f"b{b}": resolve(configs[b], t_cfg, d_cfg) for b in args.dense_draft_budgets if b in configs}}
         floor = config_for_budget(config, fraction, args.knob_floor).replace(min_context=MIN_CONTEXT, sparse_draft=True)
         for t in args.targets:

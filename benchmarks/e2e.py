@@ -26,6 +26,9 @@ Methods, each timed in the same run:
   dustin_exact  exact mode at ``DustinConfig(mode="exact")``'s budget (2048) and confirm schedule, with the sparse
                 draft; ``--exact-budget 2048 512`` adds a row per budget (``dustin_exact@512``), and the first budget
                 is spec_sparse_draft's too
+  dustin_select        dustin_sparse_draft with the selection layers (``selection="verify"``), replayed from the
+                       traces recorded with them (``..._select.json``) when given, else from Dustin's set's (said)
+  dustin_exact_select  dustin_exact with the selection layers, replayed from the ``..._select.json`` traces
   dustin_knob   Dustin + sparse draft with the quality knob (``min_recovery``), budgets replayed
 
 Decode tokens/s counts the tokens every row commits after the first steps (compilation and CUDA
@@ -75,10 +78,10 @@ NEW_TOKENS = 256  # per row, speculative methods (--new-tokens)
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
 METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft", "dustin_exact",
-           "dustin_knob", "hf_dynamic", "hf_static")
+           "dustin_exact_select", "dustin_knob", "hf_dynamic", "hf_static")
 DEFAULT_METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")
 # the methods that replay from per-position predictions only (exact mode's outcomes, the knob's step)
-PREDICTED_ONLY = ("spec_sparse_draft", "dustin_exact", "dustin_knob")
+PREDICTED_ONLY = ("spec_sparse_draft", "dustin_exact", "dustin_exact_select", "dustin_knob")
 # --smoke: tiny models on the CPU at contexts past a small budget, so that every sparse path runs
 SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # Run order: plain generate() first, in the fresh process's memory state a user's generate() runs in; the
@@ -87,7 +90,7 @@ SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # 32k, batch 8, it read 31.1 and 40.0 tok/s as a process's first run and 41.8 to 47.2 after the
 # speculative runs, so compare ratios against it with that spread.
 RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft",
-             "dustin_exact", "dustin_knob", "hf_static")
+             "dustin_exact", "dustin_exact_select", "dustin_knob", "hf_static")
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
 # each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
 COMPILE_STATIC = False
@@ -220,20 +223,22 @@ class Sources:
             return Method(name, plain, (self._accept(name, "draft", "sparse"),))
         if name == "dustin_sparse_draft":
             return Method(name, plain.replace(sparse_draft=True), (self._accept(name, "draft_sparse", "sparse"),))
-        if name == "dustin_select":  # the step's cost with selection layers; the acceptance replayed is Dustin's set's
+        if name == "dustin_select":
             config = plain.replace(sparse_draft=True, selection="verify")
-            return Method(name, config, (self._accept("dustin_sparse_draft", "draft_sparse", "sparse"),))
+            return Method(name, config, (self._accept_select(),))
         if self.predictions is None:
             raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
                              "--predictions benchmarks/traces/*_predictions_*.json")
         exact = plain.replace(budget=exact_budget or self.exact_budget, mode="exact", sparse_draft=True)
         if self.confirm is not None:
             exact = exact.replace(confirm_tokens=self.confirm[0], confirm_every=self.confirm[1])
-        if name in ("spec_sparse_draft", "dustin_exact"):
+        if name in ("spec_sparse_draft", "dustin_exact", "dustin_exact_select"):
             config = exact.replace(confirm_tokens=0) if name == "spec_sparse_draft" else exact
+            if name == "dustin_exact_select":
+                config = config.replace(selection="verify")
             width = config.confirm_tokens + 2 * GAMMA + 2  # the most tentative tokens a row holds, with room
-            return Method(name, config, (ExactReplay(at_budget(self.predictions, config.budget), "draft_sparse", GAMMA,
-                                                     width),))
+            return Method(name, config, (ExactReplay(at_budget(self.predictions, config.budget, config.selection),
+                                                     "draft_sparse", GAMMA, width),))
         if name == "dustin_knob":
             budgets = self._budgets(context)
             config = plain.replace(budget=budgets.floor, min_recovery=budgets.min_recovery, max_budget=budgets.ceiling,
@@ -248,6 +253,17 @@ class Sources:
         if self.predictions is None:
             return self.counts[name]
         return AcceptReplay(at_budget(self.predictions, self.budget), draft, verifier, GAMMA)
+
+    def _accept_select(self):
+        """dustin_select's acceptance: from the traces recorded with the selection layers (``..._select.json``) at
+        the budget; without any, Dustin's set's (the sparse draft's), which the replay's source then says."""
+        if self.predictions is not None and any(t.selection == "verify" for t in self.predictions):
+            return AcceptReplay(at_budget(self.predictions, self.budget, "verify"), "draft_sparse", "sparse", GAMMA)
+        note = " (Dustin's set's acceptance: no trace recorded with the selection layers given)"
+        if self.predictions is None:
+            counts = self.counts["dustin_sparse_draft"]
+            return CountReplay(counts.counts, counts.source + note)
+        return AcceptReplay(at_budget(self.predictions, self.budget), "draft_sparse", "sparse", GAMMA, note=note)
 
     def _budgets(self, context: int) -> BudgetReplay:
         if self.knob:
@@ -584,7 +600,8 @@ def sources(args, parser=None) -> Sources:
     budget = args.budget if args.budget is not None else SMOKE_BUDGET if args.smoke else BUDGET
     synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
     if synthetic:
-        predictions = [synthetic_predictions(gamma=GAMMA, budget=budget)]
+        predictions = [synthetic_predictions(gamma=GAMMA, budget=budget, selection=selection)
+                       for selection in ("dustin", "verify")]
     exact_budgets = tuple(args.exact_budget or (budget if args.smoke else DustinConfig(mode="exact").budget,))
     knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
     return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budgets, synthetic=synthetic,
@@ -696,9 +713,9 @@ def main(argv=None) -> dict:
 
 
 def _variants(plan: Sources, name: str, context: int) -> list[tuple[str, Method]]:
-    """``(row label, method)`` of each row ``name`` runs as: dustin_exact one per exact budget when several
-    (``dustin_exact@BUDGET``), any other method one."""
-    if name == "dustin_exact" and len(plan.exact_budgets) > 1:
+    """``(row label, method)`` of each row ``name`` runs as: dustin_exact and dustin_exact_select one per exact
+    budget when several (``dustin_exact@BUDGET``), any other method one."""
+    if name in ("dustin_exact", "dustin_exact_select") and len(plan.exact_budgets) > 1:
         return [(f"{name}@{b}", plan.method(name, context, b)) for b in plan.exact_budgets]
     return [(name, plan.method(name, context))]
 

@@ -111,6 +111,7 @@ class Predictions:
     budget: int
     tokens: dict  # key (PREDICTION_KEYS) -> list[int], all the same length
     pair: str = "the real pair"  # whose predictions they are, in words
+    selection: str = "dustin"  # who chose the sparse target's read sets (DustinConfig.selection)
 
     def __len__(self) -> int:
         return len(self.tokens["truth"])
@@ -129,22 +130,27 @@ def load_predictions(paths: list[str], gamma: int) -> list[Predictions]:
         pair = record.get("model_pair") or {}
         out.append(Predictions(Path(path).name, int(record["context"]), gamma, int(record["budget"]),
                                {key: [int(t) for t in lists[key]] for key in PREDICTION_KEYS},
-                               " + ".join(str(v) for v in pair.values()) or "the real pair"))
+                               " + ".join(str(v) for v in pair.values()) or "the real pair",
+                               traces.selection_of(record.get("config"))))
     return out
 
 
-def at_budget(traces: list[Predictions], budget: int) -> list[Predictions]:
-    """The traces whose sparse predictions read ``budget`` positions (an error naming the budgets there are)."""
-    chosen = [t for t in traces if t.budget == budget]
+def at_budget(traces: list[Predictions], budget: int, selection: str = "dustin") -> list[Predictions]:
+    """The traces whose sparse predictions read ``budget`` positions chosen by ``selection`` (an error naming what
+    there is)."""
+    chosen = [t for t in traces if t.budget == budget and t.selection == selection]
     if not chosen:
-        raise ValueError(f"no prediction trace recorded at budget {budget} (recorded: "
-                         f"{sorted({t.budget for t in traces})}); record one or change the method's budget")
+        recorded = sorted({(t.selection, t.budget) for t in traces})
+        raise ValueError(f"no prediction trace recorded at budget {budget} with selection {selection!r} (recorded: "
+                         f"{', '.join(f'{s} {b}' for s, b in recorded)}); record one or change the method's budget")
     return chosen
 
 
-def synthetic_predictions(length: int = 512, gamma: int = 4, budget: int = 32, seed: int = 0) -> Predictions:
+def synthetic_predictions(length: int = 512, gamma: int = 4, budget: int = 32, seed: int = 0,
+                          selection: str = "dustin") -> Predictions:
     """A SYNTHETIC trace (not the real pair) for checks without recorded files: the dense target follows the
-    text 9 times in 10, the sparse target the dense one 9 in 10, the drafts their verifiers 7 in 10."""
+    text 9 times in 10, the sparse target the dense one 9 in 10, the drafts their verifiers 7 in 10; ``selection``:
+    whose read sets it stands for."""
     rng = random.Random(seed)
 
     def follow(tokens, p):
@@ -156,7 +162,7 @@ def synthetic_predictions(length: int = 512, gamma: int = 4, budget: int = 32, s
     draft = follow(dense, 0.7)
     draft_sparse = follow(draft, 0.95)
     lists = dict(truth=truth, dense=dense, sparse=sparse, draft=draft, draft_sparse=draft_sparse)
-    return Predictions("synthetic", 4096, gamma, budget, lists, "SYNTHETIC texts (not the real pair)")
+    return Predictions("synthetic", 4096, gamma, budget, lists, "SYNTHETIC texts (not the real pair)", selection)
 
 
 class _Walks:

@@ -4,8 +4,9 @@
 #                                             (benchmarks/whole_call.py; SHAPE e.g. 32768x16, default every shape)
 #   bash benchmarks/run_h200.sh e2e OUT       decode only (prompt replaced by random K/V), 7B + 0.5B, one H200
 #   bash benchmarks/run_h200.sh e2e-exact OUT  decode only: classic, the lossless sparse-draft baseline, Dustin + sparse
-#                                             draft, exact mode and the knob, 7B + 0.5B, 32k, batch 16, replayed from
-#                                             the real pair's per-position predictions and knob budgets
+#                                             draft and exact mode (each also with the selection layers) and the knob,
+#                                             7B + 0.5B, 32k, batch 16, replayed from the real pair's per-position
+#                                             predictions and knob budgets
 #   bash benchmarks/run_h200.sh e2e2 OUT      decode only, 72B + 0.5B over two H200s
 #   bash benchmarks/run_h200.sh kernels OUT   tests on the GPU + attention benchmark (both layouts, both timers)
 #   bash benchmarks/run_h200.sh attention OUT  the attention headline point (72B layout, 32k, batch 16, CUDA graphs)
@@ -55,7 +56,9 @@ case $what in
     predictions=(benchmarks/traces/*_predictions_*_ctx{4096,8192}_*.json)
     knob=(benchmarks/traces/*_knob_*_ctx{4096,8192}_*.json)
     timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
-      --methods spec_dense spec_sparse_draft dustin_sparse_draft dustin_exact dustin_knob --predictions "${predictions[@]}" \
+      --methods spec_dense spec_sparse_draft dustin_sparse_draft dustin_select dustin_exact dustin_exact_select \
+      dustin_knob \
+      --predictions "${predictions[@]}" \
       --knob-traces "${knob[@]}" --knob-target "${KNOB_TARGET:-0.95}" --out "$out/e2e_h200_exact.json" "$@" 2>&1 \
       | tee "$out/e2e_exact.txt" | grep -v '^{' | tail -40 ;;
   tests2)  # a split target: one graph per device, every launch on its tensors' device, greedy tokens unchanged

@@ -173,8 +173,39 @@ def test_load_predictions_checks_format_gamma_and_lists(tmp_path):
     del partial["predictions"]["draft_sparse"]
     with pytest.raises(ValueError, match=r"lack \['draft_sparse'\]"):
         load_predictions([_write(tmp_path / "e.json", partial)], GAMMA)
-    with pytest.raises(ValueError, match=r"budget 1024 \(recorded: \[512\]\)"):
+    with pytest.raises(ValueError, match=r"budget 1024 with selection 'dustin' \(recorded: dustin 512\)"):
         at_budget(traces, 1024)
+
+
+def test_traces_of_the_selection_layers_stay_apart(tmp_path):
+    """A trace recorded with the selection layers (its resolved config names them) is named ``..._select.json``
+    and replays only the methods that run them: the same budget's trace of Dustin's set must never stand in."""
+    from dustin_lab.traces import prediction_record, write_predictions
+
+    lists = {key: [1, 2, 3] for key in replay.PREDICTION_KEYS}
+    paths = [write_predictions(tmp_path, prediction_record({"target": "t", "draft": "d"}, {"name": "emma"}, 4096,
+                                                           GAMMA, 512, config, lists, "float32", "cpu"))
+             for config in ({"selection_layers": []}, {"selection_layers": [2, 14]})]
+    assert [p.name.endswith("_b512.json") for p in paths] == [True, False] and paths[1].name.endswith("_select.json")
+    traces = load_predictions([str(p) for p in paths], GAMMA)
+    assert [t.selection for t in traces] == ["dustin", "verify"]
+    assert at_budget(traces, 512) == traces[:1] and at_budget(traces, 512, "verify") == traces[1:]
+    with pytest.raises(ValueError, match=r"selection 'verify' \(recorded: dustin 512\)"):
+        at_budget(traces[:1], 512, "verify")
+    both = _sources(predictions=traces, budget=512, exact_budgets=(512,))
+    exact = both.method("dustin_exact_select", 96)
+    assert (exact.config.mode, exact.config.selection, exact.config.sparse_draft) == ("exact", "verify", True)
+    assert paths[1].name in exact.acceptance and paths[0].name not in exact.acceptance
+    assert paths[0].name in both.method("dustin_exact", 96).acceptance
+    select = both.method("dustin_select", 96)
+    assert paths[1].name in select.acceptance and "Dustin's set's acceptance" not in select.acceptance
+    alone = _sources(predictions=traces[:1], budget=512, exact_budgets=(512,))  # no trace with the selection layers
+    assert "Dustin's set's acceptance" in alone.method("dustin_select", 96).acceptance
+    with pytest.raises(ValueError, match="selection 'verify'"):
+        alone.method("dustin_exact_select", 96)
+    counted = _sources(predictions=None, counts={"dustin_sparse_draft": CountReplay((1,), "one")})
+    assert counted.method("dustin_select", 96).acceptance == "one (Dustin's set's acceptance: no trace recorded " \
+        "with the selection layers given)"
 
 
 def _knob_record(**changes) -> dict:

@@ -42,6 +42,7 @@ prefix, so that a replay derives any method's acceptance:
         "truth": [...],                 # the text's own token
         "dense": [...],                 # the target's argmax, reading every cached position
         "sparse": [...],                # the target's argmax, reading Dustin's selection of `budget` positions
+                                        # (config "selection": "verify": the selection layers' sets instead)
         "draft": [...],                 # the draft's argmax, reading its whole cache
         "draft_sparse": [...]           # the draft's argmax, reading the previous selection + what came since
       },
@@ -78,8 +79,8 @@ import re
 from pathlib import Path
 
 __all__ = ["KNOB_TRACE_FORMAT", "PREDICTION_FORMAT", "PREDICTION_KEYS", "TRACE_FORMAT", "knob_trace_record",
-           "load_knob_trace", "load_predictions", "load_trace", "prediction_record", "trace_filename", "trace_record",
-           "write_knob_trace", "write_predictions", "write_trace"]
+           "load_knob_trace", "load_predictions", "load_trace", "prediction_record", "selection_of", "trace_filename",
+           "trace_record", "write_knob_trace", "write_predictions", "write_trace"]
 
 TRACE_FORMAT = "dustin_hf.acceptance_trace/1"
 PREDICTION_FORMAT = "dustin_hf.prediction_trace/1"
@@ -192,19 +193,28 @@ def prediction_record(pair: dict, text: dict, context: int, gamma: int, budget: 
 
 
 def write_predictions(directory: str | Path, record: dict) -> Path:
-    """Write a prediction trace as ``<target>+<draft>_predictions_<text>_ctx<C>_g<γ>_b<budget>.json``; return the path.
+    """Write a prediction trace as ``<target>+<draft>_predictions_<text>_ctx<C>_g<γ>_b<budget>.json``
+    (``..._select.json`` when its sparse target read the selection layers' sets); return the path.
     Each list goes on one line, so a diff shows which changed."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     pair, text = record["model_pair"], record["text"]
+    selected = "_select" if selection_of(record.get("config")) == "verify" else ""  # beside Dustin's set's traces
     name = (f"{_slug(pair['target'] + '+' + pair['draft'])}_predictions_{_slug(text['name'])}_ctx{record['context']}"
-            f"_g{record['gamma']}_b{record['budget']}.json")
+            f"_g{record['gamma']}_b{record['budget']}{selected}.json")
     head = {k: v for k, v in record.items() if k != "predictions"}
     lists = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in record["predictions"].items())
     body = json.dumps(head, indent=1)[:-2] + ',\n "predictions": {\n' + lists + "\n }\n}\n"
     path = directory / name
     path.write_text(body)
     return path
+
+
+def selection_of(config: dict | None) -> str:
+    """Who chose a prediction trace's sparse read sets, from its recorded (resolved) config: ``"verify"`` where it
+    names selection layers, else ``"dustin"``."""
+    config = config or {}
+    return "verify" if config.get("selection") == "verify" or config.get("selection_layers") else "dustin"
 
 
 def load_predictions(path: str | Path) -> dict:
