@@ -19,8 +19,9 @@ Methods (``--methods``):
                     "dustin"``, ``min_context`` past the context: no step is sparse)
   dustin_sparse_draft  Dustin, budget 512, the draft reading a selection too (``sparse_draft=True``)
   dustin_exact      exact mode (``mode="exact"``: the target's own tokens), its default budget (2048), sparse draft
-  dustin_select     Dustin + ``sparse_draft`` with ``selection="verify"`` (not run by default): its step's cost; the
-                    acceptance replayed is Dustin's set's (the replay traces predate the mode)
+  dustin_select     Dustin + ``sparse_draft`` with ``selection="verify"`` (not run by default), replaying the traces
+                    recorded with the selection layers (``..._select.json``)
+  dustin_exact_select  exact mode with ``selection="verify"`` (not run by default), from the same traces
 
 Every method drafts 4 tokens a step (the draft's ``num_assistant_tokens``, constant schedule). Per (method,
 context, batch) three calls run in one process: ``--new-tokens``' largest count twice (the ``first`` call, which
@@ -58,8 +59,9 @@ from replay import load_predictions, synthetic_predictions
 # ----------------------------------------------------------------------------- sweep constants
 SHAPES_RUN = ((32768, 16), (8192, 16), (8192, 4), (32768, 1))  # (context, batch)
 NEW_TOKENS = (1024, 256)  # the first is the count the first (and second) call makes
-METHODS = ("generate", "stock_assisted", "classic", "dustin_sparse_draft", "dustin_exact", "dustin_select")
-DEFAULT_METHODS = METHODS[:-1]
+METHODS = ("generate", "stock_assisted", "classic", "dustin_sparse_draft", "dustin_exact", "dustin_select",
+           "dustin_exact_select")
+DEFAULT_METHODS = METHODS[:-2]
 SMOKE = dict(shapes=((160, 2), (96, 1)), new_tokens=(24, 12), budget=32)
 MATRIX_TFLOPS = 790  # the H200's bf16 matrix rate on random data, measured here (device KINDS.md)
 
@@ -267,8 +269,8 @@ def main(argv=None) -> dict:
     if args.smoke:
         device, dtype, sizes = torch.device("cpu"), torch.float32, ("tiny", "tiny-draft")
         shapes, new_tokens, budget = SMOKE["shapes"], SMOKE["new_tokens"], SMOKE["budget"]
-        predictions = [synthetic_predictions(gamma=GAMMA, budget=budget),
-                       synthetic_predictions(gamma=GAMMA, budget=budget * 4, seed=1)]
+        predictions = [synthetic_predictions(gamma=GAMMA, budget=b, seed=seed, selection=selection)
+                       for b, seed in ((budget, 0), (budget * 4, 1)) for selection in ("dustin", "verify")]
         acceptance = "SYNTHETIC predictions (--smoke): nothing here is a measurement"
     else:
         device, dtype, sizes = torch.device("cuda:0"), torch.bfloat16, ("7b", "0.5b")
