@@ -108,16 +108,15 @@ class ScoreTuning(Checked):
         programs_per_sm: pass 1 splits the keys until the grid holds about this many programs per SM. Pass 1
             streams keys: an SM needs ~25-40 KB of loads in flight to keep its share of HBM busy, and every
             program also spends a latency-bound stretch per tile (dot, row max/sum shuffles, the score store's
-            layout change) with no load issued; about 4 programs of 4 warps resident, each with
-            ``num_stages - 1`` key tiles of ~16 KB prefetched, hide it (the draft's pass 1 uses ~123 registers a
-            thread, so 4 programs of 4 warps fill an SM's register file). The grid asks for twice that: the
-            shorter splits even out the SMs' shares (H200, batch 16, 32k: the target's history scores
-            0.34 -> 0.16 ms, a selection layer's 0.33 -> 0.28 ms; the draft's and batch 1's unchanged).
+            layout change) with no load issued; 4 programs of 4 warps, each with ``num_stages - 1`` key tiles
+            of ~16 KB prefetched, hide it (the draft's pass 1 uses ~123 registers a thread, so 4 programs of 4
+            warps fill an SM's register file). 8, with 16-row pass 2 blocks, looked faster in profiler kernel
+            time but not in whole steps on the H200 (7B + 0.5B, 32k, batch 16): Dustin + sparse draft 8.900
+            against 8.891 ms, the knob 20.07 against 19.86, the selection layers 9.751 against 9.775.
         tile_bytes: pass 1's key bytes per tile (``block_n * head_dim * key_bytes``).
         min_blocks_per_split: a pass 1 split walks at least this many key tiles (amortising its q load).
         pass2_step_elements: pass 2 loads about this many scores a loop step (rows padded to row blocks).
-        pass2_block_r: pass 2's rows per row block (16: a selection layer's 140 rows in 9 blocks, 4-10% faster
-            there than 8 rows; Dustin's own scores' fewer rows unchanged).
+        pass2_block_r: pass 2's rows per row block.
         pass2_stages: pass 2's software-pipelining stages: 3 keep one step's loads in flight while one is
             computed (2 wait for each step's loads).
         pass2_warps_per_sm: pass 2's programs are sized to this many warps an SM, in one wave (at the headline
@@ -126,11 +125,11 @@ class ScoreTuning(Checked):
 
     powers_of_two = ("pass2_block_r",)
 
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
     tile_bytes: int = 16384
     min_blocks_per_split: int = 4
     pass2_step_elements: int = 4096
-    pass2_block_r: int = 16
+    pass2_block_r: int = 8
     pass2_stages: int = 3
     pass2_warps_per_sm: int = 16
 
