@@ -21,7 +21,7 @@ trace per target (:func:`dustin_lab.traces.knob_trace_record`) for the GPU repla
         --targets 0.9 0.95 --out benchmarks/results/agreement_cpu_4k.json
     python benchmarks/agreement_cpu.py --texts emma alice stdlib:typing --contexts 8192 \\
         --budgets 512 1024 2048 4096 --out benchmarks/results/agreement_cpu_8k.json
-    python benchmarks/agreement_cpu.py --selection verify --texts emma alice stdlib:typing --budgets 512 2048 \
+    python benchmarks/agreement_cpu.py --selection verify --texts emma alice stdlib:typing --budgets 512 2048 \\
         --dense-draft-budgets --out benchmarks/results/agreement_cpu_4k_select.json
 """
 

@@ -70,7 +70,8 @@ def _verify_report(shared) -> list[dict]:
         num_stages = launch.options["num_stages"]
         rows.append(dict(
             kernel="verify", cc=cc, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, n_queries=n_queries,
-            sparse=sparse, scores=scores, block_m=block_m, block_n=block_n, num_stages=num_stages, shared=shared(cc, launch),
+            sparse=sparse, scores=scores, block_m=block_m, block_n=block_n, num_stages=num_stages,
+            shared=shared(cc, launch),
             estimate=triton_verify._shared_bytes(block_m, block_n, block_d, dtype.itemsize, num_stages, sparse),
             limit=GPUS[cc].max_shared_mem))
     return rows

@@ -397,8 +397,8 @@ def test_triton_fits_the_shared_memory_of_smaller_gpus():
     there fits that limit, and each module's ``_shared_bytes`` bounds what the compiler allocates (exactly,
     for the GEMMs). Verification in fp32 with head dim 128 needed 115,200
     bytes sparse and 180,480 dense, over sm_86's 101,376 (and dense over an A100's 166,912): those take fewer
-    stages or 32-key tiles there. A selection layer's dense call (writing the scores) fits as the plain one. ``gated_linear``'s 4 stages needed 110,592 / 122,880 bytes at 16 / 32 rows:
-    3 stages on sm_86."""
+    stages or 32-key tiles there; a selection layer's dense call (writing the scores) as the plain one.
+    ``gated_linear``'s 4 stages needed 110,592 / 122,880 bytes at 16 / 32 rows: 3 stages on sm_86."""
     report = sm90_ptx_report("smem_report.py")
     assert [r["kernel"] for r in report].count("verify") == 48 and len(report) == 72
     for row in report:

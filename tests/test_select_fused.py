@@ -95,7 +95,7 @@ def _fused(q, k, v, seqlens, splits, queries, counts):
     out, buffers = verify_attention_scores_triton(q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=SPAN + Q,
                                                   span=SPAN, score_queries=queries, query_counts=counts,
                                                   config=_config(splits))
-    mass = attention_mass_from_scores(buffers, seqlens, SPAN, counts)
+    mass = attention_mass_from_scores(buffers, seqlens, counts)
     own = queries if counts is None else counts.clamp(1, queries)[:, None]
     return out, mass / (q.shape[2] * own)
 
@@ -161,3 +161,82 @@ def test_selection_attention_equals_the_two_step_path(queries):
     assert torch.equal(chosen.indices, want.indices)
     assert chosen.num_indices is tensors.num_indices and chosen.cache_seqlens is tensors.cache_seqlens
     assert torch.equal(chosen.indices[1], indices[1])  # row 1 (3 positions, count 50) reads in full: its row kept
+
+
+def test_odd_shapes_equal_the_explicit_loops():
+    """A head dim that is no power of two (24), a row with no cached position, one with one, and 160 packed rows
+    (32 query heads on one KV head, 5 queries: two row tiles), with the heuristic's launch and with 4 splits."""
+    gen = torch.Generator().manual_seed(11)
+    heads, dim, span = 32, 24, 70
+    seqlens = torch.tensor([0, 1, span], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, Q, heads, dim, generator=gen).to(DEVICE)
+    k = torch.randn(3, span + Q, 1, dim, generator=gen).to(DEVICE)
+    v = torch.randn(3, span + Q, 1, dim, generator=gen).to(DEVICE)
+    q64, k64, v64 = q.cpu().double(), k.cpu().double(), v.cpu().double()
+    want_out, want_w = torch.zeros_like(q64), torch.zeros(3, span, dtype=torch.float64)
+    for b, length in enumerate(seqlens.tolist()):
+        for i in range(Q):
+            for h in range(heads):
+                logits = k64[b, : length + i + 1, 0] @ q64[b, i, h] * SCALE
+                want_out[b, i, h] = logits.softmax(0) @ v64[b, : length + i + 1, 0]
+                if length:
+                    want_w[b, :length] += logits[:length].softmax(0) / (Q * heads)
+    for config in (None, launch_config(3, 1, heads, Q, dim, span, 1, num_splits=4, block_n=16)):
+        out, buffers = verify_attention_scores_triton(q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=span + Q,
+                                                      span=span, config=config)
+        weights = attention_mass_from_scores(buffers, seqlens) / (Q * heads)
+        torch.testing.assert_close(out.double().cpu(), want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(weights.double().cpu(), want_w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeypatch):
+    """Inside a real forward on the Triton backend the selection layer goes through ``selection_attention`` and the
+    layers after it read what its own queries chose (as on the reference backend, ``test_select_layers.py``); a
+    forward that returns attention weights (the masked path) chooses through ``choose_read_set`` instead."""
+    import dustin_hf
+    from dustin_hf.adapter import attention
+    from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.compat import attention_scale
+    from dustin_hf.decode.cache import DustinCache
+    from dustin_hf.decode.runner import ModelRunner
+    from dustin_hf.runtime.plan import ForwardPlan
+    from dustin_hf.selection.recovery import position_weights
+    from tiny_models import random_prompt, tiny_model
+
+    layers, selector, prompt, width, sink, recent = 4, 1, 160, 24, 2, 4
+    model = tiny_model("qwen2", layers=layers, hidden=32, heads=4, kv_heads=2, seed=4)
+    tokens = random_prompt(prompt + Q, seed=9)[0]
+    given = torch.arange(width, dtype=torch.int32)
+    reads, fused, chosen = [], [], []
+    real_verify, real_fused, real_choose = attention.verify_attention, attention.selection_attention, \
+        attention.choose_read_set
+
+    def verify(q, k, v, seqlens, *, indices=None, num_indices=None, **kwargs):
+        reads.append(None if indices is None else indices[0, : int(num_indices[0])].tolist())
+        return real_verify(q, k, v, seqlens, indices=indices, num_indices=num_indices, **kwargs)
+
+    monkeypatch.setattr(attention, "verify_attention", verify)
+    monkeypatch.setattr(attention, "selection_attention", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
+    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **kw: chosen.append(1) or real_choose(*a, **kw))
+    for weights_out in (False, True):
+        runner = ModelRunner(model, DustinCache(layers, 1, prompt + Q + 1), "triton")
+        reads.clear(), fused.clear(), chosen.clear()
+        with dustin_hf.patch(model), attention_routed(model):
+            runner.prefill([tokens[:prompt]], None, {})
+            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[prompt], q_len=Q, indices=given[None],
+                               num_indices=torch.tensor([width], dtype=torch.int32), capture={selector: (0, 1, 2, 3)},
+                               select=SelectLayers((selector,), sink, recent), attention_weights=weights_out,
+                               backend="triton")
+            runner.forward(plan, tokens[prompt:][None], keep=1)
+        if weights_out:  # the masked path: every layer there, the choice through choose_read_set
+            assert (fused, chosen, reads) == ([], [1], [])
+            continue
+        keys = runner.cache.layer_buffers(selector)[0][0]
+        weights = position_weights({0: plan.captured[selector][0]}, {0: keys}, prompt,
+                                   attention_scale(model, model.config))[0]
+        candidates = weights[:prompt].clone()
+        candidates[:sink], candidates[prompt - recent:] = -1, -1
+        expected = sorted(list(range(sink)) + list(range(prompt - recent, prompt))
+                          + candidates.topk(width - sink - recent).indices.tolist())
+        assert (fused, chosen) == ([1], [])
+        assert reads == [given.tolist()] * selector + [expected] * (layers - selector - 1)

@@ -596,10 +596,12 @@ class ScoreBuffers:
         shifted: ``(B, queries * heads, tiles * block_n)``, each score minus the running max of its row (fp16 for
             16-bit keys, fp32 for fp32), ``-inf`` past the keys it covers; positions no split wrote are never read.
         tile_max: ``(B, tiles, queries * heads)`` fp32, the running max after each key tile.
-        lse: ``(B, lse_queries * heads)`` fp32, each row's log-sum-exp (base 2) over the cached positions; rows of
-            queries past ``queries`` are the writer's own and never read.
+        lse: ``(B, lse_queries * heads)`` fp32, each row's log-sum-exp (base 2) over the cached positions; the rows
+            of queries past ``queries`` are padding, so that the writer's flat row index (over all its queries)
+            addresses it, and are never read.
         config: pass 2's launch parameters (``block_n``: the writer's key tile).
         queries, heads: the scoring queries (the leading ones) and query heads.
+        span: the positions covered, ``>= max(cache_seqlens)`` of the writer's call.
     """
 
     shifted: torch.Tensor
@@ -608,32 +610,35 @@ class ScoreBuffers:
     config: LaunchConfig
     queries: int
     heads: int
+    span: int
 
 
 def score_buffers(batch: int, queries: int, lse_queries: int, heads: int, span: int, block_n: int, head_dim: int,
-                  keys: torch.Tensor, *, tuning: ScoreTuning | None = None) -> ScoreBuffers:
+                  keys: torch.Tensor, *, written: int | None = None, tuning: ScoreTuning | None = None) -> ScoreBuffers:
     """Empty :class:`ScoreBuffers` for ``queries`` scoring queries of ``heads`` heads over ``span`` positions, in key
-    tiles of ``block_n`` (the writer's), sized for pass 2's whole steps (:func:`buffer_tiles`); ``lse_queries``: the
-    writer's queries (``>= queries``); ``keys``: the cache the writer reads (dtype, device)."""
+    tiles of ``block_n`` (the writer's), sized for pass 2's whole steps (:func:`buffer_tiles`) and for the whole
+    tiles of the ``written`` positions the writer may cover (``None``: ``span``); ``lse_queries``: the writer's
+    queries (``>= queries``); ``keys``: the cache the writer reads (dtype, device)."""
     rows = queries * heads
     config = launch_config(batch, batch, head_dim, span, span, sm_count(keys.device), key_bytes=keys.element_size(),
                            rows=rows, tuning=tuning, block_n=block_n)
-    tiles = buffer_tiles(span, config)
+    tiles = max(buffer_tiles(span, config), triton.cdiv(max(span, written or 0), block_n))
     shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16
     return ScoreBuffers(
         shifted=torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
         tile_max=torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
         lse=torch.empty(batch, lse_queries * heads, dtype=torch.float32, device=keys.device),
-        config=config, queries=queries, heads=heads)
+        config=config, queries=queries, heads=heads, span=span)
 
 
-def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tensor, span: int,
+def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tensor,
                                query_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Pass 2 over ``buffers``: per row ``b`` and position ``p < span``, the sum over heads and counted queries of
-    each query's attention over the cached positions ``[0, cache_seqlens[b])`` (``query_counts``: row ``b`` counts
-    its first ``query_counts[b]`` queries; ``None``: all). Returns ``(B, span)`` fp32, 0 past each row's length."""
+    """Pass 2 over ``buffers``: per row ``b`` and position ``p < buffers.span``, the sum over heads and counted
+    queries of each query's attention over the cached positions ``[0, cache_seqlens[b])`` (``query_counts``: row
+    ``b`` counts its first ``query_counts[b]`` queries; ``None``: all). Returns ``(B, span)`` fp32, 0 past each
+    row's length."""
     prepare_interpreter()
-    batch = buffers.shifted.shape[0]
+    batch, span = buffers.shifted.shape[0], buffers.span
     out = torch.empty(batch, span, dtype=torch.float32, device=buffers.shifted.device)
     if span == 0 or batch == 0:
         return out

@@ -30,7 +30,10 @@ Algorithm (flash-decoding):
   0, a real row), their slot offsets in int32 where the cache allows and shared by K and V where the
   strides agree. The kernel is bound by one warpgroup's instruction latency, not by memory (its time
   follows the SM clock; one warp per scheduler), so instructions are time: the open loop's 64-key tile
-  takes about a third fewer than the masked one. Dense mode with several queries keeps the masked loop.
+  takes about a third fewer than the masked one. Dense mode with several queries keeps the masked loop,
+  except a selection layer's call (``SCORES``, :func:`verify_attention_scores_triton`): its loop walks the cached
+  positions only, open, and split 0 attends to the new tokens after it, so each split's running max and sum
+  are those of the cached positions alone, which the scoring needs.
 * **GQA packing.** The ``G = Hq / Hkv`` query heads sharing one KV head and the ``Q`` queries are
   packed into one ``M = G * Q`` row block (row ``r`` is query ``r // G``, head ``r % G`` of the
   group), padded to ``BLOCK_M >= 16`` for ``tl.dot``. Each K/V tile is loaded once per group.
@@ -171,10 +174,10 @@ def launch_config(
     programs fill half the SMs already; otherwise enough programs to give every SM about
     ``tuning.sparse_programs_per_sm`` (sparse) or ``tuning.programs_per_sm`` (dense) of them (floor, so no
     partial extra wave), but never fewer than ``tuning.min_blocks_per_split`` key tiles per split, and at most
-    ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge:
-    ``"ticket"`` up to ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a
-    block may use): a heuristic key-tile width and stage count that would not fit are reduced
-    (:func:`_fit_shared`); given ones are kept.
+    ``_MAX_SPLITS`` (one query, sparse: the ``decode_*`` values, warps too). Merge: ``"ticket"`` up to
+    ``_MAX_TICKET_SPLITS`` splits, else ``"kernel"``. Stages: :func:`_num_stages`. ``smem_limit`` (bytes a block
+    may use): a heuristic key-tile width and stage count that would not fit are reduced (:func:`_fit_shared`);
+    given ones are kept.
     """
     tuning = tuning or VerifyTuning()
     programs_per_sm = tuning.sparse_programs_per_sm if sparse else tuning.programs_per_sm
@@ -242,7 +245,9 @@ def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, spars
     return tuning.sparse_stages[-1]
 
 
-@triton.jit
+# The score buffers' strides (SCORES) follow the span and the scoring rows: specialising on their divisibility by 16
+# would compile a new variant in the middle of an eager decode; the stores tell the compiler what is aligned.
+@triton.jit(do_not_specialize=["stride_sb", "stride_sr", "stride_mb", "stride_mt", "stride_eb", "stride_cb"])
 def _verify_fwd_kernel(
     Q, K, V, SEQLENS, INDICES, NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
     OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT (or by the last split, TICKET_MERGE), else partials
@@ -366,9 +371,10 @@ def _verify_fwd_kernel(
             tl.store(LSE_C + b * stride_eb + score_out, tl.where(l_i == 0.0, 0.0, lse_c), mask=score_row)
         else:
             tl.store(LSE_C_PART + lse_c_rows + split, lse_c, mask=score_row)
-        t_ok = (tl.arange(0, BLOCK_T) < N_QUERIES) & (split == 0)
-        m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok,
-                                           m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
+        if split == 0:
+            t_ok = tl.arange(0, BLOCK_T) < N_QUERIES
+            m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok,
+                                               d_ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
@@ -530,7 +536,7 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
     mask and then masked out of the scores.
 
     Sparse with the new tokens apart: ``indices[b, n]``. Sparse with one query: those, then the new token
-    at ordinal ``n_cached``. Dense (one query): the ordinal is the slot.
+    at ordinal ``n_cached``. Dense (one query, or a selection layer's cached positions): the ordinal is the slot.
     """
     if SPARSE:
         if TAIL_FIRST:
@@ -579,7 +585,8 @@ def _merge_splits_kernel(
     w_sum = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)  # (BLOCK_D,)
     tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d_ok)
-    if SCORES:  # as _merge_lse, for one row
+    if SCORES:  # as _merge_lse, for one row (a row past its batch row's query count merges what it never wrote;
+        # the scoring pass leaves such rows out)
         scores = (row % rows_per_b) < score_rows_per_b
         lse_c = tl.load(LSE_C_PART + row * num_splits + s, mask=s_ok & scores, other=float("-inf"))  # (BLOCK_S,)
         c_max = tl.max(lse_c, 0)
@@ -700,7 +707,8 @@ def verify_attention_scores_triton(
     Args:
         q, k_cache, v_cache, cache_seqlens, softmax_scale, tuning: as :func:`verify_attention_triton` (dense).
         max_seqlen_k: ``max(cache_seqlens) + Q`` (or a bound of it), host int.
-        span: positions the scores cover, ``>= max(cache_seqlens)`` (host int).
+        span: positions the scores cover, ``>= max(cache_seqlens)`` (host int); the buffers also hold every cached
+            position ``max_seqlen_k`` allows, which the kernel writes.
         query_counts: ``(B,)`` int, ``>= 1``: row ``b`` scores only its first ``query_counts[b]`` queries.
         score_tuning: the scoring pass's heuristic (its step sizes the buffers).
         config: this call's launch parameters instead of the heuristic's (a dense :func:`launch_config`).
@@ -719,7 +727,7 @@ def verify_attention_scores_triton(
                                max(1, max_seqlen_k - n_queries), sm_count(q.device), elem_bytes=q.element_size(),
                                tuning=tuning, smem_limit=smem_limit(q.device))
     buffers = score_buffers(batch, score_queries, n_queries, n_heads, span, config.block_n, head_dim, k_cache,
-                            tuning=score_tuning)
+                            written=max_seqlen_k - n_queries, tuning=score_tuning)  # the kernel writes every cached key
     out = _launch(q, k_cache, v_cache, cache_seqlens, cache_seqlens, cache_seqlens, softmax_scale, False, config,
                   scores=_Scores(buffers, score_queries, query_counts))
     return out, buffers

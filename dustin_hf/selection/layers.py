@@ -177,7 +177,7 @@ def selection_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             q, k_cache, v_cache, tensors.cache_seqlens, softmax_scale=softmax_scale, max_seqlen_k=max_seqlen_k,
             span=span, score_queries=n_q, query_counts=counts, tuning=None if tuning is None else tuning.verify,
             score_tuning=None if tuning is None else tuning.score)
-        mass = attention_mass_from_scores(buffers, tensors.cache_seqlens, span, counts)  # (B, span)
+        mass = attention_mass_from_scores(buffers, tensors.cache_seqlens, counts)  # (B, span)
     weights = mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
     chosen = choose_read_set(q, k_cache, tensors, span, spec, softmax_scale, backend="triton",
                              select_tuning=None if tuning is None else tuning.select, weights=weights)

@@ -42,7 +42,7 @@ prefix, so that a replay derives any method's acceptance:
         "truth": [...],                 # the text's own token
         "dense": [...],                 # the target's argmax, reading every cached position
         "sparse": [...],                # the target's argmax, reading Dustin's selection of `budget` positions
-                                        # (config "selection": "verify": the selection layers' sets instead)
+                                        # (config naming "selection_layers": those layers' sets instead)
         "draft": [...],                 # the draft's argmax, reading its whole cache
         "draft_sparse": [...]           # the draft's argmax, reading the previous selection + what came since
       },
