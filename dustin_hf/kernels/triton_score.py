@@ -527,12 +527,7 @@ def attention_mass_layers_triton(
         accumulate = True
     prepare_interpreter()
 
-    n_tiles = buffer_tiles(span, config)
-    shifted_dtype = torch.float32 if keys[0].dtype == torch.float32 else torch.float16  # scores - running max
-    # rows padded to whole tiles: a row stride divisible by 16 lets Triton vectorise the 16-bit accesses
-    shifted = torch.empty(batch, n_rows, n_tiles * config.block_n, dtype=shifted_dtype, device=device)
-    tile_max = torch.empty(batch, n_tiles, n_rows, dtype=torch.float32, device=device)  # (B, n_tiles, R)
-    lse = torch.empty(batch, n_rows, dtype=torch.float32, device=device)  # (B, R)
+    shifted, tile_max, lse = _pass1_buffers(batch, n_rows, n_rows, buffer_tiles(span, config), config.block_n, keys[0])
     split = config.num_splits > 1
     lse_part = torch.empty(batch, n_rows, config.num_splits, dtype=torch.float32, device=device) if split else lse
     counters = tickets(device, batch * max(max(tiles) for tiles in m_tiles)) if split else lse  # else unused
@@ -623,12 +618,19 @@ def score_buffers(batch: int, queries: int, lse_queries: int, heads: int, span: 
     config = launch_config(batch, batch, head_dim, span, span, sm_count(keys.device), key_bytes=keys.element_size(),
                            rows=rows, tuning=tuning, block_n=block_n)
     tiles = max(buffer_tiles(span, config), triton.cdiv(max(span, written or 0), block_n))
-    shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16
-    return ScoreBuffers(
-        shifted=torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
-        tile_max=torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
-        lse=torch.empty(batch, lse_queries * heads, dtype=torch.float32, device=keys.device),
-        config=config, queries=queries, heads=heads, span=span)
+    shifted, tile_max, lse = _pass1_buffers(batch, rows, lse_queries * heads, tiles, block_n, keys)
+    return ScoreBuffers(shifted, tile_max, lse, config=config, queries=queries, heads=heads, span=span)
+
+
+def _pass1_buffers(batch: int, rows: int, lse_rows: int, tiles: int, block_n: int,
+                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 1's outputs, empty: the shifted scores ``(B, rows, tiles * block_n)`` (fp32 for fp32 keys, else fp16;
+    rows padded to whole tiles, so a row stride divisible by 16 lets Triton vectorise the 16-bit accesses), the tile
+    maxima ``(B, tiles, rows)`` and the log-sum-exps ``(B, lse_rows)``, fp32, on the keys' device."""
+    shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16  # scores - running max
+    return (torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
+            torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
+            torch.empty(batch, lse_rows, dtype=torch.float32, device=keys.device))
 
 
 def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tensor,

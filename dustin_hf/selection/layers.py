@@ -85,10 +85,20 @@ def _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, que
     is launched."""
     batch, n_q, n_heads, _ = q.shape
     seqlens = cache_seqlens.to(k_cache.device)
-    counts = None if query_counts is None else query_counts.to(k_cache.device).clamp(1, n_q)
+    counts = _counted(query_counts, n_q, k_cache.device)
     mass = attention_mass(q, k_cache, seqlens[:, None].expand(batch, n_q), tuple(range(n_heads)),
                           n_heads // k_cache.shape[2], softmax_scale, span, span, backend="triton", query_offset=-1,
                           query_counts=counts, tuning=tuning)  # (B, span), summed over heads and queries
+    return _mean(mass, n_heads, n_q, counts)
+
+
+def _counted(query_counts: torch.Tensor | None, n_q: int, device: torch.device) -> torch.Tensor | None:
+    """Each row's scoring queries on ``device``, at least one and at most ``n_q`` (``None``: all of them)."""
+    return None if query_counts is None else query_counts.to(device).clamp(1, n_q)
+
+
+def _mean(mass: torch.Tensor, n_heads: int, n_q: int, counts: torch.Tensor | None) -> torch.Tensor:
+    """``mass`` ``(B, span)``, summed over heads and each row's counted queries, divided in place into the mean."""
     return mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
 
 
@@ -171,16 +181,16 @@ def selection_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     n_q = _score_queries(q, spec)
     n_heads = q.shape[2]
-    counts = None if tensors.query_counts is None else tensors.query_counts.to(q.device).clamp(1, n_q)
+    counts = _counted(tensors.query_counts, n_q, q.device)
     with launch_device(q):
         out, buffers = verify_attention_scores_triton(
             q, k_cache, v_cache, tensors.cache_seqlens, softmax_scale=softmax_scale, max_seqlen_k=max_seqlen_k,
             span=span, score_queries=n_q, query_counts=counts, tuning=None if tuning is None else tuning.verify,
             score_tuning=None if tuning is None else tuning.score)
         mass = attention_mass_from_scores(buffers, tensors.cache_seqlens, counts)  # (B, span)
-    weights = mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
     chosen = choose_read_set(q, k_cache, tensors, span, spec, softmax_scale, backend="triton",
-                             select_tuning=None if tuning is None else tuning.select, weights=weights)
+                             select_tuning=None if tuning is None else tuning.select,
+                             weights=_mean(mass, n_heads, n_q, counts))
     return out, chosen
 
 
