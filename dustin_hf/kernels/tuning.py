@@ -110,9 +110,9 @@ class ScoreTuning(Checked):
             program also spends a latency-bound stretch per tile (dot, row max/sum shuffles, the score store's
             layout change) with no load issued; 4 programs of 4 warps, each with ``num_stages - 1`` key tiles
             of ~16 KB prefetched, hide it (the draft's pass 1 uses ~123 registers a thread, so 4 programs of 4
-            warps fill an SM's register file). 8, with 16-row pass 2 blocks, looked faster in profiler kernel
-            time but not in whole steps on the H200 (7B + 0.5B, 32k, batch 16): Dustin + sparse draft 8.900
-            against 8.891 ms, the knob 20.07 against 19.86, the selection layers 9.751 against 9.775.
+            warps fill an SM's register file). 8, with 16-row pass 2 blocks, made no whole step faster that
+            matters on the H200 (7B + 0.5B, 32k, batch 16): Dustin + sparse draft 8.900 against 8.891 ms, the
+            knob 20.07 against 19.86, the selection layers 9.751 against 9.775.
         tile_bytes: pass 1's key bytes per tile (``block_n * head_dim * key_bytes``).
         min_blocks_per_split: a pass 1 split walks at least this many key tiles (amortising its q load).
         pass2_step_elements: pass 2 loads about this many scores a loop step (rows padded to row blocks).
