@@ -38,7 +38,7 @@ import torch
 
 from dustin_hf.config import resolve
 from dustin_lab.models import fetch_pair
-from dustin_lab.pair import describe_machine, load_pair
+from dustin_lab.pair import add_device_options, describe_machine, load_pair
 from dustin_lab.prefilled import prefill_pair
 from dustin_hf.profiles import config_for_budget, read_profile
 from dustin_lab.texts import describe_text, token_window
@@ -123,10 +123,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill forward (memory)")
     parser.add_argument("--traces", default=str(ROOT / "benchmarks" / "traces"), help="'' for none")
     parser.add_argument("--out", default=None, help="save the report JSON here (after every walk)")
+    add_device_options(parser)
     args = parser.parse_args(argv)
 
     torch.set_grad_enabled(False)
-    pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
+    pair = load_pair(*fetch_pair(progress=True), args.device, args.dtype)
     names = pair.describe()
     pair_names = {"target": names["target"]["name"], "draft": names["draft"]["name"]}
     config, fraction, _ = read_profile(args.profile)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dustin_lab.pair import add_device_options
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "qwen2.5-coder-1.5b+0.5b.json"
 GAMMA = 4
@@ -64,6 +66,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-sparse-draft", action="store_true", help="--exact: the draft reads everything")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_select", help="per-unit reports")
     parser.add_argument("--out", required=True)
+    add_device_options(parser)
     args = parser.parse_args(argv)
 
     from dustin_hf.config import resolve
@@ -75,7 +78,7 @@ def main(argv=None) -> dict:
     from dustin_lab.walk import teacher_forced_walk
 
     torch.set_grad_enabled(False)
-    pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
+    pair = load_pair(*fetch_pair(progress=True), args.device, args.dtype)
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
     config, fraction, _ = read_profile(args.profile)
     selects = [(False, None) if spec == "profile" else

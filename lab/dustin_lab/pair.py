@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "ModelPair",
     "ModelPathError",
+    "add_device_options",
     "TokenizerMismatchError",
     "check_model_dir",
     "describe_machine",
@@ -80,6 +81,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
+
+
+def add_device_options(parser) -> None:
+    """``--device`` and ``--dtype`` for a script that loads the pair (:func:`load_pair`'s ``device`` and ``dtype``):
+    by default CUDA in bfloat16 where there is a GPU, else the CPU in float32."""
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto",
+                        help=f"auto (bfloat16 on CUDA, float32 on the CPU) or one of {', '.join(sorted(_DTYPES))}")
 
 
 def check_model_dir(path: str | Path, role: str) -> Path:

@@ -25,6 +25,7 @@ import torch
 
 from dustin_hf.config import DustinConfig, resolve
 
+from .pair import add_device_options
 from .prefilled import prefill_pair
 from .texts import token_window
 from .walk import teacher_forced_walk
@@ -107,6 +108,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--candidates", nargs="+", default=None, metavar="LAYERS",
                         help="comma-separated layer sets (default: the library's grid)")
     parser.add_argument("--write", action="store_true", help="record the best in the profile")
+    add_device_options(parser)
     args = parser.parse_args(argv)
 
     from dustin_hf.profiles import read_profile
@@ -116,7 +118,7 @@ def main(argv=None) -> dict:
 
     torch.set_grad_enabled(False)
     config, _, profile = read_profile(args.profile)
-    pair = load_pair(*fetch_pair(progress=True), "cpu", "float32")
+    pair = load_pair(*fetch_pair(progress=True), args.device, args.dtype)
     candidates = [tuple(int(v) for v in c.split(",")) for c in args.candidates] if args.candidates else None
     report = calibrate_selection_layers(pair, config.replace(min_context=1024), tuple(args.books), args.context,
                                         args.tokens, candidates=candidates)
