@@ -32,7 +32,8 @@ from dustin_hf.calibration.prompt import calibrate_on_prompts
 from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.hooks import DecodeHooks
 
-__all__ = ["Prefilled", "PrefillStore", "clone_cache", "dustin_attention_on", "prefill_pair", "speculative_decoder"]
+__all__ = ["Prefilled", "PrefillStore", "clone_cache", "copy_row_into", "dustin_attention_on", "prefill_pair",
+           "speculative_decoder"]
 
 
 @dataclass
@@ -89,11 +90,28 @@ def copy_cache_into(src: DustinCache, dst: DustinCache) -> None:
     dst.seq_lengths = list(src.seq_lengths) * (dst.batch_size // src.batch_size)
 
 
-def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int = 4096,
+def copy_row_into(src: DustinCache, dst: DustinCache, row: int) -> None:
+    """Write a one-row ``src``'s cached positions and length into row ``row`` of ``dst`` (same layers)."""
+    if len(src.layers) != len(dst.layers) or src.batch_size != 1 or not 0 <= row < dst.batch_size:
+        raise ValueError(f"cannot copy {src!r} into row {row} of {dst!r}")
+    length = src.seq_lengths[0]
+    dst.ensure_capacity(length)
+    for s_layer, d_layer in zip(src.layers, dst.layers):
+        keys, values = s_layer.buffers()  # (1, capacity, H, D)
+        if not d_layer.is_initialized:
+            d_layer.lazy_initialization(keys.transpose(1, 2), values.transpose(1, 2))  # allocates dst's rows
+        d_keys, d_values = d_layer.buffers()
+        d_keys[row, :length].copy_(keys[0, :length])
+        d_values[row, :length].copy_(values[0, :length])
+    dst.seq_lengths[row] = length
+
+
+def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int | None = 4096,
                  capacity: int = 0, progress: bool = False) -> Prefilled:
     """Prefill ``tokens (C,)`` like the decoder does, keeping every query head of ``history_layers``.
 
-    Runs with Dustin's attention routed (the caller need not patch anything). ``capacity``: slots to
+    Runs with Dustin's attention routed (the caller need not patch anything). ``chunk``: prompt tokens per forward
+    (``None``: as the decoder chooses, from the free memory on CUDA). ``capacity``: slots to
     reserve past the prompt in both caches (they grow on demand anyway). ``progress``: a bar over the tokens both
     models read, chunk by chunk (on a CPU a 16k prompt takes the 1.5B target minutes), gone once done.
     """
@@ -137,19 +155,26 @@ class PrefillStore:
         self._states.clear()
 
     def hook(self):
-        """A function with ``ModelRunner.prefill``'s signature (plus the model wrapper) for the decoder's hook."""
+        """A function with ``ModelRunner.prefill``'s signature (plus the model wrapper) for the decoder's hook: a batch
+        whose every row is in the store (each row looked up on its own, so a left-padded batch of stored prompts
+        qualifies) has each row's state copied into its row of the run's cache; any other batch is prefilled
+        normally."""
 
         def prefill(model, rows: list[torch.Tensor], chunk: int, capture: dict):
-            if len(rows) == 1:
-                if model.model is self.target and (state := self.find(rows[0])) is not None:
-                    missing = set(capture) - set(state.history)
-                    if not missing:
-                        copy_cache_into(state.target_cache, model.cache)
-                        kept = {layer: select_heads(state.history[layer][:, None], heads) for layer, heads in capture.items()}
-                        return [state.last_logits], [kept]
-                if model.model is self.draft and (state := self.find(rows[0], drop_last=True)) is not None:
-                    copy_cache_into(state.draft_cache, model.cache)
-                    return [state.last_logits], [{}]
+            if model.model is self.target:
+                states = [self.find(ids) for ids in rows]
+                if all(s is not None and set(capture) <= set(s.history) for s in states):
+                    for b, state in enumerate(states):
+                        copy_row_into(state.target_cache, model.cache, b)
+                    kept = [{layer: select_heads(s.history[layer][:, None], heads) for layer, heads in capture.items()}
+                            for s in states]
+                    return [s.last_logits for s in states], kept
+            elif model.model is self.draft:
+                states = [self.find(ids, drop_last=True) for ids in rows]
+                if all(s is not None for s in states):
+                    for b, state in enumerate(states):
+                        copy_row_into(state.draft_cache, model.cache, b)
+                    return [s.last_logits for s in states], [{} for _ in states]
             return ModelRunner.prefill(model, rows, chunk, capture)
 
         return prefill

@@ -14,7 +14,7 @@ from dustin_hf.selection.scoring import attention_mass
 from dustin_hf.selection.fill import estimated_mass
 from dustin_lab.walk import teacher_forced_walk
 
-from tiny_models import noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
+from tiny_models import left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 CONTEXT, GAMMA = 80, 3
 
@@ -194,6 +194,64 @@ def test_reused_prefill_decodes_exactly_like_a_fresh_one(pair, state):
     assert fresh["tokens"] != [] and speculative_continuation(
         target, draft, prefilled.tokens, config=None, gamma=GAMMA, max_new_tokens=12, eos_token_ids=[], store=store
     )["tokens"] == greedy
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sample):
+    """Each row of a left-padded batch found in the store is copied into its row of the run's caches: generate()
+    returns the tokens of the same call prefilled by the loop, dense and sparse, greedy and sampling."""
+    import dustin_hf
+    from dustin_hf.decode.hooks import DecodeHooks
+
+    target, draft = pair
+    rows = [random_prompt(n, seed=20 + n)[0] for n in (70, 90, 64)]
+    layer = _cfg(target, draft, 24).target_layer
+    store = PrefillStore(target, draft)
+    for ids in rows:
+        store.add(prefill_pair(target, draft, ids, (layer,)))
+    ids, mask = left_pad(rows)
+    sampling = dict(do_sample=True, temperature=0.9, top_p=0.95) if do_sample else dict(do_sample=False)
+    kwargs = dict(attention_mask=mask, assistant_model=draft, max_new_tokens=10, **sampling)
+    modes = [{}, dict(cache_implementation="dustin", cache_config={"budget": 24, "min_context": 16})]
+    outputs = {}
+    for hooks in (None, DecodeHooks(prefill=store.hook())):
+        with dustin_hf.patch(target, hooks=hooks):
+            for i, mode in enumerate(modes):
+                torch.manual_seed(0)
+                outputs.setdefault(hooks is None, []).append(target.generate(ids, **kwargs, **mode))
+    for fresh, reused in zip(outputs[True], outputs[False]):
+        assert torch.equal(fresh, reused)
+    called = []
+    with dustin_hf.patch(target, hooks=DecodeHooks(prefill=lambda *a: called.append(1) or store.hook()(*a))):
+        unknown = random_prompt(50, seed=3)
+        assert target.generate(unknown, attention_mask=torch.ones_like(unknown), assistant_model=draft,
+                               max_new_tokens=4, do_sample=False, **modes[1]).shape == (1, 54)  # prefilled as usual
+    assert called == [1, 1]
+
+
+def test_the_walk_in_bfloat16_predicts_as_in_float32(pair, state):
+    """The walk in bfloat16, the dtype it runs in on a GPU (``agreement_cpu.py --device cuda``), gives the float32
+    walk's predictions within bfloat16's rounding: the dense target's argmax on nearly every position, every method
+    kind (Dustin's set, the sparse draft, the oracle) runs, and the perplexities move by a few percent at most."""
+    import copy
+
+    target, draft = pair
+    prefilled, continuation = state
+    cfg = _cfg(target, draft, 24)
+    methods = {"dense": None, "sparse": cfg, "sparse_draft": _cfg(target, draft, 24, sparse_draft=True),
+               "oracle": cfg}
+    walks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        t, d = (copy.deepcopy(m).to(dtype) for m in (target, draft))
+        start = prefill_pair(t, d, prefilled.tokens, (cfg.target_layer,))
+        walks[dtype] = teacher_forced_walk(t, d, start, continuation, GAMMA, methods, oracle={"oracle": "shared"},
+                                           progress=False)
+    full, half = walks[torch.float32], walks[torch.bfloat16]
+    assert full.predictions.keys() == half.predictions.keys() == methods.keys()
+    for name in methods:
+        same = sum(a == b for a, b in zip(full.predictions[name], half.predictions[name])) / full.tokens
+        assert same >= 0.9, (name, same)
+        assert abs(half.ppl[name] / full.ppl[name] - 1) < 0.05, (name, half.ppl[name], full.ppl[name])
 
 
 def test_clone_cache_copies_contents_and_lengths(state):
