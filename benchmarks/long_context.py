@@ -328,19 +328,19 @@ def _retrieval_summary(records: list[dict]) -> dict:
 
 
 def windows(study: Study, context: int) -> list[tuple[str, int, torch.Tensor]]:
-    """``--rows`` windows of ``context`` tokens, the texts in turn, offsets spread over each text."""
+    """``--rows`` windows of ``context`` tokens, offsets spread over each text, the texts taking turns (every batch
+    mixes them)."""
     args = study.args
     per_text = math.ceil(args.rows / len(args.texts))
-    out = []
+    by_text = []
     for text in args.texts:
         total = book_tokens(study.tok, text).numel()
         room = total - context - args.new_tokens
         if room < 0:
             raise ValueError(f"{text} has {total:,} tokens: too short for {context:,}-token windows")
-        for i in range(per_text):
-            offset = room * i // max(per_text - 1, 1)
-            out.append((text, offset, token_window(study.tok, text, context, offset)))
-    return out[: args.rows]
+        offsets = [room * i // max(per_text - 1, 1) for i in range(per_text)]
+        by_text.append([(text, offset, token_window(study.tok, text, context, offset)) for offset in offsets])
+    return [rows[i] for i in range(per_text) for rows in by_text][: args.rows]
 
 
 def free_running(study: Study, context: int) -> None:

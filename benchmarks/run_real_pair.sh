@@ -34,7 +34,7 @@ case $what in
   study)
     out=${1:?OUT}; shift; mkdir -p "$out"; site
     python3 benchmarks/long_context.py --out "$STUDY" --quiet "$@" 2>&1 | grep -v -i warn | tee -a "$out/study.txt"
-    cp "$STUDY"/*.json "$out/" 2>/dev/null; ls "$STUDY" ;;
+    tar czf "$out/study.tgz" -C "$STUDY" . ; ls "$STUDY" ;;  # every phase file and trace so far (8 files come back)
   e2e)
     out=${1:?OUT}; shift; mkdir -p "$out"; site
     timeout 560 python3 benchmarks/e2e.py --devices 1 --contexts 32768 --batches 16 \
