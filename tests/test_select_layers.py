@@ -64,6 +64,36 @@ def test_the_chosen_set_holds_sinks_recent_and_the_most_attended_positions_per_r
     assert torch.equal(chosen.indices[2], indices[2])
 
 
+@pytest.mark.parametrize("holes", [False, True])
+def test_under_a_sliding_window_the_set_is_chosen_inside_it(holes):
+    """A layer whose sliding window cuts the keys: each sparse row's set is the window's first positions (its
+    sinks), its recent window and its most attended positions inside the window (what the step's first query sees:
+    ``[L - window + 1, L)``, or by the indices a row with masked input slots counts); a row whose count covers its
+    window keeps its index row (it reads its whole window)."""
+    torch.manual_seed(1)
+    batch, n_q, heads, kv_heads, dim, capacity, window = 3, 3, 2, 1, 8, 260, 100
+    q, keys = torch.randn(batch, n_q, heads, dim), torch.randn(batch, capacity, kv_heads, dim)
+    seqlens = torch.tensor([200, 250, 150], dtype=torch.int32)
+    width = 48
+    indices = torch.arange(width, dtype=torch.int32).expand(batch, width).contiguous()
+    counts = torch.tensor([48, 30, 99], dtype=torch.int32)  # row 2's count is its whole window
+    slots = None
+    if holes:  # every slot counts twice for row 0 (a hole after each): its window holds half as many positions
+        slots = torch.arange(capacity).expand(batch, capacity).clone()
+        slots[0] *= 2
+    chosen = choose_read_set(q, keys, DeviceTensors(seqlens, indices, counts), 250, SelectLayers((1,), SINK, RECENT),
+                             0.3, window=window, key_slots=slots)
+    for b in range(2):
+        length, count = int(seqlens[b]), int(counts[b])
+        low = length - window + 1 if not (holes and b == 0) else length - window // 2 + 1
+        weights = position_weights({0: q[b]}, {0: keys[b]}, length, 0.3)[0]
+        inside = weights.clone()
+        inside[:low] = -2  # never a candidate
+        want = _expected_set(inside[low:], length - low, count)
+        assert chosen.indices[b, :count].tolist() == [low + i for i in want], b
+    assert torch.equal(chosen.indices[2], indices[2])
+
+
 def test_rows_choose_independently_and_from_their_leading_queries_when_told():
     """Changing row 1's queries and keys leaves row 0's set as it was; with ``queries=1`` only each row's first
     query scores (its later queries may change freely)."""
@@ -188,13 +218,15 @@ def test_a_dense_forward_never_selects(monkeypatch):
 # ---- configuration -------------------------------------------------------------------------------------------------
 def test_selection_settings_are_validated_and_resolved():
     target = tiny_model("qwen2", layers=6, hidden=32)
-    assert resolve(DustinConfig(), target.config, target.config).selection_layers == ()
+    assert resolve(DustinConfig(selection="dustin"), target.config, target.config).selection_layers == ()
+    assert resolve(DustinConfig(), target.config, target.config).selection_layers == (2, 3)  # the default: verify
     assert resolve(DustinConfig(selection="verify", selection_layers=(-2, 2)), target.config,
                    target.config).selection_layers == (2, 4)
     assert resolve(DustinConfig(selection="verify"), target.config, target.config).selection_layers  # a default
     # recorded layers (a profile's) are kept for selection="verify" and unused by the paper's selection
-    assert resolve(DustinConfig(selection_layers=(3,)), target.config, target.config).selection_layers == ()
-    assert select_spec(resolve(DustinConfig(), target.config, target.config)) is None
+    assert resolve(DustinConfig(selection="dustin", selection_layers=(3,)), target.config,
+                   target.config).selection_layers == ()
+    assert select_spec(resolve(DustinConfig(selection="dustin"), target.config, target.config)) is None
     with pytest.raises(ValueError, match="selection must be one of"):
         DustinConfig(selection="tidal")
     with pytest.raises(ValueError, match="selection_layers must be"):
@@ -295,7 +327,8 @@ def test_sparse_steps_select_in_the_forward_and_exact_mode_stays_greedy(monkeypa
     config = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT)
     outs = {}
     with dustin_hf.patch(target):
-        for name, extra in (("dustin", {}), ("verify", {"selection": "verify", "selection_layers": (1,)}),
+        for name, extra in (("dustin", {"selection": "dustin"}),
+                            ("verify", {"selection": "verify", "selection_layers": (1,)}),
                             ("exact", {"selection": "verify", "selection_layers": (1,), "mode": "exact"})):
             chose.clear()
             out = target.generate(ids, assistant_model=draft, cache_implementation="dustin",
@@ -314,7 +347,7 @@ def test_a_workspace_serves_only_its_own_selection():
     target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2)
     draft = set_gamma(noisy_copy(target, noise=0.02), 4)
     ids = random_prompt(200, batch=2, seed=3)
-    base = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT)
+    base = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT, selection="dustin")
     configs = [base, {**base, "selection": "verify", "selection_layers": (1,)},
                {**base, "selection": "verify", "selection_layers": (0,)}, base]
     kwargs = dict(assistant_model=draft, cache_implementation="dustin", do_sample=False, max_new_tokens=16,

@@ -95,7 +95,8 @@ def dustin_attention(
             q, key.transpose(1, 2), tensors, dustin_plan.key_span, dustin_plan.select, scale,
             backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
             score_tuning=None if tuning is None else tuning.score,
-            select_tuning=None if tuning is None else tuning.select))
+            select_tuning=None if tuning is None else tuning.select,
+            window=window, key_slots=dustin_plan.window_slots_on(q.device) if window is not None else None))
     if masked:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
         indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)

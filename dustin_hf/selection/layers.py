@@ -104,7 +104,8 @@ def _mean(mass: torch.Tensor, n_heads: int, n_q: int, counts: torch.Tensor | Non
 
 def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTensors, span: int, spec: SelectLayers,
                     softmax_scale: float, *, backend: str = "reference", score_tuning: ScoreTuning | None = None,
-                    select_tuning: SelectTuning | None = None, weights: torch.Tensor | None = None) -> DeviceTensors:
+                    select_tuning: SelectTuning | None = None, weights: torch.Tensor | None = None,
+                    window: int | None = None, key_slots: torch.Tensor | None = None) -> DeviceTensors:
     """The read set of the layers after a selection layer (module docstring), from the layer's queries and keys.
 
     Args:
@@ -119,9 +120,15 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
             launch heuristics (``None``: the defaults).
         weights: ``(B, span)``, the layer's :func:`layer_position_weights` when already computed
             (:func:`selection_attention`); ``None``: computed here.
+        window: the layer's sliding window where it cuts the keys (``None``: none): the choice stays inside what
+            the step's first query sees, as :func:`~dustin_hf.selection.fill.select_positions` chooses (the sinks are
+            the window's first positions), and a row whose count covers its window keeps its index row.
+        key_slots: ``(B, capacity)``, the index the window counts for each slot where rows have masked input slots
+            (:attr:`~dustin_hf.runtime.plan.ForwardPlan.window_slots`); ``None``: the slot itself.
 
     Returns the new :class:`DeviceTensors` (same ``cache_seqlens`` and ``num_indices``; sorted indices, the
-    entries past a row's count 0, never read); a row whose count covers its length keeps its index row.
+    entries past a row's count 0, never read); a row whose count covers its length (or its window) keeps its index
+    row.
     """
     seqlens = tensors.cache_seqlens.long()
     counts = tensors.num_indices.long()
@@ -130,8 +137,9 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
         weights = layer_position_weights(q[:, :_score_queries(q, spec)], k_cache, seqlens, span, softmax_scale,
                                          tensors.query_counts, backend=backend, tuning=score_tuning)  # (B, span)
     sink, recent = spec.sink_tokens, spec.recent_tokens
-    full = (counts >= seqlens)[:, None]
-    if backend == "triton" and _fills_in_kernel(span, width, sink, recent, select_tuning):
+    low = torch.zeros_like(seqlens) if window is None else _window_start(seqlens, window, key_slots)
+    full = (counts >= seqlens - low)[:, None]  # the whole window (or cache) fits the row's count: kept
+    if window is None and backend == "triton" and _fills_in_kernel(span, width, sink, recent, select_tuning):
         from ..kernels import launch_device
         from ..kernels.triton_select import select_sparse_triton
 
@@ -140,15 +148,35 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
                                           fill=width - sink - recent, counts=counts, tuning=select_tuning)
         return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
                              tensors.query_counts)
-    positions = torch.arange(span, device=weights.device)
-    # candidates: in range, neither a sink nor in the recent window (their weights are >= 0: -1 ranks below any)
-    taken = (positions[None, :] < sink) | (positions[None, :] >= seqlens[:, None] - recent)
-    fill = min(max(width - sink - recent, 0), span)  # the most any row takes by weight (host ints)
-    top = weights.masked_fill(taken, -1.0).topk(fill, dim=1).indices  # (B, fill), by weight, highest first
-    past = span + 1  # stands for "not chosen": sorts last
+    return _fill(weights, tensors, span, sink, recent, low, full)
+
+
+def _window_start(seqlens: torch.Tensor, window: int, key_slots: torch.Tensor | None) -> torch.Tensor:
+    """``(B,)``: each row's first cached position the step's first query (at position ``L``) sees through a sliding
+    window: ``L - window + 1``, or, where ``key_slots`` gives the index the window counts (rows with masked input
+    slots), the first position whose index is past the first query's minus the window."""
+    if key_slots is None:
+        return (seqlens - window + 1).clamp_min(0)
+    index = key_slots.to(seqlens.device).long()
+    first = index.gather(1, seqlens[:, None].clamp_max(index.shape[1] - 1))  # (B, 1)
+    before = torch.arange(index.shape[1], device=index.device)[None, :] < seqlens[:, None]
+    return ((index <= first - window) & before).sum(dim=1)  # indices only grow along a row
+
+
+def _fill(weights: torch.Tensor, tensors: DeviceTensors, span: int, sink: int, recent: int, low: torch.Tensor,
+          full: torch.Tensor) -> DeviceTensors:
+    """:func:`choose_read_set`'s fill in PyTorch, inside each row's ``[low, L)`` (``low`` 0 but for a sliding
+    window): its first ``sink`` positions, the last ``recent``, then the rest of the row's count by weight; a
+    ``full`` row keeps its index row."""
+    seqlens, counts, width = tensors.cache_seqlens.long(), tensors.num_indices.long(), tensors.indices.shape[1]
+    positions = torch.arange(span, device=weights.device)[None, :]
+    outside = (positions < low[:, None]) | (positions >= seqlens[:, None])
+    taken = outside | (positions < low[:, None] + sink) | (positions >= seqlens[:, None] - recent)
+    fill = min(max(width - sink - recent, 0), span)
+    top = weights.masked_fill(taken, -1.0).topk(fill, dim=1).indices
+    past = span + 1  # "not chosen": sorts last
     top = torch.where(torch.arange(fill, device=top.device)[None, :] < (counts - sink - recent)[:, None], top, past)
-    batch = seqlens.shape[0]
-    chosen = torch.cat([positions[:sink].expand(batch, sink),
+    chosen = torch.cat([low[:, None] + torch.arange(sink, device=low.device),
                         seqlens[:, None] - recent + torch.arange(recent, device=seqlens.device), top], dim=1)
     chosen = chosen.sort(dim=1).values
     chosen = torch.where(chosen == past, 0, chosen)

@@ -139,16 +139,17 @@ def test_budget_summary_and_correlation():
     assert correlation([1, 2], [2, 1])["pearson"] is None and correlation([1, 1, 1], [1, 2, 3])["pearson"] is None
 
 
-def test_a_window_longer_than_the_ceiling_with_the_sparse_draft():
+@pytest.mark.parametrize("selection", ["dustin", "verify"])
+def test_a_window_longer_than_the_ceiling_with_the_sparse_draft(selection):
     """Every layer windowed (Mistral, window 40) and a target out of the ceiling's reach: each row reads its whole
     window (listed, longer than the ceiling), so the sparse draft's read sets widen to hold it, and the output is
-    stock greedy's."""
+    stock greedy's; with the selection layers too (a row reading its whole window keeps it)."""
     target = tiny_model("mistral", layers=2, sliding_window=40)
     draft = set_gamma(noisy_copy(target), 3)
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (130, 95)])
     greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
     config = DustinConfig(budget=8, max_budget=16, min_recovery=1.0, min_context=0, sink_tokens=2,
-                          recent_tokens=4, sparse_draft=True)
+                          recent_tokens=4, sparse_draft=True, selection=selection)
     with dustin_hf.patch(target, config):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
                               pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
