@@ -197,6 +197,9 @@ def teacher_forced_walk(
         raise ValueError(f"oracle names {sorted(unknown)}, which are not sparse methods")
     if unknown := set(oracle.values()) - set(ORACLES):
         raise ValueError(f"unknown oracle kinds {sorted(unknown)}; choose from {ORACLES}")
+    if chooses := sorted(n for n in oracle if methods[n].selection_layers):
+        raise ValueError(f"oracle methods {chooses} have selection layers, which would replace the oracle's sets in "
+                         "the layers after them: resolve their configs with selection='dustin'")
     device = model_device(target)
     tokens = torch.cat([state.tokens, continuation.to(device)])
     context = state.tokens.numel()

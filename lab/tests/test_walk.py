@@ -29,7 +29,7 @@ def pair():
 
 
 def _cfg(target, draft, budget, **kw):
-    config = DustinConfig(budget=budget, min_context=16, **kw)
+    config = DustinConfig(budget=budget, min_context=16, **{"selection": "dustin", **kw})  # Dustin's set unless told
     return resolve(config, target.config, draft.config)
 
 
@@ -417,6 +417,10 @@ def test_oracle_methods_in_the_walk(pair, state):
     with pytest.raises(ValueError, match="unknown oracle"):
         teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, "s": small}, progress=False,
                             oracle={"s": "per-head"})
+    with pytest.raises(ValueError, match="have selection layers"):  # they would replace the oracle's sets
+        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
+                            {"dense": None, "s": _cfg(target, draft, 24, selection="verify")}, progress=False,
+                            oracle={"s": "shared"})
 
 
 def test_knob_methods_in_the_walk(pair, state):
