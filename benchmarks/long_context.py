@@ -21,6 +21,9 @@ Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair, bf16, at the paper's lengths, i
 
 The settings (``--settings``, :data:`SETTINGS`; ``--extra NAME=JSON`` adds one) are ``cache_config`` overrides of
 ``DustinConfig()`` — what ``dustin_hf.patch(model)`` gives a user — or ``dense`` (the loop, dense verification).
+``--phases check`` compares the converted pair with the CPU conversion (``docs/real_pair_on_gpu.md``); ``rescore``
+derives the records' answers and summaries again from their stored tokens; ``--publish DIR`` merges the phase files
+of one or more runs into ``DIR/real_pair_*.json``, without the free-running token lists.
 Retrieval and free-running text read each prompt once: the prompts of a batch are prefilled by the loop's own
 prefill (:func:`dustin_lab.prefilled.prefill_pair`) and every setting starts from a copy
 (:class:`~dustin_lab.prefilled.PrefillStore` through ``patch(..., hooks=)``), which the test
@@ -29,7 +32,7 @@ by the loop. Records go to ``--out`` after every batch; a phase run again with t
 there (a GPU call cut at its time limit resumes).
 
     python benchmarks/long_context.py --phases free --contexts 32768 --out DIR     # one GPU, the real pair
-    python benchmarks/long_context.py --smoke --out /tmp/lc                         # tiny models, CPU: checks the script
+    python benchmarks/long_context.py --smoke --out /tmp/lc                        # tiny models, CPU: checks the script
 """
 
 from __future__ import annotations
@@ -59,32 +62,34 @@ from dustin_lab.texts import book_tokens, describe_text, token_window
 from dustin_lab.traces import prediction_record, write_predictions
 from dustin_lab.walk import teacher_forced_walk
 
-ROOT = Path(__file__).resolve().parents[1]
 GAMMA = 4  # drafts a step: the library's default when the draft's generation config names none
 TEXTS = ("emma", "mobydick", "prideprejudice", "stdlib:_pydecimal")
 NEEDLE_BOOKS = ("emma", "mobydick", "prideprejudice", "paradise_lost")
 STOCK_BATCH = 8  # plain greedy's padded prefill materialises a (rows, prompt, prompt) boolean mask
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.8)  # the Qwen2.5-Instruct recommendation
 
-# name -> cache_config overrides of DustinConfig() ("dense": dense verification in the loop, no cache_config)
+# name -> cache_config overrides of DustinConfig() ("dense": dense verification in the loop, no cache_config); each
+# names its selection, so a name means what it meant in the recorded results whatever the library's default
+_DUSTIN, _VERIFY = {"selection": "dustin"}, {"selection": "verify"}
 SETTINGS: dict[str, dict | None] = {
     "dense": None,
-    "sparse512": {"budget": 512},
-    "sparse512_r128": {"budget": 512, "recent_tokens": 128},
-    "sparse512_r256": {"budget": 512, "recent_tokens": 256},
-    "sparse1024": {"budget": 1024},
-    "sparse1024_r128": {"budget": 1024, "recent_tokens": 128},
-    "sparse2048": {"budget": 2048},
-    "sparse2048_r128": {"budget": 2048, "recent_tokens": 128},
-    "sparse512_history": {"budget": 512, "draft_share": 0},  # the fill by the target's history alone
-    "sparse512_lookahead": {"budget": 512, "draft_share": 492},  # by the draft's lookahead alone
-    "select512": {"budget": 512, "selection": "verify"},
-    "select1024": {"budget": 1024, "selection": "verify"},
-    "select2048": {"budget": 2048, "selection": "verify"},
-    "sparse512_sd": {"budget": 512, "sparse_draft": True},  # the README's headline setting
-    "sparse512_sd_r128": {"budget": 512, "sparse_draft": True, "recent_tokens": 128},
-    "exact": {"mode": "exact", "sparse_draft": True},
-    "exact_r128": {"mode": "exact", "sparse_draft": True, "recent_tokens": 128},
+    "sparse512": {"budget": 512, **_DUSTIN},
+    "sparse512_r128": {"budget": 512, "recent_tokens": 128, **_DUSTIN},
+    "sparse512_r256": {"budget": 512, "recent_tokens": 256, **_DUSTIN},
+    "sparse1024": {"budget": 1024, **_DUSTIN},
+    "sparse1024_r128": {"budget": 1024, "recent_tokens": 128, **_DUSTIN},
+    "sparse2048": {"budget": 2048, **_DUSTIN},
+    "sparse2048_r128": {"budget": 2048, "recent_tokens": 128, **_DUSTIN},
+    "sparse512_history": {"budget": 512, "draft_share": 0, **_DUSTIN},  # the fill by the target's history alone
+    "sparse512_lookahead": {"budget": 512, "draft_share": 492, **_DUSTIN},  # by the draft's lookahead alone
+    "select512": {"budget": 512, **_VERIFY},
+    "select1024": {"budget": 1024, **_VERIFY},
+    "select2048": {"budget": 2048, **_VERIFY},  # the library's default since the 32k study
+    "select2048_sd": {"budget": 2048, "sparse_draft": True, **_VERIFY},
+    "sparse512_sd": {"budget": 512, "sparse_draft": True, **_DUSTIN},  # the headline setting before the 32k study
+    "sparse512_sd_r128": {"budget": 512, "sparse_draft": True, "recent_tokens": 128, **_DUSTIN},
+    "exact": {"mode": "exact", "sparse_draft": True, "budget": 2048, **_DUSTIN},
+    "exact_r128": {"mode": "exact", "sparse_draft": True, "budget": 2048, "recent_tokens": 128, **_DUSTIN},
 }
 
 
@@ -272,7 +277,8 @@ def retrieval(study: Study, context: int) -> None:
         todo = [m for m in methods if any((context, m, first + i) not in done for i in range(len(batch)))]
         if not todo or not study.time_left():
             continue
-        plain = {r["prompt"]: r["tokens"] for r in report["records"] if r["context"] == context and r["method"] == "plain"}
+        plain = {r["prompt"]: r["tokens"] for r in report["records"]
+                 if r["context"] == context and r["method"] == "plain"}
         if "plain" in todo:  # stock, in batches of at most STOCK_BATCH rows
             study.release()
             for part in range(0, len(batch), STOCK_BATCH):
@@ -293,20 +299,48 @@ def retrieval(study: Study, context: int) -> None:
             for i, t in enumerate(tokens):
                 report["records"].append(_needle_record(tok, batch[i], first + i, context, method, t,
                                                         plain.get(first + i), seconds, stats))
-            print(f"retrieval {context} prompts {first}-{first + len(batch) - 1} {method}: "
-                  f"{sum(needle_found(tok.decode(t, skip_special_tokens=True), n) for t, n in zip(tokens, batch))}"
-                  f"/{len(batch)} correct, {seconds:.1f} s", flush=True)
+            correct = sum(r["correct"] for r in report["records"][-len(batch):])
+            print(f"retrieval {context} prompts {first}-{first + len(batch) - 1} {method}: {correct}/{len(batch)} "
+                  f"correct, {seconds:.1f} s", flush=True)
             study.save("retrieval", report)
     study.store.clear()
     report["summary"] = _retrieval_summary(report["records"])
     study.save("retrieval", report)
 
 
+def _reply(tok, tokens: list[int]) -> list[int]:
+    """The answer's tokens: up to the first special token (end of text or of the turn), where ``generate()`` with
+    the model's end-of-text ids would have stopped; the runs generate past it so that every row makes the same
+    number of tokens."""
+    special = set(tok.all_special_ids)
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in special), tokens)
+
+
 def _needle_record(tok, needle, index, context, method, tokens, plain, seconds, stats) -> dict:
-    answer = tok.decode(tokens, skip_special_tokens=True)
+    reply = _reply(tok, tokens)
+    answer = tok.decode(reply, skip_special_tokens=True)
     return {"context": context, "method": method, "prompt": index, **needle.describe(), "answer": answer,
             "tokens": tokens, "correct": needle_found(answer, needle),
-            "same_as_plain": None if plain is None else tokens == plain, "seconds": seconds, **_summary(stats)}
+            "same_as_plain": None if plain is None else reply == _reply(tok, plain), "seconds": seconds,
+            **_summary(stats)}
+
+
+def rescore(study: Study) -> None:
+    """Derive the retrieval records' answers, correctness and agreement with plain greedy again from their stored
+    tokens (after a change to how an answer is read), and every summary."""
+    report = study.load("retrieval")
+    plain = {(r["context"], r["prompt"]): r["tokens"] for r in report["records"] if r["method"] == "plain"}
+    for r in report["records"]:
+        reply = _reply(study.tok, r["tokens"])
+        r["answer"] = study.tok.decode(reply, skip_special_tokens=True)
+        r["correct"] = r["passphrase"].lower() in r["answer"].lower()
+        ref = plain.get((r["context"], r["prompt"]))
+        r["same_as_plain"] = None if ref is None or r["method"] == "plain" else reply == _reply(study.tok, ref)
+    report["summary"] = _retrieval_summary(report["records"])
+    study.save("retrieval", report)
+    free = study.load("free")
+    free["summary"] = _free_summary(free["records"], study.args.batch)
+    study.save("free", free)
 
 
 def _retrieval_summary(records: list[dict]) -> dict:
@@ -316,7 +350,7 @@ def _retrieval_summary(records: list[dict]) -> dict:
                                                                   "missed_where_plain_found": []})
         entry["prompts"] += 1
         entry["correct"] += bool(r["correct"])
-        entry["same_as_plain"] += bool(r["same_as_plain"])
+        entry["same_as_plain"] += bool(r["same_as_plain"]) or r["method"] == "plain"
     plain_found = {(r["context"], r["prompt"]) for r in records if r["method"] == "plain" and r["correct"]}
     for r in records:
         if r["method"] != "plain" and not r["correct"] and (r["context"], r["prompt"]) in plain_found:
@@ -385,7 +419,7 @@ def free_running(study: Study, context: int) -> None:
                   f"NLL {sum(nll) / len(nll):.3f}, {seconds:.1f} s", flush=True)
         del scorer
         study.store.clear()
-    report["summary"] = _free_summary(report["records"])
+    report["summary"] = _free_summary(report["records"], args.batch)
     study.save("free", report)
 
 
@@ -431,23 +465,30 @@ def _free_records(study, batch, index, context, method, sampling, tokens, stats,
             "distinct4": distinct(t), "longest_repeat": longest_repeat(t), "loop_period": loop_period(t),
             "copied8": copied_share(t, window.tolist()), "nll": None if nll is None else nll[j],
             "leaves_plain_at": None if ref is None or sampling else first_difference(t, ref),
-            "seconds": seconds, **_summary(stats), "tokens": t,
+            "seconds": seconds, "batch_rows": len(batch), **_summary(stats), "tokens": t,
         })
     return records
 
 
-def _free_summary(records: list[dict]) -> dict:
-    out = {}
+REFERENCES = ("plain", "dense", "exact")  # the target's own text: stock greedy, the dense loop, exact mode
+
+
+def _free_summary(records: list[dict], batch: int = 16) -> dict:
+    """Per context, method and decoding: the means over rows, and per context and decoding the dense references'
+    spread (the least and the most of each measure over :data:`REFERENCES`, greedy; the dense loop alone samples
+    the target's own law). ``drafts_kept_per_step`` is per row (a record's batch holds ``batch_rows``, else
+    ``batch``)."""
+    groups = {}
     for r in records:
-        key = f"{r['context']}/{r['method']}/{'sampling' if r['sampling'] else 'greedy'}"
-        out.setdefault(key, []).append(r)
+        groups.setdefault((r["context"], r["method"], "sampling" if r["sampling"] else "greedy"), []).append(r)
     summary = {}
-    for key, rs in out.items():
+    for (context, method, mode), rs in groups.items():
         n = len(rs)
         leaves = sorted(r["leaves_plain_at"] for r in rs if r["leaves_plain_at"] is not None)
         nll = [r["nll"] for r in rs if r["nll"] is not None]
-        kept = [r["mean_accepted_per_step"] for r in rs if r.get("mean_accepted_per_step") is not None]
-        summary[key] = {
+        kept = [r["mean_accepted_per_step"] / r.get("batch_rows", batch) for r in rs
+                if r.get("mean_accepted_per_step") is not None]
+        summary[f"{context}/{method}/{mode}"] = {
             "rows": n, "distinct4": sum(r["distinct4"] for r in rs) / n,
             "rows_distinct4_under_0.3": sum(r["distinct4"] < 0.3 for r in rs),
             "rows_looping": sum(r["loop_period"] is not None for r in rs),
@@ -455,10 +496,17 @@ def _free_summary(records: list[dict]) -> dict:
             "copied8": sum(r["copied8"] for r in rs) / n,
             "nll": sum(nll) / len(nll) if nll else None,
             "leaves_plain_median": leaves[len(leaves) // 2] if leaves else None,
-            "drafts_kept_per_step": sum(kept) / len(kept) if kept else None,
-            "by_text": {t: sum(r["distinct4"] for r in rs if r["text"] == t) / max(1, sum(r["text"] == t for r in rs))
-                        for t in sorted({r["text"] for r in rs})},
+            "drafts_kept_per_step_per_row": sum(kept) / len(kept) if kept else None,
+            "distinct4_by_text": {t: sum(r["distinct4"] for r in rs if r["text"] == t) / sum(r["text"] == t for r in rs)
+                                  for t in sorted({r["text"] for r in rs})},
         }
+    for context in sorted({c for c, _, _ in groups}):
+        refs = [summary[f"{context}/{m}/greedy"] for m in REFERENCES if f"{context}/{m}/greedy" in summary]
+        if refs:
+            summary[f"{context}/dense_spread/greedy"] = {
+                key: [min(r[key] for r in refs if r[key] is not None), max(r[key] for r in refs if r[key] is not None)]
+                for key in ("distinct4", "rows_distinct4_under_0.3", "rows_looping", "longest_repeat_median",
+                            "copied8", "nll") if any(r[key] is not None for r in refs)}
     return summary
 
 
@@ -477,8 +525,8 @@ def fidelity(study: Study, context: int) -> None:
             **{**SETTINGS, **args.extra}[name]), t_cfg, d_cfg)
     oracle = {}
     for budget in args.oracle_budgets:
-        methods[f"oracle{budget}"] = resolve(DustinConfig(budget=budget, min_context=args.min_context or 1024), t_cfg,
-                                             d_cfg)
+        methods[f"oracle{budget}"] = resolve(DustinConfig(budget=budget, min_context=args.min_context or 1024,
+                                                          selection="dustin"), t_cfg, d_cfg)  # reads its own sets
         oracle[f"oracle{budget}"] = "shared"
     layers = tuple(sorted({m.target_layer for m in methods.values() if m is not None}))
     names = study.pair.describe()
@@ -611,7 +659,8 @@ def check(study: Study) -> dict:
         model = study.target.to(dtype)
         config = GenerationConfig(max_new_tokens=CHECK_TOKENS, do_sample=False, eos_token_id=None,
                                   pad_token_id=study.pad)
-        greedy[str(dtype).removeprefix("torch.")] = model.generate(ids, generation_config=config)[0, ids.shape[1]:].tolist()
+        tokens = model.generate(ids, generation_config=config)[0, ids.shape[1]:]
+        greedy[str(dtype).removeprefix("torch.")] = tokens.tolist()
     study.target.to(study.pair.dtype)
     result = {"prompt": CHECK_PROMPT, "device": str(study.device), "machine": describe_machine(study.device),
               "weights_sha256": {"target": digest(study.pair.target_dir), "draft": digest(study.pair.draft_dir)},
@@ -628,6 +677,57 @@ def check(study: Study) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- publishing
+
+
+PHASES = ("retrieval", "free", "fidelity", "calls", "check")
+
+
+def publish(sources: list[Path], dest: Path, prefix: str = "real_pair_") -> list[Path]:
+    """The phase files of one or more ``--out`` folders (runs of the same study, e.g. a later call adding settings),
+    merged and written to ``dest/<prefix><phase>.json`` without the per-token lists of the free-running records
+    (they stay in the sources; every summary is kept). Fidelity records of the same context and text merge their
+    methods; other records are concatenated, a record already there from an earlier source skipped."""
+    written = []
+    dest.mkdir(parents=True, exist_ok=True)
+    for phase in PHASES:
+        files = [src / f"{phase}.json" for src in sources]
+        reports = [json.loads(file.read_text()) for file in files if file.is_file()]
+        if not reports:
+            continue
+        merged = reports[0]
+        if phase != "check":
+            merged["sources"] = [r.get("command") for r in reports]
+            keys = {}
+            for report in reports:
+                for record in report.get("records", []):
+                    key = _record_key(phase, record)
+                    if phase == "fidelity" and key in keys:
+                        keys[key]["methods"].update(record["methods"])
+                    elif key not in keys:
+                        keys[key] = record
+            merged["records"] = list(keys.values())
+            if phase == "free":
+                merged["records"] = [{k: v for k, v in r.items() if k != "tokens"} for r in merged["records"]]
+                merged["summary"] = reports[-1].get("summary", merged.get("summary"))
+            elif phase == "retrieval":
+                merged["summary"] = _retrieval_summary(merged["records"])
+        path = dest / f"{prefix}{phase}.json"
+        path.write_text(json.dumps(merged, indent=1) + "\n")
+        written.append(path)
+    return written
+
+
+def _record_key(phase: str, record: dict) -> tuple:
+    if phase == "fidelity":
+        return record["context"], record["text"]
+    if phase == "calls":
+        return record["context"], record["batch"], record["method"], record["call"]
+    if phase == "retrieval":
+        return record["context"], record["method"], record["prompt"]
+    return record["context"], record["method"], record["sampling"], record["row"]
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -642,11 +742,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--phases", nargs="+", default=["retrieval", "free"],
-                        choices=("check", "retrieval", "free", "fidelity", "calls"))
+                        choices=("check", "retrieval", "free", "fidelity", "calls", "rescore"))
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--extra", type=_extra, nargs="*", default=[], metavar="NAME=JSON",
-                        help="more settings: cache_config overrides of DustinConfig(), e.g. 'r64={\"recent_tokens\": 64}'")
+                        help="more settings: cache_config overrides of DustinConfig(), "
+                             "e.g. 'r64={\"recent_tokens\": 64}'")
     parser.add_argument("--sampling", nargs="*", default=[], metavar="SETTING",
                         help="free: also sample with these settings ('dense' is the target's own law)")
     parser.add_argument("--texts", nargs="+", default=list(TEXTS))
@@ -660,7 +761,8 @@ def main(argv=None) -> None:
     parser.add_argument("--oracle-budgets", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--walk-tokens", type=int, default=1001, help="fidelity: teacher-forced tokens per text")
     parser.add_argument("--walk-offset", type=int, default=0)
-    parser.add_argument("--traces", default=None, help="fidelity: write the sparse-draft methods' prediction traces here")
+    parser.add_argument("--traces", default=None,
+                        help="fidelity: write the sparse-draft methods' prediction traces here")
     parser.add_argument("--call-batches", type=int, nargs="+", default=[16, 1])
     parser.add_argument("--call-tokens", type=int, default=256)
     parser.add_argument("--check-reference", default=None, help="check: the CPU run's check.json to compare with")
@@ -673,7 +775,15 @@ def main(argv=None) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--smoke", action="store_true", help="tiny random models on the CPU, small sizes")
     parser.add_argument("--out", required=True, help="folder of the phase files (retrieval.json, free.json, ...)")
+    parser.add_argument("--publish", default=None, metavar="DIR",
+                        help="instead of running: merge the phase files of --out (and --also) into "
+                             "DIR/real_pair_*.json without the free-running token lists")
+    parser.add_argument("--also", nargs="*", default=[], metavar="OUT", help="--publish: more --out folders to merge")
     args = parser.parse_args(argv)
+    if args.publish:
+        for path in publish([Path(args.out), *map(Path, args.also)], Path(args.publish)):
+            print("wrote", path)
+        return
     args.extra = dict(args.extra)
     if args.smoke:
         args.contexts, args.rows, args.batch, args.new_tokens, args.prompts = [600], 4, 2, 24, 4
@@ -695,7 +805,9 @@ def main(argv=None) -> None:
     phases = {"retrieval": retrieval, "free": free_running, "fidelity": fidelity, "calls": calls}
     if "check" in args.phases:
         check(study)
-    for phase in (p for p in args.phases if p != "check"):
+    if "rescore" in args.phases:
+        rescore(study)
+    for phase in (p for p in args.phases if p not in ("check", "rescore")):
         for context in args.contexts:
             phases[phase](study, context)
     study.release()

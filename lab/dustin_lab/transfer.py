@@ -39,7 +39,7 @@ __all__ = ["MANIFEST", "TransferError", "join", "receive", "split", "status"]
 FORMAT = "dustin_lab.transfer/1"
 MANIFEST = "manifest.json"
 CHUNK = "chunk.bin"
-DEFAULT_CHUNK_MIB = 58  # a call carries at most 64 MiB with the checkout (about 4 MiB today)
+DEFAULT_CHUNK_MIB = 56  # a call carries at most 64 MiB with the checkout (about 5 MiB today)
 _READ = 8 << 20
 
 
