@@ -216,7 +216,8 @@ class Sources:
 
     def method(self, name: str, context: int, exact_budget: int | None = None) -> Method:
         """``name``'s settings and replays at ``context`` (dustin_exact: at ``exact_budget``, default the first)."""
-        plain = DustinConfig(budget=self.budget, min_context=min(DustinConfig().min_context, context))
+        plain = DustinConfig(budget=self.budget, selection="dustin",  # Dustin's set; the _select methods name theirs
+                             min_context=min(DustinConfig().min_context, context))
         if name == "spec_dense":
             return Method(name, None, (self._accept(name, "draft", "dense"),))
         if name == "dustin":

@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
         return _exact(args, pair, config, fraction, selects, describe_machine)
     methods, oracle, kinds = {"dense": None}, {}, {"dense": ("dense", None, None)}
     for budget in args.budgets:
-        base = config_for_budget(config, fraction, budget).replace(min_context=1024)
+        base = config_for_budget(config, fraction, budget).replace(min_context=1024, selection="dustin")
         if not args.no_dustin:
             methods[f"dustin@{budget}"] = resolve(base, t_cfg, d_cfg)
             kinds[f"dustin@{budget}"] = ("dustin", budget, None)

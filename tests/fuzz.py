@@ -43,7 +43,9 @@ from transformers import AttentionInterface, PreTrainedTokenizerFast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import dustin_hf
+from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
+from dustin_hf.config import resolve
 
 from tiny_models import PAD, VOCAB, noisy_copy, tiny_model
 
@@ -95,6 +97,7 @@ class Case:
     dense_layers: tuple[int, ...]
     calibration: str
     subject: int  # the row whose batch-mates are replaced
+    selection: str = "dustin"  # Dustin's set, or "verify" (the selection layers: the library's default)
 
     @property
     def name(self) -> str:
@@ -103,7 +106,7 @@ class Case:
     def cache_config(self) -> dict:
         fields = dict(budget=self.budget, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
                       min_context=self.min_context, sparse_draft=self.sparse_draft, dense_layers=self.dense_layers,
-                      calibration=self.calibration)
+                      calibration=self.calibration, selection=self.selection)
         if self.draft_share is not None:
             fields["draft_share"] = self.draft_share
         return fields
@@ -193,7 +196,7 @@ def _draw_covering_budget(rng: random.Random, batch: int, gamma: int) -> dict:
     sink, recent = rng.randint(0, 4), rng.randint(0, 16)
     return dict(lengths=lengths, max_new_tokens=max_new, budget=budget, **_windows(sink, recent, budget),
                 min_context=rng.randint(0, budget), draft_share=None, dense_layers=(), calibration="none",
-                sparse_draft=rng.random() < 0.5)
+                sparse_draft=rng.random() < 0.5, selection=rng.choice(("dustin", "verify")))
 
 
 def _draw_small_budget(rng: random.Random, batch: int, gamma: int) -> dict:
@@ -212,7 +215,7 @@ def _draw_small_budget(rng: random.Random, batch: int, gamma: int) -> dict:
     dense_layers = (rng.choice((0, -1)),) if rng.random() < 0.15 else ()
     return dict(lengths=tuple(lengths), max_new_tokens=max_new, budget=budget, **_windows(sink, recent, budget),
                 min_context=min_context, draft_share=draft_share, dense_layers=dense_layers, calibration=calibration,
-                sparse_draft=rng.random() < 0.5)
+                sparse_draft=rng.random() < 0.5, selection=rng.choice(("dustin", "verify")))
 
 
 def _windows(sink: int, recent: int, budget: int) -> dict:
@@ -420,15 +423,16 @@ def _well_formed(case: Case, ids: torch.Tensor, sequences: torch.Tensor) -> list
     return failures
 
 
-def _read_bound(case: Case, stats: dict, reads: _Reads) -> list[str]:
-    """What the observed reads broke, ``stats["mean_attended"]`` against the bound they imply, and sparse steps
-    where the documentation says a row is verified sparsely (none with a covering budget)."""
+def _read_bound(case: Case, stats: dict, reads: _Reads, selection_layers: tuple[int, ...]) -> list[str]:
+    """What the observed reads broke, ``stats["mean_attended"]`` against the bound they imply (a selection layer
+    reads the whole cache, as a dense layer does), and sparse steps where the documentation says a row is verified
+    sparsely (none with a covering budget)."""
     failures = list(reads.violations[:3])
     if stats["sparse_steps"] and not reads.sparse_layer_calls and len(case.dense_layers) < case.layers:
         failures.append(f"stats count {stats['sparse_steps']} sparse steps, but no target layer read a selection")
     longest = max(case.lengths) + case.max_new_tokens + case.gamma + 1
     cap = case.budget if case.min_context <= case.budget + 1 else max(case.budget, min(longest, case.min_context - 1))
-    dense = len(case.dense_layers)
+    dense = len({layer % case.layers for layer in case.dense_layers} | set(selection_layers))
     bound = ((case.layers - dense) * cap + dense * longest) / case.layers
     if stats["sparse_steps"] and stats["mean_attended"] > bound + 1e-6:
         failures.append(f"stats mean_attended {stats['mean_attended']:.2f} > bound {bound:.2f}")
@@ -484,7 +488,8 @@ def _check(case: Case, failures: dict[str, list[str]]) -> None:
         try:
             _independence(target, draft, case, rows, ids, sequences, greedy_alone, failures)
         finally:  # every run's reads (the batch-mates' runs too), checked even when one of them crashed
-            failures["reads"] = _read_bound(case, stats, reads)
+            chosen = resolve(DustinConfig(**case.cache_config()), target.config, draft.config).selection_layers
+            failures["reads"] = _read_bound(case, stats, reads, chosen)
 
 
 def _independence(target, draft, case: Case, rows, ids, sequences, greedy_alone, failures) -> None:
@@ -535,8 +540,8 @@ def _simpler(case: Case):
             yield dataclasses.replace(case, lengths=lengths, subject=case.subject - (drop < case.subject))
     for i, _ in enumerate(case.processors):
         yield dataclasses.replace(case, processors=case.processors[:i] + case.processors[i + 1:])
-    simple = dict(threshold=0.0, eos=(), sparse_draft=False, dense_layers=(), calibration="none", sampling=(),
-                  do_sample=False, padding="left", draft_share=None, max_new_tokens=max(4, case.max_new_tokens // 2),
+    simple = dict(threshold=0.0, eos=(), sparse_draft=False, dense_layers=(), calibration="none", selection="dustin",
+                  sampling=(), do_sample=False, padding="left", draft_share=None, max_new_tokens=max(4, case.max_new_tokens // 2),
                   gamma=max(1, case.gamma - 1), layers=max(1, case.layers - 1),
                   draft_layers=max(1, case.draft_layers - 1))
     for name, value in simple.items():

@@ -51,7 +51,8 @@ def test_defaults_resolve_for_any_model():
     assert resolved.target_heads == (0, 1)  # the first KV group of the target
     assert resolved.draft_layers == (2, 4, 6)
     assert resolved.draft_heads == ((0, 1, 2, 3),) * 3
-    assert resolved.draft_share == (512 - 4 - 16) // 2
+    assert resolved.draft_share == (2048 - 4 - 16) // 2
+    assert resolved.budget == 2048 and resolved.selection_layers == (2,)  # "verify": an early layer (2 of 4 layers)
 
 
 def test_resolution_checks_ranges():
@@ -67,15 +68,15 @@ def test_resolution_checks_ranges():
     assert resolve(DustinConfig(dense_layers=(-1, 0)), target.config, draft.config).dense_layers == (0, 3)
 
 
-def test_a_defaulted_budget_is_not_equal_to_the_same_number_given():
-    """Configs that compare equal behave alike: a budget left at its default follows the mode through replace(),
-    the same number given does not, so the two differ (and hash apart); equal ones still collapse in a dict."""
-    defaulted, given = DustinConfig(), DustinConfig(budget=512)
-    assert defaulted.budget == given.budget == 512
-    assert defaulted.replace(mode="exact").budget != given.replace(mode="exact").budget
-    assert defaulted != given and hash(defaulted) != hash(given)
-    assert defaulted == DustinConfig() and len({defaulted, DustinConfig(), given}) == 2
-    assert defaulted.replace(mode="exact") == DustinConfig(mode="exact")
+def test_the_defaults_are_the_selection_layers_at_2048_in_both_modes():
+    """What the 32k measurements chose (config.DEFAULT_BUDGET): budget=None is 2048 in either mode, through
+    replace() (the path of per-call cache_config overrides) too; a budget the user gave stays; equal settings are
+    equal configs and hash alike."""
+    assert DustinConfig().budget == DustinConfig(mode="exact").budget == DustinConfig(budget=None).budget == 2048
+    assert DustinConfig().selection == "verify"
+    assert DustinConfig(budget=512).replace(mode="exact").budget == 512
+    assert DustinConfig().replace(mode="exact", budget=256).budget == 256
+    assert DustinConfig() == DustinConfig(budget=2048) and len({DustinConfig(), DustinConfig(budget=2048)}) == 1
 
 
 def test_profile_round_trip(tmp_path):

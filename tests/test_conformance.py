@@ -39,7 +39,7 @@ from stock import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FULL = {"budget": 4096, "min_context": 0}  # covers every context here: every read is dense
-SMALL = {"budget": 16, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4}
+SMALL = {"budget": 16, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4, "selection": "dustin"}
 MODES = ["dense", "dustin"]
 
 

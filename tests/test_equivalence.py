@@ -64,7 +64,7 @@ def test_long_prompt_small_budget_is_sparse_every_step():
     draft = set_gamma(noisy_copy(target), 4)
     ids = random_prompt(3000, seed=7)
     budget = 64
-    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024)):
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024, selection="dustin")):
         out = target.generate(ids, assistant_model=draft, max_new_tokens=30, do_sample=False,
                               cache_implementation="dustin", return_dict_in_generate=True)
     stats = out.past_key_values.stats
@@ -81,7 +81,7 @@ def test_mean_attended_counts_rows_read_in_full_and_the_sparse_figure_does_not()
     draft = set_gamma(noisy_copy(target), 4)
     ids, mask = left_pad([random_prompt(1200, seed=7)[0], random_prompt(300, seed=8)[0]])
     budget = 64
-    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024)):
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024, selection="dustin")):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=10, do_sample=False,
                               cache_implementation="dustin", return_dict_in_generate=True, pad_token_id=PAD)
     stats = getattr(out, CACHE_KWARG).stats
@@ -99,7 +99,7 @@ def test_dense_layers_read_everything_on_sparse_steps():
     greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
     outs = {}
     for dense in [(0, 1), (-1,), ()]:
-        config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=dense)
+        config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=dense, selection="dustin")
         with dustin_hf.patch(target, config):
             outs[dense] = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
                                           cache_implementation="dustin", return_dict_in_generate=True)

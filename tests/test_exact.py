@@ -130,17 +130,6 @@ def test_exact_mode_settings_are_validated():
         dustin_hf.DustinConfig(mode="exact", confirm_tokens=-1)
 
 
-def test_a_default_budget_follows_the_mode():
-    """budget=None is 512 in sparse mode and 2048 in exact mode, through replace() (the path of per-call
-    cache_config overrides) too; a budget the user gave stays."""
-    C = dustin_hf.DustinConfig
-    assert (C().budget, C(mode="exact").budget, C().replace(mode="exact").budget) == (512, 2048, 2048)
-    assert C(mode="exact").replace(mode="sparse").budget == 512
-    assert C(budget=512).replace(mode="exact").budget == 512 and C(budget=1024, mode="exact").budget == 1024
-    assert C().replace(mode="exact", budget=256).budget == 256
-    assert C() != C(budget=512) and C(mode="exact").to_dict()["budget"] == 2048  # they differ under replace()
-
-
 def _joint_law_case():
     """A 6-token vocabulary, a 60-token prompt read through 4 positions: the sparse target's next-token law is
     far from the dense one. Returns the models, the prompt and the dense law of the first two new tokens."""
