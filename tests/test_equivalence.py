@@ -36,6 +36,29 @@ def test_full_budget_equals_greedy_and_stock_assisted(family, prompt_len, gamma)
     assert stats["steps"] > 0 and stats["accepted_tokens"] > 0  # the draft really was used
 
 
+def test_the_defaults_past_their_budget_keep_exact_mode_exact(monkeypatch):
+    """``dustin_hf.patch(model)`` as it comes (the selection layers, 2048 positions): a prompt past the budget and
+    ``min_context`` verifies sparsely with the selection layers choosing, and exact mode at those defaults still
+    returns plain greedy decoding's tokens."""
+    from dustin_hf.adapter import attention
+
+    target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=2)
+    draft = set_gamma(noisy_copy(target), 4)
+    ids = random_prompt(4000, seed=13)  # this model and prompt: reading 2048 of 4000 positions changes the answer
+    greedy = target.generate(ids, max_new_tokens=16, do_sample=False)
+    chose = []
+    real = attention.choose_read_set
+    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
+    with dustin_hf.patch(target):
+        sparse = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
+                                 cache_implementation="dustin", return_dict_in_generate=True)
+        assert sparse.past_key_values.stats["sparse_steps"] > 0 and chose  # the selection layers chose
+        exact = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
+                                cache_implementation="dustin", cache_config={"mode": "exact"})
+    assert not torch.equal(sparse.sequences, greedy)  # the sparse steps change the answer: exact mode has work
+    assert torch.equal(exact, greedy)
+
+
 def _select_everything(seqlens, draft_scores, target_scores, has_history, config, lengths=None, **options):
     """A "sparse" read set that happens to hold every cached position: sparse kernels, dense answer."""
     width = max(seqlens)
