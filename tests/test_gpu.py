@@ -27,7 +27,7 @@ def test_batched_full_budget_equals_greedy_on_cuda(backend):
     target, draft = _pair()  # float32: exact comparisons (the varlen backends need fp16/bf16)
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (7, 40, 23, 64)]
     ids, mask = left_pad(rows)
-    with dustin_hf.patch(target, DustinConfig(backend=backend)):
+    with dustin_hf.patch(target, DustinConfig(selection="dustin", backend=backend)):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
                               max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
     for b, row in enumerate(rows):
@@ -40,7 +40,7 @@ def test_sparse_generation_runs_on_cuda_bf16(backend):
     target, draft = _pair(dtype=torch.bfloat16)
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (3000, 2500)]
     ids, mask = left_pad(rows)
-    config = DustinConfig(budget=128, min_context=1024, backend=backend)
+    config = DustinConfig(selection="dustin", budget=128, min_context=1024, backend=backend)
     with dustin_hf.patch(target, config):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
                               max_new_tokens=32, cache_implementation="dustin", return_dict_in_generate=True)
@@ -62,7 +62,8 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
-    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=dustin == "sparse_draft"),
+    resolved = resolve(DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton",
+                                    sparse_draft=dustin == "sparse_draft"),
                        target.config, draft.config)
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
@@ -91,7 +92,7 @@ def test_decode_steps_wait_for_the_device_once(sparse_draft):
     target, draft = _pair(dtype=torch.bfloat16)
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
-    config = DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
+    config = DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
     with dustin_hf.patch(target, config), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -114,7 +115,8 @@ def test_dense_layers_and_prompt_calibration_under_cuda_graphs():
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1100)]
     ids, mask = left_pad(rows)
-    config = DustinConfig(budget=128, min_context=512, backend="triton", dense_layers=(0, 1, 2), calibration="prompt")
+    config = DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton", dense_layers=(0, 1, 2),
+                          calibration="prompt")
     with dustin_hf.patch(target, config):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
                               max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
@@ -156,8 +158,9 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
-    full = resolve(DustinConfig(budget=4096, backend="triton"), target.config, draft.config)
-    sparse = resolve(DustinConfig(budget=128, min_context=512, backend="triton"), target.config, draft.config)
+    full = resolve(DustinConfig(selection="dustin", budget=4096, backend="triton"), target.config, draft.config)
+    sparse = resolve(DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton"), target.config,
+                                  draft.config)
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for name, dustin, graphs in (("full", full, True), ("eager", sparse, False), ("graphed", sparse, True)):
@@ -208,7 +211,8 @@ def test_exact_mode_equals_greedy_on_cuda_with_graphs(sparse_draft, lengths):
     rows = [random_prompt(n, seed=n)[0].cuda() for n in lengths]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
-    config = DustinConfig(budget=64, min_context=1024, backend="triton", mode="exact", sparse_draft=sparse_draft)
+    config = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", mode="exact",
+                          sparse_draft=sparse_draft)
     with dustin_hf.patch(target, config):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
                               max_new_tokens=40, cache_implementation="dustin", return_dict_in_generate=True)
@@ -229,7 +233,8 @@ def test_quality_knob_reads_rows_in_full_inside_the_graph():
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500, 2100)]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
-    knob = DustinConfig(budget=64, min_context=1024, backend="triton", min_recovery=1.0, max_budget=128,
+    knob = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", min_recovery=1.0,
+                        max_budget=128,
                         sparse_draft=True)
     with dustin_hf.patch(target, knob):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
@@ -256,7 +261,8 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 500, 2100)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 24, pad_token_id=0)
-    dustin = resolve(DustinConfig(budget=64, min_context=1024, backend="triton", sparse_draft=sparse_draft),
+    dustin = resolve(DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton",
+                                  sparse_draft=sparse_draft),
                      target.config, draft.config)
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
@@ -283,7 +289,8 @@ def test_quality_knob_and_masked_rows_on_cuda():
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500)]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
-    knob = DustinConfig(budget=64, min_context=1024, backend="triton", min_recovery=1.0, max_budget=4096)
+    knob = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", min_recovery=1.0,
+                        max_budget=4096)
     with dustin_hf.patch(target, knob):
         out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
                               max_new_tokens=24, cache_implementation="dustin")
@@ -305,7 +312,7 @@ def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
     """The workspace a call leaves (caches, CUDA graphs, fused weights: dustin_hf.decode.workspace) serves the next call of
     its shape, and that call returns what a call after ``release()`` (everything built afresh) returns."""
     target, draft = _pair(dtype=torch.bfloat16)
-    config = DustinConfig(budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
+    config = DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
     batches = []
     for seed in (1, 2):
         ids, mask = left_pad([random_prompt(n, seed=seed * n)[0] for n in (1500, 1700, 900)])
