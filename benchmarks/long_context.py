@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
 import dustin_hf
 from dustin_hf import DustinConfig
@@ -796,21 +797,26 @@ def main(argv=None) -> None:
     unknown = [s for s in args.sampling if s not in args.settings and s not in args.extra]
     if unknown:
         raise SystemExit(f"--sampling names settings not run: {unknown}")
+    bars = hf_logging.is_progress_bar_enabled()
+    grad = torch.is_grad_enabled()
     torch.set_grad_enabled(False)
     if args.quiet:
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
     study = Study(args)
     phases = {"retrieval": retrieval, "free": free_running, "fidelity": fidelity, "calls": calls}
-    if "check" in args.phases:
-        check(study)
-    if "rescore" in args.phases:
-        rescore(study)
-    for phase in (p for p in args.phases if p not in ("check", "rescore")):
-        for context in args.contexts:
-            phases[phase](study, context)
-    study.release()
+    try:
+        if "check" in args.phases:
+            check(study)
+        if "rescore" in args.phases:
+            rescore(study)
+        for phase in (p for p in args.phases if p not in ("check", "rescore")):
+            for context in args.contexts:
+                phases[phase](study, context)
+    finally:  # the process may go on (a test): what this changed goes back
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        torch.set_grad_enabled(grad)
+        study.release()
+        study.handle.unpatch()
 
 
 if __name__ == "__main__":

@@ -102,3 +102,6 @@ def test_every_phase_runs_on_tiny_models(tmp_path):
     count = len(free["records"])
     lc.main(argv[:2] + ["free"] + argv[5:])  # the same phase again: everything is there, nothing runs twice
     assert len(json.loads((out / "free.json").read_text())["records"]) == count
+    from transformers.generation import configuration_utils
+
+    assert "dustin" not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS  # unpatched when done
