@@ -154,3 +154,40 @@ def test_sparse_steps_inside_windows_with_holes(budget):
         assert batch.sequences[b, 60:].tolist() == alone.sequences[0, 60 - start:].tolist(), b
     assert single.sequences[0, 60:].tolist() == target.generate(input_ids=ids[:1], attention_mask=mask[:1],
                                                                 **call).sequences[0, 60:].tolist()
+
+
+@pytest.mark.parametrize("selection", ["dustin", "verify"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_same_shape_calls_on_one_handle_equal_fresh_handles(selection, do_sample):
+    """Two calls of one shape on one patched model (the second reuses the first's workspace and selector), a
+    windowed model with holes inside the windows and a budget below the window, the masks differing between the
+    calls: each call returns what it returns on a freshly patched model, greedy and sampling. Nothing per call
+    (the holes' window table, above all) carries over to the next call."""
+    target = tiny_model("mistral", layers=2, sliding_window=12)
+    draft = set_gamma(noisy_copy(target), 3)
+    ids = random_prompt(60, batch=2, seed=3)
+    first, second = torch.ones_like(ids), torch.ones_like(ids)
+    first[0, [52, 55, 56]] = 0
+    first[1, 30:33] = 0
+    second[0, :4] = 0
+    second[1, [50, 53, 57, 58]] = 0
+    call = dict(assistant_model=draft, cache_implementation="dustin", max_new_tokens=12, do_sample=do_sample,
+                cache_config={"budget": 8, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4,
+                              "selection": selection})
+
+    def run(mask):
+        torch.manual_seed(7)
+        return target.generate(input_ids=ids, attention_mask=mask, **call)
+
+    fresh = []
+    for mask in (first, second):
+        with dustin_hf.patch(target):
+            fresh.append(run(mask))
+    with dustin_hf.patch(target) as handle:
+        reused = [run(first)]
+        held = handle.workspaces.held
+        reused.append(run(second))
+        assert handle.workspaces.held is held and held.runs == 2  # the second call took the first's workspace
+    assert not torch.equal(fresh[0], fresh[1])
+    for got, want in zip(reused, fresh):
+        assert torch.equal(got, want)

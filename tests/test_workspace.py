@@ -164,6 +164,23 @@ def test_warmup_builds_the_workspace_a_real_call_reuses():
     assert out.sequences.shape == (2, prompt_len + new)
 
 
+@pytest.mark.parametrize("warm", [{"budget": 48, "mode": "exact"}, {"budget": 24, "selection": "dustin"}])
+def test_warmup_settings_never_reach_later_calls(warm):
+    """A warm-up with other settings than the handle's (``cache_config`` for that run only): the handle keeps its
+    config, and later calls that pass none decode with it, as on a handle that was never warmed up."""
+    target, draft = _pair()
+    config = dustin_hf.DustinConfig(budget=16, min_context=0, sink_tokens=2, recent_tokens=4)
+    ids = random_prompt(120, batch=2, seed=3)
+    call = {k: v for k, v in CALL.items() if k != "cache_config"}
+    with dustin_hf.patch(target, config):
+        want = _generate(target, draft, ids, **call).sequences
+    with dustin_hf.patch(target, config) as handle:
+        handle.warmup(draft, batch_size=2, max_length=134, steps=4, cache_config=warm, do_sample=False)
+        assert handle.config == config
+        got = _generate(target, draft, ids, **call).sequences
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------- the returned cache
 
 
