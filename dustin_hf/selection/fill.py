@@ -262,12 +262,14 @@ def select_by_recovery(
     others = mass.masked_fill(forced | ~inside, -1.0)
     depth = min(span, ceiling)
     top = others.topk(depth, dim=1)  # by estimated mass, largest first
-    reached = (mass * forced).sum(dim=1, keepdim=True) + top.values.clamp_min(0).cumsum(dim=1)  # (B, depth)
-    # entries needed: the first count whose estimate reaches the target (never below the floor, above the ceiling)
-    short = (reached < target).sum(dim=1)  # entries before the target is reached
+    forced_mass = (mass * forced).sum(dim=1, keepdim=True)
+    reached = forced_mass + top.values.clamp_min(0).cumsum(dim=1)  # (B, depth)
+    # entries needed past the forced positions: none where they reach the target alone, else up to the first count
+    # whose estimate reaches it (never below the floor, above the ceiling)
+    needed = torch.where(forced_mass[:, 0] >= target, 0, (reached < target).sum(dim=1) + 1)
     room = torch.minimum(ceiling - n_forced, inside.sum(dim=1) - n_forced).clamp_min(0)  # candidates it may add
-    out_of_reach = (short >= room) | (target >= 1.0)  # the ceiling (or the context) falls short: read everything
-    take = torch.minimum(short + 1, room).clamp_min(floor - n_forced)  # top entries to add
+    out_of_reach = (needed > room) | (target >= 1.0)  # the ceiling (or the context) falls short: read everything
+    take = torch.minimum(needed, room).clamp_min(floor - n_forced)  # top entries to add
     if counts is not None:  # replayed sizes: the same order, the given count
         given = device_tensor(counts, device)
         out_of_reach = given >= lengths

@@ -64,6 +64,37 @@ def test_each_row_reads_the_smallest_set_reaching_the_target():
     assert selection.fallback[1]  # the flattest row cannot reach 0.7 in 120 positions
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ceiling_counts_the_forced_positions(seed):
+    """Wide sink and recent windows, close to the ceiling: a row never reads more than ``max_budget`` positions, the
+    sinks and the recent window counted, and reads the smallest set reaching its target (the forced positions alone
+    where they reach it); one whose target the ceiling cannot reach reads everything it holds."""
+    rng = torch.Generator().manual_seed(seed)
+    sink, recent = int(torch.randint(4, 17, (1,), generator=rng)), int(torch.randint(20, 49, (1,), generator=rng))
+    budget = sink + recent + int(torch.randint(0, 9, (1,), generator=rng))
+    ceiling = budget + int(torch.randint(0, 25, (1,), generator=rng))
+    config = _config(budget=budget, max_budget=ceiling, sink_tokens=sink, recent_tokens=recent,
+                     min_recovery=float(torch.empty(1).uniform_(0.2, 0.9, generator=rng)))
+    lengths = [400, 300, 250, ceiling + 3]
+    draft, target = _scores(lengths, sharpness=[1.0, 8.0, 30.0, 4.0], seed=seed)
+    selection = select_by_recovery(lengths, draft, target, [True] * 4, config)
+    mass = estimated_mass(draft, target, [True] * 4, torch.tensor(lengths))
+    for b, n in enumerate(lengths):
+        picked = selection.indices[b, : selection.counts[b]].tolist()
+        if selection.fallback[b]:
+            assert selection.counts[b] == n
+            continue
+        assert config.budget <= selection.counts[b] <= ceiling, (b, selection.counts[b], ceiling)
+        assert set(range(sink)) | set(range(n - recent, n)) <= set(picked)
+        assert selection.counts[b] == max(_smallest_reaching(mass[b], n, config), config.budget)
+    # the forced positions fill the ceiling: the target out of their reach is read in full, one within it is read
+    # as the forced positions alone
+    for min_recovery, fallback, count in ((0.99, True, 300), (0.01, False, 48)):
+        full = _config(budget=48, max_budget=48, sink_tokens=8, recent_tokens=40, min_recovery=min_recovery)
+        filled = select_by_recovery([300], draft[:1, :300], target[:1, :300], [True], full)
+        assert filled.fallback[0] == fallback and filled.counts[0] == count
+
+
 def test_full_rows_name_fallbacks_by_their_count_and_list_the_rest():
     """``full_rows`` (the decode loop's): a fallback row beside sparse ones keeps the ceiling's width and is read in
     full through its count; written out, every row's reads equal the listed selection's. A replayed count past the
