@@ -242,6 +242,19 @@ def _processor_case(name: str, model, rows, plain, padded_width: int) -> tuple[d
                         "prompt_ignore_length only (per-row tensors came after 5.17)")
         pads = torch.tensor([padded_width - r.numel() for r in rows])
         return _penalty(pads + 2), [_penalty(2) for _ in rows]
+    elif name == "forced_eos_token_id":  # the last new token forced, counted from each row's own length
+        kwargs = dict(forced_eos_token_id=next(t for t in range(PAD) if all(t not in p.tolist() for p in plain)),
+                      pad_token_id=PAD)
+    elif name == "begin_suppress_tokens":  # at each row's own first new token
+        kwargs = dict(begin_suppress_tokens=sorted({tok(b, 0) for b in range(len(rows))}))
+    elif name == "exponential_decay_length_penalty":  # an EOS boosted from each row's own third new token on
+        kwargs = dict(exponential_decay_length_penalty=(2, 4.0), eos_token_id=tok(1, 6), pad_token_id=PAD)
+    elif name == "prefix_allowed_tokens_fn":  # row b may write only tokens congruent to b mod 4: its own index
+        def allowed(batch_id, ids):
+            return list(range(batch_id % 4, PAD, 4))
+
+        return (dict(prefix_allowed_tokens_fn=allowed),
+                [dict(prefix_allowed_tokens_fn=lambda _, ids, b=b: allowed(b, ids)) for b in range(len(rows))])
     else:
         raise KeyError(name)
     return kwargs, [kwargs] * len(rows)
@@ -250,16 +263,20 @@ def _processor_case(name: str, model, rows, plain, padded_width: int) -> tuple[d
 PROCESSORS = [
     "repetition_penalty", "prompt_ignore_length_int", "prompt_ignore_length_tensor", "no_repeat_ngram_size",
     "bad_words_ids", "min_new_tokens", "suppress_tokens", "eos_token_id_list", "stop_strings",
+    # what depends on a row's position or index: shifted by its left padding, or given its own batch index
+    "forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty", "prefix_allowed_tokens_fn",
 ]
 
 
+@pytest.mark.parametrize("scores", [True, False])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("processor", PROCESSORS)
-def test_batched_processor_equals_each_row_alone(processor, mode):
-    """Batch of 4, ragged left padding: each row's tokens and processed scores equal its prompt decoded alone
-    (unpadded) by stock greedy with the same processor. A row stopped by EOS is followed by ``pad_token_id``;
-    after a stop string only the prefix is compared: stock's batched loop pads finished rows only when an EOS
-    criterion exists, so what follows a stop string is not stock-defined."""
+def test_batched_processor_equals_each_row_alone(processor, mode, scores):
+    """Batch of 4, ragged left padding: each row's tokens (and, with ``output_scores``, its processed scores) equal
+    its prompt decoded alone (unpadded) by stock greedy with the same processor. Without ``output_scores`` the loop
+    must still run the processors (its argmax-only path is for unprocessed greedy decoding). A row stopped by EOS
+    is followed by ``pad_token_id``; after a stop string only the prefix is compared: stock's batched loop pads
+    finished rows only when an EOS criterion exists, so what follows a stop string is not stock-defined."""
     target = tiny_model("llama", layers=2)
     draft = set_gamma(noisy_copy(target), 4)
     rows = _rows()
@@ -271,14 +288,15 @@ def test_batched_processor_equals_each_row_alone(processor, mode):
     ref_tokens = [ref.sequences[0, r.numel():] for ref, r in zip(refs, rows)]
     assert any(not torch.equal(t, p[: t.numel()]) or t.numel() < N_NEW for t, p in zip(ref_tokens, plain))
 
-    out = _patched_generate(target, draft, mode, input_ids=ids, attention_mask=mask, **scored, **batch_kwargs)
+    run = scored if scores else {**scored, "output_scores": False}
+    out = _patched_generate(target, draft, mode, input_ids=ids, attention_mask=mask, **run, **batch_kwargs)
     eos_stops = "eos_token_id" in batch_kwargs
     for b, (ref, tokens) in enumerate(zip(refs, ref_tokens)):
         got = out.sequences[b, ids.shape[1]:]
         assert got[: tokens.numel()].tolist() == tokens.tolist(), f"row {b}: {got.tolist()}, alone {tokens.tolist()}"
         if eos_stops:
             assert bool((got[tokens.numel():] == PAD).all()), f"row {b}: {got.tolist()} after {tokens.tolist()}"
-        for k, score in enumerate(ref.scores):
+        for k, score in enumerate(ref.scores if scores else ()):
             torch.testing.assert_close(out.scores[k][b], score[0], atol=1e-4, rtol=1e-4,
                                        msg=lambda m, b=b, k=k: f"row {b}, scores[{k}]: {m}")
 
