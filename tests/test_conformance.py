@@ -134,6 +134,32 @@ def test_returned_values_match_greedy(family):
     assert_outputs_match_greedy(out, greedy, inputs["attention_mask"])
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_outputs_under_a_chunked_prefill_equal_one_shot_prefill(batch):
+    """The prompt read in chunks smaller than it (``prefill_chunk``): the returned scores, logits, hidden states and
+    attentions equal those of the prompt read in one forward, entry by entry (the prompt's entry 0 covering every
+    position of every chunk), and stock greedy's."""
+    model, assistant = _tester_pair("llama", "same")
+    inputs = tiny_tester_inputs(batch_size=batch, length=23)
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    call = {**ASSISTED_CALL, **inputs}
+    greedy = model.generate(**call)
+    outs = {chunk: _patched_generate(model, assistant, "dustin", {**FULL, "prefill_chunk": chunk}, **call)
+            for chunk in (None, 4, 9)}
+    for chunk, out in outs.items():
+        _assert_same_sequences(out, greedy)
+        assert output_shapes(out) == output_shapes(outs[None]), chunk
+        for name in ("scores", "logits"):
+            for got, want in zip(getattr(out, name), getattr(outs[None], name)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for name in ("hidden_states", "attentions"):
+            for k, (step, one_shot) in enumerate(zip(getattr(out, name), getattr(outs[None], name))):
+                for layer, (got, want) in enumerate(zip(step, one_shot)):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                               msg=lambda m, c=chunk, n=name, k=k, l=layer: f"{c} {n}[{k}][{l}]: {m}")
+        assert_outputs_match_greedy(out, greedy, inputs["attention_mask"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_assisted_decoding_sample(family):
     """``test_assisted_decoding_sample``: the model as its own assistant, sampling, all four flags, the testers'
