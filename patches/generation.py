@@ -37,6 +37,11 @@ class DustinGenerationMixin:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
             )
+        if generation_config.num_beams > 1:
+            raise ValueError(
+                f"cache_implementation='dustin' does not support beam search (num_beams={generation_config.num_beams}):"
+                " speculative decoding keeps one sequence per row; use num_beams=1 (greedy or do_sample=True)"
+            )
         if generation_mode != GenerationMode.ASSISTED_GENERATION:
             raise ValueError(
                 "cache_implementation='dustin' verifies draft tokens, so it needs assisted generation: pass "

@@ -174,3 +174,13 @@ def test_dustin_with_nothing_patched_is_refused_by_transformers(pair):
     target, draft = pair
     with pytest.raises(ValueError, match=r"Invalid `cache_implementation` \(dustin\)"):
         _dustin(target, draft, random_prompt(12))
+
+
+# ---------------------------------------------------------------------------------------- decoding modes
+def test_beam_search_is_refused_as_beam_search(pair):
+    """Before: 'pass assistant_model=<draft model>', though one was passed (beam search is not assisted)."""
+    target, draft = pair
+    with dustin_hf.patch(target), pytest.raises(ValueError) as refused:
+        _dustin(target, draft, random_prompt(12), num_beams=2)
+    message = str(refused.value)
+    assert _names_all(message, "beam search", "num_beams=2", "num_beams=1"), message
