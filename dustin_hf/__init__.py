@@ -10,8 +10,15 @@ names load on first use (PEP 562), so ``import dustin_hf`` and ``dustin-hf --hel
 torch or transformers.
 """
 
+import logging as _logging
+
 __all__ = ["DustinCache", "DustinConfig", "DustinPatch", "is_patched", "patch"]
 __version__ = "0.1.0"
+
+# What a user may want to see (a call verified densely throughout, a workspace built or reused, fused ops off) goes to
+# the "dustin_hf" logger at INFO: silent unless asked for, e.g. logging.getLogger("dustin_hf").setLevel("INFO") with
+# a handler (logging.basicConfig())
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 
 def __getattr__(name: str):

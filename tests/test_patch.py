@@ -159,3 +159,44 @@ def test_transformers_version_guard():
     for bad in ("4.57.0", "5.16.2", "6.0.0"):
         with pytest.raises(RuntimeError, match="supports transformers >= 5.17.0"):
             check_transformers(bad)
+
+
+def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog, capsys):
+    """A call that never verified sparsely says so (once per process, and in ``stats["dense_rows"]``, by reason);
+    building a decode workspace and reusing the held one are logged too. All at INFO on the ``dustin_hf`` logger:
+    nothing reaches stderr unless a user asks for it."""
+    import logging
+
+    from dustin_hf.decode import run
+
+    target = tiny_model("qwen2", layers=2)
+    draft = set_gamma(tiny_model("qwen2", layers=2, seed=1), 3)
+    short = random_prompt(40, batch=2)
+    call = dict(attention_mask=torch.ones_like(short), assistant_model=draft, cache_implementation="dustin",
+                max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+
+    def stats(out):
+        return (getattr(out, "cache", None) or out.past_key_values).stats
+
+    run._LOGGED.clear()
+    with dustin_hf.patch(target):
+        target.generate(short, **call)  # the default levels: nothing shown
+        assert capsys.readouterr().err == ""
+    run._LOGGED.clear()
+    with dustin_hf.patch(target), caplog.at_level(logging.INFO, logger="dustin_hf"):
+        dense = target.generate(short, **call)  # 40 positions, within the budget (2048)
+        target.generate(short, **call)
+        below = target.generate(short, **call, cache_config={"budget": 24})  # past the budget, below min_context
+        sparse = target.generate(short, **call, cache_config={"budget": 24, "min_context": 24})
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("dustin_hf")]
+    said = [m for m in messages if "every step of this call verified densely" in m]
+    assert len(said) == 2  # once per setting, not once per call
+    assert "budget=2048 and min_context=2048" in said[0] and "budget=24 and min_context=2048" in said[1]
+    assert sum("reusing the held decode workspace" in m for m in messages) == 1
+    assert sum("building a decode workspace" in m and "another shape" in m for m in messages) == 2
+    assert stats(dense)["sparse_steps"] == 0 and stats(dense)["dense_rows"] == {"within_budget": 2,
+                                                                                "below_min_context": 0}
+    assert stats(below)["sparse_steps"] == 0 and stats(below)["dense_rows"] == {"within_budget": 0,
+                                                                                "below_min_context": 2}
+    assert stats(sparse)["sparse_steps"] > 0 and stats(sparse)["dense_rows"] == {"within_budget": 0,
+                                                                                 "below_min_context": 0}

@@ -14,6 +14,7 @@ calibration search.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,8 @@ from .hooks import DecodeHooks, PhaseClock
 from .workspace import Shape, Workspace, capacity_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculativeDecoder:
@@ -94,6 +97,10 @@ class SpeculativeDecoder:
             role: (self.backend == "triton" and fused_ops_available(model)) if fused is None else fused
             for role, model in (("target", target), ("draft", draft))
         }
+        for role, model in (("target", target), ("draft", draft)):
+            if fused is None and self.backend == "triton" and not self.fused[role]:
+                logger.info("fused decode ops are off for the %s (%s): its layers run transformers' own forwards",
+                            role, type(model).__name__)
         self.profile = PhaseClock.mode_of(self.hooks.profile, model_device(target))  # None, "sync" or "events"
         # greedy, unprocessed and nothing returned but tokens: the forwards hand out their logits' argmax only
         self.tokens_only = not (generation.do_sample or self.drafting.confidence_threshold is not None
@@ -181,8 +188,15 @@ class SpeculativeDecoder:
                       fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
                       widths=(read_width, draft_width), dustin_config=cfg, tuning=self.runtime.tuning, select=select)
         workspaces = self.runtime.workspaces
+        held = workspaces is not None and workspaces.held is not None
         workspace = None if workspaces is None else workspaces.take(self.target, self.draft, shape, needed)
-        if workspace is None:
+        if workspace is not None:
+            logger.info("reusing the held decode workspace (batch %d, %d slots a row)", len(prompts),
+                        workspace.capacity)
+        else:
+            logger.info("building a decode workspace (batch %d, %d slots a row)%s: caches, and CUDA graphs as "
+                        "each decode shape first runs", len(prompts), capacity,
+                        "; the held one was of another shape and is released" if held else "")
             t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
             target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
                                  self.backend, graphs[0], graph_width=read_width,

@@ -36,6 +36,7 @@ where a confirming row holds more than ``recent_tokens`` tentative tokens and th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ from ..selection.selector import Selector
 from .stats import RunStats
 from .hooks import PhaseClock, synchronize
 from .workspace import Workspace
+
+logger = logging.getLogger(__name__)
+_LOGGED: set = set()  # what was logged once per process
 
 __all__ = ["DecodeResult", "DecodeRun", "Drafts"]
 
@@ -205,10 +209,27 @@ class DecodeRun:
             stats.reports.update(phase_seconds=self.clock.steps, phase_host_seconds=self.clock.host_steps)
         if self.confirm is not None:
             stats.reports["exact"] = self.confirm.stats.as_dict()
+        if self.dustin_config is not None:
+            stats.reports["dense_rows"] = self._dense_rows()
         attentions, hidden = self.recorder.tuples(rows.generated) if self.recorder is not None else (None, None)
         return DecodeResult(rows.sequences(input_ids), rows.per_position(rows.scores), rows.per_position(rows.raw),
                             attentions, hidden, stats, target.cache, draft.cache, list(rows.generated),
                             draft_tokens=list(self.row_gamma))
+
+    def _dense_rows(self) -> dict:
+        """Rows that never held enough positions to verify sparsely, by reason (their longest context within the
+        budget, or past it but below ``min_context``); a call in which no row verified sparsely says so at INFO level
+        (the ``dustin_hf`` logger), once per process and (budget, min_context)."""
+        cfg = self.dustin_config
+        held = [n - 1 for n in self.rows.lens]  # the most positions each row held: at its last step
+        dense = {"within_budget": sum(n <= cfg.budget for n in held),
+                 "below_min_context": sum(cfg.budget < n < cfg.min_context for n in held)}
+        if self.stats.sparse_steps == 0 and ("dense call", cfg.budget, cfg.min_context) not in _LOGGED:
+            _LOGGED.add(("dense call", cfg.budget, cfg.min_context))
+            logger.info("every step of this call verified densely: its rows held at most %d cached positions, and "
+                        "a row verifies sparsely only past budget=%d and min_context=%d (cache_config changes both)",
+                        max(held), cfg.budget, cfg.min_context)
+        return dense
 
     def prefill(self, prompts: list[Prompt]) -> None:
         """The target reads each prompt (keeping its last query on the scoring heads as the first history) and
