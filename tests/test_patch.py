@@ -200,3 +200,7 @@ def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog
                                                                                 "below_min_context": 2}
     assert stats(sparse)["sparse_steps"] > 0 and stats(sparse)["dense_rows"] == {"within_budget": 0,
                                                                                  "below_min_context": 0}
+    with dustin_hf.patch(target):  # the budget reached by the last tokens only: no verification read sparsely
+        edge = target.generate(short, **{**call, "max_new_tokens": 8}, cache_config={"budget": 46, "min_context": 0})
+    assert stats(edge)["sparse_steps"] == 0 and stats(edge)["dense_rows"] == {"within_budget": 2,
+                                                                              "below_min_context": 0}

@@ -154,6 +154,6 @@ def exact_step(run: DecodeRun) -> None:
 
     run.stats.record_step(gammas, accepted, counts, active,
                           sparse=reads is not None,
-                          attended=None if reads is None else run.attended(reads, starts, active))
+                          attended=None if reads is None else run.attended(reads, starts, active), seqlens=starts)
     run.clock.mark("bookkeeping")
     run.clock.end_step()

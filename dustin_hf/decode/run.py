@@ -217,19 +217,19 @@ class DecodeRun:
                             draft_tokens=list(self.row_gamma))
 
     def _dense_rows(self) -> dict:
-        """Rows that never held enough positions to verify sparsely, by reason (their longest context within the
-        budget, or past it but below ``min_context``); a call in which no row verified sparsely says so at INFO level
+        """Rows that never verified sparsely, by reason: the most positions they held at a verification within the
+        budget, or past it but below ``min_context``. A call in which no row verified sparsely says so at INFO level
         (the ``dustin_hf`` logger), once per process and (budget, min_context)."""
-        cfg = self.dustin_config
-        held = [n - 1 for n in self.rows.lens]  # the most positions each row held: at its last step
-        dense = {"within_budget": sum(n <= cfg.budget for n in held),
-                 "below_min_context": sum(cfg.budget < n < cfg.min_context for n in held)}
-        if self.stats.sparse_steps == 0 and ("dense call", cfg.budget, cfg.min_context) not in _LOGGED:
+        cfg, stats = self.dustin_config, self.stats
+        dense = [n for b, n in enumerate(stats.held) if b not in stats.sparse_rows]
+        counts = {"within_budget": sum(n <= cfg.budget for n in dense),
+                  "below_min_context": sum(n > cfg.budget for n in dense)}  # dense_rows(): n < min_context then
+        if stats.sparse_steps == 0 and stats.held and ("dense call", cfg.budget, cfg.min_context) not in _LOGGED:
             _LOGGED.add(("dense call", cfg.budget, cfg.min_context))
-            logger.info("every step of this call verified densely: its rows held at most %d cached positions, and "
-                        "a row verifies sparsely only past budget=%d and min_context=%d (cache_config changes both)",
-                        max(held), cfg.budget, cfg.min_context)
-        return dense
+            logger.info("every step of this call verified densely: its rows held at most %d cached positions at a "
+                        "verification, and a row verifies sparsely only past budget=%d and min_context=%d "
+                        "(cache_config changes both)", max(stats.held), cfg.budget, cfg.min_context)
+        return counts
 
     def prefill(self, prompts: list[Prompt]) -> None:
         """The target reads each prompt (keeping its last query on the scoring heads as the first history) and
@@ -322,7 +322,8 @@ class DecodeRun:
         self.clock.mark("commit")
 
         self.stats.record_step(drafts.row_gamma, accepted, counts, active, sparse=selection is not None,
-                               attended=None if selection is None else self.attended(selection, seqlens, active))
+                               attended=None if selection is None else self.attended(selection, seqlens, active),
+                               seqlens=seqlens)
         self.clock.mark("bookkeeping")
         self.clock.end_step()
 

@@ -37,6 +37,8 @@ class RunStats:
     budgets: list[int] = field(default_factory=list)  # the quality knob: positions each row read, per sparse step
     recoveries: list[float] = field(default_factory=list)  # ... and its estimated recovery
     fallbacks: int = 0  # ... row-steps read in full because the ceiling fell short of the target
+    held: list[int] = field(default_factory=list)  # per row: the most cached positions it held at a verification
+    sparse_rows: set[int] = field(default_factory=set)  # rows that read less than they held at some step
 
     def record_knob(self, counts: list[int], recovery: list[float], fallback: list[bool], active: list[int]) -> None:
         """The quality knob's read sets of one step, for the rows that were unfinished before it."""
@@ -45,10 +47,17 @@ class RunStats:
         self.fallbacks += sum(fallback[b] for b in active)
 
     def record_step(self, row_gamma: list[int], accepted: list[int], committed: list[int], active: list[int],
-                    sparse: bool, attended: list[tuple[float, bool]] | None) -> None:
+                    sparse: bool, attended: list[tuple[float, bool]] | None, seqlens: list[int]) -> None:
         """Count one step: ``row_gamma[b]`` drafts proposed, ``accepted[b]`` kept and ``committed[b]`` tokens
         appended per row; ``active``: the rows that were unfinished before it; ``attended``: on a sparse step, per
-        active row, the mean cached positions it read per layer and whether it read less than it holds."""
+        active row, the mean cached positions it read per layer and whether it read less than it holds;
+        ``seqlens``: the cached positions each row held at the verification."""
+        if not self.held:
+            self.held = [0] * len(seqlens)
+        for b in active:
+            self.held[b] = max(self.held[b], seqlens[b])
+        if attended is not None:
+            self.sparse_rows.update(b for b, (_, partial) in zip(active, attended) if partial)
         self.steps += 1
         self.verified_tokens += sum(row_gamma[b] for b in active)
         self.accepted_tokens += sum(committed[b] - 1 for b in active if committed[b])  # the drafts kept
