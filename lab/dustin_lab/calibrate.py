@@ -85,7 +85,8 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
     ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
     :func:`dustin_hf.profiles.write_profile`). ``features`` given: skip collection (search only);
     ``save_features``: a path to keep the collected features at."""
-    base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None)
+    # the search scores Dustin's set (its heads, draft share and windows): the profile says so, whatever the default
+    base = (base or DustinConfig()).replace(budget=settings.profile_budget, draft_share=None, selection="dustin")
     start = time.perf_counter()
     deadline = start + settings.time_limit
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
