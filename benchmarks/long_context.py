@@ -17,7 +17,8 @@ Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair, bf16, at the paper's lengths, i
   agreement against dense verification, per method (Dustin's set, the selection layers, the oracle set); it writes
   the prediction traces (``--traces``) that the 7B-shape benchmarks replay (``e2e.py --predictions``).
 * ``calls``: whole warm ``generate()`` calls, nothing replayed or stored: plain, stock assisted (batch 1), classic
-  speculative decoding, Dustin + ``sparse_draft``, exact mode; seconds and drafts kept per step.
+  speculative decoding, the default (``DustinConfig()``), Dustin's set at 512 + ``sparse_draft``, exact mode with
+  Dustin's set; seconds and drafts kept per step.
 
 The settings (``--settings``, :data:`SETTINGS`; ``--extra NAME=JSON`` adds one) are ``cache_config`` overrides of
 ``DustinConfig()`` — what ``dustin_hf.patch(model)`` gives a user — or ``dense`` (the loop, dense verification).
@@ -186,11 +187,18 @@ class Study:
         return self.out / f"{phase}.json"
 
     def load(self, phase: str) -> dict:
+        """The phase's report so far (a run cut at its time limit resumes it), with this run's command and
+        settings added to its ``runs``."""
         path = self.path(phase)
+        run = {"command": " ".join([Path(sys.executable).name] + sys.argv), "settings": self.settings}
         if path.is_file():
-            return json.loads(path.read_text())
-        return {"command": " ".join([Path(sys.executable).name] + sys.argv), "machine": describe_machine(self.device),
-                "model_pair": self.pair.describe(), "settings": self.settings, "gamma": GAMMA, "records": []}
+            report = json.loads(path.read_text())
+            runs = report.setdefault("runs", [{"command": report.get("command"), "settings": report.get("settings")}])
+            if runs[-1] != run:
+                runs.append(run)
+            return report
+        return {**run, "machine": describe_machine(self.device), "model_pair": self.pair.describe(), "gamma": GAMMA,
+                "runs": [run], "records": []}
 
     def save(self, phase: str, report: dict) -> None:
         self.path(phase).write_text(json.dumps(report, indent=1) + "\n")
@@ -578,35 +586,33 @@ def calls(study: Study, context: int) -> None:
     args = study.args
     report = study.load("calls")
     study.store.clear()
-    hooks, study.handle.hooks = study.handle.hooks, None  # no stored prefill: the call reads its prompt
+    floor = {} if args.min_context is None else {"min_context": args.min_context}
+    loop = {  # cache_config of each of the loop's methods (classic: dense, no row reaching min_context)
+        "classic": {"min_context": 2**30}, "default": floor,  # the default: DustinConfig() as it comes
+        "dustin_sparse_draft": {**SETTINGS["sparse512_sd"], **floor}, "exact": {**SETTINGS["exact"], **floor}}
     rows = windows(study, context)
-    methods = {"plain": None, "stock_assisted": "dense", "classic": "dense",
-               "dustin_sparse_draft": "sparse512_sd", "exact": "exact"}
-    for batch_size in args.call_batches:
-        ids = torch.stack([w for _, _, w in rows[:batch_size]]).to(study.device)
-        mask = torch.ones_like(ids)
-        for method, setting in methods.items():
-            if method == "stock_assisted" and batch_size > 1 or not study.time_left():
-                continue
-            if any(r["context"] == context and r["batch"] == batch_size and r["method"] == method
-                   for r in report["records"]):
-                continue
-            for kind in ("first", "warm"):
-                if method == "classic":  # the loop with dense verification (no row reaches min_context), at batch 1 too
-                    kwargs = dict(cache_implementation="dustin", cache_config={"min_context": 2**30})
-                    out = _timed_call(study, ids, mask, args.call_tokens, dict(assistant_model=study.draft, **kwargs))
-                elif setting is None:
-                    out = _timed_call(study, ids, mask, args.call_tokens, {})
-                elif method == "stock_assisted":
-                    out = _timed_call(study, ids, mask, args.call_tokens, dict(assistant_model=study.draft))
-                else:
-                    kwargs = dict(cache_implementation="dustin", cache_config=dict(SETTINGS[setting]))
-                    out = _timed_call(study, ids, mask, args.call_tokens, dict(assistant_model=study.draft, **kwargs))
-                report["records"].append({"context": context, "batch": batch_size, "method": method, "call": kind,
-                                          "new_tokens": args.call_tokens, **out})
-                print(f"call {context}x{batch_size} {method} {kind}: {out['seconds']:.2f} s", flush=True)
-                study.save("calls", report)
-    study.handle.hooks = hooks
+    hooks, study.handle.hooks = study.handle.hooks, None  # no stored prefill: the call reads its prompt
+    try:
+        for batch_size in args.call_batches:
+            ids = torch.stack([w for _, _, w in rows[:batch_size]]).to(study.device)
+            mask = torch.ones_like(ids)
+            for method in ("plain", "stock_assisted", *loop):
+                if method == "stock_assisted" and batch_size > 1 or not study.time_left():
+                    continue
+                if any(r["context"] == context and r["batch"] == batch_size and r["method"] == method
+                       for r in report["records"]):
+                    continue
+                kwargs = {} if method == "plain" else dict(assistant_model=study.draft)
+                if method in loop:
+                    kwargs.update(cache_implementation="dustin", cache_config=dict(loop[method]))
+                for kind in ("first", "warm"):
+                    out = _timed_call(study, ids, mask, args.call_tokens, kwargs)
+                    report["records"].append({"context": context, "batch": batch_size, "method": method,
+                                              "call": kind, "new_tokens": args.call_tokens, **out})
+                    print(f"call {context}x{batch_size} {method} {kind}: {out['seconds']:.2f} s", flush=True)
+                    study.save("calls", report)
+    finally:
+        study.handle.hooks = hooks
     plain = {(r["batch"], r["call"]): r["seconds"] for r in report["records"] if r["method"] == "plain"}
     for r in report["records"]:
         r["x_vs_plain"] = plain[(r["batch"], r["call"])] / r["seconds"] if (r["batch"], r["call"]) in plain else None
@@ -699,6 +705,7 @@ def publish(sources: list[Path], dest: Path, prefix: str = "real_pair_") -> list
         merged = reports[0]
         if phase != "check":
             merged["sources"] = [r.get("command") for r in reports]
+            merged["runs"] = [run for r in reports for run in r.get("runs", [])]
             keys = {}
             for report in reports:
                 for record in report.get("records", []):
@@ -791,8 +798,8 @@ def main(argv=None) -> None:
         args.walk_tokens, args.oracle_budgets, args.call_batches, args.call_tokens = 21, [64], [2, 1], 8
         args.answer_tokens, args.texts = 6, ["emma", "stdlib:typing"]
         args.min_context, args.sampling = 64, ["dense", "small"]
-        args.extra = {**args.extra, "small": {"budget": 64}, "small_sd": {"budget": 64, "sparse_draft": True},
-                      "small_select": {"budget": 64, "selection": "verify"}}
+        args.extra = {**args.extra, "small": {"budget": 64, **_DUSTIN},
+                      "small_sd": {"budget": 64, "sparse_draft": True, **_DUSTIN}, "small_select": {"budget": 64, **_VERIFY}}
         args.walk_settings, args.settings = ["small", "small_sd", "small_select"], ["dense", "exact"]
     unknown = [s for s in args.sampling if s not in args.settings and s not in args.extra]
     if unknown:

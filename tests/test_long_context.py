@@ -97,10 +97,11 @@ def test_every_phase_runs_on_tiny_models(tmp_path):
     assert {"small", "small_sd", "small_select", "oracle64"} == set(fidelity["records"][0]["methods"])
     assert list((tmp_path / "traces" / "small_sd").glob("*_predictions_*.json"))
     calls = json.loads((out / "calls.json").read_text())
-    assert {r["method"] for r in calls["records"]} == {"plain", "stock_assisted", "classic", "dustin_sparse_draft",
-                                                       "exact"}
+    assert {r["method"] for r in calls["records"]} == {"plain", "stock_assisted", "classic", "default",
+                                                       "dustin_sparse_draft", "exact"}
+    assert any(r.get("sparse_steps") for r in calls["records"] if r["method"] == "dustin_sparse_draft")
     count = len(free["records"])
-    lc.main(argv[:2] + ["free"] + argv[5:])  # the same phase again: everything is there, nothing runs twice
+    lc.main(argv[:2] + ["free"] + argv[6:])  # the same phase again: everything is there, nothing runs twice
     assert len(json.loads((out / "free.json").read_text())["records"]) == count
     from transformers.generation import configuration_utils
 

@@ -171,8 +171,10 @@ def _demo_args(parser):
                         help="prompt: search the scoring heads on the prompt itself after prefill (seconds; "
                              "instead of --profile)")
     parser.add_argument("--selection", choices=("dustin", "verify"), default="dustin",
-                        help="verify: selection layers choose what the later layers read inside the verification "
-                             "forward (DustinConfig.selection; its layer from --profile, else the default)")
+                        help="dustin (the demo's default): the paper's set, chosen before the forward; verify (the "
+                             "library's default): selection layers choose what the later layers read inside the "
+                             "verification forward (DustinConfig.selection; their layers from --profile, else the "
+                             "default)")
 
 
 @register("demo", "dense speculative decoding vs Dustin and exact Dustin on a long book prompt, through model.generate",

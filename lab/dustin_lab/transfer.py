@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = join(args.store, args.out or args.store)
             print("joined and checked:", ", ".join(f"{p.name} ({p.stat().st_size:,} B)" for p in paths), flush=True)
             if not args.keep_chunks:
-                for chunk in args.store.glob("[0-9][0-9].bin"):
-                    chunk.unlink()
+                for chunk in _read_manifest(args.store / MANIFEST)["chunks"]:
+                    (args.store / f"{_chunk_name(chunk['index'])}.bin").unlink()
             if args.convert is not None:
                 for folder in convert(paths, args.convert):
                     print("converted:", folder, flush=True)

@@ -110,8 +110,8 @@ def test_receive_runs_as_a_plain_script_without_torch(tmp_path):
     """On the GPU machine ``receive`` runs as ``python lab/dustin_lab/transfer.py``: no package install, no torch."""
     transfer.split(_sources(tmp_path), tmp_path / "chunks", 1000)
     script = Path(transfer.__file__)
-    code = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
-            "assert 'torch' not in sys.modules")
+    code = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as done:\n    assert not done.code, done.code\nassert 'torch' not in sys.modules, 'torch'")
     done = subprocess.run([sys.executable, "-c", code, str(script), "receive", str(tmp_path / "chunks" / "00"),
                            str(tmp_path / "store")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
