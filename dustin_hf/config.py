@@ -17,7 +17,7 @@ __all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
 
 _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
 _MODES = ("sparse", "exact")
-# budget=None's value, in both modes. On the real Qwen2.5-Coder pair at 32k (benchmarks/results/real_pair_32k_*.json)
+# budget=None's value, in both modes. On the real Qwen2.5-Coder pair at 32k (benchmarks/results/real_pair_*.json)
 # 2048 positions read by the selection layers retrieve every key plain greedy retrieves and keep teacher-forced
 # perplexity within 1.2% of dense verification, where 512 of Dustin's set miss 6 keys of 32 and cost +12%; a sparse
 # step reading 2048 of 32k positions costs little more than one reading 512. Exact mode's speed is the share of

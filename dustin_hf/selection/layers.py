@@ -15,7 +15,10 @@ to the next selection layer) becomes:
 A row keeps its count (the budget, or the quality knob's count), so the later layers read as many positions as
 they would have read of Dustin's set; a row that reads everything (its count covers what it holds) keeps doing so.
 Layers before the first selection layer read the set chosen before the forward. Rows are independent; nothing
-is read on the host, so a captured forward replays the choice.
+is read on the host, so a captured forward replays the choice. Where the selection layer's own sliding window cuts
+the keys, it chooses inside that window (the window's first positions are its sinks), ranking positions by the
+softmax over the whole cache (the same order as over the window alone, up to the positions it excludes); a model
+mixing windowed and full layers chooses as its selection layer attends.
 
 ``backend="reference"`` is the PyTorch code below (the oracle, and the path on CPU). With ``backend="triton"``
 the scoring runs in the project's scoring kernel (:mod:`dustin_hf.kernels.triton_score`: the keys read once in
