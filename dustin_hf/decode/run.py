@@ -218,12 +218,13 @@ class DecodeRun:
 
     def _dense_rows(self) -> dict:
         """Rows that never verified sparsely, by reason: the most positions they held at a verification within the
-        budget, or past it but below ``min_context``. A call in which no row verified sparsely says so at INFO level
+        budget, or past it but below ``min_context`` (a row past both that read everything at every step is the
+        knob's, counted in its ``dense_fallbacks``). A call in which no row verified sparsely says so at INFO level
         (the ``dustin_hf`` logger), once per process and (budget, min_context)."""
         cfg, stats = self.dustin_config, self.stats
         dense = [n for b, n in enumerate(stats.held) if b not in stats.sparse_rows]
         counts = {"within_budget": sum(n <= cfg.budget for n in dense),
-                  "below_min_context": sum(n > cfg.budget for n in dense)}  # dense_rows(): n < min_context then
+                  "below_min_context": sum(cfg.budget < n < cfg.min_context for n in dense)}
         if stats.sparse_steps == 0 and stats.held and ("dense call", cfg.budget, cfg.min_context) not in _LOGGED:
             _LOGGED.add(("dense call", cfg.budget, cfg.min_context))
             logger.info("every step of this call verified densely: its rows held at most %d cached positions at a "
