@@ -205,22 +205,31 @@ class Study:
 
     # -- generation
     def generate(self, ids, mask, setting: str | None, new_tokens: int, sampling: bool, seed: int):
-        """``generate()`` of the batch: plain (``setting=None``), or with the draft and a setting's cache_config.
-        End-of-text never stops a row. Returns (tokens per row, stats or None, seconds)."""
-        config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=self.pad,
-                                  **(SAMPLING if sampling else dict(do_sample=False)))
+        """``generate()`` of the batch: plain (``setting=None``), or with the draft and a setting's cache_config
+        (:meth:`call`)."""
         kwargs = {}
         if setting is not None:
             kwargs["assistant_model"] = self.draft
             if self.settings[setting] is not None:
                 kwargs.update(cache_implementation="dustin", cache_config=dict(self.settings[setting]))
+        return self.call(ids, mask, kwargs, new_tokens, sampling, seed)
+
+    def call(self, ids, mask, kwargs: dict, new_tokens: int, sampling: bool = False, seed: int = 0):
+        """One timed ``generate()`` of the batch with ``kwargs`` (the draft, the cache implementation and config).
+        End-of-text never stops a row. Returns (tokens per row, the loop's stats or None, seconds)."""
+        config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=self.pad,
+                                  **(SAMPLING if sampling else dict(do_sample=False)))
         torch.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         out = self.target.generate(ids, attention_mask=mask, generation_config=config, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        return out[:, ids.shape[1]:].tolist(), self.loop_stats(setting is not None), seconds
+        # the loop runs with "dustin", or with a draft for more than one row (one row with a draft: stock's own)
+        looped = "cache_implementation" in kwargs or "assistant_model" in kwargs and ids.shape[0] > 1
+        return out[:, ids.shape[1]:].tolist(), self.loop_stats(looped), seconds
 
     def loop_stats(self, looped: bool) -> dict | None:
         """The stats of the last call's decode loop, read from the caches the patch keeps for the next call (a
@@ -606,7 +615,8 @@ def calls(study: Study, context: int) -> None:
                 if method in loop:
                     kwargs.update(cache_implementation="dustin", cache_config=dict(loop[method]))
                 for kind in ("first", "warm"):
-                    out = _timed_call(study, ids, mask, args.call_tokens, kwargs)
+                    _, stats, seconds = study.call(ids, mask, kwargs, args.call_tokens)
+                    out = {"seconds": seconds, **_summary(stats)}
                     report["records"].append({"context": context, "batch": batch_size, "method": method,
                                               "call": kind, "new_tokens": args.call_tokens, **out})
                     print(f"call {context}x{batch_size} {method} {kind}: {out['seconds']:.2f} s", flush=True)
@@ -617,19 +627,6 @@ def calls(study: Study, context: int) -> None:
     for r in report["records"]:
         r["x_vs_plain"] = plain[(r["batch"], r["call"])] / r["seconds"] if (r["batch"], r["call"]) in plain else None
     study.save("calls", report)
-
-
-def _timed_call(study, ids, mask, new_tokens, kwargs) -> dict:
-    config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=study.pad, do_sample=False)
-    if study.device.type == "cuda":
-        torch.cuda.synchronize(study.device)
-    start = time.perf_counter()
-    study.target.generate(ids, attention_mask=mask, generation_config=config, **kwargs)
-    if study.device.type == "cuda":
-        torch.cuda.synchronize(study.device)
-    seconds = time.perf_counter() - start
-    looped = "cache_implementation" in kwargs or "assistant_model" in kwargs and ids.shape[0] > 1
-    return {"seconds": seconds, **_summary(study.loop_stats(looped))}
 
 
 # ----------------------------------------------------------------------------- the converted pair
