@@ -74,14 +74,21 @@ WARMUP_MS, REP_MS = 25, 100
 # --sweep-triton: every combination of these launch_config overrides (None = the heuristic's choice); merge is
 # "ticket" (the last split merges, same launch) or "kernel" (a second launch), used only with splits.
 # --sweep replaces TRITON_SWEEPS with one such dict per ';'-separated spec (the union of their products).
-TRITON_SWEEP = dict(block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(3, 5, 7), num_warps=(4, 8),
-                    merge=(None,))
+TRITON_SWEEP = dict(
+    block_n=(16, 32, 64), num_splits=(None, 1, 2, 4, 8), num_stages=(3, 5, 7), num_warps=(4, 8), merge=(None,)
+)
 TRITON_SWEEPS = [TRITON_SWEEP]
 CHECK_ATOL = 2e-2  # outputs vs kernels/reference.py (bf16); larger differences are flagged MISMATCH
 
-SMOKE = dict(contexts=(96, 200), batches=(1, 2), layouts=(Layout("tiny", 4, 2, 16, 2),),
-             draft=Layout("tiny-draft", 4, 2, 16, 4), budgets=(24, 40), dtype=torch.float16,  # interpreter: no bf16 dot
-             copy_bytes=2**24)
+SMOKE = dict(
+    contexts=(96, 200),
+    batches=(1, 2),
+    layouts=(Layout("tiny", 4, 2, 16, 2),),
+    draft=Layout("tiny-draft", 4, 2, 16, 4),
+    budgets=(24, 40),
+    dtype=torch.float16,  # interpreter: no bf16 dot
+    copy_bytes=2**24,
+)
 
 
 class Unavailable(Exception):
@@ -145,6 +152,7 @@ class Inputs:
 
 def _make_inputs(layout, batch, context, budgets, device, dtype, gen) -> Inputs:
     """Random (never zero) data; the cache holds exactly ``context + Q`` positions."""
+
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
@@ -157,8 +165,9 @@ def _make_inputs(layout, batch, context, budgets, device, dtype, gen) -> Inputs:
         indices[budget] = scores.topk(min(budget, context), dim=1).indices.sort(dim=1).values.to(torch.int32)
     # made once here, as a decode step's selection makes them once for all layers: a tensor made inside the
     # timed call would add its fill kernel to every timed layer
-    counts = {budget: torch.full((batch,), ids.shape[1], dtype=torch.int32, device=device)
-              for budget, ids in indices.items()}
+    counts = {
+        budget: torch.full((batch,), ids.shape[1], dtype=torch.int32, device=device) for budget, ids in indices.items()
+    }
     return Inputs(q, randn(*cache_shape), randn(*cache_shape), seqlens, indices, counts)
 
 
@@ -230,8 +239,9 @@ def _sdpa_flash(x: Inputs, scale: float, expand_heads: bool, kv=None) -> torch.T
     mask = causal_lower_right(q.shape[2], k.shape[2])
     backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(backends):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=not expand_heads and q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=not expand_heads and q.shape[1] != k.shape[1]
+        )
     return out.transpose(1, 2)
 
 
@@ -258,8 +268,9 @@ def _varlen(x: Inputs, scale: float, budget: int | None, use_flash_attn: bool) -
     if not use_flash_attn and not varlen.torch_varlen_available():
         raise Unavailable("torch.nn.attention.varlen.varlen_attn missing")
     sparse = {} if budget is None else {"indices": x.indices[budget], "num_indices": x.counts[budget]}
-    return varlen.verify_attention_varlen(*x.args(), softmax_scale=scale, max_seqlen_k=x.k_cache.shape[1],
-                                          use_flash_attn=use_flash_attn, **sparse)
+    return varlen.verify_attention_varlen(
+        *x.args(), softmax_scale=scale, max_seqlen_k=x.k_cache.shape[1], use_flash_attn=use_flash_attn, **sparse
+    )
 
 
 def _flash_with_kvcache(x: Inputs, scale: float) -> torch.Tensor:
@@ -282,13 +293,24 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
     if overrides:
         batch, n_queries, n_heads, head_dim = x.q.shape
         n_kv_heads = x.k_cache.shape[2]
-        n_keys = max_seqlen_k if budget is None else triton_verify.sparse_loop_keys(x.indices[budget].shape[1],
-                                                                                   n_queries)
-        config = triton_verify.launch_config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim, n_keys,
-                                             sm_count(x.q.device), sparse=budget is not None,
-                                             elem_bytes=x.q.element_size(), **overrides)
-    return triton_verify.verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k,
-                                                 config=config, **sparse)
+        n_keys = (
+            max_seqlen_k if budget is None else triton_verify.sparse_loop_keys(x.indices[budget].shape[1], n_queries)
+        )
+        config = triton_verify.launch_config(
+            batch,
+            n_kv_heads,
+            n_heads // n_kv_heads,
+            n_queries,
+            head_dim,
+            n_keys,
+            sm_count(x.q.device),
+            sparse=budget is not None,
+            elem_bytes=x.q.element_size(),
+            **overrides,
+        )
+    return triton_verify.verify_attention_triton(
+        *x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k, config=config, **sparse
+    )
 
 
 def sm_count(device: torch.device) -> int:
@@ -321,8 +343,17 @@ def _reference_row0(x: Inputs, layout: Layout, budget: int | None) -> torch.Tens
 # ----------------------------------------------------------------------------- scoring + selection hook
 
 
-def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, draft: Layout = DRAFT_LAYOUT,
-                      device: torch.device | None = None, dtype: torch.dtype = DTYPE, timer: str = "do_bench") -> dict:
+def selection_cost_ms(
+    layout: Layout,
+    batch: int,
+    context: int,
+    budget: int,
+    *,
+    draft: Layout = DRAFT_LAYOUT,
+    device: torch.device | None = None,
+    dtype: torch.dtype = DTYPE,
+    timer: str = "do_bench",
+) -> dict:
     """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.selection.scoring`` and ``.fill``.
 
     Times nothing else: the target-history scores (one target layer, its default scoring heads), the
@@ -333,8 +364,8 @@ def selection_cost_ms(layout: Layout, batch: int, context: int, budget: int, *, 
     device = device or torch.device("cuda")
     try:
         from dustin_hf import config  # noqa: F401
-        from dustin_hf.selection import scoring  # noqa: F401
         from dustin_hf.selection import fill as selection  # noqa: F401
+        from dustin_hf.selection import scoring  # noqa: F401
     except ImportError as error:
         return {"scoring_ms": None, "selection_ms": None, "status": f"not measured: {error}"}
     try:
@@ -349,8 +380,11 @@ def _time_scoring_and_selection(layout, draft, batch, context, budget, device, d
     score = lambda: (step.score_target(backend), step.score_draft(backend))  # noqa: E731
     target, drafted = score()
     select = lambda: step.select(target, drafted, backend)  # noqa: E731
-    return {"scoring_ms": _time_ms(score, device, timer), "selection_ms": _time_ms(select, device, timer),
-            "status": f"measured (draft layout {draft.name}, scoring and selection backend {backend})"}
+    return {
+        "scoring_ms": _time_ms(score, device, timer),
+        "selection_ms": _time_ms(select, device, timer),
+        "status": f"measured (draft layout {draft.name}, scoring and selection backend {backend})",
+    }
 
 
 @dataclasses.dataclass
@@ -375,44 +409,72 @@ class ScoringStep:
         from dustin_hf import config
 
         def model(lay):
-            return SimpleNamespace(num_hidden_layers=lay.n_layers, num_attention_heads=lay.n_heads,
-                                   num_key_value_heads=lay.n_kv_heads)
+            return SimpleNamespace(
+                num_hidden_layers=lay.n_layers, num_attention_heads=lay.n_heads, num_key_value_heads=lay.n_kv_heads
+            )
 
-        cfg = config.resolve(config.DustinConfig(budget=budget, min_context=min(2048, context)), model(layout),
-                             model(draft))
+        cfg = config.resolve(
+            config.DustinConfig(budget=budget, min_context=min(2048, context)), model(layout), model(draft)
+        )
         capacity = context + N_QUERIES
 
         def randn(*shape):
             return torch.randn(*shape, device=device).to(dtype)
 
-        return cls(layout, draft, cfg, [context] * batch,
-                   torch.full((batch,), context, dtype=torch.int32, device=device),
-                   randn(batch, capacity, layout.n_kv_heads, layout.head_dim),
-                   randn(batch, len(cfg.target_heads), layout.head_dim),
-                   [randn(batch, capacity, draft.n_kv_heads, draft.head_dim) for _ in cfg.draft_layers],
-                   [randn(batch, N_QUERIES - 1, len(h), draft.head_dim) for h in cfg.draft_heads])
+        return cls(
+            layout,
+            draft,
+            cfg,
+            [context] * batch,
+            torch.full((batch,), context, dtype=torch.int32, device=device),
+            randn(batch, capacity, layout.n_kv_heads, layout.head_dim),
+            randn(batch, len(cfg.target_heads), layout.head_dim),
+            [randn(batch, capacity, draft.n_kv_heads, draft.head_dim) for _ in cfg.draft_layers],
+            [randn(batch, N_QUERIES - 1, len(h), draft.head_dim) for h in cfg.draft_heads],
+        )
 
     def score_target(self, backend: str) -> torch.Tensor:
         from dustin_hf.selection import scoring
 
         lay = self.layout
-        return scoring.target_history_scores(self.history_q, self.target_keys, self.seqlens, self.cfg.target_heads,
-                                             lay.n_heads // lay.n_kv_heads, lay.head_dim**-0.5, max(self.seqlens_host),
-                                             backend=backend)
+        return scoring.target_history_scores(
+            self.history_q,
+            self.target_keys,
+            self.seqlens,
+            self.cfg.target_heads,
+            lay.n_heads // lay.n_kv_heads,
+            lay.head_dim**-0.5,
+            max(self.seqlens_host),
+            backend=backend,
+        )
 
     def score_draft(self, backend: str) -> torch.Tensor:
         from dustin_hf.selection import scoring
 
         lay = self.draft
-        return scoring.draft_lookahead_scores(self.draft_q, self.draft_keys, self.seqlens, self.cfg.draft_heads,
-                                              lay.n_heads // lay.n_kv_heads, lay.head_dim**-0.5,
-                                              max(self.seqlens_host), backend=backend)
+        return scoring.draft_lookahead_scores(
+            self.draft_q,
+            self.draft_keys,
+            self.seqlens,
+            self.cfg.draft_heads,
+            lay.n_heads // lay.n_kv_heads,
+            lay.head_dim**-0.5,
+            max(self.seqlens_host),
+            backend=backend,
+        )
 
     def select(self, target: torch.Tensor, drafted: torch.Tensor, backend: str):
         from dustin_hf.selection import fill as selection
 
-        return selection.select_positions(self.seqlens_host, drafted, target, [True] * len(self.seqlens_host),
-                                          self.cfg, lengths=self.seqlens, backend=backend)
+        return selection.select_positions(
+            self.seqlens_host,
+            drafted,
+            target,
+            [True] * len(self.seqlens_host),
+            self.cfg,
+            lengths=self.seqlens,
+            backend=backend,
+        )
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -435,26 +497,58 @@ def _measure(name, mode, call, sets, layout, batch, context, budget, n_keys, cop
     return row | dict(ms=ms, bytes=nbytes, gbps=gbps, frac_copy=gbps / copy_gbps, max_abs_diff=diff, status=status)
 
 
-def _sweep_point(layout, batch, context, budgets, device, dtype, timer, copy_gbps, draft, gen,
-                 sweep_triton) -> tuple[list, list]:
+def _sweep_point(
+    layout, batch, context, budgets, device, dtype, timer, copy_gbps, draft, gen, sweep_triton
+) -> tuple[list, list]:
     """All kernels at one (layout, batch, context): result rows and per-budget speedup summaries."""
     n_sets = _rotation(layout, batch, context, torch.finfo(dtype).bits // 8)
     sets = [_make_inputs(layout, batch, context, budgets, device, dtype, gen) for _ in range(n_sets)]
     rows = []
     dense_ref = _reference_row0(sets[0], layout, None)
     for name, call in dense_kernels(layout, device, sweep_triton).items():
-        rows.append(_measure(name, "dense", call, sets, layout, batch, context, None, context + N_QUERIES,
-                             copy_gbps, device, timer, dense_ref))
+        rows.append(
+            _measure(
+                name,
+                "dense",
+                call,
+                sets,
+                layout,
+                batch,
+                context,
+                None,
+                context + N_QUERIES,
+                copy_gbps,
+                device,
+                timer,
+                dense_ref,
+            )
+        )
     del dense_ref
-    ok_dense = [r for r in rows if r.get("status") == "ok" and r["kernel"] != "reference"] or \
-        [r for r in rows if r.get("status") == "ok"]
+    ok_dense = [r for r in rows if r.get("status") == "ok" and r["kernel"] != "reference"] or [
+        r for r in rows if r.get("status") == "ok"
+    ]
     best_dense = min(ok_dense, key=lambda r: r["ms"]) if ok_dense else None
     summaries = []
     for budget in budgets:
         sparse_ref = _reference_row0(sets[0], layout, budget)
-        sparse_rows = [_measure(name, "sparse", call, sets, layout, batch, context, budget, budget + N_QUERIES,
-                                copy_gbps, device, timer, sparse_ref)
-                       for name, call in sparse_kernels(layout, budget, sweep_triton).items()]
+        sparse_rows = [
+            _measure(
+                name,
+                "sparse",
+                call,
+                sets,
+                layout,
+                batch,
+                context,
+                budget,
+                budget + N_QUERIES,
+                copy_gbps,
+                device,
+                timer,
+                sparse_ref,
+            )
+            for name, call in sparse_kernels(layout, budget, sweep_triton).items()
+        ]
         rows += sparse_rows
         cost = selection_cost_ms(layout, batch, context, budget, draft=draft, device=device, dtype=dtype, timer=timer)
         summaries.append(_summary(layout, batch, context, budget, best_dense, sparse_rows, cost))
@@ -464,11 +558,21 @@ def _sweep_point(layout, batch, context, budgets, device, dtype, timer, copy_gbp
 def _summary(layout, batch, context, budget, best_dense, sparse_rows, cost) -> dict:
     ok = [r for r in sparse_rows if r.get("status") == "ok"]
     best_sparse = min(ok, key=lambda r: r["ms"]) if ok else None
-    summary = dict(layout=layout.name, batch=batch, context=context, budget=budget,
-                   best_dense=best_dense and best_dense["kernel"], dense_ms=best_dense and best_dense["ms"],
-                   best_sparse=best_sparse and best_sparse["kernel"], sparse_ms=best_sparse and best_sparse["ms"],
-                   scoring_ms=cost.get("scoring_ms"), selection_ms=cost.get("selection_ms"),
-                   selection_status=cost.get("status"), speedup_attention=None, speedup_step=None)
+    summary = dict(
+        layout=layout.name,
+        batch=batch,
+        context=context,
+        budget=budget,
+        best_dense=best_dense and best_dense["kernel"],
+        dense_ms=best_dense and best_dense["ms"],
+        best_sparse=best_sparse and best_sparse["kernel"],
+        sparse_ms=best_sparse and best_sparse["ms"],
+        scoring_ms=cost.get("scoring_ms"),
+        selection_ms=cost.get("selection_ms"),
+        selection_status=cost.get("status"),
+        speedup_attention=None,
+        speedup_step=None,
+    )
     if best_dense and best_sparse:
         dense_step = best_dense["ms"] * layout.n_layers
         summary["speedup_attention"] = best_dense["ms"] / best_sparse["ms"]
@@ -480,29 +584,39 @@ def _summary(layout, batch, context, budget, best_dense, sparse_rows, cost) -> d
 
 def _print_rows(rows: list[dict]) -> None:
     width = max([26] + [len(r["kernel"]) + 2 for r in rows])
-    print(f"{'layout':<13}{'B':>3}{'ctx':>7}{'budget':>7}  {'kernel':<{width}}"
-          f"{'ms':>10}{'GB/s':>10}{'%copy':>7}  status")
+    print(
+        f"{'layout':<13}{'B':>3}{'ctx':>7}{'budget':>7}  {'kernel':<{width}}{'ms':>10}{'GB/s':>10}{'%copy':>7}  status"
+    )
     for r in rows:
         ms = f"{r['ms']:.4g}" if r.get("ms") is not None else "-"
         gbps = f"{r['gbps']:.4g}" if r.get("gbps") else "-"
         frac = f"{100 * r['frac_copy']:.0f}%" if r.get("frac_copy") else "-"
         budget = r["budget"] if r["budget"] is not None else "dense"
-        print(f"{r['layout']:<13}{r['batch']:>3}{r['context']:>7}{budget:>7}  {r['kernel']:<{width}}{ms:>10}{gbps:>10}"
-              f"{frac:>7}  {r['status']}")
+        print(
+            f"{r['layout']:<13}{r['batch']:>3}{r['context']:>7}{budget:>7}  {r['kernel']:<{width}}{ms:>10}{gbps:>10}"
+            f"{frac:>7}  {r['status']}"
+        )
 
 
 def _print_summaries(summaries: list[dict]) -> None:
     dense_w = max([24] + [len(str(s["best_dense"])) + 2 for s in summaries])
     sparse_w = max([16] + [len(str(s["best_sparse"])) + 2 for s in summaries])
-    print(f"\n{'layout':<13}{'B':>3}{'ctx':>7}{'budget':>7}  {'best dense':<{dense_w}}{'best sparse':<{sparse_w}}"
-          f"{'attn x':>8}{'step x':>8}  scoring+selection")
+    print(
+        f"\n{'layout':<13}{'B':>3}{'ctx':>7}{'budget':>7}  {'best dense':<{dense_w}}{'best sparse':<{sparse_w}}"
+        f"{'attn x':>8}{'step x':>8}  scoring+selection"
+    )
     for s in summaries:
         attn = f"{s['speedup_attention']:.3g}" if s["speedup_attention"] else "-"
         step = f"{s['speedup_step']:.3g}" if s["speedup_step"] else "-"
-        extra = (f"{s['scoring_ms']:.3f}+{s['selection_ms']:.3f} ms" if s["scoring_ms"] is not None
-                 else s["selection_status"])
-        print(f"{s['layout']:<13}{s['batch']:>3}{s['context']:>7}{s['budget']:>7}  {str(s['best_dense']):<{dense_w}}"
-              f"{str(s['best_sparse']):<{sparse_w}}{attn:>8}{step:>8}  {extra}")
+        extra = (
+            f"{s['scoring_ms']:.3f}+{s['selection_ms']:.3f} ms"
+            if s["scoring_ms"] is not None
+            else s["selection_status"]
+        )
+        print(
+            f"{s['layout']:<13}{s['batch']:>3}{s['context']:>7}{s['budget']:>7}  {str(s['best_dense']):<{dense_w}}"
+            f"{str(s['best_sparse']):<{sparse_w}}{attn:>8}{step:>8}  {extra}"
+        )
 
 
 def _versions() -> dict:
@@ -520,24 +634,35 @@ def _parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Sweeps CONTEXTS x BATCHES x LAYOUTS x BUDGETS (constants at the top of the file); "
-               "prints a table, a speedup summary, then one JSON line.",
+        "prints a table, a speedup summary, then one JSON line.",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs in seconds on CPU (Triton interpreter)")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"override CONTEXTS {CONTEXTS}")
     parser.add_argument("--batches", type=int, nargs="+", help=f"override BATCHES {BATCHES}")
     parser.add_argument("--budgets", type=int, nargs="+", help=f"override BUDGETS {BUDGETS}")
     parser.add_argument("--layouts", nargs="+", choices=[lay.name for lay in LAYOUTS], help="subset of LAYOUTS")
-    parser.add_argument("--timer", choices=("do_bench", "cudagraph"), default="do_bench",
-                        help="triton.testing.do_bench (L2 flushed per run; default) or do_bench_cudagraph "
-                             "(no launch overhead; kernels that sync with the host show as n/a)")
-    parser.add_argument("--sweep-triton", action="store_true",
-                        help="also time the Triton kernel under every TRITON_SWEEP combination of block_n, num_splits, "
-                             "num_stages, num_warps, merge (many rows; narrow the sweep with --contexts etc.)")
-    parser.add_argument("--sweep", metavar="SPEC", default=None,
-                        help="like --sweep-triton over the given values instead of TRITON_SWEEP, e.g. "
-                             "'block_n=32,64 num_splits=1,2,4 num_stages=5,7 num_warps=4 merge=ticket,kernel' "
-                             "(0 or auto = the heuristic, as is a key left out); several specs separated by ';' "
-                             "time the union of their combinations")
+    parser.add_argument(
+        "--timer",
+        choices=("do_bench", "cudagraph"),
+        default="do_bench",
+        help="triton.testing.do_bench (L2 flushed per run; default) or do_bench_cudagraph "
+        "(no launch overhead; kernels that sync with the host show as n/a)",
+    )
+    parser.add_argument(
+        "--sweep-triton",
+        action="store_true",
+        help="also time the Triton kernel under every TRITON_SWEEP combination of block_n, num_splits, "
+        "num_stages, num_warps, merge (many rows; narrow the sweep with --contexts etc.)",
+    )
+    parser.add_argument(
+        "--sweep",
+        metavar="SPEC",
+        default=None,
+        help="like --sweep-triton over the given values instead of TRITON_SWEEP, e.g. "
+        "'block_n=32,64 num_splits=1,2,4 num_stages=5,7 num_warps=4 merge=ticket,kernel' "
+        "(0 or auto = the heuristic, as is a key left out); several specs separated by ';' "
+        "time the union of their combinations",
+    )
     parser.add_argument("--out", help="save a JSON with the command line, GPU, versions, copy bandwidth and all rows")
     args = parser.parse_args(argv)
     if args.sweep:
@@ -593,17 +718,36 @@ def main(argv=None) -> None:
     for layout in layouts:
         for batch in batches:
             for context in contexts:
-                point_rows, point_summaries = _sweep_point(layout, batch, context, budgets, device, dtype,
-                                                           args.timer, copy_gbps, draft, gen, args.sweep_triton)
+                point_rows, point_summaries = _sweep_point(
+                    layout,
+                    batch,
+                    context,
+                    budgets,
+                    device,
+                    dtype,
+                    args.timer,
+                    copy_gbps,
+                    draft,
+                    gen,
+                    args.sweep_triton,
+                )
                 rows += point_rows
                 summaries += point_summaries
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     _print_rows(rows)
     _print_summaries(summaries)
-    result = dict(command=" ".join([sys.executable] + sys.argv), gpu=gpu, versions=_versions(),
-                  copy_gbps=copy_gbps, dtype=str(dtype), n_queries=N_QUERIES, timer=args.timer,
-                  rows=rows, summaries=summaries)
+    result = dict(
+        command=" ".join([sys.executable] + sys.argv),
+        gpu=gpu,
+        versions=_versions(),
+        copy_gbps=copy_gbps,
+        dtype=str(dtype),
+        n_queries=N_QUERIES,
+        timer=args.timer,
+        rows=rows,
+        summaries=summaries,
+    )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -61,13 +61,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from replay import (
+    AcceptReplay,
+    BudgetReplay,
+    CountReplay,
+    ExactReplay,
+    at_budget,
+    load_budgets,
+    load_predictions,
+    synthetic_budgets,
+    synthetic_predictions,
+)
 from transformers import StoppingCriteria
 
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.decode.hooks import DecodeHooks
-from replay import (AcceptReplay, BudgetReplay, CountReplay, ExactReplay, at_budget, load_budgets, load_predictions,
-                    synthetic_budgets, synthetic_predictions)
 
 # ----------------------------------------------------------------------------- sweep constants
 CONTEXTS = (8192, 16384, 32768)
@@ -77,8 +86,18 @@ BUDGET = 512
 NEW_TOKENS = 256  # per row, speculative methods (--new-tokens)
 AR_TOKENS = 24  # per row, plain generate() (slow at long context)
 WARMUP_STEPS = 3  # decode steps excluded from the rate (compilation, graph capture)
-METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft", "dustin_exact",
-           "dustin_exact_select", "dustin_knob", "hf_dynamic", "hf_static")
+METHODS = (
+    "spec_dense",
+    "dustin",
+    "dustin_sparse_draft",
+    "dustin_select",
+    "spec_sparse_draft",
+    "dustin_exact",
+    "dustin_exact_select",
+    "dustin_knob",
+    "hf_dynamic",
+    "hf_static",
+)
 DEFAULT_METHODS = ("spec_dense", "dustin", "dustin_sparse_draft", "hf_dynamic", "hf_static")
 # the methods that replay from per-position predictions only (exact mode's outcomes, the knob's step)
 PREDICTED_ONLY = ("spec_sparse_draft", "dustin_exact", "dustin_exact_select", "dustin_knob")
@@ -89,33 +108,97 @@ SMOKE_CONTEXTS, SMOKE_BUDGET, SMOKE_TOKENS = (96, 160), 32, 48
 # (tens of GB at 32k), and its speed depends on what the caching allocator holds: 72B over two H200s,
 # 32k, batch 8, it read 31.1 and 40.0 tok/s as a process's first run and 41.8 to 47.2 after the
 # speculative runs, so compare ratios against it with that spread.
-RUN_ORDER = ("hf_dynamic", "spec_dense", "dustin", "dustin_sparse_draft", "dustin_select", "spec_sparse_draft",
-             "dustin_exact", "dustin_exact_select", "dustin_knob", "hf_static")
+RUN_ORDER = (
+    "hf_dynamic",
+    "spec_dense",
+    "dustin",
+    "dustin_sparse_draft",
+    "dustin_select",
+    "spec_sparse_draft",
+    "dustin_exact",
+    "dustin_exact_select",
+    "dustin_knob",
+    "hf_static",
+)
 # transformers compiles the forward for static caches (a fresh compile per batch/context shape, minutes
 # each at these sizes); --compile-static turns that on, the default measures the static cache eagerly.
 COMPILE_STATIC = False
 
-QWEN = dict(rope_theta=1e6, max_position_embeddings=131072, rms_norm_eps=1e-6, hidden_act="silu",
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+QWEN = dict(
+    rope_theta=1e6,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 SHAPES = {  # Qwen2.5-*-Instruct config.json values that set the cost
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
-    "tiny-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "72b": dict(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+    "tiny-draft": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 # ----------------------------------------------------------------------------- models
-def build_model(size: str, devices: list[torch.device], dtype: torch.dtype, layers: int | None = None,
-                vocab_size: int | None = None):
+def build_model(
+    size: str,
+    devices: list[torch.device],
+    dtype: torch.dtype,
+    layers: int | None = None,
+    vocab_size: int | None = None,
+):
     """A Qwen2 causal LM with ``size``'s shapes and random weights, its layers split evenly over ``devices``;
     ``layers``: only that many decoder layers (a slice of the model, e.g. one pipeline stage's share);
     ``vocab_size``: another embedding size (a draft padded to its target's, so generate() needs no tokenizers)."""
@@ -139,7 +222,9 @@ def build_model(size: str, devices: list[torch.device], dtype: torch.dtype, laye
         model.get_submodule(name).to_empty(device=device)
     for param in model.parameters():
         param.data.normal_(0.0, 0.02)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(devices[0])  # a real inv_freq, not to_empty garbage
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(
+        devices[0]
+    )  # a real inv_freq, not to_empty garbage
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
@@ -216,8 +301,11 @@ class Sources:
 
     def method(self, name: str, context: int, exact_budget: int | None = None) -> Method:
         """``name``'s settings and replays at ``context`` (dustin_exact: at ``exact_budget``, default the first)."""
-        plain = DustinConfig(budget=self.budget, selection="dustin",  # Dustin's set; the _select methods name theirs
-                             min_context=min(DustinConfig().min_context, context))
+        plain = DustinConfig(
+            budget=self.budget,
+            selection="dustin",  # Dustin's set; the _select methods name theirs
+            min_context=min(DustinConfig().min_context, context),
+        )
         if name == "spec_dense":
             return Method(name, None, (self._accept(name, "draft", "dense"),))
         if name == "dustin":
@@ -228,8 +316,10 @@ class Sources:
             config = plain.replace(sparse_draft=True, selection="verify")
             return Method(name, config, (self._accept_select(),))
         if self.predictions is None:
-            raise ValueError(f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
-                             "--predictions benchmarks/traces/*_predictions_*.json")
+            raise ValueError(
+                f"{name} replays exact mode's or the knob's outcomes from per-position predictions: pass "
+                "--predictions benchmarks/traces/*_predictions_*.json"
+            )
         exact = plain.replace(budget=exact_budget or self.exact_budget, mode="exact", sparse_draft=True)
         if self.confirm is not None:
             exact = exact.replace(confirm_tokens=self.confirm[0], confirm_every=self.confirm[1])
@@ -238,15 +328,27 @@ class Sources:
             if name == "dustin_exact_select":
                 config = config.replace(selection="verify")
             width = config.confirm_tokens + 2 * GAMMA + 2  # the most tentative tokens a row holds, with room
-            return Method(name, config, (ExactReplay(at_budget(self.predictions, config.budget, config.selection),
-                                                     "draft_sparse", GAMMA, width),))
+            return Method(
+                name,
+                config,
+                (
+                    ExactReplay(
+                        at_budget(self.predictions, config.budget, config.selection), "draft_sparse", GAMMA, width
+                    ),
+                ),
+            )
         if name == "dustin_knob":
             budgets = self._budgets(context)
-            config = plain.replace(budget=budgets.floor, min_recovery=budgets.min_recovery, max_budget=budgets.ceiling,
-                                   sparse_draft=True)
-            accept = AcceptReplay(at_budget(self.predictions, budgets.floor), "draft_sparse", "sparse", GAMMA,
-                                  note=" (the sparse target at the knob's floor: the knob's read sets hold at least as "
-                                       "many positions)")
+            config = plain.replace(
+                budget=budgets.floor, min_recovery=budgets.min_recovery, max_budget=budgets.ceiling, sparse_draft=True
+            )
+            accept = AcceptReplay(
+                at_budget(self.predictions, budgets.floor),
+                "draft_sparse",
+                "sparse",
+                GAMMA,
+                note=" (the sparse target at the knob's floor: the knob's read sets hold at least as many positions)",
+            )
             return Method(name, config, (accept, budgets))
         raise ValueError(f"not a speculative method: {name!r}")
 
@@ -271,7 +373,9 @@ class Sources:
             return load_budgets(self.knob, context, self.knob_target)
         if self.synthetic:
             return synthetic_budgets(context, self.budget, min(context, 2 * self.budget))
-        raise ValueError("dustin_knob replays recorded knob budgets: pass --knob-traces benchmarks/traces/*_knob_*.json")
+        raise ValueError(
+            "dustin_knob replays recorded knob budgets: pass --knob-traces benchmarks/traces/*_knob_*.json"
+        )
 
 
 # ----------------------------------------------------------------------------- methods
@@ -304,14 +408,27 @@ def run_hf(target, batch: int, context: int, static: bool, dtype) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
     clock = _Clock()
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    target.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_KWARG: cache}, max_new_tokens=n_new,
-                    do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
-                    disable_compile=not COMPILE_STATIC)
+    target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **{CACHE_KWARG: cache},
+        max_new_tokens=n_new,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([clock]),
+        disable_compile=not COMPILE_STATIC,
+    )
     times = clock.times[WARMUP_STEPS:]
     seconds = times[-1] - times[0]
     tokens = batch * (len(times) - 1)
-    return dict(tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=len(times) - 1,
-                tokens_per_step=1.0, peak_gib=_peak_gib(), steady_tokens_per_s=tokens / seconds)
+    return dict(
+        tokens_per_s=tokens / seconds,
+        seconds=seconds,
+        tokens=tokens,
+        steps=len(times) - 1,
+        tokens_per_step=1.0,
+        peak_gib=_peak_gib(),
+        steady_tokens_per_s=tokens / seconds,
+    )
 
 
 def run_hf_repeated(target, batch: int, context: int, static: bool, dtype, runs: int) -> dict:
@@ -324,8 +441,9 @@ def run_hf_repeated(target, batch: int, context: int, static: bool, dtype, runs:
     every layer's K/V each token); the speedups use the median run.
     """
     warmup = run_hf(target, batch, context, static, dtype)
-    results = sorted((run_hf(target, batch, context, static, dtype) for _ in range(runs)),
-                     key=lambda r: r["tokens_per_s"])
+    results = sorted(
+        (run_hf(target, batch, context, static, dtype) for _ in range(runs)), key=lambda r: r["tokens_per_s"]
+    )
     median = dict(results[(len(results) - 1) // 2])  # the lower middle for an even count
     median["runs_tokens_per_s"] = [r["tokens_per_s"] for r in results]
     median["warmup_tokens_per_s"] = warmup["tokens_per_s"]
@@ -354,30 +472,52 @@ def _random_prefill(dtype):
         cache.advance(slice(0, len(rows)), lengths)
         device = runner.device
         last = [torch.randn(cfg.vocab_size, device=device) for _ in rows]
-        kept = [{layer: torch.randn(1, 1, len(heads), head_dim, device=layer_device(model, layer), dtype=dtype)
-                 for layer, heads in capture.items()} for _ in rows]
+        kept = [
+            {
+                layer: torch.randn(1, 1, len(heads), head_dim, device=layer_device(model, layer), dtype=dtype)
+                for layer, heads in capture.items()
+            }
+            for _ in rows
+        ]
         return last, kept
 
     return prefill
 
 
-def run_speculative(target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int = NEW_TOKENS,
-                    profile: bool | str = False, torch_trace: str | None = None, tuning=None) -> dict:
+def run_speculative(
+    target,
+    draft,
+    batch: int,
+    context: int,
+    method: Method,
+    dtype,
+    new_tokens: int = NEW_TOKENS,
+    profile: bool | str = False,
+    torch_trace: str | None = None,
+    tuning=None,
+) -> dict:
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)
     resolved = None if method.config is None else resolve(method.config, target.config, draft.config)
     decoder = SpeculativeDecoder(
-        target, draft, config, dustin_config=resolved, drafting=Drafting(GAMMA), runtime=RuntimeOptions(tuning=tuning),
+        target,
+        draft,
+        config,
+        dustin_config=resolved,
+        drafting=Drafting(GAMMA),
+        runtime=RuntimeOptions(tuning=tuning),
         hooks=method.hooks(prefill=_random_prefill(dtype), profile=profile),
     )
-    ids = torch.randint(0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device)
+    ids = torch.randint(
+        0, draft.config.vocab_size, (batch, context), device=target.get_input_embeddings().weight.device
+    )
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     if torch_trace:
         _trace_steps(decoder, torch_trace)
@@ -390,11 +530,20 @@ def run_speculative(target, draft, batch: int, context: int, method: Method, dty
     seconds = ends[-1] - ends[WARMUP_STEPS - 1]
     # the warm-up steps' time: the generate() call's CUDA-graph captures (made per call) and, in the process's
     # first run of a shape, kernel compilation; a user pays it once per call, the rate above leaves it out
-    out = dict(tokens_per_s=tokens / seconds, seconds=seconds, warmup_seconds=ends[WARMUP_STEPS - 1],
-               tokens=tokens, steps=len(steps),
-               tokens_per_step=tokens / len(steps) / batch, peak_gib=_peak_gib(), graphs=stats["cuda_graphs"],
-               backend=decoder.backend, sparse_steps=stats["sparse_steps"], dense_steps=stats["dense_steps"],
-               mean_attended=stats["mean_attended"])
+    out = dict(
+        tokens_per_s=tokens / seconds,
+        seconds=seconds,
+        warmup_seconds=ends[WARMUP_STEPS - 1],
+        tokens=tokens,
+        steps=len(steps),
+        tokens_per_step=tokens / len(steps) / batch,
+        peak_gib=_peak_gib(),
+        graphs=stats["cuda_graphs"],
+        backend=decoder.backend,
+        sparse_steps=stats["sparse_steps"],
+        dense_steps=stats["dense_steps"],
+        mean_attended=stats["mean_attended"],
+    )
     for report in ("exact", "knob"):  # exact mode's confirmations, the knob's realised budgets
         if report in stats:
             out[report] = stats[report]
@@ -479,7 +628,9 @@ def kv_bytes_per_position(model, elt: int = 2) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * elt  # K and V, all layers
 
 
-def step_bound_ms(method: Method | None, row: dict, target, draft, batch: int, context: int, copy_gbps: float) -> float:
+def step_bound_ms(
+    method: Method | None, row: dict, target, draft, batch: int, context: int, copy_gbps: float
+) -> float:
     """Fewest bytes one step must read (weights once per forward, KV it attends), over copy bandwidth.
 
     ``method``: ``None`` for plain ``generate()``; a speculative method's verifications read what its run
@@ -499,8 +650,12 @@ def step_bound_ms(method: Method | None, row: dict, target, draft, batch: int, c
     total = GAMMA * (d_w + batch * draft_attended * d_kv) + t_w + batch * (read + GAMMA + 1) * t_kv
     if cfg is not None:  # scoring: one target layer and three draft layers' keys of one KV head
         t_cfg, d_cfg = target.config, draft.config
-        total += batch * context * 2 * (t_cfg.hidden_size // t_cfg.num_attention_heads
-                                        + 3 * d_cfg.hidden_size // d_cfg.num_attention_heads)
+        total += (
+            batch
+            * context
+            * 2
+            * (t_cfg.hidden_size // t_cfg.num_attention_heads + 3 * d_cfg.hidden_size // d_cfg.num_attention_heads)
+        )
     return total / copy_gbps / 1e6
 
 
@@ -519,67 +674,145 @@ def measure_copy_gbps(device: torch.device) -> float:
 
 # ----------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--pair", default="7b", choices=("7b", "32b", "72b"), help="target size (draft: 0.5b)")
     parser.add_argument("--devices", type=int, default=None, help="GPUs to split the target over (default: all)")
-    parser.add_argument("--target-layers", type=int, default=None, metavar="N",
-                        help="build the target with only N decoder layers (a PROXY, said in the output's pair: "
-                             "e.g. --pair 72b --target-layers 40 --devices 1 is one of two pipeline stages, to "
-                             "profile a stage on one GPU); ratios against generate() then describe the slice, "
-                             "not the model")
+    parser.add_argument(
+        "--target-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="build the target with only N decoder layers (a PROXY, said in the output's pair: "
+        "e.g. --pair 72b --target-layers 40 --devices 1 is one of two pipeline stages, to "
+        "profile a stage on one GPU); ratios against generate() then describe the slice, "
+        "not the model",
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS,
-                        help=f"default: {' '.join(DEFAULT_METHODS)}; {', '.join(PREDICTED_ONLY)} need --predictions")
-    parser.add_argument("--budget", type=int, default=None,
-                        help=f"dustin's fixed budget (default {BUDGET}, --smoke {SMOKE_BUDGET})")
-    parser.add_argument("--exact-budget", type=int, nargs="+", default=None,
-                        help="exact mode's budget (dustin_exact's sparse steps and draft reads; the first also "
-                             "spec_sparse_draft's draft reads); several: one dustin_exact@BUDGET row each, in the same "
-                             "run; default: DustinConfig(mode='exact')'s (2048), printed")
-    parser.add_argument("--confirm", type=int, nargs=2, default=None, metavar=("TOKENS", "EVERY"),
-                        help="dustin_exact's confirm_tokens and confirm_every; default: DustinConfig()'s, printed")
-    parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",
-                        help="per-position predictions of the real pair (benchmarks/traces/*_predictions_*.json, "
-                             "dustin_hf.prediction_trace/1): every method replays its outcomes from them, each from "
-                             "the files recorded at its budget")
-    parser.add_argument("--knob-traces", nargs="+", default=None, metavar="TRACE",
-                        help="the knob's recorded per-step budgets (benchmarks/traces/*_knob_*.json, "
-                             "dustin_hf.knob_trace/1), replayed by dustin_knob scaled to the context")
-    parser.add_argument("--knob-target", type=float, default=None,
-                        help="use the knob traces recorded at this min_recovery (default: DustinConfig()'s if set, "
-                             "else the one target the traces share)")
-    parser.add_argument("--trace-dense", nargs="+", default=None, metavar="TRACE",
-                        help="without --predictions: acceptance traces (benchmarks/traces/*_dense.json) replayed by "
-                             "spec_dense; default: the paper's mean")
-    parser.add_argument("--trace-dustin", nargs="+", default=None, metavar="TRACE",
-                        help="without --predictions: acceptance traces (benchmarks/traces/*_dustin_b512.json) "
-                             "replayed by dustin; default: the paper's mean")
-    parser.add_argument("--trace-dustin-sparse-draft", nargs="+", default=None, metavar="TRACE",
-                        help="without --predictions: acceptance traces replayed by dustin_sparse_draft; default: the "
-                             "--trace-dustin traces, which is said in the output")
-    parser.add_argument("--new-tokens", type=int, default=None,
-                        help=f"tokens per row for the speculative methods (default {NEW_TOKENS}, --smoke "
-                             f"{SMOKE_TOKENS}); the all-steps rate includes the tail where rows that finished early "
-                             "idle, which weighs less the more tokens each row makes")
-    parser.add_argument("--no-profile", action="store_true",
-                        help="skip the per-phase profiling pass (run at the largest batch of each context)")
-    parser.add_argument("--profile-mode", choices=("events", "sync"), default="events",
-                        help="phases from CUDA events on the GPU timeline of undisturbed steps (default), or with "
-                             "the device synchronised between phases (each phase's own cost; CPU runs use sync)")
-    parser.add_argument("--compile-static", action="store_true",
-                        help="let transformers compile hf_static's forward (recompiles per shape; slow)")
-    parser.add_argument("--torch-trace", default=None, metavar="DIR",
-                        help="also record 8 decode steps of each speculative run with torch.profiler "
-                             "(DIR/<method>_<context>_<batch>.json.gz, Chrome trace format)")
-    parser.add_argument("--baseline-runs", type=int, default=3, metavar="N",
-                        help="run plain generate() (hf_dynamic, hf_static) once to warm up, then N times, and rate "
-                             "it by the median of the N runs; all rates are kept in the row (default 3)")
-    parser.add_argument("--smoke", action="store_true",
-                        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}, batch 2 (unless "
-                             "--contexts / --batches / --budget say otherwise); given no "
-                             "traces at all, every method replays SYNTHETIC ones (checks the script)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=DEFAULT_METHODS,
+        choices=METHODS,
+        help=f"default: {' '.join(DEFAULT_METHODS)}; {', '.join(PREDICTED_ONLY)} need --predictions",
+    )
+    parser.add_argument(
+        "--budget", type=int, default=None, help=f"dustin's fixed budget (default {BUDGET}, --smoke {SMOKE_BUDGET})"
+    )
+    parser.add_argument(
+        "--exact-budget",
+        type=int,
+        nargs="+",
+        default=None,
+        help="exact mode's budget (dustin_exact's sparse steps and draft reads; the first also "
+        "spec_sparse_draft's draft reads); several: one dustin_exact@BUDGET row each, in the same "
+        "run; default: DustinConfig(mode='exact')'s (2048), printed",
+    )
+    parser.add_argument(
+        "--confirm",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("TOKENS", "EVERY"),
+        help="dustin_exact's confirm_tokens and confirm_every; default: DustinConfig()'s, printed",
+    )
+    parser.add_argument(
+        "--predictions",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="per-position predictions of the real pair (benchmarks/traces/*_predictions_*.json, "
+        "dustin_hf.prediction_trace/1): every method replays its outcomes from them, each from "
+        "the files recorded at its budget",
+    )
+    parser.add_argument(
+        "--knob-traces",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="the knob's recorded per-step budgets (benchmarks/traces/*_knob_*.json, "
+        "dustin_hf.knob_trace/1), replayed by dustin_knob scaled to the context",
+    )
+    parser.add_argument(
+        "--knob-target",
+        type=float,
+        default=None,
+        help="use the knob traces recorded at this min_recovery (default: DustinConfig()'s if set, "
+        "else the one target the traces share)",
+    )
+    parser.add_argument(
+        "--trace-dense",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="without --predictions: acceptance traces (benchmarks/traces/*_dense.json) replayed by "
+        "spec_dense; default: the paper's mean",
+    )
+    parser.add_argument(
+        "--trace-dustin",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="without --predictions: acceptance traces (benchmarks/traces/*_dustin_b512.json) "
+        "replayed by dustin; default: the paper's mean",
+    )
+    parser.add_argument(
+        "--trace-dustin-sparse-draft",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="without --predictions: acceptance traces replayed by dustin_sparse_draft; default: the "
+        "--trace-dustin traces, which is said in the output",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per row for the speculative methods (default {NEW_TOKENS}, --smoke "
+        f"{SMOKE_TOKENS}); the all-steps rate includes the tail where rows that finished early "
+        "idle, which weighs less the more tokens each row makes",
+    )
+    parser.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the per-phase profiling pass (run at the largest batch of each context)",
+    )
+    parser.add_argument(
+        "--profile-mode",
+        choices=("events", "sync"),
+        default="events",
+        help="phases from CUDA events on the GPU timeline of undisturbed steps (default), or with "
+        "the device synchronised between phases (each phase's own cost; CPU runs use sync)",
+    )
+    parser.add_argument(
+        "--compile-static",
+        action="store_true",
+        help="let transformers compile hf_static's forward (recompiles per shape; slow)",
+    )
+    parser.add_argument(
+        "--torch-trace",
+        default=None,
+        metavar="DIR",
+        help="also record 8 decode steps of each speculative run with torch.profiler "
+        "(DIR/<method>_<context>_<batch>.json.gz, Chrome trace format)",
+    )
+    parser.add_argument(
+        "--baseline-runs",
+        type=int,
+        default=3,
+        metavar="N",
+        help="run plain generate() (hf_dynamic, hf_static) once to warm up, then N times, and rate "
+        "it by the median of the N runs; all rates are kept in the row (default 3)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"tiny models on CPU at contexts {list(SMOKE_CONTEXTS)}, budget {SMOKE_BUDGET}, batch 2 (unless "
+        "--contexts / --batches / --budget say otherwise); given no "
+        "traces at all, every method replays SYNTHETIC ones (checks the script)",
+    )
     parser.add_argument("--out", default=None, help="save the results JSON here")
     parser.add_argument("--plot", default=None, help="save a PNG of tokens/s vs context (largest batch) here")
     return parser
@@ -590,23 +823,36 @@ def sources(args, parser=None) -> Sources:
     fail = parser.error if parser is not None else _raise
     if (args.trace_dense is None) != (args.trace_dustin is None):
         fail("pass --trace-dense and --trace-dustin together (or neither, for the paper's mean)")
-    counts = {"spec_dense": CountReplay.load(args.trace_dense, GAMMA),
-              "dustin": CountReplay.load(args.trace_dustin, GAMMA)}
+    counts = {
+        "spec_dense": CountReplay.load(args.trace_dense, GAMMA),
+        "dustin": CountReplay.load(args.trace_dustin, GAMMA),
+    }
     counts["dustin_sparse_draft"] = CountReplay.load(args.trace_dustin_sparse_draft or args.trace_dustin, GAMMA)
     if args.trace_dustin_sparse_draft is None:
-        counts["dustin_sparse_draft"] = CountReplay(counts["dustin_sparse_draft"].counts,
-                                                    counts["dustin_sparse_draft"].source + " (Dustin's traces: the "
-                                                    "sparse draft's own acceptance not given)")
+        counts["dustin_sparse_draft"] = CountReplay(
+            counts["dustin_sparse_draft"].counts,
+            counts["dustin_sparse_draft"].source + " (Dustin's traces: the sparse draft's own acceptance not given)",
+        )
     predictions = load_predictions(args.predictions, GAMMA) if args.predictions else None
     budget = args.budget if args.budget is not None else SMOKE_BUDGET if args.smoke else BUDGET
     synthetic = args.smoke and predictions is None and args.trace_dense is None  # nothing recorded given
     if synthetic:
-        predictions = [synthetic_predictions(gamma=GAMMA, budget=budget, selection=selection)
-                       for selection in ("dustin", "verify")]
+        predictions = [
+            synthetic_predictions(gamma=GAMMA, budget=budget, selection=selection)
+            for selection in ("dustin", "verify")
+        ]
     exact_budgets = tuple(args.exact_budget or (budget if args.smoke else DustinConfig(mode="exact").budget,))
     knob_target = args.knob_target if args.knob_target is not None else DustinConfig().min_recovery
-    return Sources(predictions, counts, args.knob_traces, knob_target, budget, exact_budgets, synthetic=synthetic,
-                   confirm=None if args.confirm is None else tuple(args.confirm))
+    return Sources(
+        predictions,
+        counts,
+        args.knob_traces,
+        knob_target,
+        budget,
+        exact_budgets,
+        synthetic=synthetic,
+        confirm=None if args.confirm is None else tuple(args.confirm),
+    )
 
 
 def _raise(message: str):
@@ -619,8 +865,10 @@ def main(argv=None) -> dict:
     if args.baseline_runs < 1:
         parser.error(f"--baseline-runs must be at least 1, got {args.baseline_runs}")
     if args.target_layers is not None and not 1 <= args.target_layers <= SHAPES[args.pair]["num_hidden_layers"]:
-        parser.error(f"--target-layers must be 1..{SHAPES[args.pair]['num_hidden_layers']} for {args.pair}, "
-                     f"got {args.target_layers}")
+        parser.error(
+            f"--target-layers must be 1..{SHAPES[args.pair]['num_hidden_layers']} for {args.pair}, "
+            f"got {args.target_layers}"
+        )
 
     global COMPILE_STATIC
     COMPILE_STATIC = args.compile_static
@@ -640,16 +888,25 @@ def main(argv=None) -> dict:
     plan = sources(args, parser)
     defaults = DustinConfig()
     confirm = plan.confirm or (defaults.confirm_tokens, defaults.confirm_every)
-    exact_source = 'DustinConfig(mode="exact") defaults' + (", budget from --exact-budget" if args.exact_budget
-                                                else ", --smoke's budget" if args.smoke else "") + (
-        ", schedule from --confirm" if plan.confirm else "")
-    print(f"exact mode ({exact_source}): budget {', '.join(map(str, plan.exact_budgets))}, "
-          f"confirm_tokens {confirm[0]}, "
-          f"confirm_every {confirm[1]}", flush=True)
+    exact_source = (
+        'DustinConfig(mode="exact") defaults'
+        + (", budget from --exact-budget" if args.exact_budget else ", --smoke's budget" if args.smoke else "")
+        + (", schedule from --confirm" if plan.confirm else "")
+    )
+    print(
+        f"exact mode ({exact_source}): budget {', '.join(map(str, plan.exact_budgets))}, "
+        f"confirm_tokens {confirm[0]}, "
+        f"confirm_every {confirm[1]}",
+        flush=True,
+    )
     # every method at every context before any model is built: a missing trace fails in seconds, not minutes
     try:
-        methods = {(name, context): _variants(plan, name, context) for name in args.methods
-                   if not name.startswith("hf") for context in args.contexts}
+        methods = {
+            (name, context): _variants(plan, name, context)
+            for name in args.methods
+            if not name.startswith("hf")
+            for context in args.contexts
+        }
     except ValueError as error:  # a trace missing or recorded at another budget
         parser.error(str(error))
     torch.manual_seed(0)
@@ -667,22 +924,37 @@ def main(argv=None) -> dict:
     rows = []
     for name in sorted(args.methods, key=RUN_ORDER.index):  # method-major, in RUN_ORDER
         for context in args.contexts:
-            for batch, (label, method) in itertools.product(args.batches, methods.get((name, context), [(name, None)])):
+            for batch, (label, method) in itertools.product(
+                args.batches, methods.get((name, context), [(name, None)])
+            ):
                 row = dict(method=label, context=context, batch=batch)
                 try:
                     if method is None:
-                        row.update(run_hf_repeated(target, batch, context, name == "hf_static", dtype,
-                                                   args.baseline_runs))
+                        row.update(
+                            run_hf_repeated(target, batch, context, name == "hf_static", dtype, args.baseline_runs)
+                        )
                     else:
-                        row.update(_run_method(target, draft, batch, context, method, dtype, new_tokens, args,
-                                               profile_mode if batch == max(args.batches) else None))
+                        row.update(
+                            _run_method(
+                                target,
+                                draft,
+                                batch,
+                                context,
+                                method,
+                                dtype,
+                                new_tokens,
+                                args,
+                                profile_mode if batch == max(args.batches) else None,
+                            )
+                        )
                     bound_ms = step_bound_ms(method, row, target, draft, batch, context, copy_gbps)
                     row["bound_tokens_per_s"] = batch * row["tokens_per_step"] / (bound_ms / 1e3)
                     row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
                 except torch.OutOfMemoryError as error:
                     where = traceback.extract_tb(error.__traceback__)[-3:]
-                    row["error"] = (f"out of memory: {str(error).splitlines()[0]} at "
-                                    + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(where)))
+                    row["error"] = f"out of memory: {str(error).splitlines()[0]} at " + " <- ".join(
+                        f"{Path(f.filename).name}:{f.lineno}" for f in reversed(where)
+                    )
                     row.pop("tokens_per_s", None)  # a later pass of this row failed: no partial result
                 rows.append(row)
                 _print_row(row)
@@ -692,11 +964,16 @@ def main(argv=None) -> dict:
         for label, method in variants:
             acceptance.setdefault(label, method.acceptance)
     result = dict(
-        command=" ".join([Path(sys.executable).name] + sys.argv), pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        pair=f"{pair_name(sizes[0], layers)} + {sizes[1]}",
         gpus=[torch.cuda.get_device_name(d) for d in devices] if devices[0].type == "cuda" else ["cpu"],
-        versions=_versions(), copy_gbps=copy_gbps, gamma=GAMMA, budget=plan.budget,
-        exact_mode=dict(budget=list(plan.exact_budgets), confirm_tokens=confirm[0], confirm_every=confirm[1],
-                        source=exact_source),
+        versions=_versions(),
+        copy_gbps=copy_gbps,
+        gamma=GAMMA,
+        budget=plan.budget,
+        exact_mode=dict(
+            budget=list(plan.exact_budgets), confirm_tokens=confirm[0], confirm_every=confirm[1], source=exact_source
+        ),
         new_tokens={"speculative": new_tokens, "generate": AR_TOKENS},
         acceptance=acceptance,
         prefill="replaced by random K/V of the same shapes (decode-only measurement)",
@@ -721,8 +998,9 @@ def _variants(plan: Sources, name: str, context: int) -> list[tuple[str, Method]
     return [(name, plan.method(name, context))]
 
 
-def _run_method(target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int, args,
-                profile_mode: str | None) -> dict:
+def _run_method(
+    target, draft, batch: int, context: int, method: Method, dtype, new_tokens: int, args, profile_mode: str | None
+) -> dict:
     """One speculative row: the timed run, then (``profile_mode``) a profiling pass and (``--torch-trace``) a
     traced one, neither timed."""
     row = run_speculative(target, draft, batch, context, method, dtype, new_tokens)
@@ -735,8 +1013,16 @@ def _run_method(target, draft, batch: int, context: int, method: Method, dtype, 
         row["phase_mode"] = profile_mode
     if profile_mode and args.torch_trace:
         Path(args.torch_trace).mkdir(parents=True, exist_ok=True)
-        run_speculative(target, draft, batch, context, method, dtype, new_tokens,
-                        torch_trace=f"{args.torch_trace}/{method.name}_{context}_{batch}.json.gz")
+        run_speculative(
+            target,
+            draft,
+            batch,
+            context,
+            method,
+            dtype,
+            new_tokens,
+            torch_trace=f"{args.torch_trace}/{method.name}_{context}_{batch}.json.gz",
+        )
     return row
 
 
@@ -759,12 +1045,24 @@ def _add_ratios(rows: list[dict]) -> None:
         if "tokens_per_s" not in row:
             continue
         for reference in _REFERENCES:
-            ref = next((r for r in rows if r["method"] == reference and r["context"] == row["context"]
-                        and r["batch"] == row["batch"] and "tokens_per_s" in r), None)
+            ref = next(
+                (
+                    r
+                    for r in rows
+                    if r["method"] == reference
+                    and r["context"] == row["context"]
+                    and r["batch"] == row["batch"]
+                    and "tokens_per_s" in r
+                ),
+                None,
+            )
             row[f"x_vs_{reference}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ref else None
             if "steady_tokens_per_s" in row:  # every row active: the rate a server sees between arrivals
-                row[f"steady_x_vs_{reference}"] = (row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
-                                                   if ref and "steady_tokens_per_s" in ref else None)
+                row[f"steady_x_vs_{reference}"] = (
+                    row["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
+                    if ref and "steady_tokens_per_s" in ref
+                    else None
+                )
 
 
 def _versions() -> dict:
@@ -784,10 +1082,13 @@ def _print_row(row: dict) -> None:
     if "error" in row:
         print(f"{row['method']:<20} ctx {row['context']:>6} B {row['batch']:>3}  {row['error']}", flush=True)
         return
-    print(f"{row['method']:<20} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
-          f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
-          f"({100 * row['fraction_of_bound']:.0f}%)  steady {row.get('steady_tokens_per_s', float('nan')):9.1f} tok/s  "
-          f"peak {row['peak_gib'] or 0:.1f} GiB" + _runs(row) + _outcomes(row), flush=True)
+    print(
+        f"{row['method']:<20} ctx {row['context']:>6} B {row['batch']:>3}  {row['tokens_per_s']:9.1f} tok/s  "
+        f"{row['tokens_per_step']:.2f} tok/step/row  bound {row['bound_tokens_per_s']:9.1f}  "
+        f"({100 * row['fraction_of_bound']:.0f}%)  steady {row.get('steady_tokens_per_s', float('nan')):9.1f} tok/s  "
+        f"peak {row['peak_gib'] or 0:.1f} GiB" + _runs(row) + _outcomes(row),
+        flush=True,
+    )
 
 
 def _runs(row: dict) -> str:
@@ -803,39 +1104,60 @@ def _outcomes(row: dict) -> str:
     out = ""
     if "exact" in row:
         e = row["exact"]
-        out += (f"\n    exact: {e['confirmations']} confirmations, {100 * e['confirmed_fraction']:.0f}% of tentative "
-                f"tokens confirmed, {e['tokens_per_confirmation']:.2f} tokens per confirmation, row-steps "
-                f"{e['sparse_row_steps']} sparse / {e['dense_row_steps']} dense")
+        out += (
+            f"\n    exact: {e['confirmations']} confirmations, {100 * e['confirmed_fraction']:.0f}% of tentative "
+            f"tokens confirmed, {e['tokens_per_confirmation']:.2f} tokens per confirmation, row-steps "
+            f"{e['sparse_row_steps']} sparse / {e['dense_row_steps']} dense"
+        )
     if "knob" in row:
         k = row["knob"]
-        out += (f"\n    knob: budget mean {k['budget_mean']:.0f}, p50 {k['budget_p50']}, p95 {k['budget_p95']}, max "
-                f"{k['budget_max']}, {k['dense_fallbacks']} dense fallbacks of {k['row_steps']} row-steps")
+        out += (
+            f"\n    knob: budget mean {k['budget_mean']:.0f}, p50 {k['budget_p50']}, p95 {k['budget_p95']}, max "
+            f"{k['budget_max']}, {k['dense_fallbacks']} dense fallbacks of {k['row_steps']} row-steps"
+        )
     return out
 
 
 def _summary(rows: list[dict]) -> list[dict]:
-    keys = ("method", "context", "batch", "tokens_per_s", "tokens_per_step", "fraction_of_bound", "steady_tokens_per_s",
-            *(f"{prefix}x_vs_{ref}" for prefix in ("", "steady_") for ref in _REFERENCES))
+    keys = (
+        "method",
+        "context",
+        "batch",
+        "tokens_per_s",
+        "tokens_per_step",
+        "fraction_of_bound",
+        "steady_tokens_per_s",
+        *(f"{prefix}x_vs_{ref}" for prefix in ("", "steady_") for ref in _REFERENCES),
+    )
     return [{k: row.get(k) for k in keys} for row in rows if "tokens_per_s" in row]
 
 
 def _print_table(rows: list[dict], acceptance: dict[str, str]) -> None:
     """The rows with their ratios (x classic: vs spec_dense; x ssd: vs spec_sparse_draft), then what each method
     replays."""
-    ratios = ("x_vs_hf_dynamic", "x_vs_spec_dense", "x_vs_spec_sparse_draft", "steady_x_vs_spec_dense",
-              "steady_x_vs_spec_sparse_draft")
-    print(f"\n{'method':<20}{'ctx':>7}{'B':>4}{'tok/s':>10}{'tok/step':>9}{'x hf_dyn':>9}{'x classic':>10}{'x ssd':>7}"
-          f"{'%bound':>7}{'steady':>9}{'x classic':>10}{'x ssd':>7}  phases (ms/step)")
+    ratios = (
+        "x_vs_hf_dynamic",
+        "x_vs_spec_dense",
+        "x_vs_spec_sparse_draft",
+        "steady_x_vs_spec_dense",
+        "steady_x_vs_spec_sparse_draft",
+    )
+    print(
+        f"\n{'method':<20}{'ctx':>7}{'B':>4}{'tok/s':>10}{'tok/step':>9}{'x hf_dyn':>9}{'x classic':>10}{'x ssd':>7}"
+        f"{'%bound':>7}{'steady':>9}{'x classic':>10}{'x ssd':>7}  phases (ms/step)"
+    )
     for row in rows:
         if "tokens_per_s" not in row:
             continue
         phases = " ".join(f"{k}={v:.2f}" for k, v in row.get("phase_ms_per_step", {}).items())
         ratio = {k: f"{row[k]:.2f}" if row.get(k) else "-" for k in ratios}
         steady = f"{row['steady_tokens_per_s']:.1f}" if "steady_tokens_per_s" in row else "-"
-        print(f"{row['method']:<20}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}"
-              f"{row['tokens_per_step']:>9.2f}{ratio['x_vs_hf_dynamic']:>9}{ratio['x_vs_spec_dense']:>10}"
-              f"{ratio['x_vs_spec_sparse_draft']:>7}{100 * row['fraction_of_bound']:>6.0f}%{steady:>9}"
-              f"{ratio['steady_x_vs_spec_dense']:>10}{ratio['steady_x_vs_spec_sparse_draft']:>7}  {phases}")
+        print(
+            f"{row['method']:<20}{row['context']:>7}{row['batch']:>4}{row['tokens_per_s']:>10.1f}"
+            f"{row['tokens_per_step']:>9.2f}{ratio['x_vs_hf_dynamic']:>9}{ratio['x_vs_spec_dense']:>10}"
+            f"{ratio['x_vs_spec_sparse_draft']:>7}{100 * row['fraction_of_bound']:>6.0f}%{steady:>9}"
+            f"{ratio['steady_x_vs_spec_dense']:>10}{ratio['steady_x_vs_spec_sparse_draft']:>7}  {phases}"
+        )
     print("\nreplayed outcomes (the models have random weights):")
     for name, source in acceptance.items():
         print(f"  {name}: {source}")
@@ -850,8 +1172,11 @@ def _plot(rows: list[dict], path: str, result: dict) -> None:
     batch = max(r["batch"] for r in rows)
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in METHODS:
-        pts = sorted((r["context"], r["tokens_per_s"]) for r in rows
-                     if r["method"] == method and r["batch"] == batch and "tokens_per_s" in r)
+        pts = sorted(
+            (r["context"], r["tokens_per_s"])
+            for r in rows
+            if r["method"] == method and r["batch"] == batch and "tokens_per_s" in r
+        )
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
     ax.set_xscale("log", base=2)

@@ -168,11 +168,14 @@ class Study:
         self.handle = dustin_hf.patch(self.target, hooks=DecodeHooks(prefill=self.store.hook()))
         self.settings = {**{n: SETTINGS[n] for n in args.settings}, **args.extra}
         if args.min_context is not None:  # below the library's 2048 (short smoke prompts)
-            self.settings = {n: c if c is None else {"min_context": args.min_context, **c}
-                             for n, c in self.settings.items()}
+            self.settings = {
+                n: c if c is None else {"min_context": args.min_context, **c} for n, c in self.settings.items()
+            }
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        self.resolved = {n: None if c is None else resolve(DustinConfig().replace(**c), t_cfg, d_cfg)
-                         for n, c in self.settings.items()}
+        self.resolved = {
+            n: None if c is None else resolve(DustinConfig().replace(**c), t_cfg, d_cfg)
+            for n, c in self.settings.items()
+        }
         # the scoring layers every setting's history reads (prefilled once for all)
         self.history_layers = tuple(sorted({r.target_layer for r in self.resolved.values() if r is not None}))
         self.out = Path(args.out)
@@ -197,8 +200,14 @@ class Study:
             if runs[-1] != run:
                 runs.append(run)
             return report
-        return {**run, "machine": describe_machine(self.device), "model_pair": self.pair.describe(), "gamma": GAMMA,
-                "runs": [run], "records": []}
+        return {
+            **run,
+            "machine": describe_machine(self.device),
+            "model_pair": self.pair.describe(),
+            "gamma": GAMMA,
+            "runs": [run],
+            "records": [],
+        }
 
     def save(self, phase: str, report: dict) -> None:
         self.path(phase).write_text(json.dumps(report, indent=1) + "\n")
@@ -217,8 +226,12 @@ class Study:
     def call(self, ids, mask, kwargs: dict, new_tokens: int, sampling: bool = False, seed: int = 0):
         """One timed ``generate()`` of the batch with ``kwargs`` (the draft, the cache implementation and config).
         End-of-text never stops a row. Returns (tokens per row, the loop's stats or None, seconds)."""
-        config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=self.pad,
-                                  **(SAMPLING if sampling else dict(do_sample=False)))
+        config = GenerationConfig(
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=self.pad,
+            **(SAMPLING if sampling else dict(do_sample=False)),
+        )
         torch.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -229,7 +242,7 @@ class Study:
         seconds = time.perf_counter() - start
         # the loop runs with "dustin", or with a draft for more than one row (one row with a draft: stock's own)
         looped = "cache_implementation" in kwargs or "assistant_model" in kwargs and ids.shape[0] > 1
-        return out[:, ids.shape[1]:].tolist(), self.loop_stats(looped), seconds
+        return out[:, ids.shape[1] :].tolist(), self.loop_stats(looped), seconds
 
     def loop_stats(self, looped: bool) -> dict | None:
         """The stats of the last call's decode loop, read from the caches the patch keeps for the next call (a
@@ -246,8 +259,16 @@ class Study:
         for the generated text (:class:`_Scorer` reads it there)."""
         self.release()
         for ids in rows:
-            self.store.add(prefill_pair(self.target, self.draft, ids.to(self.device), self.history_layers,
-                                        chunk=None, capacity=self.args.new_tokens + 1))
+            self.store.add(
+                prefill_pair(
+                    self.target,
+                    self.draft,
+                    ids.to(self.device),
+                    self.history_layers,
+                    chunk=None,
+                    capacity=self.args.new_tokens + 1,
+                )
+            )
 
     def release(self) -> None:
         """Drop the stored prefills and the loop's held caches and graphs (before stock's own prefill, say)."""
@@ -263,16 +284,22 @@ def _padded(rows: list[torch.Tensor], pad: int, device) -> tuple[torch.Tensor, t
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - r.numel():] = r
-        mask[b, width - r.numel():] = 1
+        ids[b, width - r.numel() :] = r
+        mask[b, width - r.numel() :] = 1
     return ids.to(device), mask.to(device)
 
 
 def _summary(stats: dict | None) -> dict:
     if stats is None:
         return {}
-    keep = ("sparse_steps", "dense_steps", "mean_attended", "mean_accepted_per_step", "prefill_seconds",
-            "decode_seconds")
+    keep = (
+        "sparse_steps",
+        "dense_steps",
+        "mean_attended",
+        "mean_accepted_per_step",
+        "prefill_seconds",
+        "decode_seconds",
+    )
     return {k: stats.get(k) for k in keep if k in stats} | ({"exact": stats["exact"]} if "exact" in stats else {})
 
 
@@ -295,18 +322,23 @@ def retrieval(study: Study, context: int) -> None:
         todo = [m for m in methods if any((context, m, first + i) not in done for i in range(len(batch)))]
         if not todo or not study.time_left():
             continue
-        plain = {r["prompt"]: r["tokens"] for r in report["records"]
-                 if r["context"] == context and r["method"] == "plain"}
+        plain = {
+            r["prompt"]: r["tokens"] for r in report["records"] if r["context"] == context and r["method"] == "plain"
+        }
         if "plain" in todo:  # stock, in batches of at most STOCK_BATCH rows
             study.release()
             for part in range(0, len(batch), STOCK_BATCH):
                 rows = [n.prompt_ids for n in batch[part : part + STOCK_BATCH]]
-                tokens, _, seconds = study.generate(*_padded(rows, study.pad, study.device), None, args.answer_tokens,
-                                                    False, args.seed)
+                tokens, _, seconds = study.generate(
+                    *_padded(rows, study.pad, study.device), None, args.answer_tokens, False, args.seed
+                )
                 for i, t in enumerate(tokens):
                     plain[first + part + i] = t
-                    report["records"].append(_needle_record(tok, batch[part + i], first + part + i, context, "plain",
-                                                            t, None, seconds, None))
+                    report["records"].append(
+                        _needle_record(
+                            tok, batch[part + i], first + part + i, context, "plain", t, None, seconds, None
+                        )
+                    )
             study.save("retrieval", report)
         study.prefill_rows([n.prompt_ids for n in batch])
         ids, mask = _padded([n.prompt_ids for n in batch], study.pad, study.device)
@@ -315,11 +347,15 @@ def retrieval(study: Study, context: int) -> None:
                 continue
             tokens, stats, seconds = study.generate(ids, mask, method, args.answer_tokens, False, args.seed)
             for i, t in enumerate(tokens):
-                report["records"].append(_needle_record(tok, batch[i], first + i, context, method, t,
-                                                        plain.get(first + i), seconds, stats))
-            correct = sum(r["correct"] for r in report["records"][-len(batch):])
-            print(f"retrieval {context} prompts {first}-{first + len(batch) - 1} {method}: {correct}/{len(batch)} "
-                  f"correct, {seconds:.1f} s", flush=True)
+                report["records"].append(
+                    _needle_record(tok, batch[i], first + i, context, method, t, plain.get(first + i), seconds, stats)
+                )
+            correct = sum(r["correct"] for r in report["records"][-len(batch) :])
+            print(
+                f"retrieval {context} prompts {first}-{first + len(batch) - 1} {method}: {correct}/{len(batch)} "
+                f"correct, {seconds:.1f} s",
+                flush=True,
+            )
             study.save("retrieval", report)
     study.store.clear()
     report["summary"] = _retrieval_summary(report["records"])
@@ -337,10 +373,18 @@ def _reply(tok, tokens: list[int]) -> list[int]:
 def _needle_record(tok, needle, index, context, method, tokens, plain, seconds, stats) -> dict:
     reply = _reply(tok, tokens)
     answer = tok.decode(reply, skip_special_tokens=True)
-    return {"context": context, "method": method, "prompt": index, **needle.describe(), "answer": answer,
-            "tokens": tokens, "correct": needle_found(answer, needle),
-            "same_as_plain": None if plain is None else reply == _reply(tok, plain), "seconds": seconds,
-            **_summary(stats)}
+    return {
+        "context": context,
+        "method": method,
+        "prompt": index,
+        **needle.describe(),
+        "answer": answer,
+        "tokens": tokens,
+        "correct": needle_found(answer, needle),
+        "same_as_plain": None if plain is None else reply == _reply(tok, plain),
+        "seconds": seconds,
+        **_summary(stats),
+    }
 
 
 def rescore(study: Study) -> None:
@@ -364,8 +408,10 @@ def rescore(study: Study) -> None:
 def _retrieval_summary(records: list[dict]) -> dict:
     out = {}
     for r in records:
-        entry = out.setdefault(f"{r['context']}/{r['method']}", {"prompts": 0, "correct": 0, "same_as_plain": 0,
-                                                                  "missed_where_plain_found": []})
+        entry = out.setdefault(
+            f"{r['context']}/{r['method']}",
+            {"prompts": 0, "correct": 0, "same_as_plain": 0, "missed_where_plain_found": []},
+        )
         entry["prompts"] += 1
         entry["correct"] += bool(r["correct"])
         entry["same_as_plain"] += bool(r["same_as_plain"]) or r["method"] == "plain"
@@ -404,21 +450,29 @@ def free_running(study: Study, context: int) -> None:
     for first in range(0, len(rows), args.batch):
         batch = rows[first : first + args.batch]
         index = range(first, first + len(batch))
-        jobs = [(m, s) for s in modes for m in (["plain"] if not s else []) + list(study.settings)
-                if (not s or m in args.sampling) and any((context, m, s, i) not in done for i in index)]
+        jobs = [
+            (m, s)
+            for s in modes
+            for m in (["plain"] if not s else []) + list(study.settings)
+            if (not s or m in args.sampling) and any((context, m, s, i) not in done for i in index)
+        ]
         if not jobs or not study.time_left():
             continue
         ids = torch.stack([w for _, _, w in batch]).to(study.device)
         mask = torch.ones_like(ids)
-        reference = {r["row"]: r["tokens"] for r in report["records"]
-                     if r["context"] == context and r["method"] == "plain" and not r["sampling"]}
+        reference = {
+            r["row"]: r["tokens"]
+            for r in report["records"]
+            if r["context"] == context and r["method"] == "plain" and not r["sampling"]
+        }
         if ("plain", False) in jobs:
             study.release()
             tokens, _, seconds = study.generate(ids, mask, None, args.new_tokens, False, args.seed)
             for i, t in zip(index, tokens):
                 reference[i] = t
-            report["records"] += _free_records(study, batch, index, context, "plain", False, tokens, None, seconds,
-                                               reference, None)
+            report["records"] += _free_records(
+                study, batch, index, context, "plain", False, tokens, None, seconds, reference, None
+            )
             study.save("free", report)
             print(f"free {context} rows {first}-{index[-1]} plain: {seconds:.1f} s", flush=True)
         study.prefill_rows([w for _, _, w in batch])
@@ -428,13 +482,17 @@ def free_running(study: Study, context: int) -> None:
                 continue
             tokens, stats, seconds = study.generate(ids, mask, method, args.new_tokens, sampling, args.seed + first)
             nll = scorer.nll(tokens)
-            report["records"] += _free_records(study, batch, index, context, method, sampling, tokens, stats, seconds,
-                                               reference, nll)
+            report["records"] += _free_records(
+                study, batch, index, context, method, sampling, tokens, stats, seconds, reference, nll
+            )
             study.save("free", report)
             looped = sum(loop_period(t) is not None for t in tokens)
-            print(f"free {context} rows {first}-{index[-1]} {method}{' sampling' if sampling else ''}: "
-                  f"distinct-4 {sum(map(distinct, tokens)) / len(tokens):.3f}, {looped} looping, "
-                  f"NLL {sum(nll) / len(nll):.3f}, {seconds:.1f} s", flush=True)
+            print(
+                f"free {context} rows {first}-{index[-1]} {method}{' sampling' if sampling else ''}: "
+                f"distinct-4 {sum(map(distinct, tokens)) / len(tokens):.3f}, {looped} looping, "
+                f"NLL {sum(nll) / len(nll):.3f}, {seconds:.1f} s",
+                flush=True,
+            )
         del scorer
         study.store.clear()
     report["summary"] = _free_summary(report["records"], args.batch)
@@ -453,8 +511,10 @@ class _Scorer:
         self.study = study
         backend = resolve_backend("auto", study.device)
         states = [study.store.find(w.to(study.device)) for _, _, w in batch]
-        self.rows = [(s.tokens.numel(), s.last_logits.float(), ModelRunner(study.target, s.target_cache, backend))
-                     for s in states]
+        self.rows = [
+            (s.tokens.numel(), s.last_logits.float(), ModelRunner(study.target, s.target_cache, backend))
+            for s in states
+        ]
 
     def nll(self, tokens: list[list[int]]) -> list[float]:
         from dustin_hf.runtime.plan import ForwardPlan
@@ -463,8 +523,9 @@ class _Scorer:
         with torch.no_grad(), dustin_attention_on(self.study.target, self.study.draft):
             for (context, first, runner), row in zip(self.rows, tokens):
                 ids = torch.tensor(row, device=self.study.device)
-                plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[context], q_len=ids.numel() - 1,
-                                   backend=runner.backend)
+                plan = ForwardPlan(
+                    rows=slice(0, 1), cache_seqlens=[context], q_len=ids.numel() - 1, backend=runner.backend
+                )
                 logits = runner.forward(plan, ids[None, :-1], keep=ids.numel() - 1)[0].float()  # (n-1, V)
                 runner.cache.rollback([context])
                 logits = torch.cat([first[None].to(logits.device), logits])
@@ -477,14 +538,27 @@ def _free_records(study, batch, index, context, method, sampling, tokens, stats,
     for j, (i, t) in enumerate(zip(index, tokens)):
         text, offset, window = batch[j]
         ref = reference.get(i)
-        records.append({
-            "context": context, "method": method, "sampling": sampling, "row": i, "text": text, "offset": offset,
-            "budget": None if study.settings.get(method) is None else study.resolved[method].budget,
-            "distinct4": distinct(t), "longest_repeat": longest_repeat(t), "loop_period": loop_period(t),
-            "copied8": copied_share(t, window.tolist()), "nll": None if nll is None else nll[j],
-            "leaves_plain_at": None if ref is None or sampling else first_difference(t, ref),
-            "seconds": seconds, "batch_rows": len(batch), **_summary(stats), "tokens": t,
-        })
+        records.append(
+            {
+                "context": context,
+                "method": method,
+                "sampling": sampling,
+                "row": i,
+                "text": text,
+                "offset": offset,
+                "budget": None if study.settings.get(method) is None else study.resolved[method].budget,
+                "distinct4": distinct(t),
+                "longest_repeat": longest_repeat(t),
+                "loop_period": loop_period(t),
+                "copied8": copied_share(t, window.tolist()),
+                "nll": None if nll is None else nll[j],
+                "leaves_plain_at": None if ref is None or sampling else first_difference(t, ref),
+                "seconds": seconds,
+                "batch_rows": len(batch),
+                **_summary(stats),
+                "tokens": t,
+            }
+        )
     return records
 
 
@@ -504,10 +578,14 @@ def _free_summary(records: list[dict], batch: int = 16) -> dict:
         n = len(rs)
         leaves = sorted(r["leaves_plain_at"] for r in rs if r["leaves_plain_at"] is not None)
         nll = [r["nll"] for r in rs if r["nll"] is not None]
-        kept = [r["mean_accepted_per_step"] / r.get("batch_rows", batch) for r in rs
-                if r.get("mean_accepted_per_step") is not None]
+        kept = [
+            r["mean_accepted_per_step"] / r.get("batch_rows", batch)
+            for r in rs
+            if r.get("mean_accepted_per_step") is not None
+        ]
         summary[f"{context}/{method}/{mode}"] = {
-            "rows": n, "distinct4": sum(r["distinct4"] for r in rs) / n,
+            "rows": n,
+            "distinct4": sum(r["distinct4"] for r in rs) / n,
             "rows_distinct4_under_0.3": sum(r["distinct4"] < 0.3 for r in rs),
             "rows_looping": sum(r["loop_period"] is not None for r in rs),
             "longest_repeat_median": sorted(r["longest_repeat"] for r in rs)[n // 2],
@@ -515,16 +593,26 @@ def _free_summary(records: list[dict], batch: int = 16) -> dict:
             "nll": sum(nll) / len(nll) if nll else None,
             "leaves_plain_median": leaves[len(leaves) // 2] if leaves else None,
             "drafts_kept_per_step_per_row": sum(kept) / len(kept) if kept else None,
-            "distinct4_by_text": {t: sum(r["distinct4"] for r in rs if r["text"] == t) / sum(r["text"] == t for r in rs)
-                                  for t in sorted({r["text"] for r in rs})},
+            "distinct4_by_text": {
+                t: sum(r["distinct4"] for r in rs if r["text"] == t) / sum(r["text"] == t for r in rs)
+                for t in sorted({r["text"] for r in rs})
+            },
         }
     for context in sorted({c for c, _, _ in groups}):
         refs = [summary[f"{context}/{m}/greedy"] for m in REFERENCES if f"{context}/{m}/greedy" in summary]
         if refs:
             summary[f"{context}/dense_spread/greedy"] = {
                 key: [min(r[key] for r in refs if r[key] is not None), max(r[key] for r in refs if r[key] is not None)]
-                for key in ("distinct4", "rows_distinct4_under_0.3", "rows_looping", "longest_repeat_median",
-                            "copied8", "nll") if any(r[key] is not None for r in refs)}
+                for key in (
+                    "distinct4",
+                    "rows_distinct4_under_0.3",
+                    "rows_looping",
+                    "longest_repeat_median",
+                    "copied8",
+                    "nll",
+                )
+                if any(r[key] is not None for r in refs)
+            }
     return summary
 
 
@@ -539,12 +627,16 @@ def fidelity(study: Study, context: int) -> None:
     t_cfg, d_cfg = study.target.config.get_text_config(), study.draft.config.get_text_config()
     methods = {"dense": None}
     for name in args.walk_settings:
-        methods[name] = resolve(DustinConfig(min_context=args.min_context or 1024).replace(
-            **{**SETTINGS, **args.extra}[name]), t_cfg, d_cfg)
+        methods[name] = resolve(
+            DustinConfig(min_context=args.min_context or 1024).replace(**{**SETTINGS, **args.extra}[name]),
+            t_cfg,
+            d_cfg,
+        )
     oracle = {}
     for budget in args.oracle_budgets:
-        methods[f"oracle{budget}"] = resolve(DustinConfig(budget=budget, min_context=args.min_context or 1024,
-                                                          selection="dustin"), t_cfg, d_cfg)  # reads its own sets
+        methods[f"oracle{budget}"] = resolve(
+            DustinConfig(budget=budget, min_context=args.min_context or 1024, selection="dustin"), t_cfg, d_cfg
+        )  # reads its own sets
         oracle[f"oracle{budget}"] = "shared"
     layers = tuple(sorted({m.target_layer for m in methods.values() if m is not None}))
     names = study.pair.describe()
@@ -555,32 +647,72 @@ def fidelity(study: Study, context: int) -> None:
         window = token_window(study.tok, text, context + args.walk_tokens, args.walk_offset)
         started = time.perf_counter()
         state = prefill_pair(study.target, study.draft, window[:context].to(study.device), layers, chunk=None)
-        walk = teacher_forced_walk(study.target, study.draft, state, window[context:], GAMMA, methods,
-                                   recovery_every=1 if oracle else 0, oracle=oracle, progress=not args.quiet,
-                                   desc=f"walk {text}@{context}")
+        walk = teacher_forced_walk(
+            study.target,
+            study.draft,
+            state,
+            window[context:],
+            GAMMA,
+            methods,
+            recovery_every=1 if oracle else 0,
+            oracle=oracle,
+            progress=not args.quiet,
+            desc=f"walk {text}@{context}",
+        )
         dense = walk.predictions["dense"]
-        record = {"context": context, "text": text, "offset": args.walk_offset, "positions": walk.tokens,
-                  "seconds": time.perf_counter() - started, "dense_ppl": walk.ppl["dense"],
-                  "dense_tf_accepted": walk.accepted["dense"], "methods": {}}
+        record = {
+            "context": context,
+            "text": text,
+            "offset": args.walk_offset,
+            "positions": walk.tokens,
+            "seconds": time.perf_counter() - started,
+            "dense_ppl": walk.ppl["dense"],
+            "dense_tf_accepted": walk.accepted["dense"],
+            "methods": {},
+        }
         for name, cfg in methods.items():
             if cfg is None:
                 continue
             record["methods"][name] = {
-                "budget": cfg.budget, "ppl_ratio": walk.ppl[name] / walk.ppl["dense"],
-                "top1_agreement": walk.top1_agreement_with_dense[name], "tf_accepted": walk.accepted[name],
-                "recovery": walk.recovery.get(name), "config": {k: v for k, v in asdict(cfg).items()
-                                                                  if k in ("budget", "recent_tokens", "sink_tokens",
-                                                                           "selection_layers", "sparse_draft")}}
+                "budget": cfg.budget,
+                "ppl_ratio": walk.ppl[name] / walk.ppl["dense"],
+                "top1_agreement": walk.top1_agreement_with_dense[name],
+                "tf_accepted": walk.accepted[name],
+                "recovery": walk.recovery.get(name),
+                "config": {
+                    k: v
+                    for k, v in asdict(cfg).items()
+                    if k in ("budget", "recent_tokens", "sink_tokens", "selection_layers", "sparse_draft")
+                },
+            }
             if args.traces and name not in oracle and cfg.sparse_draft:  # what e2e.py --predictions replays
-                predictions = {"truth": walk.truth, "dense": dense, "sparse": walk.predictions[name],
-                               "draft": walk.draft_predictions["dense"], "draft_sparse": walk.draft_predictions[name]}
-                trace = prediction_record(pair_names, {**describe_text(text), "offset": args.walk_offset}, context,
-                                          GAMMA, cfg.budget, asdict(cfg), predictions, names["dtype"], names["device"])
+                predictions = {
+                    "truth": walk.truth,
+                    "dense": dense,
+                    "sparse": walk.predictions[name],
+                    "draft": walk.draft_predictions["dense"],
+                    "draft_sparse": walk.draft_predictions[name],
+                }
+                trace = prediction_record(
+                    pair_names,
+                    {**describe_text(text), "offset": args.walk_offset},
+                    context,
+                    GAMMA,
+                    cfg.budget,
+                    asdict(cfg),
+                    predictions,
+                    names["dtype"],
+                    names["device"],
+                )
                 record["methods"][name]["trace"] = str(write_predictions(Path(args.traces) / name, trace))
         report["records"].append(record)
-        print(f"fidelity {context} {text}: " + ", ".join(
-            f"{n} ppl x{m['ppl_ratio']:.3f} top1 {m['top1_agreement']:.3f}" for n, m in record["methods"].items()),
-            flush=True)
+        print(
+            f"fidelity {context} {text}: "
+            + ", ".join(
+                f"{n} ppl x{m['ppl_ratio']:.3f} top1 {m['top1_agreement']:.3f}" for n, m in record["methods"].items()
+            ),
+            flush=True,
+        )
         study.save("fidelity", report)
         del state, walk
         gc.collect()
@@ -597,8 +729,11 @@ def calls(study: Study, context: int) -> None:
     study.store.clear()
     floor = {} if args.min_context is None else {"min_context": args.min_context}
     loop = {  # cache_config of each of the loop's methods (classic: dense, no row reaching min_context)
-        "classic": {"min_context": 2**30}, "default": floor,  # the default: DustinConfig() as it comes
-        "dustin_sparse_draft": {**SETTINGS["sparse512_sd"], **floor}, "exact": {**SETTINGS["exact"], **floor}}
+        "classic": {"min_context": 2**30},
+        "default": floor,  # the default: DustinConfig() as it comes
+        "dustin_sparse_draft": {**SETTINGS["sparse512_sd"], **floor},
+        "exact": {**SETTINGS["exact"], **floor},
+    }
     rows = windows(study, context)
     hooks, study.handle.hooks = study.handle.hooks, None  # no stored prefill: the call reads its prompt
     try:
@@ -608,8 +743,10 @@ def calls(study: Study, context: int) -> None:
             for method in ("plain", "stock_assisted", *loop):
                 if method == "stock_assisted" and batch_size > 1 or not study.time_left():
                     continue
-                if any(r["context"] == context and r["batch"] == batch_size and r["method"] == method
-                       for r in report["records"]):
+                if any(
+                    r["context"] == context and r["batch"] == batch_size and r["method"] == method
+                    for r in report["records"]
+                ):
                     continue
                 kwargs = {} if method == "plain" else dict(assistant_model=study.draft)
                 if method in loop:
@@ -617,8 +754,16 @@ def calls(study: Study, context: int) -> None:
                 for kind in ("first", "warm"):
                     _, stats, seconds = study.call(ids, mask, kwargs, args.call_tokens)
                     out = {"seconds": seconds, **_summary(stats)}
-                    report["records"].append({"context": context, "batch": batch_size, "method": method,
-                                              "call": kind, "new_tokens": args.call_tokens, **out})
+                    report["records"].append(
+                        {
+                            "context": context,
+                            "batch": batch_size,
+                            "method": method,
+                            "call": kind,
+                            "new_tokens": args.call_tokens,
+                            **out,
+                        }
+                    )
                     print(f"call {context}x{batch_size} {method} {kind}: {out['seconds']:.2f} s", flush=True)
                     study.save("calls", report)
     finally:
@@ -653,29 +798,39 @@ def check(study: Study) -> dict:
 
     tok = study.tok
     if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": CHECK_PROMPT}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
     else:  # the smoke test's tiny tokenizer
         ids = tok(CHECK_PROMPT, return_tensors="pt")["input_ids"]
     ids = ids.to(study.device)
     greedy = {}
     for dtype in (torch.float32, study.target.dtype):
         model = study.target.to(dtype)
-        config = GenerationConfig(max_new_tokens=CHECK_TOKENS, do_sample=False, eos_token_id=None,
-                                  pad_token_id=study.pad)
-        tokens = model.generate(ids, generation_config=config)[0, ids.shape[1]:]
+        config = GenerationConfig(
+            max_new_tokens=CHECK_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=study.pad
+        )
+        tokens = model.generate(ids, generation_config=config)[0, ids.shape[1] :]
         greedy[str(dtype).removeprefix("torch.")] = tokens.tolist()
     study.target.to(study.pair.dtype)
-    result = {"prompt": CHECK_PROMPT, "device": str(study.device), "machine": describe_machine(study.device),
-              "weights_sha256": {"target": digest(study.pair.target_dir), "draft": digest(study.pair.draft_dir)},
-              "greedy": greedy}
+    result = {
+        "prompt": CHECK_PROMPT,
+        "device": str(study.device),
+        "machine": describe_machine(study.device),
+        "weights_sha256": {"target": digest(study.pair.target_dir), "draft": digest(study.pair.draft_dir)},
+        "greedy": greedy,
+    }
     if study.args.check_reference:
         reference = json.loads(Path(study.args.check_reference).read_text())
         result["reference"] = study.args.check_reference
         result["weights_match"] = reference["weights_sha256"] == result["weights_sha256"]
         result["float32_greedy_match"] = reference["greedy"]["float32"] == greedy["float32"]
-        result["bfloat16_greedy_same_tokens"] = first_difference(reference["greedy"]["float32"],
-                                                                 greedy.get("bfloat16", greedy["float32"]))
+        result["bfloat16_greedy_same_tokens"] = first_difference(
+            reference["greedy"]["float32"], greedy.get("bfloat16", greedy["float32"])
+        )
     (study.out / "check.json").write_text(json.dumps(result, indent=1) + "\n")
     print("check:", json.dumps({k: v for k, v in result.items() if k != "machine"}), flush=True)
     return result
@@ -744,35 +899,58 @@ def _extra(text: str) -> tuple[str, dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--phases", nargs="+", default=["retrieval", "free"],
-                        choices=("check", "retrieval", "free", "fidelity", "calls", "rescore"))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=["retrieval", "free"],
+        choices=("check", "retrieval", "free", "fidelity", "calls", "rescore"),
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--extra", type=_extra, nargs="*", default=[], metavar="NAME=JSON",
-                        help="more settings: cache_config overrides of DustinConfig(), "
-                             "e.g. 'r64={\"recent_tokens\": 64}'")
-    parser.add_argument("--sampling", nargs="*", default=[], metavar="SETTING",
-                        help="free: also sample with these settings ('dense' is the target's own law)")
+    parser.add_argument(
+        "--extra",
+        type=_extra,
+        nargs="*",
+        default=[],
+        metavar="NAME=JSON",
+        help="more settings: cache_config overrides of DustinConfig(), e.g. 'r64={\"recent_tokens\": 64}'",
+    )
+    parser.add_argument(
+        "--sampling",
+        nargs="*",
+        default=[],
+        metavar="SETTING",
+        help="free: also sample with these settings ('dense' is the target's own law)",
+    )
     parser.add_argument("--texts", nargs="+", default=list(TEXTS))
     parser.add_argument("--rows", type=int, default=64, help="free: windows per context")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=256, help="free: tokens per row")
     parser.add_argument("--prompts", type=int, default=32, help="retrieval: needle prompts per context")
     parser.add_argument("--answer-tokens", type=int, default=24, help="retrieval: answer tokens")
-    parser.add_argument("--walk-settings", nargs="+", default=["sparse512", "sparse1024", "sparse2048", "select512",
-                                                                "select1024", "select2048"])
+    parser.add_argument(
+        "--walk-settings",
+        nargs="+",
+        default=["sparse512", "sparse1024", "sparse2048", "select512", "select1024", "select2048"],
+    )
     parser.add_argument("--oracle-budgets", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--walk-tokens", type=int, default=1001, help="fidelity: teacher-forced tokens per text")
     parser.add_argument("--walk-offset", type=int, default=0)
-    parser.add_argument("--traces", default=None,
-                        help="fidelity: write the sparse-draft methods' prediction traces here")
+    parser.add_argument(
+        "--traces", default=None, help="fidelity: write the sparse-draft methods' prediction traces here"
+    )
     parser.add_argument("--call-batches", type=int, nargs="+", default=[16, 1])
     parser.add_argument("--call-tokens", type=int, default=256)
     parser.add_argument("--check-reference", default=None, help="check: the CPU run's check.json to compare with")
-    parser.add_argument("--min-context", type=int, default=None,
-                        help="every setting's min_context (default: the library's, 2048; the walk's 1024)")
+    parser.add_argument(
+        "--min-context",
+        type=int,
+        default=None,
+        help="every setting's min_context (default: the library's, 2048; the walk's 1024)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -780,9 +958,13 @@ def main(argv=None) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--smoke", action="store_true", help="tiny random models on the CPU, small sizes")
     parser.add_argument("--out", required=True, help="folder of the phase files (retrieval.json, free.json, ...)")
-    parser.add_argument("--publish", default=None, metavar="DIR",
-                        help="instead of running: merge the phase files of --out (and --also) into "
-                             "DIR/real_pair_*.json without the free-running token lists")
+    parser.add_argument(
+        "--publish",
+        default=None,
+        metavar="DIR",
+        help="instead of running: merge the phase files of --out (and --also) into "
+        "DIR/real_pair_*.json without the free-running token lists",
+    )
     parser.add_argument("--also", nargs="*", default=[], metavar="OUT", help="--publish: more --out folders to merge")
     args = parser.parse_args(argv)
     if args.publish:
@@ -795,8 +977,12 @@ def main(argv=None) -> None:
         args.walk_tokens, args.oracle_budgets, args.call_batches, args.call_tokens = 21, [64], [2, 1], 8
         args.answer_tokens, args.texts = 6, ["emma", "stdlib:typing"]
         args.min_context, args.sampling = 64, ["dense", "small"]
-        args.extra = {**args.extra, "small": {"budget": 64, **_DUSTIN},
-                      "small_sd": {"budget": 64, "sparse_draft": True, **_DUSTIN}, "small_select": {"budget": 64, **_VERIFY}}
+        args.extra = {
+            **args.extra,
+            "small": {"budget": 64, **_DUSTIN},
+            "small_sd": {"budget": 64, "sparse_draft": True, **_DUSTIN},
+            "small_select": {"budget": 64, **_VERIFY},
+        }
         args.walk_settings, args.settings = ["small", "small_sd", "small_select"], ["dense", "exact"]
     unknown = [s for s in args.sampling if s not in args.settings and s not in args.extra]
     if unknown:

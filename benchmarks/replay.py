@@ -38,9 +38,21 @@ from dustin_hf.runtime.plan import device_tensor
 from dustin_lab import traces  # the trace formats and their readers, written by the lab
 from dustin_lab.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 
-__all__ = ["AcceptReplay", "BudgetReplay", "CountReplay", "ExactReplay", "PAPER_COUNTS", "PREDICTION_FORMAT",
-           "PREDICTION_KEYS", "Predictions", "at_budget", "load_budgets", "load_predictions", "synthetic_budgets",
-           "synthetic_predictions"]
+__all__ = [
+    "AcceptReplay",
+    "BudgetReplay",
+    "CountReplay",
+    "ExactReplay",
+    "PAPER_COUNTS",
+    "PREDICTION_FORMAT",
+    "PREDICTION_KEYS",
+    "Predictions",
+    "at_budget",
+    "load_budgets",
+    "load_predictions",
+    "synthetic_budgets",
+    "synthetic_predictions",
+]
 
 PAPER_COUNTS = (1, 1, 1, 1, 2)  # drafts accepted per step: the paper's mean of 2.2 tokens per step
 
@@ -71,8 +83,11 @@ class CountReplay:
     def load(cls, paths: list[str] | None, gamma: int) -> "CountReplay":
         """Pool the per-step accepted counts of ``paths`` (``dustin_hf.acceptance_trace/1``); none: the paper's."""
         if not paths:
-            return cls(PAPER_COUNTS, f"fixed pattern {list(PAPER_COUNTS)}, mean "
-                                     f"{statistics.mean(PAPER_COUNTS) + 1:.1f} tokens per step (paper)")
+            return cls(
+                PAPER_COUNTS,
+                f"fixed pattern {list(PAPER_COUNTS)}, mean "
+                f"{statistics.mean(PAPER_COUNTS) + 1:.1f} tokens per step (paper)",
+            )
         from dustin_lab.traces import load_trace
 
         flat, names = [], []
@@ -84,9 +99,12 @@ class CountReplay:
             names.append(Path(path).name)
         if not flat:
             raise ValueError(f"{paths}: no accepted counts")
-        return cls(tuple(flat), f"recorded traces {', '.join(names)} ({len(flat)} steps, mean "
-                                f"{statistics.mean(flat) + 1:.2f} tokens/step; each row replays them in order from "
-                                "its own offset, cycled)")
+        return cls(
+            tuple(flat),
+            f"recorded traces {', '.join(names)} ({len(flat)} steps, mean "
+            f"{statistics.mean(flat) + 1:.2f} tokens/step; each row replays them in order from "
+            "its own offset, cycled)",
+        )
 
     def hooks(self) -> dict:
         """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``accept``."""
@@ -128,10 +146,17 @@ def load_predictions(paths: list[str], gamma: int) -> list[Predictions]:
         if not lists["truth"]:
             raise ValueError(f"{path}: the prediction lists are empty")
         pair = record.get("model_pair") or {}
-        out.append(Predictions(Path(path).name, int(record["context"]), gamma, int(record["budget"]),
-                               {key: [int(t) for t in lists[key]] for key in PREDICTION_KEYS},
-                               " + ".join(str(v) for v in pair.values()) or "the real pair",
-                               traces.selection_of(record.get("config"))))
+        out.append(
+            Predictions(
+                Path(path).name,
+                int(record["context"]),
+                gamma,
+                int(record["budget"]),
+                {key: [int(t) for t in lists[key]] for key in PREDICTION_KEYS},
+                " + ".join(str(v) for v in pair.values()) or "the real pair",
+                traces.selection_of(record.get("config")),
+            )
+        )
     return out
 
 
@@ -141,13 +166,16 @@ def at_budget(traces: list[Predictions], budget: int, selection: str = "dustin")
     chosen = [t for t in traces if t.budget == budget and t.selection == selection]
     if not chosen:
         recorded = sorted({(t.selection, t.budget) for t in traces})
-        raise ValueError(f"no prediction trace recorded at budget {budget} with selection {selection!r} (recorded: "
-                         f"{', '.join(f'{s} {b}' for s, b in recorded)}); record one or change the method's budget")
+        raise ValueError(
+            f"no prediction trace recorded at budget {budget} with selection {selection!r} (recorded: "
+            f"{', '.join(f'{s} {b}' for s, b in recorded)}); record one or change the method's budget"
+        )
     return chosen
 
 
-def synthetic_predictions(length: int = 512, gamma: int = 4, budget: int = 32, seed: int = 0,
-                          selection: str = "dustin") -> Predictions:
+def synthetic_predictions(
+    length: int = 512, gamma: int = 4, budget: int = 32, seed: int = 0, selection: str = "dustin"
+) -> Predictions:
     """A SYNTHETIC trace (not the real pair) for checks without recorded files: the dense target follows the
     text 9 times in 10, the sparse target the dense one 9 in 10, the drafts their verifiers 7 in 10; ``selection``:
     whose read sets it stands for."""
@@ -208,8 +236,10 @@ class _Walks:
 
     def describe(self) -> str:
         """Whose predictions, on which files, in words."""
-        return (f"teacher-forced predictions of {', '.join(self.pairs)} ({', '.join(self.names)}; {self.positions} "
-                "positions)")
+        return (
+            f"teacher-forced predictions of {', '.join(self.pairs)} ({', '.join(self.names)}; {self.positions} "
+            "positions)"
+        )
 
 
 class AcceptReplay:
@@ -226,9 +256,11 @@ class AcceptReplay:
     def __init__(self, traces: list[Predictions], draft: str, verifier: str, gamma: int, note: str = ""):
         self.walks, self.draft, self.verifier, self.gamma = _Walks(traces, (draft, verifier)), draft, verifier, gamma
         budget = f" at budget {traces[0].budget}" if "sparse" in (draft + verifier) else ""
-        self.source = (f"{self.walks.describe()}: drafts kept = the longest prefix where the {draft} argmax equals "
-                       f"the {verifier} target's{budget}, each row walking one recorded text from its own offset (mean "
-                       f"{self.mean_tokens_per_step():.2f} tokens/step){note}")
+        self.source = (
+            f"{self.walks.describe()}: drafts kept = the longest prefix where the {draft} argmax equals "
+            f"the {verifier} target's{budget}, each row walking one recorded text from its own offset (mean "
+            f"{self.mean_tokens_per_step():.2f} tokens/step){note}"
+        )
 
     def hooks(self) -> dict:
         """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``accept``."""
@@ -236,10 +268,10 @@ class AcceptReplay:
 
         def accept(n_accepted: torch.Tensor) -> torch.Tensor:
             if not state:
-                state["first"], state["length"], state["pos"] = self.walks.rows(n_accepted.shape[0],
-                                                                                n_accepted.device)
-            kept = _prefix(self.walks.agree(self.draft, self.verifier, state["first"], state["length"], state["pos"],
-                                            self.gamma))
+                state["first"], state["length"], state["pos"] = self.walks.rows(n_accepted.shape[0], n_accepted.device)
+            kept = _prefix(
+                self.walks.agree(self.draft, self.verifier, state["first"], state["length"], state["pos"], self.gamma)
+            )
             state["pos"] = state["pos"] + kept + 1
             return kept
 
@@ -273,12 +305,14 @@ class ExactReplay:
     def __init__(self, traces: list[Predictions], draft: str, gamma: int, max_tentative: int, note: str = ""):
         self.walks = _Walks(traces, (draft, "sparse", "dense"))
         self.draft, self.gamma, self.width = draft, gamma, max_tentative
-        self.source = (f"{self.walks.describe()}, budget "
-                       f"{traces[0].budget}: sparse steps keep the longest prefix where the {draft} argmax equals "
-                       f"the sparse target's (tentative), dense steps where it equals the dense target's; a "
-                       f"confirmation keeps the tentative tokens while the sparse and dense targets' argmax agree, "
-                       f"then the drafts the dense target keeps; each row walks one recorded text from its own "
-                       f"offset with a committed and a tentative pointer{note}")
+        self.source = (
+            f"{self.walks.describe()}, budget "
+            f"{traces[0].budget}: sparse steps keep the longest prefix where the {draft} argmax equals "
+            f"the sparse target's (tentative), dense steps where it equals the dense target's; a "
+            f"confirmation keeps the tentative tokens while the sparse and dense targets' argmax agree, "
+            f"then the drafts the dense target keeps; each row walks one recorded text from its own "
+            f"offset with a committed and a tentative pointer{note}"
+        )
 
     def hooks(self) -> dict:
         """Fresh :class:`~dustin_hf.decode.hooks.DecodeHooks` fields for one run: ``confirm``."""
@@ -298,8 +332,11 @@ class ExactReplay:
             after = _prefix(agree(self.draft, "dense", c + t, self.gamma))
             confirmed = torch.where(kept < t, kept, t + after)
             # no tentative tokens: drafts from the tentative end against the dense or the sparse target
-            plain = torch.where(dense, _prefix(agree(self.draft, "dense", e, self.gamma)),
-                                _prefix(agree(self.draft, "sparse", e, self.gamma)))
+            plain = torch.where(
+                dense,
+                _prefix(agree(self.draft, "dense", e, self.gamma)),
+                _prefix(agree(self.draft, "sparse", e, self.gamma)),
+            )
             confirming = t > 0
             out = torch.where(confirming, confirmed, plain)
             committed = torch.where(confirming, c + out + 1, torch.where(dense, e + out + 1, c))
@@ -364,8 +401,10 @@ def load_budgets(paths: list[str], context: int, min_recovery: float | None = No
     targets = sorted({r["min_recovery"] for _, r in records})
     floors = sorted({r["budget"] for _, r in records})
     if len(targets) != 1 or len(floors) != 1:
-        raise ValueError(f"knob traces {[name for name, _ in records]} must share one min_recovery and one budget "
-                         f"(got targets {targets}, budgets {floors}); pick a target with --knob-target")
+        raise ValueError(
+            f"knob traces {[name for name, _ in records]} must share one min_recovery and one budget "
+            f"(got targets {targets}, budgets {floors}); pick a target with --knob-target"
+        )
     floor, counts, ceilings = floors[0], [], []
     for _, record in records:
         scale = context / record["context"]
@@ -374,25 +413,38 @@ def load_budgets(paths: list[str], context: int, min_recovery: float | None = No
         steps = list(zip(record["counts"], record["seqlens"]))
         rows = max((len(step) for step, _ in steps), default=0)
         for r in range(rows):  # each recorded row's steps in order, rows one after another
-            counts += [_FULL if step[r] >= seqlens[r] else min(max(round(step[r] * scale), floor), ceiling)
-                       for step, seqlens in steps if r < len(step) and step[r] is not None]
+            counts += [
+                _FULL if step[r] >= seqlens[r] else min(max(round(step[r] * scale), floor), ceiling)
+                for step, seqlens in steps
+                if r < len(step) and step[r] is not None
+            ]
     if not counts:
         raise ValueError(f"knob traces {[name for name, _ in records]}: no counts")
     full = sum(c == _FULL for c in counts)
     names = ", ".join(name for name, _ in records)
     scales = ", ".join(sorted({f"{context}/{r['context']}" for _, r in records}))
     pairs = sorted({" + ".join(str(v) for v in r["model_pair"].values()) for _, r in records if r.get("model_pair")})
-    return BudgetReplay(tuple(counts), floor, max(ceilings), float(targets[0]),
-                        f"knob budgets recorded{' on ' + ', '.join(pairs) if pairs else ''} at min_recovery="
-                        f"{targets[0]} ({names}; {len(counts)} row-steps), scaled by {scales} and clamped to [{floor}, "
-                        f"{max(ceilings)}]: mean {statistics.mean([c for c in counts if c != _FULL] or [0]):.0f} "
-                        f"positions over the steps that did not read in full, {full} of {len(counts)} row-steps read in full (dense "
-                        "fallbacks), each row cycling from its own offset")
+    return BudgetReplay(
+        tuple(counts),
+        floor,
+        max(ceilings),
+        float(targets[0]),
+        f"knob budgets recorded{' on ' + ', '.join(pairs) if pairs else ''} at min_recovery="
+        f"{targets[0]} ({names}; {len(counts)} row-steps), scaled by {scales} and clamped to [{floor}, "
+        f"{max(ceilings)}]: mean {statistics.mean([c for c in counts if c != _FULL] or [0]):.0f} "
+        f"positions over the steps that did not read in full, {full} of {len(counts)} row-steps read in full (dense "
+        "fallbacks), each row cycling from its own offset",
+    )
 
 
 def synthetic_budgets(context: int, floor: int, ceiling: int, seed: int = 0) -> BudgetReplay:
     """SYNTHETIC knob budgets (not the real pair), uniform in ``[floor, ceiling]``, for checks without traces."""
     rng = random.Random(seed)
     counts = tuple(rng.randint(floor, ceiling) for _ in range(97))
-    return BudgetReplay(counts, floor, ceiling, 0.9, f"SYNTHETIC knob budgets uniform in [{floor}, {ceiling}] at "
-                                                     f"context {context} (not the real pair)")
+    return BudgetReplay(
+        counts,
+        floor,
+        ceiling,
+        0.9,
+        f"SYNTHETIC knob budgets uniform in [{floor}, {ceiling}] at context {context} (not the real pair)",
+    )

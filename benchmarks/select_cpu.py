@@ -40,29 +40,49 @@ GAMMA = 4
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--texts", nargs="+", default=["emma", "alice", "stdlib:typing"],
-                        help="bundled books or stdlib:MODULE (held out: not mobydick or paradise_lost, the profile's)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--texts",
+        nargs="+",
+        default=["emma", "alice", "stdlib:typing"],
+        help="bundled books or stdlib:MODULE (held out: not mobydick or paradise_lost, the profile's)",
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--tokens", type=int, default=201, help="teacher-forced tokens walked per unit (γ+1 a step)")
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--profile", default=str(PROFILE))
     parser.add_argument("--no-select", action="store_true", help="leave the selection layers out")
-    parser.add_argument("--select", action="append", default=None, metavar="profile|[dense:]LAYERS",
-                        help="selection layers, comma-separated (repeatable: one method each); 'dense:' first: the "
-                             "layers before the first one read everything; 'profile' (the default): the profile's "
-                             "selection_layers, else the library's default (method 'verify-select-L<layers>')")
-    parser.add_argument("--dustin-dense", action="append", default=[], metavar="LAYERS",
-                        help="also Dustin's set with these layers read in full (comma-separated; repeatable): a "
-                             "control that reads as many full layers as a selection method")
+    parser.add_argument(
+        "--select",
+        action="append",
+        default=None,
+        metavar="profile|[dense:]LAYERS",
+        help="selection layers, comma-separated (repeatable: one method each); 'dense:' first: the "
+        "layers before the first one read everything; 'profile' (the default): the profile's "
+        "selection_layers, else the library's default (method 'verify-select-L<layers>')",
+    )
+    parser.add_argument(
+        "--dustin-dense",
+        action="append",
+        default=[],
+        metavar="LAYERS",
+        help="also Dustin's set with these layers read in full (comma-separated; repeatable): a "
+        "control that reads as many full layers as a selection method",
+    )
     parser.add_argument("--no-dustin", action="store_true", help="leave Dustin's set out")
     parser.add_argument("--no-oracle", action="store_true", help="leave the shared oracle out")
-    parser.add_argument("--exact", type=int, default=0, metavar="TOKENS",
-                        help="instead of the walk: exact mode's greedy continuation of TOKENS tokens per text, context "
-                             "and budget, once with Dustin's set and once with the profile's selection layers (the "
-                             "sparse draft on, or off with --no-sparse-draft); the report's 'exact' records")
+    parser.add_argument(
+        "--exact",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="instead of the walk: exact mode's greedy continuation of TOKENS tokens per text, context "
+        "and budget, once with Dustin's set and once with the profile's selection layers (the "
+        "sparse draft on, or off with --no-sparse-draft); the report's 'exact' records",
+    )
     parser.add_argument("--no-sparse-draft", action="store_true", help="--exact: the draft reads everything")
     parser.add_argument("--scratch", default="/tmp/dustin_hf_select", help="per-unit reports")
     parser.add_argument("--out", required=True)
@@ -70,10 +90,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from dustin_hf.config import resolve
+    from dustin_hf.profiles import config_for_budget, read_profile
     from dustin_lab.models import fetch_pair
     from dustin_lab.pair import describe_machine, load_pair
     from dustin_lab.prefilled import prefill_pair
-    from dustin_hf.profiles import config_for_budget, read_profile
     from dustin_lab.texts import describe_text, token_window
     from dustin_lab.walk import teacher_forced_walk
 
@@ -81,9 +101,12 @@ def main(argv=None) -> dict:
     pair = load_pair(*fetch_pair(progress=True), args.device, args.dtype)
     t_cfg, d_cfg = pair.target.config.get_text_config(), pair.draft.config.get_text_config()
     config, fraction, _ = read_profile(args.profile)
-    selects = [(False, None) if spec == "profile" else
-               (spec.startswith("dense:"), tuple(int(v) for v in spec.removeprefix("dense:").split(",")))
-               for spec in ([] if args.no_select else args.select or ["profile"])]
+    selects = [
+        (False, None)
+        if spec == "profile"
+        else (spec.startswith("dense:"), tuple(int(v) for v in spec.removeprefix("dense:").split(",")))
+        for spec in ([] if args.no_select else args.select or ["profile"])
+    ]
     if args.exact:
         return _exact(args, pair, config, fraction, selects, describe_machine)
     methods, oracle, kinds = {"dense": None}, {}, {"dense": ("dense", None, None)}
@@ -103,7 +126,8 @@ def main(argv=None) -> dict:
             if dense_before:
                 cfg = resolve(chosen.replace(dense_layers=tuple(range(min(cfg.selection_layers)))), t_cfg, d_cfg)
             name = ("verify-select-dense-L" if dense_before else "verify-select-L") + ",".join(
-                map(str, cfg.selection_layers))
+                map(str, cfg.selection_layers)
+            )
             methods[f"{name}@{budget}"] = cfg
             kinds[f"{name}@{budget}"] = (name, budget, list(cfg.selection_layers))
         if not args.no_oracle:
@@ -124,11 +148,27 @@ def main(argv=None) -> dict:
             window = token_window(pair.tokenizer, text, context + args.tokens, args.offset)
             started = time.perf_counter()
             state = prefill_pair(pair.target, pair.draft, window[:context], (scoring_layer,), progress=True)
-            walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], GAMMA, methods,
-                                       recovery_every=1, desc=f"walk {text}@{context}", oracle=oracle)
-            unit = {"text": text, "text_source": describe_text(text), "context": context, "steps": walk.steps,
-                    "tokens": walk.tokens, "seconds": time.perf_counter() - started,
-                    "prefill_seconds": state.seconds, "records": _records(walk, kinds, text, context)}
+            walk = teacher_forced_walk(
+                pair.target,
+                pair.draft,
+                state,
+                window[context:],
+                GAMMA,
+                methods,
+                recovery_every=1,
+                desc=f"walk {text}@{context}",
+                oracle=oracle,
+            )
+            unit = {
+                "text": text,
+                "text_source": describe_text(text),
+                "context": context,
+                "steps": walk.steps,
+                "tokens": walk.tokens,
+                "seconds": time.perf_counter() - started,
+                "prefill_seconds": state.seconds,
+                "records": _records(walk, kinds, text, context),
+            }
             path.write_text(json.dumps(unit) + "\n")
             units.append(unit)
             _print_unit(unit)
@@ -149,35 +189,57 @@ def _exact(args, pair, config, fraction, selects, describe_machine) -> dict:
         raise SystemExit("--exact takes --select profile or LAYERS, not dense:LAYERS")
     selections = ([] if args.no_dustin else [("dustin", None)]) + [("verify", layers) for _, layers in selects]
     records = []
-    report = {"command": shlex.join(["python", "benchmarks/select_cpu.py", *sys.argv[1:]]),
-              "machine": describe_machine(pair.device), "model_pair": pair.describe(), "gamma": GAMMA,
-              "greedy": True, "exact": records}
+    report = {
+        "command": shlex.join(["python", "benchmarks/select_cpu.py", *sys.argv[1:]]),
+        "machine": describe_machine(pair.device),
+        "model_pair": pair.describe(),
+        "gamma": GAMMA,
+        "greedy": True,
+        "exact": records,
+    }
     for context in args.contexts:
         for text in args.texts:
             prompt = token_window(pair.tokenizer, text, context, args.offset)
             for budget in args.budgets:
                 for selection, chosen in selections:
                     chosen_layers = {} if chosen is None else {"selection_layers": chosen}
-                    cfg = config_for_budget(config, fraction, budget).replace(min_context=1024, selection=selection,
-                                                                               **chosen_layers)
-                    run = DemoRun("exact", f"exact mode, {selection} selection, budget {budget}",
-                                  {"cache_implementation": "dustin",
-                                   "cache_config": {"mode": "exact", "sparse_draft": sparse_draft}})
+                    cfg = config_for_budget(config, fraction, budget).replace(
+                        min_context=1024, selection=selection, **chosen_layers
+                    )
+                    run = DemoRun(
+                        "exact",
+                        f"exact mode, {selection} selection, budget {budget}",
+                        {
+                            "cache_implementation": "dustin",
+                            "cache_config": {"mode": "exact", "sparse_draft": sparse_draft},
+                        },
+                    )
                     result = run_demo(pair, cfg, prompt, [run], GAMMA, args.exact, lambda *lines: None)["exact"]
                     stats = result["stats"]
-                    records.append({
-                        "selection": selection, "selection_layers": None if chosen is None else list(chosen),
-                        "text": text, "context": context, "budget": budget, "new_tokens": len(result["tokens"]),
-                        "sparse_draft": sparse_draft, "confirmed_fraction": stats["exact"]["confirmed_fraction"],
-                        "tentative_confirmed": stats["exact"]["tentative_confirmed"],
-                        "tentative_rejected": stats["exact"]["tentative_rejected"],
-                        "tokens_per_target_forward": len(result["tokens"]) / stats["steps"],
-                        "seconds": result["generate_seconds"]})
+                    records.append(
+                        {
+                            "selection": selection,
+                            "selection_layers": None if chosen is None else list(chosen),
+                            "text": text,
+                            "context": context,
+                            "budget": budget,
+                            "new_tokens": len(result["tokens"]),
+                            "sparse_draft": sparse_draft,
+                            "confirmed_fraction": stats["exact"]["confirmed_fraction"],
+                            "tentative_confirmed": stats["exact"]["tentative_confirmed"],
+                            "tentative_rejected": stats["exact"]["tentative_rejected"],
+                            "tokens_per_target_forward": len(result["tokens"]) / stats["steps"],
+                            "seconds": result["generate_seconds"],
+                        }
+                    )
                     r = records[-1]
-                    print(f"{text}@{context} budget {budget} {selection}: confirmed fraction "
-                          f"{r['confirmed_fraction']:.3f} ({r['tentative_confirmed']} kept, {r['tentative_rejected']} "
-                          f"dropped), {r['tokens_per_target_forward']:.2f} tokens a target forward, "
-                          f"{r['seconds']:.0f} s", flush=True)
+                    print(
+                        f"{text}@{context} budget {budget} {selection}: confirmed fraction "
+                        f"{r['confirmed_fraction']:.3f} ({r['tentative_confirmed']} kept, {r['tentative_rejected']} "
+                        f"dropped), {r['tokens_per_target_forward']:.2f} tokens a target forward, "
+                        f"{r['seconds']:.0f} s",
+                        flush=True,
+                    )
                     out = Path(args.out)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -189,14 +251,24 @@ def _records(walk, kinds: dict, text: str, context: int) -> list[dict]:
     records = []
     for name, (method, budget, layers) in kinds.items():
         kept = walk.accepted[name] / walk.accepted[dense] if walk.accepted[dense] else None
-        records.append({
-            "method": method, "text": text, "context": context, "budget": budget, "selection_layers": layers,
-            "ppl": walk.ppl[name], "ppl_ratio": walk.ppl[name] / walk.ppl[dense],
-            "top1_agreement": walk.top1_agreement_with_dense[name],
-            "tf_accepted_per_step": walk.accepted[name], "accepted_ratio_to_dense": kept,
-            "recovery": walk.recovery.get(name), "recovery_per_layer": walk.recovery_per_layer.get(name),
-            "steps": walk.steps, "sparse_steps": walk.sparse_steps[name],
-        })
+        records.append(
+            {
+                "method": method,
+                "text": text,
+                "context": context,
+                "budget": budget,
+                "selection_layers": layers,
+                "ppl": walk.ppl[name],
+                "ppl_ratio": walk.ppl[name] / walk.ppl[dense],
+                "top1_agreement": walk.top1_agreement_with_dense[name],
+                "tf_accepted_per_step": walk.accepted[name],
+                "accepted_ratio_to_dense": kept,
+                "recovery": walk.recovery.get(name),
+                "recovery_per_layer": walk.recovery_per_layer.get(name),
+                "steps": walk.steps,
+                "sparse_steps": walk.sparse_steps[name],
+            }
+        )
     return records
 
 
@@ -204,19 +276,30 @@ def _print_unit(unit: dict) -> None:
     print(f"{unit['text']}@{unit['context']}: {unit['steps']} steps, {unit['seconds']:.0f} s", flush=True)
     print(f"  {'method':28s} {'budget':>6s} {'ppl ratio':>9s} {'top-1':>6s} {'kept':>6s} {'recovery':>8s}")
     for r in unit["records"]:
-        print(f"  {r['method']:28s} {str(r['budget']):>6s} {r['ppl_ratio']:9.4f} {r['top1_agreement']:6.3f} "
-              f"{r['accepted_ratio_to_dense'] or 0:6.3f} {r['recovery'] or 1.0:8.4f}", flush=True)
+        print(
+            f"  {r['method']:28s} {str(r['budget']):>6s} {r['ppl_ratio']:9.4f} {r['top1_agreement']:6.3f} "
+            f"{r['accepted_ratio_to_dense'] or 0:6.3f} {r['recovery'] or 1.0:8.4f}",
+            flush=True,
+        )
 
 
 def _write(args, units, methods, pair, describe_machine) -> dict:
     report = {
         "command": shlex.join(["python", "benchmarks/select_cpu.py", *sys.argv[1:]]),
-        "machine": describe_machine(pair.device), "model_pair": pair.describe(),
-        "profile": str(Path(args.profile).resolve().relative_to(ROOT)) if Path(args.profile).resolve().is_relative_to(ROOT)
+        "machine": describe_machine(pair.device),
+        "model_pair": pair.describe(),
+        "profile": str(Path(args.profile).resolve().relative_to(ROOT))
+        if Path(args.profile).resolve().is_relative_to(ROOT)
         else args.profile,
-        "gamma": GAMMA, "tokens_per_unit": args.tokens, "offset": args.offset,
-        "configs": {name: None if cfg is None else {k: (list(v) if isinstance(v, tuple) else v)
-                                                    for k, v in cfg.__dict__.items()} for name, cfg in methods.items()},
+        "gamma": GAMMA,
+        "tokens_per_unit": args.tokens,
+        "offset": args.offset,
+        "configs": {
+            name: None
+            if cfg is None
+            else {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+            for name, cfg in methods.items()
+        },
         "units": [{k: v for k, v in u.items() if k != "records"} for u in units],
         "records": [r for u in units for r in u["records"]],
     }

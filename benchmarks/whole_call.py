@@ -48,19 +48,26 @@ import time
 from pathlib import Path
 
 import torch
+from e2e import GAMMA, SHAPES, Sources, build_model
+from replay import load_predictions, synthetic_predictions
 
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.decode.hooks import DecodeHooks
-from e2e import GAMMA, SHAPES, Sources, build_model
-from replay import load_predictions, synthetic_predictions
 
 # ----------------------------------------------------------------------------- sweep constants
 SHAPES_RUN = ((32768, 16), (8192, 16), (8192, 4), (32768, 1))  # (context, batch)
 NEW_TOKENS = (1024, 256)  # the first is the count the first (and second) call makes
-METHODS = ("generate", "stock_assisted", "classic", "dustin_sparse_draft", "dustin_exact", "dustin_select",
-           "dustin_exact_select")
+METHODS = (
+    "generate",
+    "stock_assisted",
+    "classic",
+    "dustin_sparse_draft",
+    "dustin_exact",
+    "dustin_select",
+    "dustin_exact_select",
+)
 DEFAULT_METHODS = METHODS[:-2]
 SMOKE = dict(shapes=((160, 2), (96, 1)), new_tokens=(24, 12), budget=32)
 MATRIX_TFLOPS = 790  # the H200's bf16 matrix rate on random data, measured here (device KINDS.md)
@@ -144,14 +151,20 @@ class Runner:
             ends = stats["step_end_times"]
             durations = sorted(b - a for a, b in zip([0.0] + ends[:-1], ends))
             steady = durations[len(durations) // 2]  # the median step: replayed graphs, nothing built
-            record.update(prefill_seconds=stats["prefill_seconds"], decode_seconds=seconds - stats["prefill_seconds"],
-                          loop_decode_seconds=stats["decode_seconds"], steps=stats["steps"],
-                          steady_step_ms=1e3 * steady,
-                          decode_over_steady=stats["decode_seconds"] / (len(ends) * steady) if ends else None,
-                          outside_loop_seconds=seconds - stats["prefill_seconds"] - stats["decode_seconds"],
-                          sparse_steps=stats["sparse_steps"], dense_steps=stats["dense_steps"],
-                          tokens_per_step=stats.get("mean_accepted_per_step"),
-                          workspace=stats["workspace"], cuda_graphs=stats["cuda_graphs"])
+            record.update(
+                prefill_seconds=stats["prefill_seconds"],
+                decode_seconds=seconds - stats["prefill_seconds"],
+                loop_decode_seconds=stats["decode_seconds"],
+                steps=stats["steps"],
+                steady_step_ms=1e3 * steady,
+                decode_over_steady=stats["decode_seconds"] / (len(ends) * steady) if ends else None,
+                outside_loop_seconds=seconds - stats["prefill_seconds"] - stats["decode_seconds"],
+                sparse_steps=stats["sparse_steps"],
+                dense_steps=stats["dense_steps"],
+                tokens_per_step=stats.get("mean_accepted_per_step"),
+                workspace=stats["workspace"],
+                cuda_graphs=stats["cuda_graphs"],
+            )
             for report in ("exact",):
                 if report in stats:
                     record[report] = stats[report]
@@ -245,21 +258,43 @@ def run_shape(runner: Runner, context: int, batch: int, methods, new_tokens, log
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="CONTEXTxBATCH",
-                        help="e.g. 32768x16 8192x4 (default: " + " ".join(f"{c}x{b}" for c, b in SHAPES_RUN) + ")")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="CONTEXTxBATCH",
+        help="e.g. 32768x16 8192x4 (default: " + " ".join(f"{c}x{b}" for c, b in SHAPES_RUN) + ")",
+    )
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
-    parser.add_argument("--new-tokens", type=int, nargs="+", default=None,
-                        help=f"tokens per row, largest first (default {' '.join(map(str, NEW_TOKENS))})")
-    parser.add_argument("--predictions", nargs="+", default=None, metavar="TRACE",
-                        help="the real pair's per-position predictions the replays walk (default: "
-                             "benchmarks/traces/*_predictions_*_ctx{4096,8192}_*.json)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny models on the CPU, SYNTHETIC predictions: checks the script, measures nothing")
-    parser.add_argument("--warmup", action="store_true",
-                        help="dustin_hf's methods: time DustinPatch.warmup() for the shape, then a call after it "
-                             "(call 'first_after_warmup', with warmup_seconds) in place of the first call")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"tokens per row, largest first (default {' '.join(map(str, NEW_TOKENS))})",
+    )
+    parser.add_argument(
+        "--predictions",
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="the real pair's per-position predictions the replays walk (default: "
+        "benchmarks/traces/*_predictions_*_ctx{4096,8192}_*.json)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny models on the CPU, SYNTHETIC predictions: checks the script, measures nothing",
+    )
+    parser.add_argument(
+        "--warmup",
+        action="store_true",
+        help="dustin_hf's methods: time DustinPatch.warmup() for the shape, then a call after it "
+        "(call 'first_after_warmup', with warmup_seconds) in place of the first call",
+    )
     parser.add_argument("--out", default=None, help="save the results JSON here (rewritten after every shape)")
     return parser
 
@@ -269,24 +304,36 @@ def main(argv=None) -> dict:
     if args.smoke:
         device, dtype, sizes = torch.device("cpu"), torch.float32, ("tiny", "tiny-draft")
         shapes, new_tokens, budget = SMOKE["shapes"], SMOKE["new_tokens"], SMOKE["budget"]
-        predictions = [synthetic_predictions(gamma=GAMMA, budget=b, seed=seed, selection=selection)
-                       for b, seed in ((budget, 0), (budget * 4, 1)) for selection in ("dustin", "verify")]
+        predictions = [
+            synthetic_predictions(gamma=GAMMA, budget=b, seed=seed, selection=selection)
+            for b, seed in ((budget, 0), (budget * 4, 1))
+            for selection in ("dustin", "verify")
+        ]
         acceptance = "SYNTHETIC predictions (--smoke): nothing here is a measurement"
     else:
         device, dtype, sizes = torch.device("cuda:0"), torch.bfloat16, ("7b", "0.5b")
         shapes, new_tokens, budget = SHAPES_RUN, NEW_TOKENS, 512
-        paths = args.predictions or sorted(str(p) for c in (4096, 8192)
-                                           for p in Path("benchmarks/traces").glob(f"*_predictions_*_ctx{c}_*.json"))
+        paths = args.predictions or sorted(
+            str(p) for c in (4096, 8192) for p in Path("benchmarks/traces").glob(f"*_predictions_*_ctx{c}_*.json")
+        )
         predictions = load_predictions(paths, GAMMA)
-        acceptance = (f"REPLAYED from the real pair's teacher-forced predictions ({len(paths)} files: "
-                      f"{', '.join(sorted({p.name for p in predictions}))}); stock_assisted BRACKETED "
-                      "(a pair that always agrees / the random pair)")
+        acceptance = (
+            f"REPLAYED from the real pair's teacher-forced predictions ({len(paths)} files: "
+            f"{', '.join(sorted({p.name for p in predictions}))}); stock_assisted BRACKETED "
+            "(a pair that always agrees / the random pair)"
+        )
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     new_tokens = tuple(sorted(args.new_tokens or new_tokens, reverse=True))
-    sources = Sources(predictions, counts={}, knob=None, knob_target=None, budget=budget,
-                      exact_budgets=(budget if args.smoke else DustinConfig(mode="exact").budget,),
-                      synthetic=args.smoke)
+    sources = Sources(
+        predictions,
+        counts={},
+        knob=None,
+        knob_target=None,
+        budget=budget,
+        exact_budgets=(budget if args.smoke else DustinConfig(mode="exact").budget,),
+        synthetic=args.smoke,
+    )
     torch.manual_seed(0)
     target = build_model(sizes[0], [device], dtype)
     # the draft's embedding padded to the target's (Qwen2.5-0.5B has 151,936 rows, the 7B 152,064): generate() then
@@ -294,39 +341,60 @@ def main(argv=None) -> dict:
     draft = build_model(sizes[1], [device], dtype, vocab_size=SHAPES[sizes[0]]["vocab_size"])
     runner = Runner(target, draft, sources, device)
     result = dict(
-        benchmark="whole_call", command=" ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        pair=f"Qwen2.5-{sizes[0]} + {sizes[1]} shapes, random weights ({dtype})", acceptance=acceptance,
-        gamma=GAMMA, budget=budget, machine=platform.node(),
+        benchmark="whole_call",
+        command=" ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        pair=f"Qwen2.5-{sizes[0]} + {sizes[1]} shapes, random weights ({dtype})",
+        acceptance=acceptance,
+        gamma=GAMMA,
+        budget=budget,
+        machine=platform.node(),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        versions={"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                  "triton": _version("triton"), "dustin_hf": dustin_hf.__version__, "python": platform.python_version()},
+        versions={
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "triton": _version("triton"),
+            "dustin_hf": dustin_hf.__version__,
+            "python": platform.python_version(),
+        },
         records=[],
     )
     print(acceptance, flush=True)
-    print(f"{'method':<22} {'ctx':>6} {'b':>3} {'new':>5} {'call':<5} {'s':>7} {'prefill':>8} {'decode':>7} "
-          f"{'x gen':>6} {'GiB':>6}", flush=True)
+    print(
+        f"{'method':<22} {'ctx':>6} {'b':>3} {'new':>5} {'call':<5} {'s':>7} {'prefill':>8} {'decode':>7} "
+        f"{'x gen':>6} {'GiB':>6}",
+        flush=True,
+    )
 
     def log(r):
         x = r.get("x_vs_plain_generate")
-        name = r["method"] + (" (all)" if r.get("pair") == "every draft accepted" else
-                              " (none)" if r.get("pair") else "")
-        print(f"{name:<22} {r['context']:>6} {r['batch']:>3} {r['new_tokens']:>5} {r['call']:<5} {r['seconds']:>7.2f} "
-              f"{r.get('prefill_seconds', float('nan')):>8.2f} {r.get('decode_seconds', float('nan')):>7.2f} "
-              f"{'' if x is None else f'{x:.2f}':>6} {r['peak_gib'] or 0:>6.1f}", flush=True)
+        name = r["method"] + (
+            " (all)" if r.get("pair") == "every draft accepted" else " (none)" if r.get("pair") else ""
+        )
+        print(
+            f"{name:<22} {r['context']:>6} {r['batch']:>3} {r['new_tokens']:>5} {r['call']:<5} {r['seconds']:>7.2f} "
+            f"{r.get('prefill_seconds', float('nan')):>8.2f} {r.get('decode_seconds', float('nan')):>7.2f} "
+            f"{'' if x is None else f'{x:.2f}':>6} {r['peak_gib'] or 0:>6.1f}",
+            flush=True,
+        )
         if "warmup_seconds" in r:
             print(f"{'':<22} after DustinPatch.warmup(): {r['warmup_seconds']:.2f} s", flush=True)
         if "steady_step_ms" in r:
-            print(f"{'':<22} {r['steps']} steps, median {r['steady_step_ms']:.2f} ms: loop decode "
-                  f"{r['decode_over_steady']:.2f}x steps x median; {r['outside_loop_seconds']:.3f} s outside the loop; "
-                  f"prefill {r.get('prefill_tflops', 0):.0f} TFLOP/s", flush=True)
+            print(
+                f"{'':<22} {r['steps']} steps, median {r['steady_step_ms']:.2f} ms: loop decode "
+                f"{r['decode_over_steady']:.2f}x steps x median; {r['outside_loop_seconds']:.3f} s outside the loop; "
+                f"prefill {r.get('prefill_tflops', 0):.0f} TFLOP/s",
+                flush=True,
+            )
 
     for context, batch in shapes:
         records = run_shape(runner, context, batch, args.methods, new_tokens, log, warmup=args.warmup)
         result["records"] += records
         for r in records:
             if r["method"] != "generate" and r["x_vs_plain_generate"] is not None:
-                print(f"  {r['method']} {r['new_tokens']} {r['call']}: x{r['x_vs_plain_generate']:.2f} vs generate()",
-                      flush=True)
+                print(
+                    f"  {r['method']} {r['new_tokens']} {r['call']}: x{r['x_vs_plain_generate']:.2f} vs generate()",
+                    flush=True,
+                )
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({"records": len(result["records"])}))

@@ -22,8 +22,18 @@ from transformers.generation.utils import ALL_CACHE_NAMES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CACHE_KWARG", "VERIFIED_RANGE", "attention_scale", "check_transformers", "check_model", "check_pair",
-           "common_window", "group_size", "model_device", "window_cuts"]
+__all__ = [
+    "CACHE_KWARG",
+    "VERIFIED_RANGE",
+    "attention_scale",
+    "check_transformers",
+    "check_model",
+    "check_pair",
+    "common_window",
+    "group_size",
+    "model_device",
+    "window_cuts",
+]
 
 # Inclusive: the releases the fused ops' copies of transformers code were checked against (5.17, 5.23, 5.24, 5.25).
 # CI tests the oldest and the newest release the registry serves (.ci/run), which is 5.25 until a newer one ships.
@@ -94,7 +104,9 @@ def check_pair(target, draft, tokenizer=None, assistant_tokenizer=None) -> None:
             "object); Dustin does not translate between different tokenizers"
         )
     if tokenizer is not assistant_tokenizer and tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
-        raise ValueError("the target and draft tokenizers differ; Dustin needs a draft that shares the target's tokenizer")
+        raise ValueError(
+            "the target and draft tokenizers differ; Dustin needs a draft that shares the target's tokenizer"
+        )
 
 
 # ---- what the loop reads from a model: its device, GQA group, softmax scale and sliding windows
@@ -104,8 +116,9 @@ def model_device(model) -> torch.device:
 
 def group_size(text_config) -> int:
     """Query heads per key/value head (GQA group size; 1 without GQA)."""
-    return text_config.num_attention_heads // (getattr(text_config, "num_key_value_heads", None)
-                                               or text_config.num_attention_heads)
+    return text_config.num_attention_heads // (
+        getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    )
 
 
 def attention_scale(model, text_config) -> float:
@@ -120,8 +133,11 @@ def attention_scale(model, text_config) -> float:
 def _windows(model) -> list[int | None]:
     """Each attention layer's sliding window (``None``: full attention). Qwen2-style layers carry theirs
     (``sliding_window``, ``None`` on full layers); Mistral-style ones read the config's."""
-    return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
-            for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    return [
+        getattr(m, "sliding_window", getattr(m.config, "sliding_window", None))
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
 
 
 def common_window(model) -> int | None:

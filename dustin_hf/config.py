@@ -175,18 +175,27 @@ class DustinConfig:
         object.__setattr__(self, "draft_layers", _as_int_tuple(self.draft_layers, "draft_layers"))
         object.__setattr__(self, "draft_heads", self._normalized_draft_heads())
         layers = self.dense_layers
-        if isinstance(layers, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers) \
-                or len(set(layers)) != len(tuple(layers)):
+        if (
+            isinstance(layers, int)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+            or len(set(layers)) != len(tuple(layers))
+        ):
             raise ValueError(f"dense_layers must be a sequence of distinct ints (e.g. (0, -1)), got {layers!r}")
         object.__setattr__(self, "dense_layers", tuple(layers))
         if self.selection not in _SELECTIONS:
             raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
         chosen = self.selection_layers
         if chosen is not None:
-            if isinstance(chosen, int) or not chosen or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                               for v in chosen) or len(set(chosen)) != len(chosen):
-                raise ValueError(f"selection_layers must be a non-empty sequence of distinct ints (e.g. (2,)) or None, "
-                                 f"got {chosen!r}")
+            if (
+                isinstance(chosen, int)
+                or not chosen
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in chosen)
+                or len(set(chosen)) != len(chosen)
+            ):
+                raise ValueError(
+                    f"selection_layers must be a non-empty sequence of distinct ints (e.g. (2,)) or None, "
+                    f"got {chosen!r}"
+                )
             object.__setattr__(self, "selection_layers", tuple(chosen))
         if self.calibration not in _CALIBRATIONS:
             raise ValueError(f"calibration must be one of {_CALIBRATIONS}, got {self.calibration!r}")
@@ -198,8 +207,10 @@ class DustinConfig:
             )
         if self.calibration == "prompt" and any(getattr(self, name) is not None for name in SEARCHED_FIELDS):
             given = [name for name in SEARCHED_FIELDS if getattr(self, name) is not None]
-            raise ValueError(f"calibration='prompt' searches {', '.join(SEARCHED_FIELDS)}; leave them None "
-                             f"(got {given}), or use calibration='none' to keep them")
+            raise ValueError(
+                f"calibration='prompt' searches {', '.join(SEARCHED_FIELDS)}; leave them None "
+                f"(got {given}), or use calibration='none' to keep them"
+            )
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         if not isinstance(self.sparse_draft, bool):
@@ -207,19 +218,29 @@ class DustinConfig:
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.confirm_every < 1:
-            raise ValueError(f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}")
+            raise ValueError(
+                f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}"
+            )
         if self.min_recovery is not None and not (
-                isinstance(self.min_recovery, (int, float)) and not isinstance(self.min_recovery, bool)
-                and 0 < self.min_recovery <= 1):
-            raise ValueError(f"min_recovery must be a share in (0, 1] (e.g. 0.9) or None for the fixed budget, "
-                             f"got {self.min_recovery!r}")
-        if self.max_budget is not None and (not isinstance(self.max_budget, int) or isinstance(self.max_budget, bool)
-                                            or self.max_budget < self.budget):
-            raise ValueError(f"max_budget must be an int >= budget ({self.budget}) or None (4 x budget), "
-                             f"got {self.max_budget!r}")
+            isinstance(self.min_recovery, (int, float))
+            and not isinstance(self.min_recovery, bool)
+            and 0 < self.min_recovery <= 1
+        ):
+            raise ValueError(
+                f"min_recovery must be a share in (0, 1] (e.g. 0.9) or None for the fixed budget, "
+                f"got {self.min_recovery!r}"
+            )
+        if self.max_budget is not None and (
+            not isinstance(self.max_budget, int) or isinstance(self.max_budget, bool) or self.max_budget < self.budget
+        ):
+            raise ValueError(
+                f"max_budget must be an int >= budget ({self.budget}) or None (4 x budget), got {self.max_budget!r}"
+            )
         if self.max_budget is not None and self.min_recovery is None:
-            raise ValueError("max_budget is the ceiling of the quality knob: set min_recovery too (or leave "
-                             "max_budget None for the fixed budget)")
+            raise ValueError(
+                "max_budget is the ceiling of the quality knob: set min_recovery too (or leave "
+                "max_budget None for the fixed budget)"
+            )
 
     def _normalized_draft_heads(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
         heads = self.draft_heads
@@ -237,7 +258,9 @@ class DustinConfig:
         """A copy with ``changes`` applied (and validated); unknown names raise ``ValueError``."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
-            raise ValueError(f"unknown DustinConfig field(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(self)]}")
+            raise ValueError(
+                f"unknown DustinConfig field(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(self)]}"
+            )
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,8 +363,12 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         _check_heads(layer_heads, d_heads, "draft_heads")
 
     dense_layers = tuple(sorted({layer % t_layers for layer in config.dense_layers}))
-    if any(not -t_layers <= layer < t_layers for layer in config.dense_layers) or len(dense_layers) != len(config.dense_layers):
-        raise ValueError(f"dense_layers {config.dense_layers} out of range or repeated: the target has {t_layers} layers")
+    if any(not -t_layers <= layer < t_layers for layer in config.dense_layers) or len(dense_layers) != len(
+        config.dense_layers
+    ):
+        raise ValueError(
+            f"dense_layers {config.dense_layers} out of range or repeated: the target has {t_layers} layers"
+        )
 
     selection_layers = ()
     if config.selection == "verify":
@@ -350,8 +377,10 @@ def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> Reso
         if any(not -t_layers <= layer < t_layers for layer in given) or len(selection_layers) != len(given):
             raise ValueError(f"selection_layers {given} out of range or repeated: the target has {t_layers} layers")
         if config.selection_layers and t_layers > 1 and selection_layers[-1] == t_layers - 1:
-            raise ValueError(f"selection_layers {given}: the last layer ({t_layers - 1}) has no layer after it to choose "
-                             f"for; the latest useful one is {t_layers - 2}")
+            raise ValueError(
+                f"selection_layers {given}: the last layer ({t_layers - 1}) has no layer after it to choose "
+                f"for; the latest useful one is {t_layers - 2}"
+            )
 
     free = config.budget - config.sink_tokens - config.recent_tokens
     draft_share = free // 2 if config.draft_share is None else config.draft_share

@@ -31,7 +31,9 @@ def read_profile(path: str | Path) -> tuple[DustinConfig, float | None, dict]:
     """``(config, draft_share_fraction or None, the whole JSON)``; clear errors for a missing or bad file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"profile {str(path)!r} does not exist; write one with `dustin-hf calibrate --out {path}`")
+        raise FileNotFoundError(
+            f"profile {str(path)!r} does not exist; write one with `dustin-hf calibrate --out {path}`"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:

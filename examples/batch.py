@@ -26,10 +26,19 @@ tok.padding_side = "left"  # pad on the left: the prompts end together
 dustin_hf.patch(model, dustin_hf.DustinConfig(budget=256, min_context=1024))
 prompts = [load_text("alice")[:n] for n in (600, 6_000, 12_000)]  # short (dense), long, longer
 batch = tok(prompts, return_tensors="pt", padding=True).to(device)  # input_ids and attention_mask
-out = model.generate(**batch, assistant_model=draft, cache_implementation="dustin",
-                     max_new_tokens=32, do_sample=False, return_dict_in_generate=True)
+out = model.generate(
+    **batch,
+    assistant_model=draft,
+    cache_implementation="dustin",
+    max_new_tokens=32,
+    do_sample=False,
+    return_dict_in_generate=True,
+)
 width = batch["input_ids"].shape[1]
 for row, mask in enumerate(batch["attention_mask"]):
-    print(f"row {row}, {int(mask.sum())} prompt tokens:", tok.decode(out.sequences[row, width:], skip_special_tokens=True))
+    print(
+        f"row {row}, {int(mask.sum())} prompt tokens:",
+        tok.decode(out.sequences[row, width:], skip_special_tokens=True),
+    )
 cache = out.cache if hasattr(out, "cache") else out.past_key_values  # `cache` from transformers 5.24
 print({k: cache.stats[k] for k in ("sparse_steps", "dense_steps", "mean_attended", "mean_accepted_per_step")})

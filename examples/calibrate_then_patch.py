@@ -35,23 +35,39 @@ tiny = args.tiny
 target_dir, draft_dir = tiny_pair() if tiny else fetch_pair()
 pair = load_pair(target_dir, draft_dir)  # checks that both folders share a tokenizer, then loads both models
 if tiny:  # short windows and small budgets for the tiny models
-    settings = CalibrationSettings(books=("alice",), context=640, min_position=320, steps_per_book=4,
-                                   budgets=(64, 128), profile_budget=128, time_limit=30)
+    settings = CalibrationSettings(
+        books=("alice",),
+        context=640,
+        min_position=320,
+        steps_per_book=4,
+        budgets=(64, 128),
+        profile_budget=128,
+        time_limit=30,
+    )
 else:
     settings = CalibrationSettings(books=("mobydick",), time_limit=600)  # seconds for collection and search
 result = calibrate(pair, settings)
 config = dustin_hf.DustinConfig(**result.pop("config"))
 profile = args.out or Path(tempfile.mkdtemp()) / "profile.json"
 path = write_profile(profile, config, result.pop("draft_share_fraction"), **result)
-print(f"recovery on {len(result['texts'])} steps: calibrated {result['recovery']['mean']:.3f}, "
-      f"default heads {result['default_recovery']['mean']:.3f}; profile written to {path}")
+print(
+    f"recovery on {len(result['texts'])} steps: calibrated {result['recovery']['mean']:.3f}, "
+    f"default heads {result['default_recovery']['mean']:.3f}; profile written to {path}"
+)
 
 dustin_hf.patch(pair.target, path)  # the calibrated heads and draft share, at the profile's budget
 prompt = token_window(pair.tokenizer, "emma", 1024 if tiny else 4096)[None].to(pair.device)
 cache_config = {"min_context": 512} if tiny else {}
-out = pair.target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=pair.draft,
-                           cache_implementation="dustin", cache_config=cache_config, max_new_tokens=32,
-                           do_sample=False, return_dict_in_generate=True)
+out = pair.target.generate(
+    prompt,
+    attention_mask=torch.ones_like(prompt),
+    assistant_model=pair.draft,
+    cache_implementation="dustin",
+    cache_config=cache_config,
+    max_new_tokens=32,
+    do_sample=False,
+    return_dict_in_generate=True,
+)
 cache = out.cache if hasattr(out, "cache") else out.past_key_values  # `cache` from transformers 5.24
-print(pair.tokenizer.decode(out.sequences[0, prompt.shape[1]:], skip_special_tokens=True))
+print(pair.tokenizer.decode(out.sequences[0, prompt.shape[1] :], skip_special_tokens=True))
 print({k: cache.stats[k] for k in ("sparse_steps", "dense_steps", "mean_attended", "mean_accepted_per_step")})

@@ -37,8 +37,9 @@ runs = {
 texts = {}
 for name, extra in runs.items():
     start = time.perf_counter()
-    out = model.generate(**batch, assistant_model=draft, max_new_tokens=48, do_sample=False,
-                         return_dict_in_generate=True, **extra)
+    out = model.generate(
+        **batch, assistant_model=draft, max_new_tokens=48, do_sample=False, return_dict_in_generate=True, **extra
+    )
     seconds = time.perf_counter() - start
     texts[name] = out.sequences[0, prompt_len:].tolist()
     print(f"== {name}: {len(texts[name])} tokens in {seconds:.1f} s (prompt of {prompt_len} tokens read included)")
@@ -46,9 +47,11 @@ for name, extra in runs.items():
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # `cache` from transformers 5.24
     if hasattr(cache, "stats"):  # Dustin's cache says what verification did
         s = cache.stats
-        print(f"   sparse steps {s['sparse_steps']}, dense steps {s['dense_steps']}, {s['mean_attended']:.0f} cached "
-              f"positions read per sparse step, {s['mean_accepted_per_step']:.2f} drafts kept per step, "
-              f"decode {s['decode_seconds']:.1f} s after a prefill of {s['prefill_seconds']:.1f} s")
+        print(
+            f"   sparse steps {s['sparse_steps']}, dense steps {s['dense_steps']}, {s['mean_attended']:.0f} cached "
+            f"positions read per sparse step, {s['mean_accepted_per_step']:.2f} drafts kept per step, "
+            f"decode {s['decode_seconds']:.1f} s after a prefill of {s['prefill_seconds']:.1f} s"
+        )
 
 dense, sparse = texts.values()
 same = next((i for i, (a, b) in enumerate(zip(dense, sparse)) if a != b), min(len(dense), len(sparse)))

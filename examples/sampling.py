@@ -29,9 +29,19 @@ dustin_hf.patch(model)
 batch = tok(load_text("prideprejudice")[:12_000], return_tensors="pt").to(device)
 torch.manual_seed(0)  # the same seed gives the same samples
 for sample in range(2):
-    out = model.generate(**batch, assistant_model=draft, cache_implementation="dustin", max_new_tokens=48,
-                         do_sample=True, temperature=0.8, top_p=0.95, return_dict_in_generate=True)
+    out = model.generate(
+        **batch,
+        assistant_model=draft,
+        cache_implementation="dustin",
+        max_new_tokens=48,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        return_dict_in_generate=True,
+    )
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # `cache` from transformers 5.24
-    print(f"sample {sample} ({cache.stats['sparse_steps']} sparse steps, "
-          f"{cache.stats['mean_accepted_per_step']:.2f} drafts kept per step):")
-    print(tok.decode(out.sequences[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
+    print(
+        f"sample {sample} ({cache.stats['sparse_steps']} sparse steps, "
+        f"{cache.stats['mean_accepted_per_step']:.2f} drafts kept per step):"
+    )
+    print(tok.decode(out.sequences[0, batch["input_ids"].shape[1] :], skip_special_tokens=True))

@@ -31,8 +31,9 @@ _SUBCLASSES: dict[type, type] = {}
 class DustinGenerationMixin:
     """Overrides of ``GenerationMixin`` internals; ``self._dustin_patch`` is the model's patch handle."""
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length, *args, **kwargs):
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+    ):
         if generation_config.cache_implementation != CACHE_NAME:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
@@ -60,28 +61,60 @@ class DustinGenerationMixin:
             patch.release()
         return super()._apply(fn, *args, **kwargs)
 
-    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                           synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None,
-                           assistant_tokenizer=None, tokenizer=None, **model_kwargs):
+    def _assisted_decoding(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        inputs_tensor=None,
+        assistant_model=None,
+        assistant_tokenizer=None,
+        tokenizer=None,
+        **model_kwargs,
+    ):
         use_dustin = generation_config.cache_implementation == CACHE_NAME
         if not use_dustin and input_ids.shape[0] == 1:
             return super()._assisted_decoding(
-                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-                streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
-                assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                synced_gpus=synced_gpus,
+                streamer=streamer,
+                inputs_tensor=inputs_tensor,
+                assistant_model=assistant_model,
+                assistant_tokenizer=assistant_tokenizer,
+                tokenizer=tokenizer,
+                **model_kwargs,
             )
         from dustin_hf.adapter.assisted import run_assisted
 
         result = run_assisted(
-            self, assistant_model, input_ids, generation_config, logits_processor, stopping_criteria,
-            use_dustin=use_dustin, synced_gpus=synced_gpus, streamer=streamer, tokenizer=tokenizer,
-            assistant_tokenizer=assistant_tokenizer, model_kwargs=model_kwargs,
+            self,
+            assistant_model,
+            input_ids,
+            generation_config,
+            logits_processor,
+            stopping_criteria,
+            use_dustin=use_dustin,
+            synced_gpus=synced_gpus,
+            streamer=streamer,
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+            model_kwargs=model_kwargs,
         )
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return GenerateDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, attentions=result.attentions,
-            hidden_states=result.hidden_states, **{CACHE_KWARG: result.cache},
+            sequences=result.sequences,
+            scores=result.scores,
+            logits=result.logits,
+            attentions=result.attentions,
+            hidden_states=result.hidden_states,
+            **{CACHE_KWARG: result.cache},
         )
 
 

@@ -3,8 +3,6 @@ graph capture, kernels' launch hooks, statistical checks. No downloads anywhere 
 
 from __future__ import annotations
 
-from tiny_models import noisy_copy, one_thread, set_gamma, tiny_model  # noqa: F401  (first: it sets TRITON_INTERPRET)
-
 import contextlib
 import importlib.util
 import json
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import noisy_copy, one_thread, set_gamma, tiny_model  # noqa: F401  (first: it sets TRITON_INTERPRET)
 
 
 def _triton_runs() -> bool:
@@ -56,8 +55,9 @@ def qwen_pair():
     return target, set_gamma(noisy_copy(target), 4)
 
 
-def eager_step_ahead(self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None, *,
-                     full_rows):
+def eager_step_ahead(
+    self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None, *, full_rows
+):
     """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly (monkeypatch it in): the rows' lengths
     come from the device values (a replay reads nothing else; the host's lengths are only settled after the step's
     sync)."""
@@ -104,8 +104,9 @@ def joint_law(target, prompt: torch.Tensor, tokens: int, processors=None) -> tor
             if processors is not None:
                 scores = processors(inputs, scores)
             log_law = (log_law[:, None] + scores.double().log_softmax(-1)).flatten()
-            prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
-                                  torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1)
+            prefixes = torch.cat(
+                [prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1
+            )
     return log_law.exp()
 
 
@@ -149,8 +150,12 @@ def explicit_attention_mass(q, keys, query_pos, heads, group, scale, num_positio
 
 def package_kernels(*modules) -> list:
     """The Triton kernels (``@triton.jit`` functions named ``*_kernel``, the ones launched) of ``modules``."""
-    return [value for module in modules for name, value in vars(module).items()
-            if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook")]
+    return [
+        value
+        for module in modules
+        for name, value in vars(module).items()
+        if name.endswith("_kernel") and hasattr(value, "add_pre_run_hook")
+    ]
 
 
 @contextlib.contextmanager
@@ -173,8 +178,9 @@ def sm90_ptx_report(script: str) -> list[dict]:
     in a subprocess without the Triton interpreter; its JSON report, or a skip where Triton cannot compile
     for CUDA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True, text=True, timeout=600
+    )
     if done.returncode == 77:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]

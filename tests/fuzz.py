@@ -39,6 +39,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+from tiny_models import PAD, VOCAB, noisy_copy, tiny_model
 from transformers import AttentionInterface, PreTrainedTokenizerFast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -47,10 +48,18 @@ from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.config import resolve
 
-from tiny_models import PAD, VOCAB, noisy_copy, tiny_model
-
-__all__ = ["CI_CASES", "Case", "case_ids", "check_case", "draw_case", "from_json", "report", "reproduction",
-           "shared_tokenizer", "shrink"]
+__all__ = [
+    "CI_CASES",
+    "Case",
+    "case_ids",
+    "check_case",
+    "draw_case",
+    "from_json",
+    "report",
+    "reproduction",
+    "shared_tokenizer",
+    "shrink",
+]
 
 CI_CASES = 128
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # mistral with sliding_window=None (tiny_models)
@@ -104,9 +113,16 @@ class Case:
         return f"s{self.seed}-c{self.index}"
 
     def cache_config(self) -> dict:
-        fields = dict(budget=self.budget, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
-                      min_context=self.min_context, sparse_draft=self.sparse_draft, dense_layers=self.dense_layers,
-                      calibration=self.calibration, selection=self.selection)
+        fields = dict(
+            budget=self.budget,
+            sink_tokens=self.sink_tokens,
+            recent_tokens=self.recent_tokens,
+            min_context=self.min_context,
+            sparse_draft=self.sparse_draft,
+            dense_layers=self.dense_layers,
+            calibration=self.calibration,
+            selection=self.selection,
+        )
         if self.draft_share is not None:
             fields["draft_share"] = self.draft_share
         return fields
@@ -145,8 +161,17 @@ def draw_case(seed: int, index: int) -> Case:
     batch, gamma = rng.randint(1, 4), rng.randint(1, 6)
     decoding = _draw_decoding(rng, min(models["prompt_vocab"], models["draft_vocab"]))
     budget = (_draw_covering_budget if covering else _draw_small_budget)(rng, batch, gamma)
-    return Case(seed=seed, index=index, **models, gamma=gamma, **decoding, covering=covering, **budget,
-                padding="right" if batch > 1 and rng.random() < 0.2 else "left", subject=rng.randrange(batch))
+    return Case(
+        seed=seed,
+        index=index,
+        **models,
+        gamma=gamma,
+        **decoding,
+        covering=covering,
+        **budget,
+        padding="right" if batch > 1 and rng.random() < 0.2 else "left",
+        subject=rng.randrange(batch),
+    )
 
 
 def _draw_models(rng: random.Random) -> dict:
@@ -165,9 +190,22 @@ def _draw_models(rng: random.Random) -> dict:
     # ids the shared tokenizer never produces (the target's padding rows) in about a third of the small-vocabulary
     # cases
     prompt_vocab = PAD if kind != "small_vocab" or rng.random() < 0.3 else draft_vocab
-    return dict(family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, draft_kind=kind,
-                draft_family=d_family, draft_layers=d_layers, draft_hidden=d_hidden, draft_heads=d_heads,
-                draft_kv_heads=d_kv, draft_vocab=draft_vocab, noise=noise, prompt_vocab=prompt_vocab)
+    return dict(
+        family=family,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        draft_kind=kind,
+        draft_family=d_family,
+        draft_layers=d_layers,
+        draft_hidden=d_hidden,
+        draft_heads=d_heads,
+        draft_kv_heads=d_kv,
+        draft_vocab=draft_vocab,
+        noise=noise,
+        prompt_vocab=prompt_vocab,
+    )
 
 
 def _draw_decoding(rng: random.Random, token_range: int) -> dict:
@@ -184,8 +222,13 @@ def _draw_decoding(rng: random.Random, token_range: int) -> dict:
     eos = ()
     if rng.random() < 0.7:
         eos = tuple(rng.sample(range(token_range), rng.choice((1, 1, 2, 3, 4))))
-    return dict(threshold=threshold, do_sample=do_sample, sampling=sampling, eos=eos,
-                processors=_draw_processors(rng, token_range, bool(eos)))
+    return dict(
+        threshold=threshold,
+        do_sample=do_sample,
+        sampling=sampling,
+        eos=eos,
+        processors=_draw_processors(rng, token_range, bool(eos)),
+    )
 
 
 def _draw_covering_budget(rng: random.Random, batch: int, gamma: int) -> dict:
@@ -194,9 +237,18 @@ def _draw_covering_budget(rng: random.Random, batch: int, gamma: int) -> dict:
     max_new = rng.randint(4, 16)
     budget = max(lengths) + max_new + gamma + 1 + rng.randint(0, 16)
     sink, recent = rng.randint(0, 4), rng.randint(0, 16)
-    return dict(lengths=lengths, max_new_tokens=max_new, budget=budget, **_windows(sink, recent, budget),
-                min_context=rng.randint(0, budget), draft_share=None, dense_layers=(), calibration="none",
-                sparse_draft=rng.random() < 0.5, selection=rng.choice(("dustin", "verify")))
+    return dict(
+        lengths=lengths,
+        max_new_tokens=max_new,
+        budget=budget,
+        **_windows(sink, recent, budget),
+        min_context=rng.randint(0, budget),
+        draft_share=None,
+        dense_layers=(),
+        calibration="none",
+        sparse_draft=rng.random() < 0.5,
+        selection=rng.choice(("dustin", "verify")),
+    )
 
 
 def _draw_small_budget(rng: random.Random, batch: int, gamma: int) -> dict:
@@ -213,9 +265,18 @@ def _draw_small_budget(rng: random.Random, batch: int, gamma: int) -> dict:
     free = budget - sink - recent
     draft_share = rng.randint(0, free) if calibration == "none" and rng.random() < 0.3 else None
     dense_layers = (rng.choice((0, -1)),) if rng.random() < 0.15 else ()
-    return dict(lengths=tuple(lengths), max_new_tokens=max_new, budget=budget, **_windows(sink, recent, budget),
-                min_context=min_context, draft_share=draft_share, dense_layers=dense_layers, calibration=calibration,
-                sparse_draft=rng.random() < 0.5, selection=rng.choice(("dustin", "verify")))
+    return dict(
+        lengths=tuple(lengths),
+        max_new_tokens=max_new,
+        budget=budget,
+        **_windows(sink, recent, budget),
+        min_context=min_context,
+        draft_share=draft_share,
+        dense_layers=dense_layers,
+        calibration=calibration,
+        sparse_draft=rng.random() < 0.5,
+        selection=rng.choice(("dustin", "verify")),
+    )
 
 
 def _windows(sink: int, recent: int, budget: int) -> dict:
@@ -250,8 +311,10 @@ def case_ids() -> list[tuple[int, int]]:
 
 
 def reproduction(case: Case) -> str:
-    return (f"DUSTIN_FUZZ_SEED={case.seed} DUSTIN_FUZZ_CASE={case.index} "
-            f"python -m pytest tests/test_fuzz.py -k {case.name}")
+    return (
+        f"DUSTIN_FUZZ_SEED={case.seed} DUSTIN_FUZZ_CASE={case.index} "
+        f"python -m pytest tests/test_fuzz.py -k {case.name}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ models, prompts
@@ -266,18 +329,26 @@ def shared_tokenizer(size: int) -> PreTrainedTokenizerFast:
 def build_pair(case: Case):
     """The target and draft of ``case`` (deterministic), the draft's γ and threshold set as a user would."""
     seed = case.seed * 100_003 + case.index
-    target = tiny_model(case.family, layers=case.layers, hidden=case.hidden, heads=case.heads,
-                        kv_heads=case.kv_heads, seed=seed)
+    target = tiny_model(
+        case.family, layers=case.layers, hidden=case.hidden, heads=case.heads, kv_heads=case.kv_heads, seed=seed
+    )
     if case.draft_kind == "small_vocab":
         # as a real pair padded differently (Qwen2.5-7B vs 0.5B): the target's extra rows are never the argmax
-        target.lm_head.weight.data[case.draft_vocab:] = 0
+        target.lm_head.weight.data[case.draft_vocab :] = 0
     if case.noise:
         draft = noisy_copy(target, noise=case.noise, seed=seed + 1)
         if case.draft_vocab < VOCAB:
             draft.resize_token_embeddings(case.draft_vocab)
     else:
-        draft = tiny_model(case.draft_family, layers=case.draft_layers, hidden=case.draft_hidden,
-                           heads=case.draft_heads, kv_heads=case.draft_kv_heads, seed=seed + 2, vocab=case.draft_vocab)
+        draft = tiny_model(
+            case.draft_family,
+            layers=case.draft_layers,
+            hidden=case.draft_hidden,
+            heads=case.draft_heads,
+            kv_heads=case.draft_kv_heads,
+            seed=seed + 2,
+            vocab=case.draft_vocab,
+        )
     draft.generation_config.num_assistant_tokens = case.gamma
     draft.generation_config.assistant_confidence_threshold = case.threshold
     return target, draft
@@ -303,8 +374,13 @@ def pad_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.
 
 
 def _generate_kwargs(case: Case) -> dict:
-    kwargs = dict(max_new_tokens=case.max_new_tokens, pad_token_id=PAD, do_sample=case.do_sample,
-                  **dict(case.processors), **dict(case.sampling))
+    kwargs = dict(
+        max_new_tokens=case.max_new_tokens,
+        pad_token_id=PAD,
+        do_sample=case.do_sample,
+        **dict(case.processors),
+        **dict(case.sampling),
+    )
     if "bad_words_ids" in kwargs:
         kwargs["bad_words_ids"] = [list(word) for word in kwargs["bad_words_ids"]]
     if "suppress_tokens" in kwargs:
@@ -346,8 +422,10 @@ class _Reads:
             elif not dense and n > self.budget:
                 self.violations.append(f"layer {layer} row {row}: read {n} > budget {self.budget} (context {length})")
             elif n > tensors.indices.shape[1] and not (plan.full_rows and n >= length):
-                self.violations.append(f"layer {layer} row {row}: {n} entries counted in {tensors.indices.shape[1]} "
-                                       "columns, not read in full")
+                self.violations.append(
+                    f"layer {layer} row {row}: {n} entries counted in {tensors.indices.shape[1]} "
+                    "columns, not read in full"
+                )
             elif n and (int(read.min()) < 0 or int(read.max()) >= length or bool((read.diff() <= 0).any())):
                 self.violations.append(f"layer {layer} row {row}: read positions outside [0, {length}) or unsorted")
 
@@ -392,9 +470,16 @@ def _dustin(target, draft, case: Case, rows: list[torch.Tensor]):
         tok = shared_tokenizer(case.draft_vocab)
         extra = dict(tokenizer=tok, assistant_tokenizer=tok)
     torch.manual_seed(case.seed * 7 + case.index)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin",
-                          cache_config=case.cache_config(), return_dict_in_generate=True, **_generate_kwargs(case),
-                          **extra)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        cache_implementation="dustin",
+        cache_config=case.cache_config(),
+        return_dict_in_generate=True,
+        **_generate_kwargs(case),
+        **extra,
+    )
     return ids, out.sequences, getattr(out, CACHE_KWARG).stats
 
 
@@ -412,12 +497,14 @@ def _well_formed(case: Case, ids: torch.Tensor, sequences: torch.Tensor) -> list
     min_new = dict(case.processors).get("min_new_tokens", 0)
     for b in range(batch):
         tokens = _row_tokens(sequences, width, b, case.eos)
-        tail = sequences[b, width + len(tokens):].tolist()
+        tail = sequences[b, width + len(tokens) :].tolist()
         if len(tokens) < generated and any(t != PAD for t in tail):
             failures.append(f"row {b}: not padding after its EOS: {sequences[b, width:].tolist()}")
         if (not tokens or tokens[-1] not in case.eos) and len(tokens) != case.max_new_tokens:
-            failures.append(f"row {b}: stopped after {len(tokens)} tokens without EOS "
-                            f"(max_new_tokens={case.max_new_tokens}): {tokens}")
+            failures.append(
+                f"row {b}: stopped after {len(tokens)} tokens without EOS "
+                f"(max_new_tokens={case.max_new_tokens}): {tokens}"
+            )
         if tokens and tokens[-1] in case.eos and len(tokens) <= min_new:  # EOS is banned while fewer are new
             failures.append(f"row {b}: EOS as token {len(tokens)}, min_new_tokens={min_new}")
     return failures
@@ -437,8 +524,10 @@ def _read_bound(case: Case, stats: dict, reads: _Reads, selection_layers: tuple[
     if stats["sparse_steps"] and stats["mean_attended"] > bound + 1e-6:
         failures.append(f"stats mean_attended {stats['mean_attended']:.2f} > bound {bound:.2f}")
     if not case.covering and stats["sparse_steps"] == 0:
-        failures.append(f"no sparse step, though a row's context ({max(case.lengths)}) is past budget "
-                        f"{case.budget} and min_context {case.min_context}")
+        failures.append(
+            f"no sparse step, though a row's context ({max(case.lengths)}) is past budget "
+            f"{case.budget} and min_context {case.min_context}"
+        )
     if case.covering and stats["sparse_steps"]:
         failures.append(f"{stats['sparse_steps']} sparse steps with a budget covering the context")
     return failures
@@ -496,8 +585,11 @@ def _independence(target, draft, case: Case, rows, ids, sequences, greedy_alone,
     """The ``alone`` invariant (covering budget, greedy), else the ``mates`` one."""
     mine = [_row_tokens(sequences, ids.shape[1], b, case.eos) for b in range(len(rows))]
     if greedy_alone is not None:
-        failures["alone"] = [f"row {b}: {_first_difference(got, want)}"
-                             for b, (got, want) in enumerate(zip(mine, greedy_alone)) if got != want]
+        failures["alone"] = [
+            f"row {b}: {_first_difference(got, want)}"
+            for b, (got, want) in enumerate(zip(mine, greedy_alone))
+            if got != want
+        ]
         return
     b = case.subject
     mates_failures = []
@@ -536,26 +628,44 @@ def _simpler(case: Case):
     n = len(case.lengths)
     for drop in range(n):
         if drop != case.subject and n > 1:
-            lengths = case.lengths[:drop] + case.lengths[drop + 1:]
+            lengths = case.lengths[:drop] + case.lengths[drop + 1 :]
             yield dataclasses.replace(case, lengths=lengths, subject=case.subject - (drop < case.subject))
     for i, _ in enumerate(case.processors):
-        yield dataclasses.replace(case, processors=case.processors[:i] + case.processors[i + 1:])
-    simple = dict(threshold=0.0, eos=(), sparse_draft=False, dense_layers=(), calibration="none", selection="dustin",
-                  sampling=(), do_sample=False, padding="left", draft_share=None, max_new_tokens=max(4, case.max_new_tokens // 2),
-                  gamma=max(1, case.gamma - 1), layers=max(1, case.layers - 1),
-                  draft_layers=max(1, case.draft_layers - 1))
+        yield dataclasses.replace(case, processors=case.processors[:i] + case.processors[i + 1 :])
+    simple = dict(
+        threshold=0.0,
+        eos=(),
+        sparse_draft=False,
+        dense_layers=(),
+        calibration="none",
+        selection="dustin",
+        sampling=(),
+        do_sample=False,
+        padding="left",
+        draft_share=None,
+        max_new_tokens=max(4, case.max_new_tokens // 2),
+        gamma=max(1, case.gamma - 1),
+        layers=max(1, case.layers - 1),
+        draft_layers=max(1, case.draft_layers - 1),
+    )
     for name, value in simple.items():
         if getattr(case, name) != value:
             yield dataclasses.replace(case, **{name: value})
     for i, length in enumerate(case.lengths):
         for shorter in sorted({max(1, length // 2), max(1, (3 * length) // 4), max(1, length - 1)}):
             if shorter < length:
-                yield dataclasses.replace(case, lengths=case.lengths[:i] + (shorter,) + case.lengths[i + 1:])
+                yield dataclasses.replace(case, lengths=case.lengths[:i] + (shorter,) + case.lengths[i + 1 :])
 
 
 def _size(case: Case) -> tuple:
-    return (len(case.lengths), len(case.processors), sum(case.lengths), case.max_new_tokens, case.gamma,
-            case.layers + case.draft_layers)
+    return (
+        len(case.lengths),
+        len(case.processors),
+        sum(case.lengths),
+        case.max_new_tokens,
+        case.gamma,
+        case.layers + case.draft_layers,
+    )
 
 
 def _kind(failures: dict[str, list[str]], invariant: str) -> str | None:
@@ -566,7 +676,7 @@ def _kind(failures: dict[str, list[str]], invariant: str) -> str | None:
     if invariant != "crash":
         return invariant
     first = failures["crash"][0]
-    return first.split(":")[0] + first[first.rfind("("):]
+    return first.split(":")[0] + first[first.rfind("(") :]
 
 
 def shrink(case: Case, invariant: str, log=print) -> Case:

@@ -95,8 +95,9 @@ class _MetaForCuda(TorchFunctionMode):
         with torch._C.DisableTorchFunctionSubclass():  # the op sees plain meta tensors and meta devices
             args, kwargs = pytree.tree_map(_meta_for_cuda, (args, kwargs))
             out = func(*args, **kwargs)
-            return pytree.tree_map(lambda t: t.as_subclass(self.tensor_type) if type(t) is torch.Tensor and t.is_meta
-                                   else t, out)
+            return pytree.tree_map(
+                lambda t: t.as_subclass(self.tensor_type) if type(t) is torch.Tensor and t.is_meta else t, out
+            )
 
 
 def _meta_for_cuda(x):
@@ -130,18 +131,28 @@ def launches_on(gpu: SimulatedGpu, run: Callable[[], object]) -> list[Launch]:
         options = {k: v for k, v in kwargs.items() if k not in names}
         caught.append((kernel, dict(zip(names, args)) | {k: kwargs[k] for k in names if k in kwargs}, options))
 
-    properties = type("Properties", (), {"multi_processor_count": gpu.sm_count, "name": gpu.name,
-                                         "major": gpu.capability[0], "minor": gpu.capability[1]})()
+    properties = type(
+        "Properties",
+        (),
+        {
+            "multi_processor_count": gpu.sm_count,
+            "name": gpu.name,
+            "major": gpu.capability[0],
+            "minor": gpu.capability[1],
+        },
+    )()
     on_gpu = type(f"On{gpu.index}", (_OnGpu,), {"_device": torch.device("cuda", gpu.index)})
     previous = driver._active
     driver.set_active(_Driver(gpu))
     try:
-        with (mock.patch.object(JITFunction, "run", catch),
-              mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: properties),
-              mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability),
-              mock.patch.object(torch.cuda, "current_device", lambda: gpu.index),
-              mock.patch.object(torch.cuda, "device", lambda device: contextlib.nullcontext()),
-              _MetaForCuda(on_gpu)):
+        with (
+            mock.patch.object(JITFunction, "run", catch),
+            mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: properties),
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability),
+            mock.patch.object(torch.cuda, "current_device", lambda: gpu.index),
+            mock.patch.object(torch.cuda, "device", lambda device: contextlib.nullcontext()),
+            _MetaForCuda(on_gpu),
+        ):
             run()
     finally:
         driver.set_active(previous)
@@ -194,11 +205,26 @@ def scoring_step(batch: int = 16, context: int = 32768, n_queries: int = 5) -> N
         return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
 
     seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    scoring.target_history_scores(empty(batch, 8, 128), empty(batch, context + n_queries, 8, 128), seqlens,
-                                  tuple(range(8)), 8, 128**-0.5, context, backend="triton")
-    scoring.draft_lookahead_scores([empty(batch, n_queries - 1, 7, 64)] * 3,
-                                   [empty(batch, context + n_queries, 2, 64)] * 3, seqlens,
-                                   (tuple(range(7)),) * 3, 7, 64**-0.5, context, backend="triton")
+    scoring.target_history_scores(
+        empty(batch, 8, 128),
+        empty(batch, context + n_queries, 8, 128),
+        seqlens,
+        tuple(range(8)),
+        8,
+        128**-0.5,
+        context,
+        backend="triton",
+    )
+    scoring.draft_lookahead_scores(
+        [empty(batch, n_queries - 1, 7, 64)] * 3,
+        [empty(batch, context + n_queries, 2, 64)] * 3,
+        seqlens,
+        (tuple(range(7)),) * 3,
+        7,
+        64**-0.5,
+        context,
+        backend="triton",
+    )
 
 
 def main() -> None:

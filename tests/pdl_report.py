@@ -18,7 +18,6 @@ import json
 import re
 
 import torch
-
 from kernel_ptx import H200, compile_sm90, launches_on, require_cuda_compiler, scoring_step
 
 _MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.global|prefetch\.)")
@@ -42,8 +41,14 @@ def decode_step() -> None:
     triton_fused.rotary_write_kv_triton(q, k, k, cos, cos, cache, cache, _empty(batch, 1, dtype=torch.int64), 0)
     triton_fused.apply_rotary_triton(q.transpose(1, 2), k.transpose(1, 2), cos, cos)
     triton_fused.silu_mul_triton(_empty(batch, 1, 2 * 4864))
-    triton_cache.write_kv_triton(_empty(batch, kv_heads, 5, head_dim), _empty(batch, kv_heads, 5, head_dim),
-                                 cache, cache, _empty(batch, 5, dtype=torch.int64), 0)
+    triton_cache.write_kv_triton(
+        _empty(batch, kv_heads, 5, head_dim),
+        _empty(batch, kv_heads, 5, head_dim),
+        cache,
+        cache,
+        _empty(batch, 5, dtype=torch.int64),
+        0,
+    )
 
     triton_gemm.skinny_linear(_empty(batch, hidden), _empty(1152, hidden), _empty(1152))
     triton_gemm.skinny_linear(_empty(batch, 4864), _empty(hidden, 4864))  # split K: tickets and partials
@@ -53,19 +58,29 @@ def decode_step() -> None:
 
     scoring_step()
     scores = _empty(batch, context, dtype=torch.float32)
-    triton_select.select_sparse_triton(scores, scores, _empty(batch, dtype=torch.int32), sink=4, recent=60,
-                                       share=224, fill=224)
+    triton_select.select_sparse_triton(
+        scores, scores, _empty(batch, dtype=torch.int32), sink=4, recent=60, share=224, fill=224
+    )
 
     q = _empty(batch, 5, 28, 128)
     cache = _empty(batch, context + 5, 4, 128)
     seqlens, indices = _empty(batch, dtype=torch.int32), _empty(batch, budget, dtype=torch.int32)
     for sparse, merge in ((True, "ticket"), (False, "kernel")):
         n_keys = budget if sparse else context + 5
-        config = triton_verify.launch_config(batch, 4, 7, 5, 128, n_keys, H200.sm_count, sparse=sparse,
-                                             elem_bytes=2, num_splits=2, merge=merge)
+        config = triton_verify.launch_config(
+            batch, 4, 7, 5, 128, n_keys, H200.sm_count, sparse=sparse, elem_bytes=2, num_splits=2, merge=merge
+        )
         triton_verify.verify_attention_triton(
-            q, cache, cache, seqlens, softmax_scale=128**-0.5, indices=indices if sparse else None,
-            num_indices=seqlens if sparse else None, max_seqlen_k=None if sparse else context + 5, config=config)
+            q,
+            cache,
+            cache,
+            seqlens,
+            softmax_scale=128**-0.5,
+            indices=indices if sparse else None,
+            num_indices=seqlens if sparse else None,
+            max_seqlen_k=None if sparse else context + 5,
+            config=config,
+        )
 
 
 def main() -> None:
@@ -77,12 +92,18 @@ def main() -> None:
         def first(pattern: str) -> int | None:
             return next((i for i, line in enumerate(lines) if re.search(pattern, line)), None)
 
-        report.append(dict(
-            kernel=launch.name, pdl=launch.args.get("PDL"), launch_pdl=launch.options.get("launch_pdl"),
-            waits=sum("griddepcontrol.wait" in line for line in lines),
-            launches=sum("griddepcontrol.launch_dependents" in line for line in lines),
-            first_wait=first(r"griddepcontrol\.wait"), first_launch=first(r"griddepcontrol\.launch_dependents"),
-            first_memory=first(_MEMORY_OP.pattern)))
+        report.append(
+            dict(
+                kernel=launch.name,
+                pdl=launch.args.get("PDL"),
+                launch_pdl=launch.options.get("launch_pdl"),
+                waits=sum("griddepcontrol.wait" in line for line in lines),
+                launches=sum("griddepcontrol.launch_dependents" in line for line in lines),
+                first_wait=first(r"griddepcontrol\.wait"),
+                first_launch=first(r"griddepcontrol\.launch_dependents"),
+                first_memory=first(_MEMORY_OP.pattern),
+            )
+        )
     print(json.dumps(report))
 
 

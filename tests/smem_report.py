@@ -22,7 +22,6 @@ import itertools
 import json
 
 import torch
-
 from kernel_ptx import A100, SM86, compile_for, launches_on, require_cuda_compiler
 
 GPUS = {80: A100, 86: SM86}
@@ -34,8 +33,12 @@ def main() -> None:
     report, compiled = [], {}
 
     def shared(cc, launch) -> int:
-        key = (cc, launch.name, repr(sorted((k, v) for k, v in launch.args.items() if not isinstance(v, torch.Tensor))),
-               repr(launch.options))
+        key = (
+            cc,
+            launch.name,
+            repr(sorted((k, v) for k, v in launch.args.items() if not isinstance(v, torch.Tensor))),
+            repr(launch.options),
+        )
         if key not in compiled:
             compiled[key] = compile_for(launch, cc).metadata.shared
         return compiled[key]
@@ -50,30 +53,57 @@ def _verify_report(shared) -> list[dict]:
 
     rows = []
     for cc, dtype, head_dim, n_queries, (sparse, scores) in itertools.product(
-            GPUS, (torch.bfloat16, torch.float32), (64, 128), (1, 5), ((True, False), (False, False), (False, True))):
+        GPUS, (torch.bfloat16, torch.float32), (64, 128), (1, 5), ((True, False), (False, False), (False, True))
+    ):
+
         def run():
             q = torch.empty(BATCH, n_queries, N_KV_HEADS * GROUP, head_dim, device="cuda", dtype=dtype)
             cache = torch.empty(BATCH, CONTEXT + n_queries, N_KV_HEADS, head_dim, device="cuda", dtype=dtype)
             seqlens = torch.empty(BATCH, device="cuda", dtype=torch.int32)
             if scores:  # a selection layer's dense call, writing the scores too
                 triton_verify.verify_attention_scores_triton(
-                    q, cache, cache, seqlens, softmax_scale=head_dim**-0.5, max_seqlen_k=CONTEXT + n_queries,
-                    span=CONTEXT, query_counts=seqlens)
+                    q,
+                    cache,
+                    cache,
+                    seqlens,
+                    softmax_scale=head_dim**-0.5,
+                    max_seqlen_k=CONTEXT + n_queries,
+                    span=CONTEXT,
+                    query_counts=seqlens,
+                )
                 return
             indices = torch.empty(BATCH, BUDGET, device="cuda", dtype=torch.int32) if sparse else None
             triton_verify.verify_attention_triton(
-                q, cache, cache, seqlens, softmax_scale=head_dim**-0.5, indices=indices,
-                num_indices=seqlens if sparse else None, max_seqlen_k=None if sparse else CONTEXT + n_queries)
+                q,
+                cache,
+                cache,
+                seqlens,
+                softmax_scale=head_dim**-0.5,
+                indices=indices,
+                num_indices=seqlens if sparse else None,
+                max_seqlen_k=None if sparse else CONTEXT + n_queries,
+            )
 
         launch = launches_on(GPUS[cc], run)[0]  # the main kernel (a merge launch, if any, comes after it)
         block_m, block_n, block_d = (launch.args[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
         num_stages = launch.options["num_stages"]
-        rows.append(dict(
-            kernel="verify", cc=cc, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, n_queries=n_queries,
-            sparse=sparse, scores=scores, block_m=block_m, block_n=block_n, num_stages=num_stages,
-            shared=shared(cc, launch),
-            estimate=triton_verify._shared_bytes(block_m, block_n, block_d, dtype.itemsize, num_stages, sparse),
-            limit=GPUS[cc].max_shared_mem))
+        rows.append(
+            dict(
+                kernel="verify",
+                cc=cc,
+                dtype=str(dtype).removeprefix("torch."),
+                head_dim=head_dim,
+                n_queries=n_queries,
+                sparse=sparse,
+                scores=scores,
+                block_m=block_m,
+                block_n=block_n,
+                num_stages=num_stages,
+                shared=shared(cc, launch),
+                estimate=triton_verify._shared_bytes(block_m, block_n, block_d, dtype.itemsize, num_stages, sparse),
+                limit=GPUS[cc].max_shared_mem,
+            )
+        )
     return rows
 
 
@@ -82,6 +112,7 @@ def _gemm_report(shared) -> list[dict]:
 
     rows = []
     for cc, dtype in itertools.product(GPUS, (torch.bfloat16, torch.float32)):
+
         def empty(*shape):
             return torch.empty(*shape, device="cuda", dtype=dtype)
 
@@ -93,13 +124,28 @@ def _gemm_report(shared) -> list[dict]:
 
         for launch in launches_on(GPUS[cc], run):
             args, gated = launch.args, launch.args["GATED"]
-            rows.append(dict(
-                kernel="gated" if gated else "skinny", cc=cc, dtype=str(dtype).removeprefix("torch."), m=args["M"],
-                block_m=args["BLOCK_M"], block_n=args["BLOCK_N"], block_k=args["BLOCK_K"],
-                num_stages=launch.options["num_stages"], shared=shared(cc, launch),
-                estimate=triton_gemm._shared_bytes(args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"],
-                                                   dtype.itemsize, launch.options["num_stages"], gated),
-                limit=GPUS[cc].max_shared_mem))
+            rows.append(
+                dict(
+                    kernel="gated" if gated else "skinny",
+                    cc=cc,
+                    dtype=str(dtype).removeprefix("torch."),
+                    m=args["M"],
+                    block_m=args["BLOCK_M"],
+                    block_n=args["BLOCK_N"],
+                    block_k=args["BLOCK_K"],
+                    num_stages=launch.options["num_stages"],
+                    shared=shared(cc, launch),
+                    estimate=triton_gemm._shared_bytes(
+                        args["BLOCK_M"],
+                        args["BLOCK_N"],
+                        args["BLOCK_K"],
+                        dtype.itemsize,
+                        launch.options["num_stages"],
+                        gated,
+                    ),
+                    limit=GPUS[cc].max_shared_mem,
+                )
+            )
     return rows
 
 

@@ -16,6 +16,7 @@ Ported from transformers' own generation tests, checked against transformers 5.2
 from __future__ import annotations
 
 import torch
+from tiny_models import tiny_model
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.cache_utils import Cache
@@ -23,12 +24,22 @@ from transformers.generation.streamers import BaseStreamer
 
 from dustin_hf.compat import CACHE_KWARG
 
-from tiny_models import tiny_model
-
 __all__ = [
-    "ASSISTED_CALL", "FAMILIES", "TESTER_SEQ_LENGTH", "TESTER_VOCAB", "TokenCollector", "alone",
-    "assert_outputs_match_greedy", "char_tokenizer", "check_cache_for_generate", "check_generate_outputs",
-    "output_shapes", "processor_kwargs", "set_tester_assistant", "tiny_tester_inputs", "tiny_tester_model",
+    "ASSISTED_CALL",
+    "FAMILIES",
+    "TESTER_SEQ_LENGTH",
+    "TESTER_VOCAB",
+    "TokenCollector",
+    "alone",
+    "assert_outputs_match_greedy",
+    "char_tokenizer",
+    "check_cache_for_generate",
+    "check_generate_outputs",
+    "output_shapes",
+    "processor_kwargs",
+    "set_tester_assistant",
+    "tiny_tester_inputs",
+    "tiny_tester_model",
 ]
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -44,8 +55,16 @@ _STOCK_DEFAULTS = {"mistral": {"sliding_window": 4096}}
 # test_assisted_decoding_matches_greedy_search's generation_kwargs: a) eos -1, so nothing stops early;
 # c) 4 new tokens, so the target runs at least two forwards
 ASSISTED_CALL = dict(
-    eos_token_id=-1, max_new_tokens=4, num_beams=1, do_sample=False, output_scores=True, output_logits=True,
-    output_hidden_states=True, output_attentions=True, return_dict_in_generate=True, use_cache=True,
+    eos_token_id=-1,
+    max_new_tokens=4,
+    num_beams=1,
+    do_sample=False,
+    output_scores=True,
+    output_logits=True,
+    output_hidden_states=True,
+    output_attentions=True,
+    return_dict_in_generate=True,
+    use_cache=True,
 )
 
 
@@ -189,8 +208,9 @@ def assert_outputs_match_greedy(output, greedy, attention_mask: torch.Tensor, at
 
 def alone(model, row: torch.Tensor, **kwargs) -> torch.Tensor:
     """Stock greedy ``generate()`` of one unpadded prompt: its generated tokens only."""
-    return model.generate(row[None], attention_mask=torch.ones_like(row)[None], do_sample=False,
-                          **kwargs)[0, row.numel():]
+    return model.generate(row[None], attention_mask=torch.ones_like(row)[None], do_sample=False, **kwargs)[
+        0, row.numel() :
+    ]
 
 
 def char_tokenizer(vocab: int) -> PreTrainedTokenizerFast:

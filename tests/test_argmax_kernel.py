@@ -3,7 +3,6 @@ for every input, ties (the first) and NaN (the first NaN) included, however the 
 
 import pytest
 import torch
-
 from conftest import TRITON_RUNS
 
 pytestmark = pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")

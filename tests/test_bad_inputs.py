@@ -6,13 +6,12 @@ import re
 
 import pytest
 import torch
+from fuzz import shared_tokenizer
+from tiny_models import PAD, VOCAB, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
-
-from tiny_models import PAD, VOCAB, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
-from fuzz import shared_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,8 +23,9 @@ def pair():
 
 
 def _dustin(target, draft, prompt, **kwargs):
-    return target.generate(prompt, assistant_model=draft, cache_implementation="dustin", max_new_tokens=4,
-                           do_sample=False, **kwargs)
+    return target.generate(
+        prompt, assistant_model=draft, cache_implementation="dustin", max_new_tokens=4, do_sample=False, **kwargs
+    )
 
 
 def _names_all(message: str, *words: str) -> bool:
@@ -85,12 +85,19 @@ def test_prompt_ids_a_smaller_draft_cannot_embed_are_clamped_like_generated_ones
     ids, mask = left_pad(rows)
     tok = shared_tokenizer(draft_vocab)
     kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD)
-    alone = [target.generate(r[None], **kwargs)[0, r.numel():] for r in rows]
+    alone = [target.generate(r[None], **kwargs)[0, r.numel() :] for r in rows]
     with dustin_hf.patch(target, DustinConfig(budget=64, min_context=0)):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin",
-                              tokenizer=tok, assistant_tokenizer=tok, **kwargs)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            cache_implementation="dustin",
+            tokenizer=tok,
+            assistant_tokenizer=tok,
+            **kwargs,
+        )
     for b, want in enumerate(alone):
-        assert torch.equal(out[b, ids.shape[1]:], want), f"row {b}"
+        assert torch.equal(out[b, ids.shape[1] :], want), f"row {b}"
 
 
 def test_prompt_ids_a_smaller_draft_cannot_embed_on_sparse_steps():
@@ -101,9 +108,18 @@ def test_prompt_ids_a_smaller_draft_cannot_embed_on_sparse_steps():
     tok = shared_tokenizer(80)
     config = DustinConfig(budget=24, sink_tokens=2, recent_tokens=6, min_context=0, sparse_draft=True)
     with dustin_hf.patch(target, config):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin",
-                              tokenizer=tok, assistant_tokenizer=tok, max_new_tokens=8, do_sample=False,
-                              pad_token_id=PAD, return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            cache_implementation="dustin",
+            tokenizer=tok,
+            assistant_tokenizer=tok,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=PAD,
+            return_dict_in_generate=True,
+        )
     assert out.sequences.shape == (2, ids.shape[1] + 8)
     assert getattr(out, CACHE_KWARG).stats["sparse_steps"] > 0
 
@@ -139,8 +155,12 @@ def test_position_ids_that_are_not_one_integer_per_input_slot_are_refused(pair, 
     input slot as an integer, is refused naming them (before: ignored without a word)."""
     target, draft = pair
     ids = random_prompt(12, batch=2)
-    positions = {"too_wide": torch.arange(13)[None], "other_batch": torch.arange(12).repeat(3, 1),
-                 "three_d": torch.arange(12).repeat(3, 2, 1), "float": torch.arange(12.0)[None]}[case]
+    positions = {
+        "too_wide": torch.arange(13)[None],
+        "other_batch": torch.arange(12).repeat(3, 1),
+        "three_d": torch.arange(12).repeat(3, 2, 1),
+        "float": torch.arange(12.0)[None],
+    }[case]
     with dustin_hf.patch(target), pytest.raises(ValueError, match="position_ids"):
         _dustin(target, draft, ids, position_ids=positions)
 

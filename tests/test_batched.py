@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import eager_step_ahead
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf import DustinConfig
-
-from conftest import eager_step_ahead
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 
@@ -19,7 +18,7 @@ def _rows(seed=0, lengths=LENGTHS):
 
 
 def _alone(target, row, **kwargs):
-    return target.generate(row[None], do_sample=False, **kwargs)[0, row.numel():]
+    return target.generate(row[None], do_sample=False, **kwargs)[0, row.numel() :]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -31,10 +30,17 @@ def test_each_row_equals_its_prompt_decoded_alone(family, dustin):
     ids, mask = left_pad(rows)
     extra = {"cache_implementation": "dustin"} if dustin else {}
     with dustin_hf.patch(target):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=25, do_sample=False,
-                              return_dict_in_generate=True, **extra)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            max_new_tokens=25,
+            do_sample=False,
+            return_dict_in_generate=True,
+            **extra,
+        )
     for b, row in enumerate(rows):
-        assert torch.equal(out.sequences[b, ids.shape[1]:], _alone(target, row, max_new_tokens=25)), f"row {b}"
+        assert torch.equal(out.sequences[b, ids.shape[1] :], _alone(target, row, max_new_tokens=25)), f"row {b}"
     stats = out.past_key_values.stats
     assert 0 < stats["acceptance_rate"] < 1  # ragged acceptance actually happened
 
@@ -48,14 +54,15 @@ def test_rows_stop_at_their_own_eos():
     pad = PAD
     kwargs = dict(max_new_tokens=25, eos_token_id=eos, pad_token_id=pad)
     with dustin_hf.patch(target):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False,
-                              cache_implementation="dustin", **kwargs)
+        out = target.generate(
+            ids, attention_mask=mask, assistant_model=draft, do_sample=False, cache_implementation="dustin", **kwargs
+        )
     lengths = []
     for b, row in enumerate(rows):
         ref = _alone(target, row, **kwargs)
-        got = out[b, ids.shape[1]:]
+        got = out[b, ids.shape[1] :]
         assert torch.equal(got[: ref.numel()], ref), f"row {b}"
-        assert bool((got[ref.numel():] == pad).all())
+        assert bool((got[ref.numel() :] == pad).all())
         lengths.append(ref.numel())
     assert min(lengths) <= 6 < max(lengths)  # some rows stopped early, others went on
 
@@ -71,17 +78,29 @@ def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
     config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=sparse_draft)
     outputs = []
     with dustin_hf.patch(target, config):
-        alone = target.generate(common[None], assistant_model=draft, do_sample=False, max_new_tokens=20,
-                                cache_implementation="dustin", return_dict_in_generate=True)
+        alone = target.generate(
+            common[None],
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=20,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
         assert alone.past_key_values.stats["sparse_steps"] > 0
         assert (alone.past_key_values.stats["draft_sparse_forwards"] > 0) == sparse_draft
         for other in others:
             ids, mask = left_pad([other, common])
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=20,
-                                  cache_implementation="dustin")
-            outputs.append(out[1, ids.shape[1]:])
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=20,
+                cache_implementation="dustin",
+            )
+            outputs.append(out[1, ids.shape[1] :])
     for got in outputs:
-        assert torch.equal(got, alone.sequences[0, common.numel():])
+        assert torch.equal(got, alone.sequences[0, common.numel() :])
 
 
 @pytest.mark.parametrize("mode", ["dense", "dustin", "sparse_draft", "sampled"])
@@ -99,11 +118,20 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
     alone = [_alone(target, row, max_new_tokens=24) for row in rows]
     others = set(torch.cat([alone[0], alone[2], alone[3]]).tolist())
     eos = next(int(t) for t in alone[1][2:12] if int(t) not in others)  # row 1 ends early, the others do not
-    config = DustinConfig(budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=mode == "sparse_draft")
-    kwargs = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD, do_sample=mode == "sampled",
-                  cache_implementation="dustin" if mode != "dense" else None, return_dict_in_generate=True)
+    config = DustinConfig(
+        budget=48, min_context=256, sink_tokens=2, recent_tokens=6, sparse_draft=mode == "sparse_draft"
+    )
+    kwargs = dict(
+        max_new_tokens=24,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        do_sample=mode == "sampled",
+        cache_implementation="dustin" if mode != "dense" else None,
+        return_dict_in_generate=True,
+    )
     assert draft.generation_config.num_assistant_tokens == 3
     outputs, logits = [], []
+
     def keep(module, args, out):
         if out.shape[0] == len(rows):  # decode steps (prefill runs row by row)
             logits[-1].append(out.clone())
@@ -124,7 +152,7 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
             trace = out.past_key_values.run_stats.trace  # per step: (γ, accepted per row; -1 once finished)
     hook.remove()
     assert torch.equal(outputs[0], outputs[1])
-    assert (outputs[0][1, ids.shape[1]:] == PAD).any()  # row 1 stopped while the others went on
+    assert (outputs[0][1, ids.shape[1] :] == PAD).any()  # row 1 stopped while the others went on
     # every draft forward the same, bit for bit, for the rows still active on its step (the queued run has the
     # next step's queued ones more, after the last step; a row that has finished drafts from other slots, never used)
     queued = 1 if mode == "sampled" else 3
@@ -157,9 +185,16 @@ def test_streamer_is_handed_each_steps_tokens(cache_implementation):
     recorder = Recorder()
     config = DustinConfig(budget=48, min_context=128, sink_tokens=2, recent_tokens=6)
     with dustin_hf.patch(target, config):
-        out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, pad_token_id=PAD,
-                              cache_implementation=cache_implementation, streamer=recorder)
-    generated = out[0, prompt.shape[1]:].tolist()
+        out = target.generate(
+            prompt,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=20,
+            pad_token_id=PAD,
+            cache_implementation=cache_implementation,
+            streamer=recorder,
+        )
+    generated = out[0, prompt.shape[1] :].tolist()
     streamed = [t for put in recorder.puts for t in put]
     assert recorder.ended and len(recorder.puts) > 2  # one put per step, not one at the end
     assert streamed in (generated, prompt[0].tolist() + generated)
@@ -182,8 +217,15 @@ def test_masks_read_as_stock_reads_them(caplog, layout):
     stock = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
     for cache_implementation in ("dustin", None):
         with dustin_hf.patch(target):
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False,
-                                  max_new_tokens=10, cache_implementation=cache_implementation, pad_token_id=PAD)
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=10,
+                cache_implementation=cache_implementation,
+                pad_token_id=PAD,
+            )
         assert torch.equal(out, stock), cache_implementation
 
 
@@ -205,18 +247,24 @@ def test_profile_records_each_steps_phases():
     """profile=True: per step, wall and host seconds per phase; 'events' needs CUDA; anything else is refused."""
     from transformers import GenerationConfig
 
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.adapter.assisted import attention_routed
     from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.decode.hooks import DecodeHooks
-    from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target = tiny_model("qwen2", seed=1)
     draft = set_gamma(noisy_copy(target), 3)
     ids = random_prompt(20, batch=2, seed=3)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 10, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = SpeculativeDecoder(target, draft, config, drafting=Drafting(3),
-                                     runtime=RuntimeOptions(backend="reference"), hooks=DecodeHooks(profile=True))
+        decoder = SpeculativeDecoder(
+            target,
+            draft,
+            config,
+            drafting=Drafting(3),
+            runtime=RuntimeOptions(backend="reference"),
+            hooks=DecodeHooks(profile=True),
+        )
         stats = decoder.generate(ids).cache.stats
     phases = ["draft", "score_select", "verify", "accept", "commit", "bookkeeping"]
     steps = stats["dense_steps"] + stats["sparse_steps"]
@@ -225,11 +273,23 @@ def test_profile_records_each_steps_phases():
         assert all(t >= 0 for step in stats[key] for t in step.values())
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            SpeculativeDecoder(target, draft, config, drafting=Drafting(3), runtime=RuntimeOptions(backend="reference"),
-                               hooks=DecodeHooks(profile="events"))
+            SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                drafting=Drafting(3),
+                runtime=RuntimeOptions(backend="reference"),
+                hooks=DecodeHooks(profile="events"),
+            )
     with pytest.raises(ValueError, match="profile must be"):
-        SpeculativeDecoder(target, draft, config, drafting=Drafting(3), runtime=RuntimeOptions(backend="reference"),
-                           hooks=DecodeHooks(profile="wall"))
+        SpeculativeDecoder(
+            target,
+            draft,
+            config,
+            drafting=Drafting(3),
+            runtime=RuntimeOptions(backend="reference"),
+            hooks=DecodeHooks(profile="wall"),
+        )
 
 
 @pytest.mark.parametrize("mode", ["sparse", "exact"])
@@ -238,20 +298,29 @@ def test_a_call_leaves_the_decoder_as_it_was_set_up(mode):
     adds, replaces or drops no attribute of the decoder, and a second call gives the first call's tokens."""
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target = tiny_model("qwen2", seed=1)
     draft = set_gamma(noisy_copy(target), 3)
     ids, mask = left_pad(_rows()[:3])
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 12, pad_token_id=PAD)
-    dustin = resolve(DustinConfig(budget=24, sink_tokens=4, recent_tokens=8, min_context=0, mode=mode,
-                                  backend="reference"), target.config, draft.config)
+    dustin = resolve(
+        DustinConfig(budget=24, sink_tokens=4, recent_tokens=8, min_context=0, mode=mode, backend="reference"),
+        target.config,
+        draft.config,
+    )
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(3, schedule="heuristic"),
-                                     runtime=RuntimeOptions(backend="reference"))
+        decoder = SpeculativeDecoder(
+            target,
+            draft,
+            config,
+            dustin_config=dustin,
+            drafting=Drafting(3, schedule="heuristic"),
+            runtime=RuntimeOptions(backend="reference"),
+        )
         before = {name: id(value) for name, value in vars(decoder).items()}
         first = decoder.generate(ids, mask)
         assert {name: id(value) for name, value in vars(decoder).items()} == before

@@ -3,11 +3,10 @@
 import json
 
 import pytest
+from tiny_models import tiny_model
 
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
-
-from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize(
@@ -45,7 +44,10 @@ def test_config_is_frozen_and_replace_validates():
 
 
 def test_defaults_resolve_for_any_model():
-    target, draft = tiny_model("qwen2", layers=4, heads=4, kv_heads=2), tiny_model("llama", layers=8, heads=4, kv_heads=1)
+    target, draft = (
+        tiny_model("qwen2", layers=4, heads=4, kv_heads=2),
+        tiny_model("llama", layers=8, heads=4, kv_heads=1),
+    )
     resolved = resolve(DustinConfig(), target.config, draft.config)
     assert resolved.target_layer == 2
     assert resolved.target_heads == (0, 1)  # the first KV group of the target
@@ -81,8 +83,19 @@ def test_the_defaults_are_the_selection_layers_at_2048_in_both_modes():
 
 def test_profile_round_trip(tmp_path):
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"config": {"budget": 256, "target_layer": 1, "target_heads": [0, 2],
-                                               "draft_layers": [0, 1], "draft_heads": [[0], [1, 2]]}}))
+    profile.write_text(
+        json.dumps(
+            {
+                "config": {
+                    "budget": 256,
+                    "target_layer": 1,
+                    "target_heads": [0, 2],
+                    "draft_layers": [0, 1],
+                    "draft_heads": [[0], [1, 2]],
+                }
+            }
+        )
+    )
     config = DustinConfig.from_profile(profile, min_context=100)
     assert config.budget == 256 and config.min_context == 100
     assert config.target_heads == (0, 2) and config.draft_heads == ((0,), (1, 2))

@@ -20,6 +20,24 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from stock import (
+    ASSISTED_CALL,
+    FAMILIES,
+    TESTER_SEQ_LENGTH,
+    TESTER_VOCAB,
+    TokenCollector,
+    alone,
+    assert_outputs_match_greedy,
+    char_tokenizer,
+    check_cache_for_generate,
+    check_generate_outputs,
+    output_shapes,
+    processor_kwargs,
+    set_tester_assistant,
+    tiny_tester_inputs,
+    tiny_tester_model,
+)
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
@@ -28,13 +46,6 @@ from dustin_hf import DustinConfig
 from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.config import resolve
 from dustin_hf.selection.fill import select_positions
-
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
-from stock import (
-    ASSISTED_CALL, FAMILIES, TESTER_SEQ_LENGTH, TESTER_VOCAB, TokenCollector, alone, assert_outputs_match_greedy,
-    char_tokenizer, check_cache_for_generate, check_generate_outputs, output_shapes, processor_kwargs,
-    set_tester_assistant, tiny_tester_inputs, tiny_tester_model,
-)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,8 +155,10 @@ def test_outputs_under_a_chunked_prefill_equal_one_shot_prefill(batch):
     inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
     call = {**ASSISTED_CALL, **inputs}
     greedy = model.generate(**call)
-    outs = {chunk: _patched_generate(model, assistant, "dustin", {**FULL, "prefill_chunk": chunk}, **call)
-            for chunk in (None, 4, 9)}
+    outs = {
+        chunk: _patched_generate(model, assistant, "dustin", {**FULL, "prefill_chunk": chunk}, **call)
+        for chunk in (None, 4, 9)
+    }
     for chunk, out in outs.items():
         _assert_same_sequences(out, greedy)
         assert output_shapes(out) == output_shapes(outs[None]), chunk
@@ -155,8 +168,13 @@ def test_outputs_under_a_chunked_prefill_equal_one_shot_prefill(batch):
         for name in ("hidden_states", "attentions"):
             for k, (step, one_shot) in enumerate(zip(getattr(out, name), getattr(outs[None], name))):
                 for layer, (got, want) in enumerate(zip(step, one_shot)):
-                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
-                                               msg=lambda m, c=chunk, n=name, k=k, l=layer: f"{c} {n}[{k}][{l}]: {m}")
+                    torch.testing.assert_close(
+                        got,
+                        want,
+                        atol=1e-5,
+                        rtol=1e-5,
+                        msg=lambda m, c=chunk, n=name, k=k, l=layer: f"{c} {n}[{k}][{l}]: {m}",
+                    )
         assert_outputs_match_greedy(out, greedy, inputs["attention_mask"])
 
 
@@ -256,41 +274,61 @@ def _processor_case(name: str, model, rows, plain, padded_width: int) -> tuple[d
         kwargs = dict(eos_token_id=[tok(0, 3), tok(3, 5)], pad_token_id=PAD)
     elif name == "stop_strings":
         tokenizer = char_tokenizer(PAD + 1)
-        kwargs = dict(stop_strings=[tokenizer.decode([tok(1, 4), tok(1, 5)]), tokenizer.decode([tok(2, 3)])],
-                      tokenizer=tokenizer, pad_token_id=PAD)
+        kwargs = dict(
+            stop_strings=[tokenizer.decode([tok(1, 4), tok(1, 5)]), tokenizer.decode([tok(2, 3)])],
+            tokenizer=tokenizer,
+            pad_token_id=PAD,
+        )
     elif name == "prompt_ignore_length_int":  # ignore the prompt: the padded width in the batch, the row alone
         return _penalty(padded_width), [_penalty(r.numel()) for r in rows]
     elif name == "prompt_ignore_length_tensor":  # per row: its padding and its first two tokens
         try:
             RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([0]))
         except ValueError:
-            pytest.skip(f"transformers {transformers.__version__}'s RepetitionPenaltyLogitsProcessor takes an int "
-                        "prompt_ignore_length only (per-row tensors came after 5.17)")
+            pytest.skip(
+                f"transformers {transformers.__version__}'s RepetitionPenaltyLogitsProcessor takes an int "
+                "prompt_ignore_length only (per-row tensors came after 5.17)"
+            )
         pads = torch.tensor([padded_width - r.numel() for r in rows])
         return _penalty(pads + 2), [_penalty(2) for _ in rows]
     elif name == "forced_eos_token_id":  # the last new token forced, counted from each row's own length
-        kwargs = dict(forced_eos_token_id=next(t for t in range(PAD) if all(t not in p.tolist() for p in plain)),
-                      pad_token_id=PAD)
+        kwargs = dict(
+            forced_eos_token_id=next(t for t in range(PAD) if all(t not in p.tolist() for p in plain)),
+            pad_token_id=PAD,
+        )
     elif name == "begin_suppress_tokens":  # at each row's own first new token
         kwargs = dict(begin_suppress_tokens=sorted({tok(b, 0) for b in range(len(rows))}))
     elif name == "exponential_decay_length_penalty":  # an EOS boosted from each row's own third new token on
         kwargs = dict(exponential_decay_length_penalty=(2, 4.0), eos_token_id=tok(1, 6), pad_token_id=PAD)
     elif name == "prefix_allowed_tokens_fn":  # row b may write only tokens congruent to b mod 4: its own index
+
         def allowed(batch_id, ids):
             return list(range(batch_id % 4, PAD, 4))
 
-        return (dict(prefix_allowed_tokens_fn=allowed),
-                [dict(prefix_allowed_tokens_fn=lambda _, ids, b=b: allowed(b, ids)) for b in range(len(rows))])
+        return (
+            dict(prefix_allowed_tokens_fn=allowed),
+            [dict(prefix_allowed_tokens_fn=lambda _, ids, b=b: allowed(b, ids)) for b in range(len(rows))],
+        )
     else:
         raise KeyError(name)
     return kwargs, [kwargs] * len(rows)
 
 
 PROCESSORS = [
-    "repetition_penalty", "prompt_ignore_length_int", "prompt_ignore_length_tensor", "no_repeat_ngram_size",
-    "bad_words_ids", "min_new_tokens", "suppress_tokens", "eos_token_id_list", "stop_strings",
+    "repetition_penalty",
+    "prompt_ignore_length_int",
+    "prompt_ignore_length_tensor",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_new_tokens",
+    "suppress_tokens",
+    "eos_token_id_list",
+    "stop_strings",
     # what depends on a row's position or index: shifted by its left padding, or given its own batch index
-    "forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty", "prefix_allowed_tokens_fn",
+    "forced_eos_token_id",
+    "begin_suppress_tokens",
+    "exponential_decay_length_penalty",
+    "prefix_allowed_tokens_fn",
 ]
 
 
@@ -311,20 +349,21 @@ def test_batched_processor_equals_each_row_alone(processor, mode, scores):
     batch_kwargs, row_kwargs = _processor_case(processor, target, rows, plain, ids.shape[1])
     scored = dict(max_new_tokens=N_NEW, do_sample=False, return_dict_in_generate=True, output_scores=True)
     refs = [target.generate(r[None], **scored, **kw) for r, kw in zip(rows, row_kwargs)]
-    ref_tokens = [ref.sequences[0, r.numel():] for ref, r in zip(refs, rows)]
+    ref_tokens = [ref.sequences[0, r.numel() :] for ref, r in zip(refs, rows)]
     assert any(not torch.equal(t, p[: t.numel()]) or t.numel() < N_NEW for t, p in zip(ref_tokens, plain))
 
     run = scored if scores else {**scored, "output_scores": False}
     out = _patched_generate(target, draft, mode, input_ids=ids, attention_mask=mask, **run, **batch_kwargs)
     eos_stops = "eos_token_id" in batch_kwargs
     for b, (ref, tokens) in enumerate(zip(refs, ref_tokens)):
-        got = out.sequences[b, ids.shape[1]:]
+        got = out.sequences[b, ids.shape[1] :]
         assert got[: tokens.numel()].tolist() == tokens.tolist(), f"row {b}: {got.tolist()}, alone {tokens.tolist()}"
         if eos_stops:
-            assert bool((got[tokens.numel():] == PAD).all()), f"row {b}: {got.tolist()} after {tokens.tolist()}"
+            assert bool((got[tokens.numel() :] == PAD).all()), f"row {b}: {got.tolist()} after {tokens.tolist()}"
         for k, score in enumerate(ref.scores if scores else ()):
-            torch.testing.assert_close(out.scores[k][b], score[0], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, b=b, k=k: f"row {b}, scores[{k}]: {m}")
+            torch.testing.assert_close(
+                out.scores[k][b], score[0], atol=1e-4, rtol=1e-4, msg=lambda m, b=b, k=k: f"row {b}, scores[{k}]: {m}"
+            )
 
 
 def test_streamer_receives_stocks_stream():
@@ -336,8 +375,9 @@ def test_streamer_receives_stocks_stream():
     stock = TokenCollector()
     target.generate(ids, do_sample=False, max_new_tokens=N_NEW, streamer=stock)
     streamed = TokenCollector()
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=N_NEW,
-                            streamer=streamed)
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=N_NEW, streamer=streamed
+    )
     assert streamed.chunks[0] == ids[0].tolist()
     assert streamed.tokens == out[0].tolist() == stock.tokens
     assert streamed.ends == 1
@@ -355,12 +395,14 @@ def _masked_batch(layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     elif layout == "right":
         mask = torch.tensor([[1] * 5 + [0] * 7, [1] * 10 + [0] * 2, [1] * 12, [1] * 8 + [0] * 4])
     elif layout == "holes":  # a hole inside, a hole after left padding, the testers' tril row, a masked last slot
-        mask = torch.tensor([
-            [1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1],
-            [0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
-            [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            [1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0],
-        ])
+        mask = torch.tensor(
+            [
+                [1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1],
+                [0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
+                [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                [1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0],
+            ]
+        )
     else:
         raise KeyError(layout)
     return ids, mask
@@ -382,8 +424,15 @@ def test_mask_read_as_stock_reads_it(layout, mode, processors):
     target = tiny_model("llama", layers=2)
     draft = set_gamma(noisy_copy(target), 3)
     ids, mask = _masked_batch(layout)
-    call = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, return_dict_in_generate=True,
-                output_logits=True, **(processor_kwargs() if processors == "testers" else {}))
+    call = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=10,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **(processor_kwargs() if processors == "testers" else {}),
+    )
     greedy = target.generate(**call)
     out = _patched_generate(target, draft, mode, **call)
     _assert_same_sequences(out, greedy)
@@ -414,10 +463,11 @@ def test_sliding_window_full_budget_equals_greedy(kind):
     single = _patched_generate(target, draft, "dustin", input_ids=rows[0][None], do_sample=False, max_new_tokens=16)
     assert single[0, 40:].tolist() == alone(target, rows[0], max_new_tokens=16).tolist()
     ids, mask = left_pad(rows)
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, attention_mask=mask, do_sample=False,
-                            max_new_tokens=16)
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16
+    )
     for b, row in enumerate(rows):
-        assert out[b, ids.shape[1]:].tolist() == alone(target, row, max_new_tokens=16).tolist(), f"row {b}"
+        assert out[b, ids.shape[1] :].tolist() == alone(target, row, max_new_tokens=16).tolist(), f"row {b}"
 
 
 def test_sliding_window_budget_covering_the_window_is_exact():
@@ -427,8 +477,9 @@ def test_sliding_window_budget_covering_the_window_is_exact():
     draft = set_gamma(noisy_copy(target), 3)
     ids = random_prompt(120, seed=8)
     config = {"budget": 24, "min_context": 0, "sink_tokens": 4, "recent_tokens": 8}
-    out = _patched_generate(target, draft, "dustin", cache_config=config, input_ids=ids, do_sample=False,
-                            max_new_tokens=16)
+    out = _patched_generate(
+        target, draft, "dustin", cache_config=config, input_ids=ids, do_sample=False, max_new_tokens=16
+    )
     assert out[0, 120:].tolist() == alone(target, ids[0], max_new_tokens=16).tolist()
 
 
@@ -439,16 +490,20 @@ def test_select_positions_with_a_window_reads_only_the_window():
     (sinks included). A budget below the window fills the budget from inside it; a budget covering the window
     reads all of it; a row shorter than the window is read in full."""
     window, budget = 32, 16
-    config = resolve(DustinConfig(budget=budget, min_context=0, sink_tokens=2, recent_tokens=4),
-                     tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+    config = resolve(
+        DustinConfig(budget=budget, min_context=0, sink_tokens=2, recent_tokens=4),
+        tiny_model("qwen2").config,
+        tiny_model("qwen2", layers=2).config,
+    )
     seqlens = [200, 50, 10]
     generator = torch.Generator().manual_seed(0)
     draft_scores = torch.rand(3, max(seqlens), generator=generator)
     target_scores = torch.rand(3, max(seqlens), generator=generator)
     for b, n in enumerate(seqlens):
         draft_scores[b, n:] = target_scores[b, n:] = 0
-    sel = select_positions(seqlens, draft_scores, target_scores, [True] * 3, config, backend="reference",
-                           window=window)
+    sel = select_positions(
+        seqlens, draft_scores, target_scores, [True] * 3, config, backend="reference", window=window
+    )
     for b, n in enumerate(seqlens):
         picked = sel.indices[b, : sel.counts[b]].tolist()
         lo = max(0, n - window + 1)
@@ -458,8 +513,11 @@ def test_select_positions_with_a_window_reads_only_the_window():
         else:
             assert picked == list(range(lo, n)), (b, picked)
 
-    wide = resolve(DustinConfig(budget=64, min_context=0, sink_tokens=2, recent_tokens=4),
-                   tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+    wide = resolve(
+        DustinConfig(budget=64, min_context=0, sink_tokens=2, recent_tokens=4),
+        tiny_model("qwen2").config,
+        tiny_model("qwen2", layers=2).config,
+    )
     sel = select_positions(seqlens, draft_scores, target_scores, [True] * 3, wide, backend="reference", window=window)
     for b, n in enumerate(seqlens):
         assert sel.indices[b, : sel.counts[b]].tolist() == list(range(max(0, n - window + 1), n)), b
@@ -480,19 +538,24 @@ def test_untouched_draft_generation_config_runs_and_equals_greedy():
     target = tiny_model("qwen2", layers=2)
     draft = noisy_copy(target)
     config = draft.generation_config
-    assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule,
-            config.assistant_confidence_threshold) == (None, None, None)
+    assert (
+        config.num_assistant_tokens,
+        config.num_assistant_tokens_schedule,
+        config.assistant_confidence_threshold,
+    ) == (None, None, None)
     rows = _rows()[:3]
     ids = rows[1][None]
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=20,
-                            return_dict_in_generate=True)
-    assert out.sequences[0, ids.shape[1]:].tolist() == alone(target, rows[1], max_new_tokens=20).tolist()
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=20, return_dict_in_generate=True
+    )
+    assert out.sequences[0, ids.shape[1] :].tolist() == alone(target, rows[1], max_new_tokens=20).tolist()
     assert _stats(out)["steps"] > 0
     ids, mask = left_pad(rows)
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, attention_mask=mask, do_sample=False,
-                            max_new_tokens=20)
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20
+    )
     for b, row in enumerate(rows):
-        assert out[b, ids.shape[1]:].tolist() == alone(target, row, max_new_tokens=20).tolist(), f"row {b}"
+        assert out[b, ids.shape[1] :].tolist() == alone(target, row, max_new_tokens=20).tolist(), f"row {b}"
 
 
 @pytest.mark.parametrize("schedule", ["constant", "heuristic"])
@@ -514,8 +577,9 @@ def test_explicit_num_assistant_tokens_is_honoured(gamma):
     draft = set_gamma(noisy_copy(target), gamma, threshold=0.0)
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     ids = random_prompt(13, seed=6)
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=30,
-                            return_dict_in_generate=True)
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=30, return_dict_in_generate=True
+    )
     assert out.sequences[0, 13:].tolist() == alone(target, ids[0], max_new_tokens=30).tolist()
     stats = _stats(out)
     assert (gamma - 1) * stats["steps"] < stats["draft_tokens"] <= gamma * stats["steps"], stats
@@ -542,8 +606,9 @@ def test_confidence_threshold_proposes_the_first_unconfident_draft(monkeypatch):
     monkeypatch.undo()
     assert set(proposed[:-1]) == {1} and proposed[-1] in (0, 1), proposed
 
-    out = _patched_generate(target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=20,
-                            return_dict_in_generate=True)
+    out = _patched_generate(
+        target, draft, "dustin", input_ids=ids, do_sample=False, max_new_tokens=20, return_dict_in_generate=True
+    )
     assert out.sequences[0, 13:].tolist() == alone(target, ids[0], max_new_tokens=20).tolist()
     stats = _stats(out)
     assert stats["steps"] - 1 <= stats["draft_tokens"] <= stats["steps"], stats
@@ -572,8 +637,9 @@ def test_heuristic_schedule_adapts_like_stock(assistant_type):
     assert (stock_final > start) if assistant_type == "same" else (stock_final < start)
 
     ours = draft()
-    out = _patched_generate(model, ours, "dustin", input_ids=ids, do_sample=False, max_new_tokens=30,
-                            return_dict_in_generate=True)
+    out = _patched_generate(
+        model, ours, "dustin", input_ids=ids, do_sample=False, max_new_tokens=30, return_dict_in_generate=True
+    )
     assert out.sequences[0, 13:].tolist() == alone(model, ids[0], max_new_tokens=30).tolist()
     stats = _stats(out)
     per_step = stats["draft_tokens"] / stats["steps"]
@@ -582,7 +648,6 @@ def test_heuristic_schedule_adapts_like_stock(assistant_type):
         assert per_step > start and final > start, (stats, final)
     else:
         assert per_step < start and final < start, (stats, final)
-
 
 
 @pytest.mark.parametrize("schedule", ["heuristic", "heuristic_transient", "constant"])
@@ -632,8 +697,14 @@ def test_only_the_heuristic_schedule_writes_its_final_length_back(schedule, monk
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", keeping)
     rows = _rows()[:3]
-    call = dict(assistant_model=draft, do_sample=False, max_new_tokens=30, pad_token_id=PAD,
-                cache_implementation="dustin", cache_config=FULL)
+    call = dict(
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=30,
+        pad_token_id=PAD,
+        cache_implementation="dustin",
+        cache_config=FULL,
+    )
     alone = []
     with dustin_hf.patch(model):
         for row in rows:

@@ -24,12 +24,11 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
+from stock import assert_outputs_match_greedy, check_generate_outputs
+from tiny_models import PAD, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf.compat import CACHE_KWARG
-
-from tiny_models import PAD, noisy_copy, random_prompt, set_gamma, tiny_model
-from stock import assert_outputs_match_greedy, check_generate_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,8 +105,11 @@ def check_returned_cache(out, reference) -> None:
     assert mine.get_seq_length() == stock.get_seq_length(), (mine.get_seq_length(), stock.get_seq_length())
     assert len(mine.layers) == len(stock.layers)
     for layer, (got, ref) in enumerate(zip(mine.layers, stock.layers)):
-        assert got.keys.shape == ref.keys.shape and got.values.shape == ref.values.shape, (layer, got.keys.shape,
-                                                                                         ref.keys.shape)
+        assert got.keys.shape == ref.keys.shape and got.values.shape == ref.values.shape, (
+            layer,
+            got.keys.shape,
+            ref.keys.shape,
+        )
 
 
 def _row_alone(inputs: dict, b: int) -> dict:
@@ -124,8 +126,13 @@ def _assert_values(out, ref, b: int, what: str) -> None:
     """Scores and logits of row ``b`` of ``out`` against stock's single row ``ref``, step by step."""
     for name in ("scores", "logits"):
         for k, expected in enumerate(getattr(ref, name)):
-            torch.testing.assert_close(getattr(out, name)[k][b], expected[0], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, k=k, name=name: f"{what}, {name}[{k}]: {m}")
+            torch.testing.assert_close(
+                getattr(out, name)[k][b],
+                expected[0],
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m, k=k, name=name: f"{what}, {name}[{k}]: {m}",
+            )
 
 
 def _case_index(*values: tuple[str, list[str]]) -> int:
@@ -144,9 +151,16 @@ def test_generate_equals_stock(family, layout, processor):
     if _case_index((family, MODELS), (processor, PROCESSORS)) % 2:
         inputs["position_ids"] = _position_ids(inputs["attention_mask"])
     flags = processor == "none"  # the attention and hidden-state flags (the slower path) on a quarter of the cases
-    call = dict(do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True,
-                output_logits=True, output_attentions=flags and family not in WINDOWED, output_hidden_states=flags,
-                **_processor_kwargs(processor, target, inputs))
+    call = dict(
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        output_attentions=flags and family not in WINDOWED,
+        output_hidden_states=flags,
+        **_processor_kwargs(processor, target, inputs),
+    )
     case = f"{family}/{layout}/{processor}/{'position_ids' if 'position_ids' in inputs else 'default positions'}"
 
     # batch 1: the first row as it is, masked slots and all
@@ -156,8 +170,9 @@ def test_generate_equals_stock(family, layout, processor):
         stock_assisted = target.generate(**single, assistant_model=draft, **call)
         _assert_tokens(stock_assisted.sequences[0, WIDTH:], greedy.sequences[0, WIDTH:], f"{case}: stock assisted")
     with dustin_hf.patch(target):
-        out = target.generate(**single, assistant_model=draft, cache_implementation="dustin",
-                              cache_config=dict(FULL), **call)
+        out = target.generate(
+            **single, assistant_model=draft, cache_implementation="dustin", cache_config=dict(FULL), **call
+        )
     _assert_tokens(out.sequences[0, WIDTH:], greedy.sequences[0, WIDTH:], f"{case}: batch 1")
     _assert_values(out, greedy, 0, f"{case}: batch 1")
     if call["output_attentions"]:
@@ -177,5 +192,5 @@ def test_generate_equals_stock(family, layout, processor):
             tokens = ref.sequences[0, width:]
             got = out.sequences[b, WIDTH:]
             _assert_tokens(got[: tokens.numel()], tokens, f"{case}: batch 3 {mode}, row {b}")
-            assert bool((got[tokens.numel():] == PAD).all()), f"{case}: batch 3 {mode}, row {b} after its EOS"
+            assert bool((got[tokens.numel() :] == PAD).all()), f"{case}: batch 3 {mode}, row {b} after its EOS"
             _assert_values(out, ref, b, f"{case}: batch 3 {mode}, row {b}")

@@ -15,8 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402
 import replay  # noqa: E402
-from replay import (AcceptReplay, BudgetReplay, CountReplay, ExactReplay, Predictions, at_budget,  # noqa: E402
-                    load_budgets, load_predictions, synthetic_predictions)
+from replay import (  # noqa: E402
+    AcceptReplay,
+    BudgetReplay,
+    CountReplay,
+    ExactReplay,
+    Predictions,
+    at_budget,
+    load_budgets,
+    load_predictions,
+    synthetic_predictions,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 
@@ -27,8 +36,19 @@ def _trace(dense, sparse=None, draft=None, draft_sparse=None, budget=32, name="t
     sparse = dense if sparse is None else sparse
     draft = dense if draft is None else draft
     draft_sparse = draft if draft_sparse is None else draft_sparse
-    return Predictions(name, 4096, GAMMA, budget, dict(truth=list(dense), dense=list(dense), sparse=list(sparse),
-                                                       draft=list(draft), draft_sparse=list(draft_sparse)))
+    return Predictions(
+        name,
+        4096,
+        GAMMA,
+        budget,
+        dict(
+            truth=list(dense),
+            dense=list(dense),
+            sparse=list(sparse),
+            draft=list(draft),
+            draft_sparse=list(draft_sparse),
+        ),
+    )
 
 
 def _steps(hook, batch: int, n: int) -> list[list[int]]:
@@ -85,8 +105,9 @@ def test_exact_replay_by_hand():
     drafts), a dense step commits at once."""
     dense = list(range(20))
     sparse = [-1 if i in (3, 6) else t for i, t in enumerate(dense)]
-    confirm = ExactReplay([_trace(dense, sparse=sparse, draft=sparse)], "draft", 2, max_tentative=12) \
-        .hooks()["confirm"]
+    confirm = ExactReplay([_trace(dense, sparse=sparse, draft=sparse)], "draft", 2, max_tentative=12).hooks()[
+        "confirm"
+    ]
 
     def step(t, d):
         out = confirm(torch.zeros(1, dtype=torch.long), torch.tensor([t]), torch.tensor([d]))
@@ -154,8 +175,16 @@ def _write(path: Path, record: dict) -> str:
 
 def _prediction_record(**changes) -> dict:
     lists = {key: [1, 2, 3] for key in replay.PREDICTION_KEYS}
-    return {"format": replay.PREDICTION_FORMAT, "model_pair": {"target": "t", "draft": "d"}, "text": {"book": "x"},
-            "context": 4096, "gamma": GAMMA, "budget": 512, "predictions": lists, "extra": 1} | changes
+    return {
+        "format": replay.PREDICTION_FORMAT,
+        "model_pair": {"target": "t", "draft": "d"},
+        "text": {"book": "x"},
+        "context": 4096,
+        "gamma": GAMMA,
+        "budget": 512,
+        "predictions": lists,
+        "extra": 1,
+    } | changes
 
 
 def test_load_predictions_checks_format_gamma_and_lists(tmp_path):
@@ -183,9 +212,15 @@ def test_traces_of_the_selection_layers_stay_apart(tmp_path):
     from dustin_lab.traces import prediction_record, write_predictions
 
     lists = {key: [1, 2, 3] for key in replay.PREDICTION_KEYS}
-    paths = [write_predictions(tmp_path, prediction_record({"target": "t", "draft": "d"}, {"name": "emma"}, 4096,
-                                                           GAMMA, 512, config, lists, "float32", "cpu"))
-             for config in ({"selection_layers": []}, {"selection_layers": [2, 14]})]
+    paths = [
+        write_predictions(
+            tmp_path,
+            prediction_record(
+                {"target": "t", "draft": "d"}, {"name": "emma"}, 4096, GAMMA, 512, config, lists, "float32", "cpu"
+            ),
+        )
+        for config in ({"selection_layers": []}, {"selection_layers": [2, 14]})
+    ]
     assert [p.name.endswith("_b512.json") for p in paths] == [True, False] and paths[1].name.endswith("_select.json")
     traces = load_predictions([str(p) for p in paths], GAMMA)
     assert [t.selection for t in traces] == ["dustin", "verify"]
@@ -204,8 +239,10 @@ def test_traces_of_the_selection_layers_stay_apart(tmp_path):
     with pytest.raises(ValueError, match="selection 'verify'"):
         alone.method("dustin_exact_select", 96)
     counted = _sources(predictions=None, counts={"dustin_sparse_draft": CountReplay((1,), "one")})
-    assert counted.method("dustin_select", 96).acceptance == "one (Dustin's set's acceptance: no trace recorded " \
+    assert (
+        counted.method("dustin_select", 96).acceptance == "one (Dustin's set's acceptance: no trace recorded "
         "with the selection layers given)"
+    )
 
 
 def _knob_record(**changes) -> dict:
@@ -214,8 +251,18 @@ def _knob_record(**changes) -> dict:
 
     config = {"min_recovery": 0.9, "budget": 512, "max_budget": 3200}
     seqlens, counts = [[4096, 4096], [4101, 4101], [4106]], [[600, 512], [3000, 4101], [300]]
-    record = knob_trace_record({"target": "t", "draft": "d"}, {"name": "emma"}, 4096, 4, config, seqlens, counts,
-                               [[1, 2], [0, 3], [4]], "float32", "cpu")
+    record = knob_trace_record(
+        {"target": "t", "draft": "d"},
+        {"name": "emma"},
+        4096,
+        4,
+        config,
+        seqlens,
+        counts,
+        [[1, 2], [0, 3], [4]],
+        "float32",
+        "cpu",
+    )
     return record | changes
 
 
@@ -254,8 +301,15 @@ def test_an_explicit_budget_holds_in_smoke_runs_too():
 
 # ----------------------------------------------------------------------------- the methods
 def _sources(**changes) -> e2e.Sources:
-    fields = dict(predictions=[synthetic_predictions(budget=32)], counts={}, knob=None, knob_target=None, budget=32,
-                  exact_budgets=(32,), synthetic=True)
+    fields = dict(
+        predictions=[synthetic_predictions(budget=32)],
+        counts={},
+        knob=None,
+        knob_target=None,
+        budget=32,
+        exact_budgets=(32,),
+        synthetic=True,
+    )
     return e2e.Sources(**(fields | changes))
 
 
@@ -266,15 +320,21 @@ def test_methods_have_the_settings_the_issues_name():
     assert (lossless.mode, lossless.confirm_tokens, lossless.sparse_draft) == ("exact", 0, True)
     exact = sources.method("dustin_exact", 96).config
     defaults = e2e.DustinConfig()
-    assert (exact.mode, exact.sparse_draft, exact.confirm_tokens, exact.confirm_every) == \
-        ("exact", True, defaults.confirm_tokens, defaults.confirm_every)
+    assert (exact.mode, exact.sparse_draft, exact.confirm_tokens, exact.confirm_every) == (
+        "exact",
+        True,
+        defaults.confirm_tokens,
+        defaults.confirm_every,
+    )
     scheduled = _sources(confirm=(12, 8)).method("dustin_exact", 96).config  # e2e.py --confirm 12 8
     assert (scheduled.confirm_tokens, scheduled.confirm_every) == (12, 8)
     assert _sources(confirm=(12, 8)).method("spec_sparse_draft", 96).config.confirm_tokens == 0
     several = _sources(exact_budgets=(32, 64), predictions=[synthetic_predictions(budget=b) for b in (32, 64)])
     # e2e.py --exact-budget 32 64: one dustin_exact row each
-    assert [(label, m.config.budget) for label, m in e2e._variants(several, "dustin_exact", 96)] == \
-        [("dustin_exact@32", 32), ("dustin_exact@64", 64)]
+    assert [(label, m.config.budget) for label, m in e2e._variants(several, "dustin_exact", 96)] == [
+        ("dustin_exact@32", 32),
+        ("dustin_exact@64", 64),
+    ]
     assert [label for label, _ in e2e._variants(sources, "dustin_exact", 96)] == ["dustin_exact"]
     assert several.method("spec_sparse_draft", 96).config.budget == 32  # the lossless baseline's: the first
     knob = sources.method("dustin_knob", 96)
@@ -340,8 +400,9 @@ def test_exact_mode_runs_on_the_replay_and_agrees_with_it(pair):
     trace = synthetic_predictions(budget=32, seed=3)
     checked = _Checked(trace, batch=3)
     config = e2e.DustinConfig(budget=32, min_context=96, mode="exact", sparse_draft=True)
-    row = e2e.run_speculative(target, draft, 3, 96, e2e.Method("dustin_exact", config, (checked,)), torch.float32,
-                              new_tokens=40)
+    row = e2e.run_speculative(
+        target, draft, 3, 96, e2e.Method("dustin_exact", config, (checked,)), torch.float32, new_tokens=40
+    )
     stats = row["exact"]
     assert stats["confirmations"] > 0 and stats["tentative_rejected"] > 0 and stats["sparse_row_steps"] > 0
     assert any(any(t) for t, _ in checked.calls) and any(not any(d) for _, d in checked.calls)
@@ -366,8 +427,9 @@ def test_knob_runs_on_the_replayed_budgets(pair):
 
     accept = AcceptReplay([synthetic_predictions(budget=32)], "draft_sparse", "sparse", GAMMA)
     config = e2e.DustinConfig(budget=32, min_context=96, sparse_draft=True, min_recovery=0.9, max_budget=64)
-    row = e2e.run_speculative(target, draft, 2, 96, e2e.Method("dustin_knob", config, (accept, Recorded())),
-                              torch.float32, new_tokens=24)
+    row = e2e.run_speculative(
+        target, draft, 2, 96, e2e.Method("dustin_knob", config, (accept, Recorded())), torch.float32, new_tokens=24
+    )
     knob = row["knob"]
     assert handed and handed[0] == [37, 53]  # each row from its own offset of the five counts
     # what the rows read are the replayed counts, not the estimate's (which would pick no such sizes)

@@ -6,15 +6,14 @@ token, on Llama-, Qwen2- and Qwen3-style models, for several prompt lengths and 
 
 import pytest
 import torch
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
+from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.decode import run as decode_run
 from dustin_hf.selection import selector
-from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.selection.draft_reads import DraftReads
 from dustin_hf.selection.fill import Selection
-
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 CASES = [(1, 1), (9, 3), (61, 6)]  # (prompt length, γ)
 
@@ -28,8 +27,14 @@ def test_full_budget_equals_greedy_and_stock_assisted(family, prompt_len, gamma)
     greedy = target.generate(ids, max_new_tokens=24, do_sample=False)
     stock = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False)
     with dustin_hf.patch(target):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=24,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     assert torch.equal(stock, greedy)
     assert torch.equal(out.sequences, greedy)
     stats = out.past_key_values.stats
@@ -50,11 +55,23 @@ def test_the_defaults_past_their_budget_keep_exact_mode_exact(monkeypatch):
     real = attention.choose_read_set
     monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
     with dustin_hf.patch(target):
-        sparse = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
-                                 cache_implementation="dustin", return_dict_in_generate=True)
+        sparse = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=16,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
         assert sparse.past_key_values.stats["sparse_steps"] > 0 and chose  # the selection layers chose
-        exact = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
-                                cache_implementation="dustin", cache_config={"mode": "exact"})
+        exact = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=16,
+            do_sample=False,
+            cache_implementation="dustin",
+            cache_config={"mode": "exact"},
+        )
     assert not torch.equal(sparse.sequences, greedy)  # the sparse steps change the answer: exact mode has work
     assert torch.equal(exact, greedy)
 
@@ -76,8 +93,14 @@ def test_sparse_path_with_every_position_selected_is_exact(monkeypatch, family):
     monkeypatch.setattr(selector, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
     monkeypatch.setattr(selector, "select_positions", _select_everything)
     with dustin_hf.patch(target):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=20,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     assert torch.equal(out.sequences, greedy)
     assert out.past_key_values.stats["dense_steps"] == 0
 
@@ -88,8 +111,14 @@ def test_long_prompt_small_budget_is_sparse_every_step():
     ids = random_prompt(3000, seed=7)
     budget = 64
     with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024, selection="dustin")):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=30, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=30,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert out.sequences.shape[1] == 3030
     assert stats["dense_steps"] == 0 and stats["sparse_steps"] == stats["steps"] > 0
@@ -105,8 +134,16 @@ def test_mean_attended_counts_rows_read_in_full_and_the_sparse_figure_does_not()
     ids, mask = left_pad([random_prompt(1200, seed=7)[0], random_prompt(300, seed=8)[0]])
     budget = 64
     with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=budget, min_context=1024, selection="dustin")):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=10, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True, pad_token_id=PAD)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            max_new_tokens=10,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+            pad_token_id=PAD,
+        )
     stats = getattr(out, CACHE_KWARG).stats
     assert stats["sparse_steps"] == stats["steps"] > 0
     assert stats["mean_attended_sparse"] == budget
@@ -124,8 +161,14 @@ def test_dense_layers_read_everything_on_sparse_steps():
     for dense in [(0, 1), (-1,), ()]:
         config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=dense, selection="dustin")
         with dustin_hf.patch(target, config):
-            outs[dense] = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
-                                          cache_implementation="dustin", return_dict_in_generate=True)
+            outs[dense] = target.generate(
+                ids,
+                assistant_model=draft,
+                max_new_tokens=20,
+                do_sample=False,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+            )
         assert outs[dense].past_key_values.stats["sparse_steps"] == outs[dense].past_key_values.stats["steps"] > 0
     assert torch.equal(outs[(0, 1)].sequences, greedy)
     assert not torch.equal(outs[()].sequences, greedy)  # the budget is small enough to change the answer
@@ -146,8 +189,14 @@ def test_sparse_draft_changes_only_the_drafts():
     for sparse_draft in (False, True):
         config = dustin_hf.DustinConfig(budget=32, min_context=256, dense_layers=(0, 1), sparse_draft=sparse_draft)
         with dustin_hf.patch(target, config):
-            out = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False,
-                                  cache_implementation="dustin", return_dict_in_generate=True)
+            out = target.generate(
+                ids,
+                assistant_model=draft,
+                max_new_tokens=20,
+                do_sample=False,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+            )
         assert torch.equal(out.sequences, greedy)
         stats[sparse_draft] = out.past_key_values.stats
     assert stats[False]["draft_sparse_forwards"] == 0
@@ -157,8 +206,11 @@ def test_sparse_draft_changes_only_the_drafts():
 
 
 def test_draft_reads_are_the_last_selection_and_the_positions_since():
-    config = dustin_hf.config.resolve(dustin_hf.DustinConfig(budget=24, sink_tokens=2, recent_tokens=2),
-                                      tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+    config = dustin_hf.config.resolve(
+        dustin_hf.DustinConfig(budget=24, sink_tokens=2, recent_tokens=2),
+        tiny_model("qwen2").config,
+        tiny_model("qwen2", layers=2).config,
+    )
     picked = torch.stack([torch.arange(0, 48, 2), torch.arange(24)]).to(torch.int32)  # (2, 24) sorted
     last = (Selection(picked, torch.tensor([24, 24], dtype=torch.int32), [24, 24]), [100, 30])
     reads = DraftReads.after(last, config, gamma=3, capacity=104)
@@ -173,7 +225,7 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
     dense_row = (Selection(picked, torch.tensor([24, 20], dtype=torch.int32), [24, 20]), [100, 20])
     mixed = DraftReads.after(dense_row, config, 3, 104)
     assert mixed.indices.shape == (2, 30) and mixed.full_rows  # the dense row is read through its count
-    assert mixed.indices[0, :30 - 6].tolist() == picked[0].tolist()
+    assert mixed.indices[0, : 30 - 6].tolist() == picked[0].tolist()
     at = mixed.at([102, 23])
     assert at.counts == [26, 23] and at.full_rows  # the dense row reads all 23 positions it holds
     assert mixed.ahead(torch.tensor([2, 3])).tolist() == [26, 23]
@@ -181,8 +233,9 @@ def test_draft_reads_are_the_last_selection_and_the_positions_since():
     # a sparse row whose selection is longer than the budget (a sliding window's row) widens the read set
     wide = torch.nn.functional.pad(picked, (0, 6))
     wide[0, 24:] = torch.arange(48, 54)
-    longer = DraftReads.after((Selection(wide, torch.tensor([30, 24], dtype=torch.int32), [30, 24]), [100, 30]),
-                              config, 3, 104)
+    longer = DraftReads.after(
+        (Selection(wide, torch.tensor([30, 24], dtype=torch.int32), [30, 24]), [100, 30]), config, 3, 104
+    )
     assert longer.indices.shape == (2, 30 + 6) and longer.indices[0, :30].tolist() == wide[0].tolist()
     assert longer.at([100, 30]).counts == [30, 24]
     every_row_dense = (Selection(picked, torch.tensor([20, 20], dtype=torch.int32), [20, 20]), [20, 20])

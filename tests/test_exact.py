@@ -7,21 +7,19 @@ broken hierarchical rule is caught by the same check.
 
 import pytest
 import torch
-
+from conftest import eager_step_ahead, joint_law, law_pvalue, tiled_prefill
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from transformers import GenerationConfig
 
 import dustin_hf
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.config import resolve
 from dustin_hf.decode import decoder as decoding
 from dustin_hf.decode import exact_step
-from dustin_hf.decode.settings import Drafting
-from dustin_hf.config import resolve
 from dustin_hf.decode.exact import ConfirmSchedule, blocks
-from dustin_hf.adapter.assisted import attention_routed
-from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.hooks import DecodeHooks
-
-from conftest import eager_step_ahead, joint_law, law_pvalue, tiled_prefill
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.decode.settings import Drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 
@@ -47,13 +45,19 @@ def _decode_case(family, budget, gamma, lengths) -> bool:
     eos = _early_eos(target, rows[1])
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos)
     greedy = target.generate(ids, **kwargs)
-    assert (greedy[1, ids.shape[1]:] == PAD).any()  # row 1 stops early at its EOS
+    assert (greedy[1, ids.shape[1] :] == PAD).any()  # row 1 stops early at its EOS
     config = dict(budget=budget, min_context=64, sink_tokens=2, recent_tokens=4)
     outs, stats = {}, {}
     with dustin_hf.patch(target):
         for mode in ("sparse", "exact"):
-            out = target.generate(ids, assistant_model=draft, cache_implementation="dustin", return_dict_in_generate=True,
-                                  cache_config={**config, "mode": mode}, **kwargs)
+            out = target.generate(
+                ids,
+                assistant_model=draft,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+                cache_config={**config, "mode": mode},
+                **kwargs,
+            )
             outs[mode], stats[mode] = out.sequences, out.past_key_values.stats
     assert torch.equal(outs["exact"], greedy)
     exact = stats["exact"]["exact"]
@@ -81,8 +85,13 @@ def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample, monkey
     draft = set_gamma(noisy_copy(target, noise=0.02), 3)
     rows = [random_prompt(n, seed=n)[0] for n in (1500, 400, 760, 610)]
     ids, mask = left_pad(rows)
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD,
-                  eos_token_id=_early_eos(target, rows[1]))
+    kwargs = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=24,
+        pad_token_id=PAD,
+        eos_token_id=_early_eos(target, rows[1]),
+    )
     greedy = target.generate(ids, **kwargs)
     kwargs["do_sample"] = sample
     # recent_tokens 4 < confirm_tokens + γ: some cuts lie below a recent window (counted on the device)
@@ -93,8 +102,14 @@ def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample, monkey
             if ahead:
                 monkeypatch.setattr(ModelRunner, "step_ahead", eager_step_ahead)
             torch.manual_seed(3)
-            out = target.generate(ids, assistant_model=draft, cache_implementation="dustin",
-                                  return_dict_in_generate=True, cache_config=config, **kwargs)
+            out = target.generate(
+                ids,
+                assistant_model=draft,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+                cache_config=config,
+                **kwargs,
+            )
             assert sample or torch.equal(out.sequences, greedy)
             runs.append((out.sequences, out.past_key_values.stats, out.past_key_values.run_stats.trace))
     (seq_after, after, trace_after), (seq_ahead, ahead, trace_ahead) = runs
@@ -111,10 +126,28 @@ def test_confirm_tokens_zero_verifies_densely_every_step():
     draft = set_gamma(noisy_copy(target, noise=0.02), 3)
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (600, 350)])
     greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
-    with dustin_hf.patch(target, dustin_hf.DustinConfig(budget=16, min_context=64, sink_tokens=2, recent_tokens=4,
-                                                        mode="exact", confirm_tokens=0, sparse_draft=True)):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
-                              pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
+    with dustin_hf.patch(
+        target,
+        dustin_hf.DustinConfig(
+            budget=16,
+            min_context=64,
+            sink_tokens=2,
+            recent_tokens=4,
+            mode="exact",
+            confirm_tokens=0,
+            sparse_draft=True,
+        ),
+    ):
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=16,
+            pad_token_id=PAD,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert torch.equal(out.sequences, greedy)
     assert stats["sparse_steps"] == 0 and stats["exact"]["sparse_row_steps"] == 0
@@ -150,14 +183,23 @@ def _pvalue(target, draft, prompt, law, mode, draws=2000, **settings) -> float:
     """The chi-square p-value of ``draws`` sampled (t0, t1) pairs against ``law`` (the decoder run directly, its
     prefill copied from one row: the rows are one prompt); ``settings``: more :class:`DustinConfig` fields."""
     torch.manual_seed(0)
-    config = resolve(dustin_hf.DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode,
-                                            **settings), target.config, draft.config)
+    config = resolve(
+        dustin_hf.DustinConfig(budget=4, min_context=0, sink_tokens=1, recent_tokens=1, mode=mode, **settings),
+        target.config,
+        draft.config,
+    )
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=prompt.shape[1] + 2, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin_config=config, drafting=Drafting(2),
-                                              hooks=DecodeHooks(prefill=tiled_prefill(1)))
+        decoder = decoding.SpeculativeDecoder(
+            target,
+            draft,
+            generation,
+            dustin_config=config,
+            drafting=Drafting(2),
+            hooks=DecodeHooks(prefill=tiled_prefill(1)),
+        )
         out = decoder.generate(prompt.expand(draws, -1)).sequences
-    return law_pvalue(out[:, prompt.shape[1]:], law, int(round(law.numel() ** 0.5)))
+    return law_pvalue(out[:, prompt.shape[1] :], law, int(round(law.numel() ** 0.5)))
 
 
 def test_exact_sampling_follows_the_targets_law(monkeypatch):
@@ -208,10 +250,16 @@ def _exact_samples(target, draft, prompts: list[torch.Tensor], draws: int, **con
     config = resolve(dustin_hf.DustinConfig(**{**LAW_CONFIG, **config}), target.config, draft.config)
     generation = GenerationConfig(do_sample=True, top_k=0, max_length=ids.shape[1] + LAW_TOKENS, pad_token_id=0)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, generation, dustin_config=config, drafting=Drafting(1),
-                                              hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))))
+        decoder = decoding.SpeculativeDecoder(
+            target,
+            draft,
+            generation,
+            dustin_config=config,
+            drafting=Drafting(1),
+            hooks=DecodeHooks(prefill=tiled_prefill(len(prompts))),
+        )
         result = decoder.generate(ids, mask)
-    return result.sequences[:, ids.shape[1]:], result.stats.reports["exact"]
+    return result.sequences[:, ids.shape[1] :], result.stats.reports["exact"]
 
 
 def _keeping_stale_proposals(monkeypatch):
@@ -265,7 +313,9 @@ def test_exact_sampling_follows_the_targets_law_with_rows_confirming_at_differen
     assert stats["confirmations"] >= 1.5 * LAW_DRAWS, stats
     for i, prompt in enumerate(prompts):
         p = law_pvalue(tokens[i::2], joint_law(target, prompt[None], LAW_TOKENS), LAW_VOCAB)
-        assert p > P_VALUE, f"the rows of the {prompt.numel()}-token prompt do not follow the target's law: p = {p:.3g}"
+        assert p > P_VALUE, (
+            f"the rows of the {prompt.numel()}-token prompt do not follow the target's law: p = {p:.3g}"
+        )
 
 
 def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
@@ -289,8 +339,16 @@ def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
     with dustin_hf.patch(target):
         for mode, sample in (("exact", True), ("exact", False), ("sparse", True)):
             seen.clear()
-            target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=sample, max_new_tokens=8,
-                            pad_token_id=PAD, cache_implementation="dustin", cache_config={**config, "mode": mode})
+            target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=sample,
+                max_new_tokens=8,
+                pad_token_id=PAD,
+                cache_implementation="dustin",
+                cache_config={**config, "mode": mode},
+            )
             assert seen, mode
             expected = (1, {1}) if (mode, sample) == ("exact", True) else (3, {3})
             assert all(call == expected for call in seen), (mode, sample, seen)
@@ -318,8 +376,13 @@ def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target, noise=0.02), 4)
     ids, mask = left_pad([random_prompt(300, seed=300)[0]])
-    config = resolve(dustin_hf.DustinConfig(budget=16, min_context=16, sink_tokens=2, recent_tokens=4, mode="exact",
-                                            confirm_tokens=4, confirm_every=4), target.config, draft.config)
+    config = resolve(
+        dustin_hf.DustinConfig(
+            budget=16, min_context=16, sink_tokens=2, recent_tokens=4, mode="exact", confirm_tokens=4, confirm_every=4
+        ),
+        target.config,
+        draft.config,
+    )
     calls = [0]
 
     def confirm(n, tentative, dense):
@@ -328,8 +391,9 @@ def test_rows_never_hold_more_tentative_tokens_than_a_confirming_block(sample):
 
     gen = GenerationConfig(do_sample=sample, max_length=ids.shape[1] + 40, pad_token_id=PAD)
     with dustin_hf.patch(target), attention_routed(target, draft):
-        decoder = decoding.SpeculativeDecoder(target, draft, gen, dustin_config=config, drafting=Drafting(4),
-                                              hooks=DecodeHooks(confirm=confirm))
+        decoder = decoding.SpeculativeDecoder(
+            target, draft, gen, dustin_config=config, drafting=Drafting(4), hooks=DecodeHooks(confirm=confirm)
+        )
         result = decoder.generate(ids, mask)
     assert result.stats.reports["exact"]["tentative_rejected"] > 0 and calls[0] > 4
 
@@ -354,5 +418,6 @@ def test_blocks_lay_out_each_row_from_its_own_start(gamma):
         tentative = torch.randint(0, 7, (batch,), generator=gen).tolist()
         starts = [int(torch.randint(0, held - 1 - n, (1,), generator=gen)) for n in tentative]
         width = int(torch.randint(1, 14, (1,), generator=gen))  # shorter than some rows, longer than others
-        assert torch.equal(blocks(tokens, starts, tentative, drafts, width),
-                           _blocks_by_row(tokens, starts, tentative, drafts, width)), (trial, starts, tentative, width)
+        assert torch.equal(
+            blocks(tokens, starts, tentative, drafts, width), _blocks_by_row(tokens, starts, tentative, drafts, width)
+        ), (trial, starts, tentative, width)

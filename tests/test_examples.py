@@ -31,8 +31,9 @@ def test_example_runs_tiny(path, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models: threads only contend
     env.pop("TRITON_INTERPRET", None)  # CPU runs the PyTorch reference kernels; nothing to interpret
     before = _git_status()
-    run = subprocess.run([sys.executable, str(path), "--tiny"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(path), "--tiny"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "sparse" in run.stdout or "identical before the first difference" in run.stdout
     assert list(tmp_path.iterdir()) == [], "an example writes nothing into its working directory"

@@ -30,7 +30,9 @@ if not HAS_CUDA:
 
 import transformers  # noqa: E402
 from accelerate.hooks import ModelHook, add_hook_to_module  # noqa: E402
+from conftest import capture_graph, on_launch, package_kernels  # noqa: E402
 from packaging.version import Version  # noqa: E402
+from tiny_models import random_prompt, tiny_model  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
@@ -38,11 +40,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 from dustin_hf.compat import VERIFIED_RANGE  # noqa: E402
 from dustin_hf.runtime import _transformers_reference, fused, ops, recognise  # noqa: E402
-from dustin_hf.runtime.fused import (FusedTuning, add_rms_norm, apply_rotary, fused_ops,  # noqa: E402
-                                     fused_ops_available, rms_norm)
-
-from conftest import capture_graph, on_launch, package_kernels  # noqa: E402
-from tiny_models import random_prompt, tiny_model  # noqa: E402
+from dustin_hf.runtime.fused import FusedTuning, add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
@@ -215,7 +213,7 @@ def test_rms_norm_16bit_within_one_ulp_of_y(x_dtype, weight_dtype):
     if out.dtype == x_dtype:
         assert int(_ulps(out, expected).max()) <= 2
     else:  # fp32 = fp32 weight * 16-bit y
-        torch.testing.assert_close(out, expected, rtol=2.0 ** -7, atol=0)
+        torch.testing.assert_close(out, expected, rtol=2.0**-7, atol=0)
     assert float((out != expected).float().mean()) < 0.01
 
 
@@ -325,8 +323,11 @@ def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows():
     def fused_calls(max_small: int, min_large: int) -> dict:
         tuning = FusedTuning(gated_max_bytes=max_small, gated_min_large_bytes=min_large)
         counts = {}
-        with torch.no_grad(), fused_ops(mlp, tuning=tuning), on_launch(package_kernels(triton_fused, triton_gemm),
-                                                                       record):
+        with (
+            torch.no_grad(),
+            fused_ops(mlp, tuning=tuning),
+            on_launch(package_kernels(triton_fused, triton_gemm), record),
+        ):
             for n, x in rows.items():
                 launched.clear()
                 torch.testing.assert_close(mlp(x), expected[n], rtol=1e-5, atol=1e-5)
@@ -494,8 +495,11 @@ def test_rotary_behind_a_kernels_wrapper_is_fused(monkeypatch):
         assert done.rotary_modules == ()
 
 
-@pytest.mark.skipif(not VERIFIED, reason=f"transformers {transformers.__version__} is outside the verified range "
-                                         f"{VERIFIED_RANGE}: its code may differ, and then runs unfused with a warning")
+@pytest.mark.skipif(
+    not VERIFIED,
+    reason=f"transformers {transformers.__version__} is outside the verified range "
+    f"{VERIFIED_RANGE}: its code may differ, and then runs unfused with a warning",
+)
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_verified_transformers_code_is_recognised(family):
     """On every transformers version dustin_hf declares verified, each fused path listed for the family's classes
@@ -545,8 +549,9 @@ def test_only_plain_standard_layers_and_static_rotaries_are_registered():
     table only for rope types whose frequencies do not depend on the sequence length."""
     from accelerate.hooks import AlignDevicesHook
 
-    model = tiny_model("llama", layers=5, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic",
-                                                           "factor": 2.0}).to(DEVICE)
+    model = tiny_model(
+        "llama", layers=5, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0}
+    ).to(DEVICE)
     layers = model.model.layers
     layers[0].register_forward_pre_hook(lambda *args: None)
     layers[1].forward = layers[1].forward  # an instance attribute: whatever it is, not the class's forward
@@ -605,7 +610,7 @@ def test_rms_norm_and_rotary_on_gpu_at_qwen_sizes():
             if out.dtype == torch.bfloat16:
                 assert int(_ulps(out, expected).max()) <= 2
             else:
-                torch.testing.assert_close(out, expected, rtol=2.0 ** -7, atol=0)
+                torch.testing.assert_close(out, expected, rtol=2.0**-7, atol=0)
             assert float((out != expected).float().mean()) < 1e-3
 
 
@@ -652,8 +657,14 @@ def test_fused_ops_on_a_model_split_over_two_devices():
     from accelerate import dispatch_model
 
     model = tiny_model("qwen2", layers=2, hidden=64).to(torch.bfloat16)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
-                  "model.norm": 1, "lm_head": 1}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.norm": 1,
+        "lm_head": 1,
+    }
     model = dispatch_model(model, device_map=device_map)
     assert fused_ops_available(model)
     prompt = random_prompt(7, batch=2).to("cuda:0")
@@ -671,9 +682,9 @@ def test_decoder_with_fused_ops_decodes_like_without():
     from transformers import GenerationConfig
 
     import dustin_hf
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target, draft = tiny_model("qwen2", seed=1).to(DEVICE), tiny_model("qwen2", layers=2, seed=2).to(DEVICE)
     if not expect_fused(target):
@@ -684,14 +695,28 @@ def test_decoder_with_fused_ops_decodes_like_without():
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for fused_on in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, drafting=Drafting(3),
-                                         runtime=RuntimeOptions(backend="reference", fused_ops=fused_on))
+            decoder = SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                drafting=Drafting(3),
+                runtime=RuntimeOptions(backend="reference", fused_ops=fused_on),
+            )
             result = decoder.generate(ids)
             outputs.append(result.sequences)
             report = result.cache.stats["fused_ops"]
             # 2 norms per layer and a final one, in both models; one modeling module's rotary
-            assert report == ({"norms": 2 * 3 + 1 + 2 * 2 + 1, "rotary": [modeling_qwen2.__name__], "mlps": 3 + 2,
-                               "qkv": 3 + 2, "outputs": 3 + 2, "attentions": 3 + 2} if fused_on
-                              else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "outputs": 0, "attentions": 0})
+            assert report == (
+                {
+                    "norms": 2 * 3 + 1 + 2 * 2 + 1,
+                    "rotary": [modeling_qwen2.__name__],
+                    "mlps": 3 + 2,
+                    "qkv": 3 + 2,
+                    "outputs": 3 + 2,
+                    "attentions": 3 + 2,
+                }
+                if fused_on
+                else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "outputs": 0, "attentions": 0}
+            )
     assert torch.equal(outputs[0], outputs[1])
     assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY

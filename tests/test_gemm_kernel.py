@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import TRITON_RUNS
 
 pytestmark = pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
@@ -17,15 +16,18 @@ def _operands(m, n, k, bias, dtype, seed=0):
     return x, w, b
 
 
-@pytest.mark.parametrize("m,n,k,bias,overrides", [
-    (1, 40, 24, False, {}),  # one row, one partial tile each way
-    (16, 96, 200, True, {}),  # K not a multiple of the tile
-    (5, 70, 300, True, {"split_k": 3, "block_k": 64}),  # ticket merge over three splits, ragged last split
-    (9, 130, 520, True, {"split_k": 4, "block_k": 32, "block_n": 32}),
-    (16, 64, 256, False, {"split_k": 1}),
-    (80, 40, 96, True, {}),  # 16 rows x 5 verified tokens: a 128-row tile, rows past 80 masked
-    (33, 50, 160, False, {"split_k": 2, "block_k": 32}),  # a 64-row tile, split
-])
+@pytest.mark.parametrize(
+    "m,n,k,bias,overrides",
+    [
+        (1, 40, 24, False, {}),  # one row, one partial tile each way
+        (16, 96, 200, True, {}),  # K not a multiple of the tile
+        (5, 70, 300, True, {"split_k": 3, "block_k": 64}),  # ticket merge over three splits, ragged last split
+        (9, 130, 520, True, {"split_k": 4, "block_k": 32, "block_n": 32}),
+        (16, 64, 256, False, {"split_k": 1}),
+        (80, 40, 96, True, {}),  # 16 rows x 5 verified tokens: a 128-row tile, rows past 80 masked
+        (33, 50, 160, False, {"split_k": 2, "block_k": 32}),  # a 64-row tile, split
+    ],
+)
 def test_skinny_linear_matches_f_linear_in_float32(m, n, k, bias, overrides):
     from dustin_hf.kernels.triton_gemm import skinny_linear
 
@@ -42,9 +44,9 @@ def test_skinny_linear_in_16_bits_and_batched_shapes(dtype):
     x, w, b = _operands(12, 72, 160, True, dtype, seed=1)
     x = x.reshape(3, 4, 160)  # (..., K) inputs keep their leading shape
     out = skinny_linear(x, w, b, split_k=2, block_k=32)
-    ref = (x.float() @ w.float().t() + b.float())  # exact, then one rounding: within one ulp of the output
+    ref = x.float() @ w.float().t() + b.float()  # exact, then one rounding: within one ulp of the output
     assert out.shape == (3, 4, 72) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=1e-3)
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
 
 
 def test_skinny_linear_rejects_what_it_cannot_compute():
@@ -59,12 +61,15 @@ def test_skinny_linear_rejects_what_it_cannot_compute():
         skinny_linear(x[:2], w.half())
 
 
-@pytest.mark.parametrize("m,n,k,overrides", [
-    (1, 40, 24, {}),  # one row, partial tiles
-    (16, 70, 200, {"block_n": 32, "block_k": 64}),  # K and N not multiples of the tiles
-    (32, 64, 96, {"block_n": 16}),
-    (40, 72, 136, {}),  # a large target's verification rows (8 x 5): a 64-row tile, rows past 40 masked
-])
+@pytest.mark.parametrize(
+    "m,n,k,overrides",
+    [
+        (1, 40, 24, {}),  # one row, partial tiles
+        (16, 70, 200, {"block_n": 32, "block_k": 64}),  # K and N not multiples of the tiles
+        (32, 64, 96, {"block_n": 16}),
+        (40, 72, 136, {}),  # a large target's verification rows (8 x 5): a 64-row tile, rows past 40 masked
+    ],
+)
 def test_gated_linear_is_silu_of_gate_times_up(m, n, k, overrides):
     """fp32: the SiLU-product of the two projections; the up rows are the second half of the weight."""
     from dustin_hf.kernels.triton_gemm import gated_linear
@@ -90,7 +95,7 @@ def test_gated_linear_rounds_as_silu_mul(dtype):
     assert out.shape == (3, 4, 48) and out.dtype == dtype
     gate, up = (x.double() @ w.double().t()).to(dtype).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(out, want, rtol=2 ** -6 if dtype == torch.bfloat16 else 2 ** -9, atol=1e-3)
+    torch.testing.assert_close(out, want, rtol=2**-6 if dtype == torch.bfloat16 else 2**-9, atol=1e-3)
     assert (out == want).float().mean() > 0.95
 
 

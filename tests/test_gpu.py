@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.kernels import resolve_backend
-
-from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,11 +27,18 @@ def test_batched_full_budget_equals_greedy_on_cuda(backend):
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (7, 40, 23, 64)]
     ids, mask = left_pad(rows)
     with dustin_hf.patch(target, DustinConfig(selection="dustin", backend=backend)):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     for b, row in enumerate(rows):
-        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel():]
-        assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
+        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel() :]
+        assert torch.equal(out.sequences[b, ids.shape[1] :], alone), f"row {b}"
 
 
 @pytest.mark.parametrize("backend", ["triton", "varlen", "reference"])
@@ -42,8 +48,15 @@ def test_sparse_generation_runs_on_cuda_bf16(backend):
     ids, mask = left_pad(rows)
     config = DustinConfig(selection="dustin", budget=128, min_context=1024, backend=backend)
     with dustin_hf.patch(target, config):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=32, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=32,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert stats["dense_steps"] == 0 and stats["sparse_steps"] > 0 and stats["mean_attended"] == 128
     assert out.sequences.shape == (2, ids.shape[1] + 32)
@@ -53,29 +66,41 @@ def test_sparse_generation_runs_on_cuda_bf16(backend):
 def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target, draft = _pair()  # float32: eager and replayed kernels may split the keys differently
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
-    resolved = resolve(DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton",
-                                    sparse_draft=dustin == "sparse_draft"),
-                       target.config, draft.config)
+    resolved = resolve(
+        DustinConfig(
+            selection="dustin", budget=128, min_context=512, backend="triton", sparse_draft=dustin == "sparse_draft"
+        ),
+        target.config,
+        draft.config,
+    )
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin_config=resolved if dustin else None,
-                                         drafting=Drafting(4),
-                                         runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
+            decoder = SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                dustin_config=resolved if dustin else None,
+                drafting=Drafting(4),
+                runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs),
+            )
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
             assert (result.cache.stats["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
-            assert result.cache.stats["cuda_graphs"]["select"] == {"captured": int(graphs and bool(dustin)), "failed": []}
+            assert result.cache.stats["cuda_graphs"]["select"] == {
+                "captured": int(graphs and bool(dustin)),
+                "failed": [],
+            }
             if dustin:
                 assert result.cache.stats["sparse_steps"] > 0
                 assert (result.cache.stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
@@ -97,8 +122,15 @@ def test_decode_steps_wait_for_the_device_once(sparse_draft):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                                  max_new_tokens=160, cache_implementation="dustin", return_dict_in_generate=True)
+            out = target.generate(
+                ids.cuda(),
+                attention_mask=mask.cuda(),
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=160,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+            )
         finally:
             torch.cuda.set_sync_debug_mode(0)
     stats = out.past_key_values.stats
@@ -115,17 +147,25 @@ def test_dense_layers_and_prompt_calibration_under_cuda_graphs():
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1100)]
     ids, mask = left_pad(rows)
-    config = DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton", dense_layers=(0, 1, 2),
-                          calibration="prompt")
+    config = DustinConfig(
+        selection="dustin", budget=128, min_context=512, backend="triton", dense_layers=(0, 1, 2), calibration="prompt"
+    )
     with dustin_hf.patch(target, config):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert stats["sparse_steps"] > 0 and stats["cuda_graphs"]["target"]["captured"] > 0
     assert stats["calibration"]["steps"] > 0
     for b, row in enumerate(rows):
-        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel():]
-        assert torch.equal(out.sequences[b, ids.shape[1]:], alone), f"row {b}"
+        alone = target.generate(row[None], max_new_tokens=24, do_sample=False)[0, row.numel() :]
+        assert torch.equal(out.sequences[b, ids.shape[1] :], alone), f"row {b}"
 
 
 def _split_over_two_gpus(model):
@@ -144,10 +184,10 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     states handed across; every Triton launch on its tensors' device (cuda:0 stays current throughout)."""
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
     from dustin_hf.runtime.graphs import Pipeline
 
     torch.cuda.set_device(0)
@@ -159,14 +199,20 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
     full = resolve(DustinConfig(selection="dustin", budget=4096, backend="triton"), target.config, draft.config)
-    sparse = resolve(DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton"), target.config,
-                                  draft.config)
+    sparse = resolve(
+        DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton"), target.config, draft.config
+    )
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for name, dustin, graphs in (("full", full, True), ("eager", sparse, False), ("graphed", sparse, True)):
-            decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(4),
-                                         runtime=RuntimeOptions(backend="triton",
-                                                                cuda_graphs=None if graphs else False))
+            decoder = SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                dustin_config=dustin,
+                drafting=Drafting(4),
+                runtime=RuntimeOptions(backend="triton", cuda_graphs=None if graphs else False),
+            )
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[name] = result.sequences
             assert decoder.graphs["target"] == graphs
@@ -174,8 +220,8 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
             assert report["failed"] == [] and (report["captured"] > 0) == graphs
     assert torch.equal(outputs["eager"], outputs["graphed"])
     for b, row in enumerate(rows):  # the whole context in budget: plain greedy decoding of the split model
-        alone = target.generate(row[None], max_new_tokens=40, do_sample=False)[0, row.numel():]
-        assert torch.equal(outputs["full"][b, ids.shape[1]:], alone.to(outputs["full"].device)), f"row {b}"
+        alone = target.generate(row[None], max_new_tokens=40, do_sample=False)[0, row.numel() :]
+        assert torch.equal(outputs["full"][b, ids.shape[1] :], alone.to(outputs["full"].device)), f"row {b}"
 
 
 def test_decoding_prefers_cublaslt_and_restores_the_setting():
@@ -195,8 +241,14 @@ def test_decoding_prefers_cublaslt_and_restores_the_setting():
     ids = random_prompt(40, seed=3)[0].cuda()[None]
     before = torch.backends.cuda.preferred_blas_library()
     with dustin_hf.patch(target):
-        target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=8, cache_implementation="dustin",
-                        stopping_criteria=StoppingCriteriaList([Probe()]))
+        target.generate(
+            ids,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=8,
+            cache_implementation="dustin",
+            stopping_criteria=StoppingCriteriaList([Probe()]),
+        )
     assert seen[0] == before  # the first token: named by the prompt's forward
     assert len(seen) > 1 and all(library == torch._C._BlasBackend.Cublaslt for library in seen[1:])
     assert torch.backends.cuda.preferred_blas_library() == before
@@ -211,11 +263,19 @@ def test_exact_mode_equals_greedy_on_cuda_with_graphs(sparse_draft, lengths):
     rows = [random_prompt(n, seed=n)[0].cuda() for n in lengths]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
-    config = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", mode="exact",
-                          sparse_draft=sparse_draft)
+    config = DustinConfig(
+        selection="dustin", budget=64, min_context=1024, backend="triton", mode="exact", sparse_draft=sparse_draft
+    )
     with dustin_hf.patch(target, config):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=40, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=40,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert torch.equal(out.sequences, greedy)
     assert stats["sparse_steps"] > 0 and stats["exact"]["confirmations"] > 0
@@ -233,12 +293,25 @@ def test_quality_knob_reads_rows_in_full_inside_the_graph():
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500, 2100)]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
-    knob = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", min_recovery=1.0,
-                        max_budget=128,
-                        sparse_draft=True)
+    knob = DustinConfig(
+        selection="dustin",
+        budget=64,
+        min_context=1024,
+        backend="triton",
+        min_recovery=1.0,
+        max_budget=128,
+        sparse_draft=True,
+    )
     with dustin_hf.patch(target, knob):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert torch.equal(out.sequences, greedy)
     assert stats["knob"]["dense_fallbacks"] > 0 and stats["sparse_steps"] > 0
@@ -252,24 +325,31 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     launch; the output equals the eager loop's, and the short row's is greedy's."""
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 500, 2100)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 24, pad_token_id=0)
-    dustin = resolve(DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton",
-                                  sparse_draft=sparse_draft),
-                     target.config, draft.config)
+    dustin = resolve(
+        DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", sparse_draft=sparse_draft),
+        target.config,
+        draft.config,
+    )
     outputs = {}
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin_config=dustin, drafting=Drafting(4),
-                                         runtime=RuntimeOptions(backend="triton",
-                                                                cuda_graphs=None if graphs else False))
+            decoder = SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                dustin_config=dustin,
+                drafting=Drafting(4),
+                runtime=RuntimeOptions(backend="triton", cuda_graphs=None if graphs else False),
+            )
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[graphs] = result.sequences
             stats = result.cache.stats
@@ -278,8 +358,8 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
     assert report["target"]["full_rows"] >= 1 and not report["target"]["failed"]
     assert (report["draft"]["full_rows"] >= 1) == sparse_draft and not report["draft"]["failed"]
     assert torch.equal(outputs[False], outputs[True])
-    short = target.generate(rows[1][None], max_new_tokens=24, do_sample=False)[0, rows[1].numel():]
-    assert torch.equal(outputs[True][1, ids.shape[1]:], short)
+    short = target.generate(rows[1][None], max_new_tokens=24, do_sample=False)[0, rows[1].numel() :]
+    assert torch.equal(outputs[True][1, ids.shape[1] :], short)
 
 
 def test_quality_knob_and_masked_rows_on_cuda():
@@ -289,21 +369,42 @@ def test_quality_knob_and_masked_rows_on_cuda():
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (2600, 1500)]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
-    knob = DustinConfig(selection="dustin", budget=64, min_context=1024, backend="triton", min_recovery=1.0,
-                        max_budget=4096)
+    knob = DustinConfig(
+        selection="dustin", budget=64, min_context=1024, backend="triton", min_recovery=1.0, max_budget=4096
+    )
     with dustin_hf.patch(target, knob):
-        out = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                              max_new_tokens=24, cache_implementation="dustin")
+        out = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation="dustin",
+        )
         assert torch.equal(out, greedy)
-        small = target.generate(ids.cuda(), attention_mask=mask.cuda(), assistant_model=draft, do_sample=False,
-                                max_new_tokens=24, cache_implementation="dustin", return_dict_in_generate=True,
-                                cache_config={"min_recovery": 0.6})
+        small = target.generate(
+            ids.cuda(),
+            attention_mask=mask.cuda(),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+            cache_config={"min_recovery": 0.6},
+        )
         assert small.past_key_values.stats["knob"]["budget_p50"] < 2600
         tril_ids = random_prompt(9, batch=3, seed=4).cuda()
         tril = torch.tril(torch.ones_like(tril_ids))
         stock = target.generate(tril_ids, attention_mask=tril, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        got = target.generate(tril_ids, attention_mask=tril, assistant_model=draft, max_new_tokens=8,
-                              do_sample=False, pad_token_id=0, cache_implementation="dustin")
+        got = target.generate(
+            tril_ids,
+            attention_mask=tril,
+            assistant_model=draft,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="dustin",
+        )
         assert torch.equal(got, stock)
 
 
@@ -317,8 +418,13 @@ def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
     for seed in (1, 2):
         ids, mask = left_pad([random_prompt(n, seed=seed * n)[0] for n in (1500, 1700, 900)])
         batches.append((ids.cuda(), mask.cuda()))
-    call = dict(assistant_model=draft, do_sample=False, max_new_tokens=48, cache_implementation="dustin",
-                return_dict_in_generate=True)
+    call = dict(
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=48,
+        cache_implementation="dustin",
+        return_dict_in_generate=True,
+    )
     with dustin_hf.patch(target, config) as handle:
         first = target.generate(batches[0][0], attention_mask=batches[0][1], **call)
         second = target.generate(batches[1][0], attention_mask=batches[1][1], **call)
@@ -333,8 +439,8 @@ def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
 def test_prefill_in_one_forward_matches_chunks_on_cuda():
     """The whole prompt in one forward (square causal attention: cuDNN's kernel on Hopper) against chunks that
     attend to their prefix (flash's), bf16: the same last logits and cache within bf16's rounding."""
-    from dustin_hf.decode.cache import DustinCache
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.decode.cache import DustinCache
     from dustin_hf.decode.runner import ModelRunner
 
     target, _ = _pair(dtype=torch.bfloat16)
@@ -356,22 +462,30 @@ def test_selection_layer_kernels_at_7b_head_shapes_replay_in_a_cuda_graph():
     (at most twice the error of PyTorch's bf16 logits, plus 1e-6), and each sparse row's chosen set holds its windows
     and the positions that computation ranks highest (up to near-ties: at least 99.9% of the best set's mass)."""
     from conftest import capture_graph
+
     from dustin_hf.runtime.plan import DeviceTensors, SelectLayers
     from dustin_hf.selection.layers import choose_read_set, layer_position_weights
     from dustin_hf.selection.scoring import attention_mass
 
     gen = torch.Generator().manual_seed(12)
-    batch, n_q, heads, kv_heads, dim, capacity, width, scale = 4, 5, 28, 4, 128, 9000, 512, 128 ** -0.5
+    batch, n_q, heads, kv_heads, dim, capacity, width, scale = 4, 5, 28, 4, 128, 9000, 512, 128**-0.5
     q = (1.5 * torch.randn(batch, n_q, heads, dim, generator=gen)).cuda().bfloat16()
     keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen).cuda().bfloat16().transpose(1, 2)  # HF layout
     seqlens = torch.tensor([8000, 5000, 300, 7000], dtype=torch.int32, device="cuda")
     indices = torch.arange(width, dtype=torch.int32, device="cuda").expand(batch, -1).contiguous()
-    tensors = DeviceTensors(seqlens, indices, torch.tensor([512, 400, 512, 512], dtype=torch.int32, device="cuda"),
-                            torch.tensor([5, 3, 5, 1], dtype=torch.int32, device="cuda"))
+    tensors = DeviceTensors(
+        seqlens,
+        indices,
+        torch.tensor([512, 400, 512, 512], dtype=torch.int32, device="cuda"),
+        torch.tensor([5, 3, 5, 1], dtype=torch.int32, device="cuda"),
+    )
     spec, span = SelectLayers((1,), 4, 16), 8500
-    graph, (weights, chosen) = capture_graph(lambda: (
-        layer_position_weights(q, keys, seqlens, span, scale, tensors.query_counts, backend="triton"),
-        choose_read_set(q, keys, tensors, span, spec, scale, backend="triton").indices))
+    graph, (weights, chosen) = capture_graph(
+        lambda: (
+            layer_position_weights(q, keys, seqlens, span, scale, tensors.query_counts, backend="triton"),
+            choose_read_set(q, keys, tensors, span, spec, scale, backend="triton").indices,
+        )
+    )
     keys.copy_(torch.randn(batch, capacity, kv_heads, dim, generator=gen).cuda().bfloat16())
     seqlens.copy_(torch.tensor([8400, 6000, 300, 7999]))
     graph.replay()
@@ -383,8 +497,17 @@ def test_selection_layer_kernels_at_7b_head_shapes_replay_in_a_cuda_graph():
     probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)  # (B, Q, H, span)
     probs = probs * (torch.arange(n_q, device="cuda")[None, :] < own[:, None])[:, :, None, None]
     exact = probs.sum(dim=(1, 2)) / (heads * own[:, None])
-    mass = attention_mass(q, keys, (seqlens.long() - 1)[:, None].expand(-1, n_q), tuple(range(heads)), 7, scale,
-                          span, span, query_counts=own)
+    mass = attention_mass(
+        q,
+        keys,
+        (seqlens.long() - 1)[:, None].expand(-1, n_q),
+        tuple(range(heads)),
+        7,
+        scale,
+        span,
+        span,
+        query_counts=own,
+    )
     baseline = (mass.double() / (heads * own[:, None]) - exact).abs().max().item()
     err = (weights.double() - exact).abs().max().item()
     assert err <= 2 * baseline + 1e-6, f"max abs error {err:.3g} > 2 x {baseline:.3g} + 1e-6"
@@ -393,7 +516,7 @@ def test_selection_layer_kernels_at_7b_head_shapes_replay_in_a_cuda_graph():
         row = chosen[b, :count].long()
         assert (chosen[b, count:] == 0).all() and bool((row[1:] > row[:-1]).all())
         assert row[:4].tolist() == [0, 1, 2, 3] and row[-16:].tolist() == list(range(length - 16, length))
-        candidates = exact[b, 4:length - 16]
+        candidates = exact[b, 4 : length - 16]
         best = candidates.topk(count - 20).values.sum()
         assert exact[b, row[4:-16]].sum() >= 0.999 * best, f"row {b}"
     assert torch.equal(chosen[2], tensors.indices[2])
@@ -408,23 +531,34 @@ def test_selection_layers_replay_inside_the_cuda_graphs(mode):
 
     from transformers import GenerationConfig
 
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.adapter.assisted import attention_routed
+    from dustin_hf.config import resolve
+    from dustin_hf.decode.decoder import SpeculativeDecoder
+    from dustin_hf.decode.settings import Drafting, RuntimeOptions
 
     target, draft = _pair()
     rows = [random_prompt(n, seed=n)[0].cuda() for n in (1500, 1700, 900)]
     ids, mask = left_pad(rows)
     greedy = target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
     config = GenerationConfig(do_sample=False, max_length=ids.shape[1] + 40, pad_token_id=0)
-    resolved = resolve(DustinConfig(budget=128, min_context=512, backend="triton", mode=mode, selection="verify",
-                                    selection_layers=(1,)), target.config, draft.config)
+    resolved = resolve(
+        DustinConfig(
+            budget=128, min_context=512, backend="triton", mode=mode, selection="verify", selection_layers=(1,)
+        ),
+        target.config,
+        draft.config,
+    )
     outputs = []
     with dustin_hf.patch(target), attention_routed(target, draft):
         for graphs in (False, True):
-            decoder = SpeculativeDecoder(target, draft, config, dustin_config=resolved, drafting=Drafting(4),
-                                         runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs))
+            decoder = SpeculativeDecoder(
+                target,
+                draft,
+                config,
+                dustin_config=resolved,
+                drafting=Drafting(4),
+                runtime=RuntimeOptions(backend="triton", cuda_graphs=graphs),
+            )
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")

@@ -12,29 +12,31 @@ forward inside the same context bit for bit (same add, same norm kernel), in flo
 
 import pytest
 import torch
-
-import dustin_hf
-from dustin_hf.runtime import fused
-from dustin_hf.decode.cache import DustinCache
-from dustin_hf.decode.runner import ModelRunner
-from dustin_hf.adapter.assisted import attention_routed
-from dustin_hf.runtime.graphs import Pipeline, Stage
-from dustin_hf.runtime.plan import ForwardPlan
-
 from conftest import TRITON_RUNS, on_launch, package_kernels
 from tiny_models import random_prompt, tiny_model
+
+import dustin_hf
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.decode.cache import DustinCache
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.runtime import fused
+from dustin_hf.runtime.graphs import Pipeline, Stage
+from dustin_hf.runtime.plan import ForwardPlan
 
 # These tests run the pipeline on CPU (stages cut on the CPU device), so the fused kernels need Triton's
 # interpreter; on a CUDA machine Triton compiles for the GPU instead and cannot take CPU tensors. There,
 # tests/test_gpu.py checks the captured (fused) pipeline against the eager model forward, token for token.
-needs_triton = pytest.mark.skipif(not TRITON_RUNS or torch.cuda.is_available(),
-                                  reason="runs the fused kernels on CPU in Triton's interpreter (TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(
+    not TRITON_RUNS or torch.cuda.is_available(),
+    reason="runs the fused kernels on CPU in Triton's interpreter (TRITON_INTERPRET=1)",
+)
 
 
 def _prefilled_runner(model, prompt: torch.Tensor) -> ModelRunner:
     runner = ModelRunner(model, DustinCache(model.config.num_hidden_layers, prompt.shape[0], capacity=64), "reference")
-    plan = ForwardPlan(rows=slice(0, prompt.shape[0]), cache_seqlens=[0] * prompt.shape[0], q_len=prompt.shape[1],
-                       backend="reference")
+    plan = ForwardPlan(
+        rows=slice(0, prompt.shape[0]), cache_seqlens=[0] * prompt.shape[0], q_len=prompt.shape[1], backend="reference"
+    )
     runner.forward(plan, prompt, keep=1)
     return runner
 
@@ -56,8 +58,15 @@ def _step_inputs(sparse: bool):
     num = torch.tensor([4, 3], dtype=torch.int32) if sparse else None
 
     def plan():
-        return ForwardPlan(rows=slice(0, 2), cache_seqlens=[20, 20], q_len=3, backend="reference",
-                           indices=indices, num_indices=num, capture={1: (0, 3)})
+        return ForwardPlan(
+            rows=slice(0, 2),
+            cache_seqlens=[20, 20],
+            q_len=3,
+            backend="reference",
+            indices=indices,
+            num_indices=num,
+            capture={1: (0, 3)},
+        )
 
     return prompt, step_ids, plan
 
@@ -98,8 +107,9 @@ def _logits_and_tokens(model, tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
         for tokens in (False, True):
             runner, step_plan = _prefilled_runner(model, prompt), plan()
             with runner.cache.forward_plan(step_plan):
-                outputs.append(Pipeline(model, tuning).forward(step_ids, step_plan, runner.cache, keep=2,
-                                                               tokens=tokens))
+                outputs.append(
+                    Pipeline(model, tuning).forward(step_ids, step_plan, runner.cache, keep=2, tokens=tokens)
+                )
     return outputs[0], outputs[1]
 
 
@@ -126,7 +136,8 @@ def test_pipeline_takes_a_greedy_heads_argmax_in_one_kernel():
         with on_launch(package_kernels(triton_argmax), lambda name, args, kwargs: launched.append((args[0], kwargs))):
             logits, tokens = _logits_and_tokens(model, tuning)
         assert [(tuple(x.shape), x.dtype, kw["BLOCK"]) for x, kw in launched] == [
-            ((4, model.config.vocab_size), torch.bfloat16, block)]
+            ((4, model.config.vocab_size), torch.bfloat16, block)
+        ]
         assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
@@ -228,8 +239,11 @@ def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
         return norm(residual), residual  # final-add-skipped: applied to the final norm only, below
 
     if mistake == "final-add-skipped":
-        monkeypatch.setattr(graphs.Pipeline, "_final_norm", lambda self, state, keep: wrong(
-            self.decoder.norm, state["mlp_out"][:, -keep:], state["h"][:, -keep:])[0])
+        monkeypatch.setattr(
+            graphs.Pipeline,
+            "_final_norm",
+            lambda self, state, keep: wrong(self.decoder.norm, state["mlp_out"][:, -keep:], state["h"][:, -keep:])[0],
+        )
     else:
         monkeypatch.setattr(graphs, "_add_norm", wrong)
     logits, expected, _, _ = _staged_and_expected(tiny_model("llama", layers=3), [])
@@ -239,8 +253,9 @@ def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
 _ROPES = {
     "default": {},
     "linear": dict(rope_type="linear", factor=2.0),
-    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64),
+    "llama3": dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    ),
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096),
     "dynamic": dict(rope_type="dynamic", factor=2.0),
 }

@@ -27,13 +27,17 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from dustin_hf.kernels import BACKENDS, resolve_backend, verify_attention  # noqa: E402
-from dustin_hf.kernels import varlen  # noqa: E402
-from dustin_hf.kernels._device import sm_count, tickets  # noqa: E402
-from dustin_hf.kernels.tuning import VerifyTuning  # noqa: E402
-from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
-
 from conftest import capture_graph, sm90_ptx_report  # noqa: E402
+
+from dustin_hf.kernels import (  # noqa: E402
+    BACKENDS,
+    resolve_backend,
+    varlen,  # noqa: E402
+    verify_attention,
+)
+from dustin_hf.kernels._device import sm_count, tickets  # noqa: E402
+from dustin_hf.kernels.reference import verify_attention_reference  # noqa: E402
+from dustin_hf.kernels.tuning import VerifyTuning  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_RUNS = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
@@ -125,8 +129,12 @@ class Inputs:
     max_seqlen_k: int
 
     def kwargs(self) -> dict:
-        return dict(softmax_scale=self.scale, indices=self.indices, num_indices=self.num_indices,
-                    max_seqlen_k=self.max_seqlen_k)
+        return dict(
+            softmax_scale=self.scale,
+            indices=self.indices,
+            num_indices=self.num_indices,
+            max_seqlen_k=self.max_seqlen_k,
+        )
 
     def oracle_args(self) -> tuple:
         return (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.scale, self.indices, self.num_indices)
@@ -194,9 +202,17 @@ def test_reference_matches_oracle(n_queries, group, head_dim):
     dtype = REFERENCE_DTYPES[(qi + gi + di) % 3]
     layout = ("contiguous", "slice_t", "slice_b")[(qi + 2 * gi + di) % 3]
     for sparse in (False, True):
-        case = Case(seqlens=(37, 0, 90), n_queries=n_queries, n_kv_heads=1 if group >= 7 else 2, group=group,
-                    head_dim=head_dim, width=24 if sparse else None, short_rows=sparse, layout=layout,
-                    seed=n_queries * 1000 + group * 100 + head_dim + sparse)
+        case = Case(
+            seqlens=(37, 0, 90),
+            n_queries=n_queries,
+            n_kv_heads=1 if group >= 7 else 2,
+            group=group,
+            head_dim=head_dim,
+            width=24 if sparse else None,
+            short_rows=sparse,
+            layout=layout,
+            seed=n_queries * 1000 + group * 100 + head_dim + sparse,
+        )
         inputs = _make_inputs(case, dtype, "cpu")
         kwargs = inputs.kwargs() | {"indices": inputs.in_range_indices(), "max_seqlen_k": None}
         out = verify_attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, **kwargs)
@@ -220,36 +236,76 @@ TRITON_CASES = {
     "dense-q1-g1-d16": Case(seqlens=(37, 0, 64), n_queries=1, group=1, head_dim=16),
     "dense-ragged-splits": Case(seqlens=(100, 0, 33), group=8, n_kv_heads=1, head_dim=128, num_splits=4, block_n=32),
     "dense-slice_t-g7": Case(seqlens=(29, 61), group=7, n_kv_heads=1, layout="slice_t", num_splits=3, block_n=16),
-    "dense-slice_b-int64": Case(seqlens=(50, 9, 0), n_queries=2, layout="slice_b", index_dtype=torch.int64,
-                                num_splits=2, block_n=16),
+    "dense-slice_b-int64": Case(
+        seqlens=(50, 9, 0), n_queries=2, layout="slice_b", index_dtype=torch.int64, num_splits=2, block_n=16
+    ),
     "dense-strided_d": Case(seqlens=(26, 41), n_queries=2, layout="strided_d", num_splits=2, block_n=16),
     "sparse-w-lt-block": Case(seqlens=(45, 0, 80), n_queries=2, width=24, short_rows=True),
     "sparse-w-gt-block": Case(seqlens=(120, 70), group=7, n_kv_heads=1, width=70, short_rows=True),
-    "sparse-splits-g8": Case(seqlens=(90, 0, 57), group=8, n_kv_heads=1, head_dim=128, width=40, short_rows=True,
-                             num_splits=3, block_n=16),
-    "sparse-slice_b-int64": Case(seqlens=(33, 60), n_queries=1, group=8, n_kv_heads=1, width=30, layout="slice_b",
-                                 index_dtype=torch.int64, num_splits=2, block_n=16),
+    "sparse-splits-g8": Case(
+        seqlens=(90, 0, 57), group=8, n_kv_heads=1, head_dim=128, width=40, short_rows=True, num_splits=3, block_n=16
+    ),
+    "sparse-slice_b-int64": Case(
+        seqlens=(33, 60),
+        n_queries=1,
+        group=8,
+        n_kv_heads=1,
+        width=30,
+        layout="slice_b",
+        index_dtype=torch.int64,
+        num_splits=2,
+        block_n=16,
+    ),
     "sparse-slice_t-d80": Case(seqlens=(40, 25), head_dim=80, width=20, short_rows=True, layout="slice_t"),
     "sparse-v_wide": Case(seqlens=(40, 25), width=20, short_rows=True, layout="v_wide", block_n=16),
     # One query: its new token is the key ordinal after the row's selected ones, inside a tile here.
-    "sparse-q1-short-splits": Case(seqlens=(45, 0, 80), n_queries=1, width=24, short_rows=True, num_splits=2,
-                                   block_n=16),
+    "sparse-q1-short-splits": Case(
+        seqlens=(45, 0, 80), n_queries=1, width=24, short_rows=True, num_splits=2, block_n=16
+    ),
     "dense-q1-splits": Case(seqlens=(37, 0, 64), n_queries=1, group=4, num_splits=3, block_n=16, layout="v_wide"),
     "sparse-m-tiles": Case(seqlens=(30, 12), group=32, n_kv_heads=1, head_dim=16, width=16, short_rows=True),
     # Split merges. The ticket merge runs in the main kernel (the last split of each (row, kv head, row
     # tile) to finish merges); rows of 0-3 selected positions leave later splits empty (lse = -inf).
-    "sparse-ticket-3-splits": Case(seqlens=(90, 3, 57, 1), group=4, head_dim=32, width=40, short_rows=True,
-                                   num_splits=3, block_n=16, merge="ticket"),
-    "sparse-ticket-5-of-8": Case(seqlens=(80, 75, 0), n_queries=3, group=3, width=70, short_rows=True,
-                                 num_splits=5, block_n=16, merge="ticket"),  # BLOCK_S 8: 3 masked splits
-    "sparse-ticket-m-tiles": Case(seqlens=(40, 22), group=32, n_kv_heads=2, head_dim=16, width=30, short_rows=True,
-                                  num_splits=2, block_n=16, merge="ticket"),  # 160 rows: 2 row tiles
-    "dense-ticket-8-splits": Case(seqlens=(126, 0, 17), n_queries=2, group=8, n_kv_heads=1, head_dim=32,
-                                  num_splits=8, block_n=16, merge="ticket"),
-    "sparse-kernel-merge": Case(seqlens=(90, 3, 57, 1), group=4, head_dim=32, width=40, short_rows=True,
-                                num_splits=3, block_n=16, merge="kernel"),
-    "dense-kernel-merge": Case(seqlens=(100, 0, 33), group=8, n_kv_heads=1, head_dim=128, num_splits=4, block_n=32,
-                               merge="kernel"),
+    "sparse-ticket-3-splits": Case(
+        seqlens=(90, 3, 57, 1),
+        group=4,
+        head_dim=32,
+        width=40,
+        short_rows=True,
+        num_splits=3,
+        block_n=16,
+        merge="ticket",
+    ),
+    "sparse-ticket-5-of-8": Case(
+        seqlens=(80, 75, 0), n_queries=3, group=3, width=70, short_rows=True, num_splits=5, block_n=16, merge="ticket"
+    ),  # BLOCK_S 8: 3 masked splits
+    "sparse-ticket-m-tiles": Case(
+        seqlens=(40, 22),
+        group=32,
+        n_kv_heads=2,
+        head_dim=16,
+        width=30,
+        short_rows=True,
+        num_splits=2,
+        block_n=16,
+        merge="ticket",
+    ),  # 160 rows: 2 row tiles
+    "dense-ticket-8-splits": Case(
+        seqlens=(126, 0, 17), n_queries=2, group=8, n_kv_heads=1, head_dim=32, num_splits=8, block_n=16, merge="ticket"
+    ),
+    "sparse-kernel-merge": Case(
+        seqlens=(90, 3, 57, 1),
+        group=4,
+        head_dim=32,
+        width=40,
+        short_rows=True,
+        num_splits=3,
+        block_n=16,
+        merge="kernel",
+    ),
+    "dense-kernel-merge": Case(
+        seqlens=(100, 0, 33), group=8, n_kv_heads=1, head_dim=128, num_splits=4, block_n=32, merge="kernel"
+    ),
 }
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
@@ -258,15 +314,26 @@ def _run_triton(inputs: Inputs, case: Case, int32_offsets: bool = True) -> torch
     from dustin_hf.kernels import triton_verify
 
     n_keys = inputs.indices.shape[1] + case.n_queries if inputs.indices is not None else inputs.max_seqlen_k
-    config = triton_verify.launch_config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries,
-                                         case.head_dim, n_keys, sm_count(inputs.q.device),
-                                         sparse=inputs.indices is not None, elem_bytes=inputs.q.element_size(),
-                                         num_splits=case.num_splits, block_n=case.block_n, merge=case.merge)
+    config = triton_verify.launch_config(
+        len(case.seqlens),
+        case.n_kv_heads,
+        case.group,
+        case.n_queries,
+        case.head_dim,
+        n_keys,
+        sm_count(inputs.q.device),
+        sparse=inputs.indices is not None,
+        elem_bytes=inputs.q.element_size(),
+        num_splits=case.num_splits,
+        block_n=case.block_n,
+        merge=case.merge,
+    )
     if case.merge is not None:
         assert config.merge == case.merge, config
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    return triton_verify.verify_attention_triton(*args, **inputs.kwargs(),
-                                                 config=dataclasses.replace(config, int32_offsets=int32_offsets))
+    return triton_verify.verify_attention_triton(
+        *args, **inputs.kwargs(), config=dataclasses.replace(config, int32_offsets=int32_offsets)
+    )
 
 
 @needs_triton
@@ -280,7 +347,9 @@ def test_triton_matches_oracle(name, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"])
+@pytest.mark.parametrize(
+    "name", ["sparse-w-gt-block", "sparse-splits-g8", "sparse-q1-short-splits", "dense-q1-splits"]
+)
 def test_triton_int64_slot_offsets(name):
     """The loop over keys every row sees computes slot offsets in int32 where the cache allows it; the
     int64 path (a cache of more than 2^31 elements per batch row) gives the same result."""
@@ -298,26 +367,51 @@ def _with_full_rows(inputs: Inputs, full: tuple[bool, ...]) -> tuple[Inputs, Inp
     narrow = dataclasses.replace(inputs, num_indices=counts)
     from dustin_hf.kernels import full_rows_written
 
-    indices, num_indices = full_rows_written(inputs.indices, counts, inputs.cache_seqlens, inputs.max_seqlen_k,
-                                             inputs.q.shape[1])
+    indices, num_indices = full_rows_written(
+        inputs.indices, counts, inputs.cache_seqlens, inputs.max_seqlen_k, inputs.q.shape[1]
+    )
     return narrow, dataclasses.replace(inputs, indices=indices, num_indices=num_indices)
 
 
 # (case, rows read in full, tuning of the dense part): a lone full row, several, all, none; one query (a draft's
 # decode) and five; the dense part split over tickets and over the merge kernel (more than 8 splits)
 FULL_ROW_CASES = {
-    "one-of-three": (Case(seqlens=(120, 45, 300), group=4, head_dim=32, width=24, short_rows=True),
-                     (False, False, True), VerifyTuning()),
-    "two-q1": (Case(seqlens=(90, 200, 57, 3), n_queries=1, group=2, head_dim=32, width=16, short_rows=True),
-               (True, False, True, False), VerifyTuning()),
-    "ticket-splits": (Case(seqlens=(260, 33, 150), group=7, n_kv_heads=1, width=20, num_splits=2, block_n=16),
-                      (True, False, True), VerifyTuning(programs_per_sm=64, min_blocks_per_split=2)),
-    "kernel-merge": (Case(seqlens=(700, 40, 610), n_queries=3, group=2, head_dim=32, width=48, short_rows=True,
-                          num_splits=3, block_n=16, merge="kernel"),
-                     (True, False, False), VerifyTuning(programs_per_sm=64, min_blocks_per_split=1)),
+    "one-of-three": (
+        Case(seqlens=(120, 45, 300), group=4, head_dim=32, width=24, short_rows=True),
+        (False, False, True),
+        VerifyTuning(),
+    ),
+    "two-q1": (
+        Case(seqlens=(90, 200, 57, 3), n_queries=1, group=2, head_dim=32, width=16, short_rows=True),
+        (True, False, True, False),
+        VerifyTuning(),
+    ),
+    "ticket-splits": (
+        Case(seqlens=(260, 33, 150), group=7, n_kv_heads=1, width=20, num_splits=2, block_n=16),
+        (True, False, True),
+        VerifyTuning(programs_per_sm=64, min_blocks_per_split=2),
+    ),
+    "kernel-merge": (
+        Case(
+            seqlens=(700, 40, 610),
+            n_queries=3,
+            group=2,
+            head_dim=32,
+            width=48,
+            short_rows=True,
+            num_splits=3,
+            block_n=16,
+            merge="kernel",
+        ),
+        (True, False, False),
+        VerifyTuning(programs_per_sm=64, min_blocks_per_split=1),
+    ),
     "all-full": (Case(seqlens=(64, 100), group=2, head_dim=32, width=16), (True, True), VerifyTuning()),
-    "none-full": (Case(seqlens=(64, 100), group=2, head_dim=32, width=16, short_rows=True), (False, False),
-                  VerifyTuning()),
+    "none-full": (
+        Case(seqlens=(64, 100), group=2, head_dim=32, width=16, short_rows=True),
+        (False, False),
+        VerifyTuning(),
+    ),
 }
 
 
@@ -329,19 +423,29 @@ def test_triton_full_rows_read_everything_they_hold(name):
     written out, and to the dispatcher's reference path, which writes them out itself."""
     case, full, tuning = FULL_ROW_CASES[name]
     inputs = _make_inputs(dataclasses.replace(case, seed=hash(name) % 1000), torch.float32)
-    assert all(not f or inputs.indices.shape[1] < n for f, n in zip(full, case.seqlens))  # the index row cannot hold it
+    assert all(
+        not f or inputs.indices.shape[1] < n for f, n in zip(full, case.seqlens)
+    )  # the index row cannot hold it
     narrow, written = _with_full_rows(inputs, full)
     from dustin_hf.kernels import triton_verify
 
     config = None
     if case.num_splits is not None:
-        config = triton_verify.launch_config(len(case.seqlens), case.n_kv_heads, case.group, case.n_queries,
-                                             case.head_dim, triton_verify.sparse_loop_keys(case.width, case.n_queries),
-                                             sm_count(inputs.q.device), sparse=True, num_splits=case.num_splits,
-                                             block_n=case.block_n, merge=case.merge)
+        config = triton_verify.launch_config(
+            len(case.seqlens),
+            case.n_kv_heads,
+            case.group,
+            case.n_queries,
+            case.head_dim,
+            triton_verify.sparse_loop_keys(case.width, case.n_queries),
+            sm_count(inputs.q.device),
+            sparse=True,
+            num_splits=case.num_splits,
+            block_n=case.block_n,
+            merge=case.merge,
+        )
     args = narrow.q, narrow.k_cache, narrow.v_cache, narrow.cache_seqlens
-    out = triton_verify.verify_attention_triton(*args, **narrow.kwargs(), full_rows=True, tuning=tuning,
-                                                config=config)
+    out = triton_verify.verify_attention_triton(*args, **narrow.kwargs(), full_rows=True, tuning=tuning, config=config)
     _assert_matches_oracle(out, written, f"triton[full rows, {name}]")
     in_range = dataclasses.replace(narrow, indices=narrow.in_range_indices())  # the reference gathers every entry
     reference = verify_attention(*args, **in_range.kwargs(), full_rows=True, backend="reference")
@@ -419,7 +523,8 @@ def test_shared_memory_limit_changes_nothing_on_an_h100():
 
     sm90, sm86 = 232448, 101376
     for elem_bytes, head_dim, n_queries, sparse, batch in itertools.product(
-            (2, 4), (64, 128), (1, 5), (True, False), (1, 16)):
+        (2, 4), (64, 128), (1, 5), (True, False), (1, 16)
+    ):
         args = (batch, 8, 8, n_queries, head_dim, 517 if sparse else 32773, 132)
         free = launch_config(*args, sparse=sparse, elem_bytes=elem_bytes)
         assert launch_config(*args, sparse=sparse, elem_bytes=elem_bytes, smem_limit=sm90) == free
@@ -465,8 +570,9 @@ def test_triton_rejects_mismatched_dtypes():
 
     inputs = _make_inputs(Case(seqlens=(5,), head_dim=16), torch.float16)
     with pytest.raises(ValueError, match="dtype"):
-        verify_attention_triton(inputs.q.float(), inputs.k_cache, inputs.v_cache, inputs.cache_seqlens,
-                                softmax_scale=1.0)
+        verify_attention_triton(
+            inputs.q.float(), inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, softmax_scale=1.0
+        )
 
 
 @needs_triton
@@ -489,13 +595,21 @@ def test_triton_split_heuristic_uses_host_sizes_only():
     assert launch_config(16, 8, 8, 5, 128, 32768, sm_count=132).num_splits == 2  # 72B layout
     # sparse: one program per SM (7B layout, batch 16: 64 programs -> 2 splits)
     assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True).num_splits == 2
-    assert launch_config(16, 4, 7, 5, 128, 517, sm_count=132, sparse=True,
-                         tuning=VerifyTuning(sparse_programs_per_sm=2)).num_splits == 3
+    assert (
+        launch_config(
+            16, 4, 7, 5, 128, 517, sm_count=132, sparse=True, tuning=VerifyTuning(sparse_programs_per_sm=2)
+        ).num_splits
+        == 3
+    )
     # one query (a draft's decode step, VerifyTuning.decode_*): a key tile per split, 2 warps, merged by a launch
     decode = launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True)
     assert (decode.num_splits, decode.chunk, decode.num_warps, decode.merge) == (9, 64, 2, "kernel")
-    assert launch_config(16, 2, 7, 1, 64, 521, sm_count=132, sparse=True,
-                         tuning=VerifyTuning(decode_programs_per_sm=1)).num_splits == 3  # one program per SM
+    assert (
+        launch_config(
+            16, 2, 7, 1, 64, 521, sm_count=132, sparse=True, tuning=VerifyTuning(decode_programs_per_sm=1)
+        ).num_splits
+        == 3
+    )  # one program per SM
     assert launch_config(64, 2, 7, 1, 64, 521, sm_count=132, sparse=True).num_splits == 1  # 128 programs: short range
     # dense with more than 64 (query, head) rows of head dim 128 (a confirming step's 13 queries, 7-head group): 8
     # warps (62% of the copy bandwidth on an H200, 4 warps 40%); 9 queries (63 rows) and sparse calls keep 4
@@ -536,8 +650,15 @@ def test_triton_merge_heuristic():
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_triton_large_on_gpu(sparse):
     """Qwen2.5-72B head layout at a few thousand keys with the default heuristic (several splits)."""
-    case = Case(seqlens=(3000, 17, 4093), group=8, n_kv_heads=8, head_dim=128, width=1000 if sparse else None,
-                short_rows=sparse, seed=11)
+    case = Case(
+        seqlens=(3000, 17, 4093),
+        group=8,
+        n_kv_heads=8,
+        head_dim=128,
+        width=1000 if sparse else None,
+        short_rows=sparse,
+        seed=11,
+    )
     inputs = _make_inputs(case, torch.bfloat16)
     from dustin_hf.kernels.triton_verify import verify_attention_triton
 
@@ -584,8 +705,16 @@ def test_triton_full_rows_on_gpu_under_a_graph(n_queries):
     (which rows read in full is read on the device), against the oracle on the reads written out."""
     from dustin_hf.kernels.triton_verify import verify_attention_triton
 
-    case = Case(seqlens=(3000, 4093, 1700, 2500, 900, 4000, 2048, 3333), n_queries=n_queries, group=7, n_kv_heads=4,
-                head_dim=128, width=256, short_rows=True, seed=5)
+    case = Case(
+        seqlens=(3000, 4093, 1700, 2500, 900, 4000, 2048, 3333),
+        n_queries=n_queries,
+        group=7,
+        n_kv_heads=4,
+        head_dim=128,
+        width=256,
+        short_rows=True,
+        seed=5,
+    )
     inputs, fresh = (_make_inputs(dataclasses.replace(case, seed=s), torch.bfloat16) for s in (5, 6))
     narrow, _ = _with_full_rows(inputs, (True, False, False, True, False, False, False, False))
     after, after_written = _with_full_rows(fresh, (False, True, True, False, False, True, False, False))
@@ -620,10 +749,22 @@ def test_triton_ticket_merge_under_load(num_splits):
     sets = [_make_inputs(case, torch.bfloat16) for case in cases]
 
     def run(x, merge):
-        config = triton_verify.launch_config(16, 8, 8, 5, 128, 512 + 5, sm_count(x.q.device), sparse=True,
-                                             block_n=32, num_splits=num_splits, merge=merge)
-        return triton_verify.verify_attention_triton(x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(),
-                                                     config=config)
+        config = triton_verify.launch_config(
+            16,
+            8,
+            8,
+            5,
+            128,
+            512 + 5,
+            sm_count(x.q.device),
+            sparse=True,
+            block_n=32,
+            num_splits=num_splits,
+            merge=merge,
+        )
+        return triton_verify.verify_attention_triton(
+            x.q, x.k_cache, x.v_cache, x.cache_seqlens, **x.kwargs(), config=config
+        )
 
     expected = [run(x, "kernel") for x in sets]
     for i in range(20):
@@ -654,8 +795,23 @@ def _fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, seqused_
     return out
 
 
-def _fake_varlen_attn_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                          window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def _fake_varlen_attn_new(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     assert window_size == (-1, 0) and isinstance(window_size, tuple)
     assert enable_gqa or query.shape[1] == key.shape[1]
     return _fake_fa2(query, key, value, cu_seq_q, cu_seq_k, max_k, scale, seqused_k)
@@ -667,14 +823,27 @@ def _fake_varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
     return _fake_fa2(query, key, value, cu_seq_q, cu_seq_k, max_k, query.shape[-1] ** -0.5)
 
 
-def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                 softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):
+def _fake_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    block_table=None,
+):
     assert causal
     return _fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
 
 
-def _fake_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
-                                  causal=False):
+def _fake_flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False
+):
     assert causal and k is None and cache_seqlens.dtype == torch.int32
     batch, n_q = q.shape[:2]
     out = torch.empty_like(q)
@@ -685,21 +854,34 @@ def _fake_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seq
     return out
 
 
-VARLEN_CASES = {name: TRITON_CASES[name] for name in
-                ("dense-ragged-splits", "dense-slice_t-g7", "dense-slice_b-int64", "dense-strided_d",
-                 "sparse-w-gt-block", "sparse-splits-g8", "sparse-slice_t-d80")}
+VARLEN_CASES = {
+    name: TRITON_CASES[name]
+    for name in (
+        "dense-ragged-splits",
+        "dense-slice_t-g7",
+        "dense-slice_b-int64",
+        "dense-strided_d",
+        "sparse-w-gt-block",
+        "sparse-splits-g8",
+        "sparse-slice_t-d80",
+    )
+}
 
 
 @pytest.mark.parametrize("flavour", ["torch-new", "torch-old", "flash-attn"])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_varlen_packing_with_fake_kernels(name, flavour):
     """The gather/packing/argument logic on CPU, with fake kernels of FlashAttention-2 semantics."""
-    kernels = {"flash-attn": (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache),
-               "torch-new": (_fake_varlen_attn_new, None), "torch-old": (_fake_varlen_attn_old, None)}[flavour]
+    kernels = {
+        "flash-attn": (_fake_flash_attn_varlen_func, _fake_flash_attn_with_kvcache),
+        "torch-new": (_fake_varlen_attn_new, None),
+        "torch-old": (_fake_varlen_attn_old, None),
+    }[flavour]
     inputs = _make_inputs(dataclasses.replace(VARLEN_CASES[name], seed=5), torch.float32, "cpu")
     args = inputs.q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens
-    out = varlen.verify_attention_varlen(*args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn",
-                                         kernels=kernels)
+    out = varlen.verify_attention_varlen(
+        *args, **inputs.kwargs(), use_flash_attn=flavour == "flash-attn", kernels=kernels
+    )
     _assert_matches_oracle(out, inputs, f"varlen[{flavour}]")
 
 
@@ -787,5 +969,6 @@ def test_triton_kv_write_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="slots"):
         write_kv_triton(states, states, cache, cache, torch.zeros(1, 4, dtype=torch.long, device=DEVICE), 0)
     with pytest.raises(ValueError, match="do not fit"):
-        write_kv_triton(states, states, cache[..., :8], cache[..., :8], torch.zeros(1, 3, dtype=torch.long,
-                                                                                     device=DEVICE), 0)
+        write_kv_triton(
+            states, states, cache[..., :8], cache[..., :8], torch.zeros(1, 3, dtype=torch.long, device=DEVICE), 0
+        )

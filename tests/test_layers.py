@@ -65,8 +65,9 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             origin = _origin(name, path, node)
-            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
-                       for alias in node.names]
+            targets = [
+                f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin for alias in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -92,7 +93,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -113,14 +114,17 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
             if name.startswith("dustin_hf.kernels") and not target.startswith("dustin_hf.kernels"):
                 bad.append(f"{name} -> {target}: kernels import nothing of dustin_hf outside kernels")
             elif name.startswith("dustin_hf.runtime") and not (
-                    target.startswith(("dustin_hf.kernels", "dustin_hf.runtime")) or target in RUNTIME_MAY_READ):
+                target.startswith(("dustin_hf.kernels", "dustin_hf.runtime")) or target in RUNTIME_MAY_READ
+            ):
                 bad.append(f"{name} -> {target}: the runtime reads only kernels, runtime, {sorted(RUNTIME_MAY_READ)}")
             elif target.startswith("dustin_lab") and not name.startswith("dustin_lab"):
                 bad.append(f"{name} -> {target}: the library never imports the lab")
     for name in sorted(n for n in graph if n.startswith(LOOP + ".")):
         for target in sorted(t for t in _reached(graph, name) if t.startswith(CALIBRATION)):
-            bad.append(f"{name} -> ... -> {target}: the decode loop sits below the calibration search (pass the "
-                       "search in as SpeculativeDecoder(calibrate=...))")
+            bad.append(
+                f"{name} -> ... -> {target}: the decode loop sits below the calibration search (pass the "
+                "search in as SpeculativeDecoder(calibrate=...))"
+            )
     return bad
 
 
@@ -158,10 +162,13 @@ def private_reads(files: dict[str, Path] | None = None) -> list[str]:
         if attr is not None and f"{module}.{attr}" in files:
             module, attr = f"{module}.{attr}", None  # a submodule
         public = not _is_private(module) and (
-            attr is None or attr in _public_names(files[module]) or (attr.startswith("__") and attr.endswith("__")))
+            attr is None or attr in _public_names(files[module]) or (attr.startswith("__") and attr.endswith("__"))
+        )
         if not public:
-            bad.append(f"{lab_module} -> {module}{'.' + attr if attr else ''}: the lab reads only the library's "
-                       "public names (a module's __all__; make the name public there, documented)")
+            bad.append(
+                f"{lab_module} -> {module}{'.' + attr if attr else ''}: the lab reads only the library's "
+                "public names (a module's __all__; make the name public there, documented)"
+            )
 
     for name, path in sorted(files.items()):
         if not name.startswith("dustin_lab"):
@@ -207,19 +214,26 @@ def test_the_lab_is_checked():
     assert any(target.startswith("dustin_hf") for name in lab for target in graph[name])
 
 
-@pytest.mark.parametrize("module, line, expected", [
-    ("dustin_hf.kernels.triton_score", "from ..runtime.plan import select_heads", "kernels import nothing"),
-    ("dustin_hf.decode.cache", "from dustin_lab import texts", "the library never imports the lab"),
-    ("dustin_hf.decode.decoder", "import dustin_lab.cli", "the library never imports the lab"),
-    ("dustin_hf.decode.decoder", "from ..calibration.prompt import calibrate_on_prompts", "below the calibration search"),
-    ("dustin_hf.decode.exact_step", "from ..calibration.search import search", "below the calibration search"),
-    ("dustin_hf.selection.selector", "from ..calibration import search", "below the calibration search"),
-    ("dustin_hf.runtime.graphs", "from ..selection import Selection", "the runtime reads only"),
-    ("dustin_lab.walk", "from dustin_hf.selection.fill import _budget_fill", "public names"),
-    ("dustin_lab.walk", "from dustin_hf.runtime.plan import HostCopy", "public names"),
-    ("dustin_lab.walk", "from dustin_hf.kernels._device import sm_count", "public names"),
-    ("dustin_lab.prefilled", "x = decoding._exact_step", "public names"),
-])
+@pytest.mark.parametrize(
+    "module, line, expected",
+    [
+        ("dustin_hf.kernels.triton_score", "from ..runtime.plan import select_heads", "kernels import nothing"),
+        ("dustin_hf.decode.cache", "from dustin_lab import texts", "the library never imports the lab"),
+        ("dustin_hf.decode.decoder", "import dustin_lab.cli", "the library never imports the lab"),
+        (
+            "dustin_hf.decode.decoder",
+            "from ..calibration.prompt import calibrate_on_prompts",
+            "below the calibration search",
+        ),
+        ("dustin_hf.decode.exact_step", "from ..calibration.search import search", "below the calibration search"),
+        ("dustin_hf.selection.selector", "from ..calibration import search", "below the calibration search"),
+        ("dustin_hf.runtime.graphs", "from ..selection import Selection", "the runtime reads only"),
+        ("dustin_lab.walk", "from dustin_hf.selection.fill import _budget_fill", "public names"),
+        ("dustin_lab.walk", "from dustin_hf.runtime.plan import HostCopy", "public names"),
+        ("dustin_lab.walk", "from dustin_hf.kernels._device import sm_count", "public names"),
+        ("dustin_lab.prefilled", "x = decoding._exact_step", "public names"),
+    ],
+)
 def test_a_wrong_import_is_caught(tmp_path, module, line, expected):
     """The checks above fail on the imports they forbid: the same source with one wrong line added."""
     files = _module_files()

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
-
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -18,8 +17,14 @@ def test_attentions_and_hidden_states_match_stock_greedy(family):
     draft = set_gamma(noisy_copy(target), 3)
     rows = [random_prompt(n, seed=n)[0] for n in (9, 5)]
     ids, mask = left_pad(rows)
-    kwargs = dict(do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
-                  output_attentions=True, output_hidden_states=True)
+    kwargs = dict(
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_attentions=True,
+        output_hidden_states=True,
+    )
     stock = target.generate(ids, attention_mask=mask, **kwargs)
     with dustin_hf.patch(target):
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin", **kwargs)
@@ -32,7 +37,11 @@ def test_attentions_and_hidden_states_match_stock_greedy(family):
             assert [x.shape for x in step] == [x.shape for x in stock_step], (name, t)
             for x, y in zip(step, stock_step):
                 if t == 0:  # the prompt: compare the real slots only
-                    keep = real[:, :, None] if name == "hidden_states" else (real[:, None, :, None] & real[:, None, None, :])
+                    keep = (
+                        real[:, :, None]
+                        if name == "hidden_states"
+                        else (real[:, None, :, None] & real[:, None, None, :])
+                    )
                     x, y = x * keep, y * keep
                 else:  # a generated token's query: over the input slots (padding is zero) and the tokens before it
                     keep = torch.cat([real, torch.ones(real.shape[0], t, dtype=torch.bool)], dim=1)

@@ -7,15 +7,13 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
+from tiny_models import random_prompt, set_gamma, tiny_model
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation import configuration_utils
 
 import dustin_hf
-from dustin_hf import DustinConfig
-from dustin_hf import compat
+from dustin_hf import DustinConfig, compat
 from dustin_hf.compat import check_transformers
-
-from tiny_models import random_prompt, set_gamma, tiny_model
 
 
 def _snapshot(model):
@@ -96,9 +94,16 @@ def test_dustin_needs_an_assistant(qwen_pair):
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "not supported"),
-        (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2)),
-         "encoder-decoder"),
+        (
+            lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)),
+            "not supported",
+        ),
+        (
+            lambda: transformers.T5ForConditionalGeneration(
+                transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2)
+            ),
+            "encoder-decoder",
+        ),
     ],
 )
 def test_unsupported_models_are_refused_at_patch(build, message):
@@ -123,25 +128,43 @@ def test_mismatched_draft_is_refused_at_generate():
     kwargs = dict(cache_implementation="dustin", max_new_tokens=3)
     with dustin_hf.patch(target):
         with pytest.raises(ValueError, match="larger than the target's"):
-            target.generate(random_prompt(8), assistant_model=bigger, tokenizer=_Vocab(96),
-                            assistant_tokenizer=_Vocab(128), **kwargs)
+            target.generate(
+                random_prompt(8),
+                assistant_model=bigger,
+                tokenizer=_Vocab(96),
+                assistant_tokenizer=_Vocab(128),
+                **kwargs,
+            )
         with pytest.raises(ValueError, match="tokenizers differ"):
-            target.generate(random_prompt(8), assistant_model=padded, tokenizer=_Vocab(96),
-                            assistant_tokenizer=_Vocab(80), **kwargs)
+            target.generate(
+                random_prompt(8),
+                assistant_model=padded,
+                tokenizer=_Vocab(96),
+                assistant_tokenizer=_Vocab(80),
+                **kwargs,
+            )
         same = _Vocab(96)  # one tokenizer, two embedding sizes (as Qwen2.5-7B vs 0.5B): accepted
-        out = target.generate(random_prompt(8), assistant_model=padded, tokenizer=same, assistant_tokenizer=same, **kwargs)
+        out = target.generate(
+            random_prompt(8), assistant_model=padded, tokenizer=same, assistant_tokenizer=same, **kwargs
+        )
         assert out.shape == (1, 11)
         with pytest.raises(ValueError, match="outside the target's vocabulary"):
-            target.generate(torch.tensor([[3, 96, 5]]), assistant_model=padded, tokenizer=same, assistant_tokenizer=same,
-                            **kwargs)
+            target.generate(
+                torch.tensor([[3, 96, 5]]), assistant_model=padded, tokenizer=same, assistant_tokenizer=same, **kwargs
+            )
 
 
 def test_unsupported_generate_options_are_refused(qwen_pair):
     target, draft = qwen_pair
     with dustin_hf.patch(target):
         with pytest.raises(ValueError, match="unknown DustinConfig field"):
-            target.generate(random_prompt(8), assistant_model=draft, cache_implementation="dustin", max_new_tokens=3,
-                            cache_config={"budgett": 3})
+            target.generate(
+                random_prompt(8),
+                assistant_model=draft,
+                cache_implementation="dustin",
+                max_new_tokens=3,
+                cache_config={"budgett": 3},
+            )
 
 
 def test_declared_range_is_the_verified_one():
@@ -172,8 +195,14 @@ def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog
     target = tiny_model("qwen2", layers=2)
     draft = set_gamma(tiny_model("qwen2", layers=2, seed=1), 3)
     short = random_prompt(40, batch=2)
-    call = dict(attention_mask=torch.ones_like(short), assistant_model=draft, cache_implementation="dustin",
-                max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    call = dict(
+        attention_mask=torch.ones_like(short),
+        assistant_model=draft,
+        cache_implementation="dustin",
+        max_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
 
     def stats(out):
         return (getattr(out, "cache", None) or out.past_key_values).stats
@@ -194,13 +223,21 @@ def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog
     assert "budget=2048 and min_context=2048" in said[0] and "budget=24 and min_context=2048" in said[1]
     assert sum("reusing the held decode workspace" in m for m in messages) == 1
     assert sum("building a decode workspace" in m and "another shape" in m for m in messages) == 2
-    assert stats(dense)["sparse_steps"] == 0 and stats(dense)["dense_rows"] == {"within_budget": 2,
-                                                                                "below_min_context": 0}
-    assert stats(below)["sparse_steps"] == 0 and stats(below)["dense_rows"] == {"within_budget": 0,
-                                                                                "below_min_context": 2}
-    assert stats(sparse)["sparse_steps"] > 0 and stats(sparse)["dense_rows"] == {"within_budget": 0,
-                                                                                 "below_min_context": 0}
+    assert stats(dense)["sparse_steps"] == 0 and stats(dense)["dense_rows"] == {
+        "within_budget": 2,
+        "below_min_context": 0,
+    }
+    assert stats(below)["sparse_steps"] == 0 and stats(below)["dense_rows"] == {
+        "within_budget": 0,
+        "below_min_context": 2,
+    }
+    assert stats(sparse)["sparse_steps"] > 0 and stats(sparse)["dense_rows"] == {
+        "within_budget": 0,
+        "below_min_context": 0,
+    }
     with dustin_hf.patch(target):  # the budget reached by the last tokens only: no verification read sparsely
         edge = target.generate(short, **{**call, "max_new_tokens": 8}, cache_config={"budget": 46, "min_context": 0})
-    assert stats(edge)["sparse_steps"] == 0 and stats(edge)["dense_rows"] == {"within_budget": 2,
-                                                                              "below_min_context": 0}
+    assert stats(edge)["sparse_steps"] == 0 and stats(edge)["dense_rows"] == {
+        "within_budget": 2,
+        "below_min_context": 0,
+    }

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import capture_graph, on_launch, package_kernels, sm90_ptx_report
 
 from dustin_hf.kernels import triton_launch
-
-from conftest import capture_graph, on_launch, package_kernels, sm90_ptx_report
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -23,9 +22,19 @@ def test_every_kernel_waits_for_its_producers_before_touching_memory():
     then ``griddepcontrol.launch_dependents``."""
     report = sm90_ptx_report("pdl_report.py")
     assert {r["kernel"] for r in report} == {
-        "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_write_kv_kernel", "_skinny_gemm_kernel",
-        "_score_pass1_kernel", "_score_pass2_kernel", "_local_pools_kernel", "_merge_pools_kernel",
-        "_verify_fwd_kernel", "_merge_splits_kernel", "_argmax_kernel"}, report
+        "_rms_norm_kernel",
+        "_rotary_kernel",
+        "_silu_mul_kernel",
+        "_write_kv_kernel",
+        "_skinny_gemm_kernel",
+        "_score_pass1_kernel",
+        "_score_pass2_kernel",
+        "_local_pools_kernel",
+        "_merge_pools_kernel",
+        "_verify_fwd_kernel",
+        "_merge_splits_kernel",
+        "_argmax_kernel",
+    }, report
     assert len(report) == 22, report
     for r in report:
         assert r["pdl"] is True and r["launch_pdl"] is True, r
@@ -64,8 +73,15 @@ def _decode_layers(x, weights, caches, slots, seqlens, cos, sin, indices):
         qkv = skinny_linear(normed, qkv_w, qkv_b)
         q, k, v = qkv.view(batch, 1, -1, 64).split([14, 2, 2], dim=2)
         q = rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, 0)
-        attn = verify_attention_triton(q, k_cache, v_cache, seqlens, softmax_scale=64**-0.5, indices=indices,
-                                       num_indices=torch.full_like(seqlens, indices.shape[1]))
+        attn = verify_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            seqlens,
+            softmax_scale=64**-0.5,
+            indices=indices,
+            num_indices=torch.full_like(seqlens, indices.shape[1]),
+        )
         o = skinny_linear(attn.reshape(batch, hidden), o_w)
         normed, residual = add_rms_norm_triton(o, residual, norm2, 1e-6)
         h = skinny_linear(gated_linear(normed, gate_up_w), down_w)
@@ -86,9 +102,18 @@ def test_dependent_launches_in_a_graph_compute_what_serialized_launches_compute(
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
 
-    weights = [(randn(hidden, scale=0.1) + 1, randn(1152, hidden, scale=0.03), randn(1152, scale=0.1),
-                randn(hidden, hidden, scale=0.03), randn(hidden, scale=0.1) + 1, randn(2 * 4864, hidden, scale=0.03),
-                randn(hidden, 4864, scale=0.02)) for _ in range(4)]
+    weights = [
+        (
+            randn(hidden, scale=0.1) + 1,
+            randn(1152, hidden, scale=0.03),
+            randn(1152, scale=0.1),
+            randn(hidden, hidden, scale=0.03),
+            randn(hidden, scale=0.1) + 1,
+            randn(2 * 4864, hidden, scale=0.03),
+            randn(hidden, 4864, scale=0.02),
+        )
+        for _ in range(4)
+    ]
     caches = [(randn(batch, context + 1, 2, 64), randn(batch, context + 1, 2, 64)) for _ in range(4)]
     seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     slots = seqlens.to(torch.int64).view(batch, 1).contiguous()
@@ -111,8 +136,10 @@ def test_dependent_launches_in_a_graph_compute_what_serialized_launches_compute(
         replayed.append(out.clone())
     from dustin_hf.kernels import triton_fused, triton_gemm, triton_verify
 
-    serialized = on_launch(package_kernels(triton_fused, triton_gemm, triton_verify),  # each waits for the last
-                           lambda *launch: torch.cuda.synchronize())
+    serialized = on_launch(
+        package_kernels(triton_fused, triton_gemm, triton_verify),  # each waits for the last
+        lambda *launch: torch.cuda.synchronize(),
+    )
     with serialized:
         for new, got in zip(inputs, replayed):
             x.copy_(new)

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf.calibration import prompt as prompt_calibration
-
-from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,7 +18,9 @@ def pair():
 
 def _snapshot(runner):
     cache = runner.cache
-    return list(cache.seq_lengths), [tuple(t.clone() for t in cache.layer_buffers(l)) for l in range(len(cache.layers))]
+    return list(cache.seq_lengths), [
+        tuple(t.clone() for t in cache.layer_buffers(l)) for l in range(len(cache.layers))
+    ]
 
 
 def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, monkeypatch):
@@ -43,14 +44,21 @@ def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, mo
     monkeypatch.setattr(prompt_calibration, "calibrate_on_prompts", checking)  # what generate() hands the loop
     config = dustin_hf.DustinConfig(budget=32, min_context=128, dense_layers=(0, 1, 2), calibration="prompt")
     with dustin_hf.patch(target, config):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            max_new_tokens=16,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     report = out.past_key_values.stats["calibration"]
     assert checked and report["steps"] == 2 * prompt_calibration.STEPS and sorted(report["rows"]) == [0, 1]
     assert report["recovery"] >= report["default_recovery"]
     width = ids.shape[1]
     for b, row in enumerate(rows):
-        alone = target.generate(row[None], max_new_tokens=16, do_sample=False)[0, row.numel():]
+        alone = target.generate(row[None], max_new_tokens=16, do_sample=False)[0, row.numel() :]
         assert torch.equal(out.sequences[b, width:], alone)
 
 
@@ -59,8 +67,14 @@ def test_calibrated_heads_are_used_and_reported(pair):
     ids = random_prompt(500, seed=3)
     config = dustin_hf.DustinConfig(budget=32, min_context=128, calibration="prompt")
     with dustin_hf.patch(target, config):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=12,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     report = stats["calibration"]
     assert stats["sparse_steps"] == stats["steps"] > 0
@@ -74,11 +88,24 @@ def test_calibration_keeps_the_settings_it_does_not_search(pair):
     sparse draft and the knob stay what the user asked for (greedy exact mode still equals greedy decoding)."""
     target, draft = pair
     ids = random_prompt(500, seed=3)
-    config = dustin_hf.DustinConfig(budget=32, min_context=128, calibration="prompt", mode="exact", confirm_tokens=8,
-                                    confirm_every=3, sparse_draft=True)
+    config = dustin_hf.DustinConfig(
+        budget=32,
+        min_context=128,
+        calibration="prompt",
+        mode="exact",
+        confirm_tokens=8,
+        confirm_every=3,
+        sparse_draft=True,
+    )
     with dustin_hf.patch(target, config):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            max_new_tokens=16,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert "target_layer" in stats["calibration"] and stats["exact"]["confirmations"] > 0
     assert stats["draft_sparse_forwards"] > 0
@@ -90,6 +117,12 @@ def test_short_prompt_keeps_the_configured_heads(pair):
     target, draft = pair
     config = dustin_hf.DustinConfig(budget=32, min_context=4, calibration="prompt")
     with dustin_hf.patch(target, config):
-        out = target.generate(random_prompt(8, seed=1), assistant_model=draft, max_new_tokens=6, do_sample=False,
-                              cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            random_prompt(8, seed=1),
+            assistant_model=draft,
+            max_new_tokens=6,
+            do_sample=False,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     assert "skipped" in out.past_key_values.stats["calibration"]

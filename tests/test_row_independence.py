@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, tiny_model
 
 import dustin_hf
-from dustin_hf.decode.run import DecodeRun
 from dustin_hf.decode.exact import ConfirmSchedule
+from dustin_hf.decode.run import DecodeRun
 from dustin_hf.decode.sampling import RowGenerators
-
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,6 +72,7 @@ def _seed_row(position: int) -> None:
 
     :class:`~dustin_hf.decode.sampling.RowGenerators` seeds row ``b`` with the ``b``-th value of one ``torch.randint``
     call: skipping ``LAST_ROW - position`` values first hands every position the same seed (checked here)."""
+
     def seed_at(skip: int, row: int) -> int:
         torch.manual_seed(SEED)
         torch.randint(0, 2**32, (skip,))
@@ -126,17 +126,28 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
             if sample:
                 _seed_row(position)
             steps.clear()
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=sample,
-                                  max_new_tokens=24, pad_token_id=PAD, cache_implementation="dustin",
-                                  cache_config=cache_config, return_dict_in_generate=True)
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=sample,
+                max_new_tokens=24,
+                pad_token_id=PAD,
+                cache_implementation="dustin",
+                cache_config=cache_config,
+                return_dict_in_generate=True,
+            )
             cache = out.past_key_values
             assert (cache.stats["sparse_steps"] > 0) == (cache_config is not DENSE), cache.stats
-            runs.append({
-                "tokens": out.sequences[position, ids.shape[1]:].tolist(),
-                "kept": [accepted[position] for _, accepted in cache.run_stats.trace if accepted[position] >= 0],
-                "differs": sum(1 for step in steps if None not in (step[0], step[position])
-                               and step[0] != step[position]),
-            })
+            runs.append(
+                {
+                    "tokens": out.sequences[position, ids.shape[1] :].tolist(),
+                    "kept": [accepted[position] for _, accepted in cache.run_stats.trace if accepted[position] >= 0],
+                    "differs": sum(
+                        1 for step in steps if None not in (step[0], step[position]) and step[0] != step[position]
+                    ),
+                }
+            )
     return runs
 
 
@@ -148,9 +159,12 @@ def test_a_rows_tokens_do_not_depend_on_its_batch_mates(case, monkeypatch):
     alone, *batched = _subject_runs(monkeypatch, *CASES[case])
     for run, got in enumerate(batched, start=1):
         at = next((j for j, (g, w) in enumerate(zip(got["tokens"], alone["tokens"])) if g != w), None)
-        assert got["tokens"] == alone["tokens"], \
+        assert got["tokens"] == alone["tokens"], (
             f"batch {run}: the subject's tokens differ from alone at {at}: {got['tokens']} vs {alone['tokens']}"
-        assert got["kept"] == alone["kept"], \
+        )
+        assert got["kept"] == alone["kept"], (
             f"batch {run}: the subject's drafts kept per step differ from alone: {got['kept']} vs {alone['kept']}"
-    assert all(run["differs"] for run in batched), \
+        )
+    assert all(run["differs"] for run in batched), (
         f"the subject drafted and confirmed as row 0 did at every step: {[run['differs'] for run in batched]}"
+    )

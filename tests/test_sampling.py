@@ -6,13 +6,12 @@ the same check and asserts that it is rejected, so the check has the power to ca
 
 import pytest
 import torch
+from conftest import joint_law, law_pvalue, tiled_prefill
 from scipy.stats import chisquare
+from tiny_models import noisy_copy, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf.decode.sampling import RowGenerators, accept_greedy, accept_sampled
-
-from conftest import joint_law, law_pvalue, tiled_prefill
-from tiny_models import noisy_copy, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
 
@@ -20,7 +19,9 @@ P_VALUE = 1e-3
 
 
 def _right_rule(draft_tokens, draft_probs, target_scores):
-    return accept_sampled(draft_tokens, draft_probs, target_scores, RowGenerators(len(draft_tokens), torch.device("cpu")))
+    return accept_sampled(
+        draft_tokens, draft_probs, target_scores, RowGenerators(len(draft_tokens), torch.device("cpu"))
+    )
 
 
 def _wrong_rule(draft_tokens, draft_probs, target_scores):
@@ -85,9 +86,18 @@ def test_generate_samples_the_targets_joint_law():
     expected = (p0[:, None] * p1).flatten() * draws
     torch.manual_seed(0)
     with dustin_hf.patch(target):
-        out = target.generate(prompt.expand(draws, -1), attention_mask=torch.ones(draws, 3, dtype=torch.long),
-                              assistant_model=draft, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=2, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            prompt.expand(draws, -1),
+            attention_mask=torch.ones(draws, 3, dtype=torch.long),
+            assistant_model=draft,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=2,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     pairs = out.sequences[:, 3] * vocab + out.sequences[:, 4]
     counts = torch.bincount(pairs, minlength=vocab * vocab).double()
     keep = expected > 5  # chi-square needs populated cells; pool the rest
@@ -118,15 +128,25 @@ def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
         target.lm_head.weight.mul_(3.0)
     draft = set_gamma(noisy_copy(target, noise=0.05), 2)
     prompt = torch.tensor([[1, 3, 2]])
-    law = joint_law(target, prompt, tokens,
-                    LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]))
+    law = joint_law(
+        target, prompt, tokens, LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
+    )
     assert (law == 0).any()  # top-p excludes some sequences
     monkeypatch.setattr(ModelRunner, "prefill", tiled_prefill(1))  # one prompt: prefill it once, not per row
     torch.manual_seed(0)
     with dustin_hf.patch(target):
-        out = target.generate(prompt.expand(draws, -1), attention_mask=torch.ones(draws, 3, dtype=torch.long),
-                              assistant_model=draft, do_sample=True, temperature=temperature, top_k=0, top_p=top_p,
-                              max_new_tokens=tokens, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            prompt.expand(draws, -1),
+            attention_mask=torch.ones(draws, 3, dtype=torch.long),
+            assistant_model=draft,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=top_p,
+            max_new_tokens=tokens,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert stats["steps"] >= 2 and 0.25 < stats["acceptance_rate"] < 0.75, stats
     p = law_pvalue(out.sequences[:, 3:], law, vocab)

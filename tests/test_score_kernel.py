@@ -23,9 +23,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from dustin_hf.selection.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
-
 from conftest import TRITON_RUNS, capture_graph, explicit_attention_mass, sm90_ptx_report  # noqa: E402
+
+from dustin_hf.selection.scoring import attention_mass, draft_lookahead_scores, target_history_scores  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -108,8 +108,15 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str = DEVICE):
     else:
         keys = torch.randn(batch, cap, kv, d, generator=gen)
     q = 1.5 * torch.randn(batch, case.n_q, len(heads), d, generator=gen)  # peakier than N(0, 1) logits
-    return (q.to(device, dtype), keys.to(device, dtype), query_pos.to(device), heads, case.group, d**-0.5,
-            num_positions)
+    return (
+        q.to(device, dtype),
+        keys.to(device, dtype),
+        query_pos.to(device),
+        heads,
+        case.group,
+        d**-0.5,
+        num_positions,
+    )
 
 
 # ----------------------------------------------------------------------------- tests
@@ -125,21 +132,31 @@ def test_kernel_matches_reference_andexplicit_attention_mass(group, n_q):
     with the heuristic launch and with a small one (3 splits, 16-key tiles, 32-position pass-2 tiles)."""
     kernel = _kernel()
     gi, qi = (1, 2, 7, 8).index(group), (1, 4).index(n_q)
-    case = Case(group=group, n_q=n_q, head_dim=(16, 64, 128)[(gi + qi) % 3], two_groups=(gi + qi) % 2 == 1,
-                layout=LAYOUTS[(2 * gi + qi) % len(LAYOUTS)], seed=10 * group + n_q)
+    case = Case(
+        group=group,
+        n_q=n_q,
+        head_dim=(16, 64, 128)[(gi + qi) % 3],
+        two_groups=(gi + qi) % 2 == 1,
+        layout=LAYOUTS[(2 * gi + qi) % len(LAYOUTS)],
+        seed=10 * group + n_q,
+    )
     for dtype in (torch.float32, torch.float16):
         inputs = _make_inputs(case, dtype)
         q, keys, query_pos, heads, g, scale, num_positions = inputs
         span = int(query_pos.max()) + 1
         small = kernel.launch_config(3, 3, case.head_dim, span, num_positions, 1, block_n=16, num_splits=3, tile=32)
         for name, config in (("heuristic", None), ("small", small)):
-            got = kernel.attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span,
-                                               config=config)
+            got = kernel.attention_mass_triton(q, keys, query_pos, heads, g, scale, num_positions, span, config=config)
             label = f"{case} {dtype} {name}"
             _assert_close_to_oracle(got, inputs, dtype, label)
             if dtype == torch.float32:
-                torch.testing.assert_close(got, attention_mass(*_with_span(inputs)), rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{label} vs reference: {m}")
+                torch.testing.assert_close(
+                    got,
+                    attention_mass(*_with_span(inputs)),
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m: f"{label} vs reference: {m}",
+                )
 
 
 def test_backend_switch_in_attention_mass():
@@ -169,9 +186,10 @@ def test_query_counts_leave_out_a_rows_later_queries(shared):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         assert got[1].abs().max() == 0
     for b, n in ((0, 2), (2, 3)):  # the counts spelled out: rows 0 and 2 by their own leading queries alone
-        alone = attention_mass(q[b:b + 1, :n], keys[b:b + 1], query_pos[b:b + 1, :n], heads, group, scale,
-                               num_positions, span)
-        torch.testing.assert_close(want[b:b + 1], alone, rtol=1e-5, atol=1e-7)
+        alone = attention_mass(
+            q[b : b + 1, :n], keys[b : b + 1], query_pos[b : b + 1, :n], heads, group, scale, num_positions, span
+        )
+        torch.testing.assert_close(want[b : b + 1], alone, rtol=1e-5, atol=1e-7)
 
 
 def test_heads_in_any_order():
@@ -221,13 +239,20 @@ def _layers_inputs(seed: int, dtype: torch.dtype = torch.float32):
     return queries, keys, query_pos, heads
 
 
-@pytest.mark.parametrize("launch", [
-    dict(),  # the heuristic
-    dict(block_n=16, num_splits=3, tile=64, block_p=32, block_r=8, num_stages_reduce=1),  # 4 row blocks, 2 tiles a step
-    dict(block_n=16, num_splits=4, tile=48, block_p=16, block_r=4, num_stages_reduce=3),  # 7 row blocks, ragged tiles
-    dict(block_n=32, num_splits=1, tile=64, block_p=64, block_r=32, num_warps_reduce=2),  # one split: no ticket
-    dict(block_n=16, num_splits=2, layers_per_pass2=2),  # two pass 2s (layers 0-1, then 2), adding up
-])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        dict(),  # the heuristic
+        dict(
+            block_n=16, num_splits=3, tile=64, block_p=32, block_r=8, num_stages_reduce=1
+        ),  # 4 row blocks, 2 tiles a step
+        dict(
+            block_n=16, num_splits=4, tile=48, block_p=16, block_r=4, num_stages_reduce=3
+        ),  # 7 row blocks, ragged tiles
+        dict(block_n=32, num_splits=1, tile=64, block_p=64, block_r=32, num_warps_reduce=2),  # one split: no ticket
+        dict(block_n=16, num_splits=2, layers_per_pass2=2),  # two pass 2s (layers 0-1, then 2), adding up
+    ],
+)
 def test_layers_in_one_pass_2_equal_the_sum_over_layers(launch):
     """``attention_mass_layers_triton``: all layers' rows in one set of buffers and one pass 2, with
     ``out=`` and ``position_limit``, equals ``out`` plus the reference's per-layer masses, limited."""
@@ -236,13 +261,25 @@ def test_layers_in_one_pass_2_equal_the_sum_over_layers(launch):
     num_positions, span = 56, 64
     limit = torch.tensor([50, 56, 20], device=DEVICE)
     start = torch.rand(3, num_positions, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want = start + sum(attention_mass(q, k, query_pos, h, 2, 0.2, num_positions, span)
-                       for q, k, h in zip(queries, keys, heads))
+    want = start + sum(
+        attention_mass(q, k, query_pos, h, 2, 0.2, num_positions, span) for q, k, h in zip(queries, keys, heads)
+    )
     want = want * (torch.arange(num_positions, device=DEVICE)[None, :] < limit[:, None])
     rows = query_pos.shape[1] * sum(map(len, heads))
     config = kernel.launch_config(3, 3, 32, span, num_positions, 1, rows=rows, **launch) if launch else None
-    got = kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, num_positions, span,
-                                              out=start.clone(), position_limit=limit, config=config)
+    got = kernel.attention_mass_layers_triton(
+        queries,
+        keys,
+        query_pos,
+        heads,
+        2,
+        0.2,
+        num_positions,
+        span,
+        out=start.clone(),
+        position_limit=limit,
+        config=config,
+    )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -254,8 +291,17 @@ def test_split_tickets_are_reset_and_a_second_launch_is_identical():
 
     queries, keys, query_pos, heads = _layers_inputs(8, torch.float16)
     config = kernel.launch_config(3, 6, 32, 64, 56, 1, rows=24, block_n=16, num_splits=4)
-    run = lambda: kernel.attention_mass_layers_triton(queries, keys, query_pos, heads, 2, 0.2, 56, 64,  # noqa: E731
-                                                      config=config)
+    run = lambda: kernel.attention_mass_layers_triton(
+        queries,
+        keys,
+        query_pos,
+        heads,
+        2,
+        0.2,
+        56,
+        64,  # noqa: E731
+        config=config,
+    )
     first = run()
     counters = tickets(torch.device(DEVICE), 1)
     assert counters.abs().sum().item() == 0
@@ -298,8 +344,9 @@ def test_never_written_buffer_cells_are_ignored(monkeypatch):
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    small = _kernel().launch_config(3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2,
-                                    tile=32)
+    small = _kernel().launch_config(
+        3, 6, 16, int(inputs[2].max()) + 1, inputs[-1], 1, block_n=16, num_splits=2, tile=32
+    )
     got = _kernel().attention_mass_triton(*_with_span(inputs), config=small)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
@@ -319,8 +366,17 @@ def test_cuda_graph_replay():
     case = Case(group=8, n_q=1, head_dim=128, two_groups=False, layout="hf")
     q, keys, query_pos, heads, group, scale, num_positions = _make_inputs(case, torch.bfloat16)
     span = keys.shape[1]
-    run = lambda: attention_mass(q, keys, query_pos, heads, group, scale, num_positions, span,  # noqa: E731
-                                 backend="triton")
+    run = lambda: attention_mass(
+        q,
+        keys,
+        query_pos,
+        heads,
+        group,
+        scale,
+        num_positions,
+        span,  # noqa: E731
+        backend="triton",
+    )
     graph, out = capture_graph(run)
     gen = torch.Generator().manual_seed(9)
     keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.device, keys.dtype))
@@ -343,16 +399,25 @@ def test_draft_layers_cuda_graph_replay():
     seqlens = torch.tensor([3000, 4093, 17], device=DEVICE)
     keys = [torch.randn(3, 4200, 2, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in heads]
     queries = [torch.randn(3, gamma, 7, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in heads]
-    run = lambda: draft_lookahead_scores(queries, keys, seqlens, heads, 7, 0.125, 4093,  # noqa: E731
-                                         backend="triton")
+    run = lambda: draft_lookahead_scores(
+        queries,
+        keys,
+        seqlens,
+        heads,
+        7,
+        0.125,
+        4093,  # noqa: E731
+        backend="triton",
+    )
     graph, out = capture_graph(run)
     for _ in range(2):
         for k in keys:
             k.copy_(torch.randn(k.shape, generator=gen).to(DEVICE, torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        want = draft_lookahead_scores([q.float() for q in queries], [k.float() for k in keys], seqlens, heads, 7,
-                                      0.125, 4093)
+        want = draft_lookahead_scores(
+            [q.float() for q in queries], [k.float() for k in keys], seqlens, heads, 7, 0.125, 4093
+        )
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-4)
 
 
@@ -376,15 +441,18 @@ def test_memory_accesses_are_wide_on_sm90():
             stores = [op for op in ops if op.startswith("st.global") and "evict_last" in op]
             assert stores and all(".v4." in op for op in stores), f"scores not stored 16 bytes at a time: {label}"
             assert launch["constexprs"]["BLOCK_S"] > 1, "the H200 launch splits the keys"
-            assert ops.get("atom.global.gpu.acq_rel.add.u32") == 1 and ops.get("ld.global.cg.b32"), \
+            assert ops.get("atom.global.gpu.acq_rel.add.u32") == 1 and ops.get("ld.global.cg.b32"), (
                 f"no ticket merge of the splits: {label}"
+            )
         else:
             assert not [op for op in ops if op.startswith("ld.global.") and ".b16" in op], f"narrow loads: {label}"
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="needs triton")
-@pytest.mark.parametrize("rows, head_dim, batch, span", [(4, 128, 16, 33000), (4, 64, 4, 8300), (48, 64, 16, 33000),
-                                                         (140, 128, 16, 33000), (1, 64, 1, 100)])
+@pytest.mark.parametrize(
+    "rows, head_dim, batch, span",
+    [(4, 128, 16, 33000), (4, 64, 4, 8300), (48, 64, 16, 33000), (140, 128, 16, 33000), (1, 64, 1, 100)],
+)
 def test_pass_2_reads_stay_inside_each_row(rows, head_dim, batch, span):
     """Pass 2 loads whole steps of ``block_p`` positions, masked by row only: up to ``span`` rounded up to a step. With
     few rows (a target's history scores) a step is 16 tiles, past a row sized to whole tiles by up to 15 of them."""

@@ -1,10 +1,9 @@
 """Scores are true attention probability masses on the chosen heads (checked against explicit math)."""
 
 import torch
+from conftest import explicit_attention_mass
 
 from dustin_hf.selection.scoring import attention_mass, draft_lookahead_scores, target_history_scores
-
-from conftest import explicit_attention_mass
 
 
 def test_attention_mass_matches_explicit_softmax():
@@ -57,7 +56,8 @@ def test_select_heads_equals_index_select_without_an_index_tensor():
                 continue
             picked = select_heads(x, heads, dim)
             assert torch.equal(picked, x.index_select(dim, torch.tensor(heads))), (heads, dim)
-            evenly = len(heads) == 1 or (heads[1] > heads[0] and heads == tuple(range(heads[0], heads[-1] + 1,
-                                                                                    heads[1] - heads[0])))
+            evenly = len(heads) == 1 or (
+                heads[1] > heads[0] and heads == tuple(range(heads[0], heads[-1] + 1, heads[1] - heads[0]))
+            )
             if evenly:
                 assert picked.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), heads

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TRITON_RUNS
 
 from dustin_hf.kernels.reference import verify_attention_reference
 from dustin_hf.kernels.triton_score import attention_mass_from_scores
@@ -22,8 +23,6 @@ from dustin_hf.kernels.triton_verify import launch_config, verify_attention_scor
 from dustin_hf.runtime.plan import DeviceTensors, SelectLayers
 from dustin_hf.selection.layers import choose_read_set, selection_attention
 from dustin_hf.selection.scoring import attention_mass
-
-from conftest import TRITON_RUNS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,8 +78,17 @@ def _low_precision_pytorch(q, k, seqlens, counts=None) -> torch.Tensor:
     """The weights through PyTorch's logits in the inputs' dtype (``attention_mass``'s reference path)."""
     n_q, heads = q.shape[1], q.shape[2]
     own = None if counts is None else counts.long().clamp(1, n_q)
-    mass = attention_mass(q, k, (seqlens.long() - 1)[:, None].expand(-1, n_q), tuple(range(heads)), GROUP, SCALE,
-                          SPAN, SPAN, query_counts=own)
+    mass = attention_mass(
+        q,
+        k,
+        (seqlens.long() - 1)[:, None].expand(-1, n_q),
+        tuple(range(heads)),
+        GROUP,
+        SCALE,
+        SPAN,
+        SPAN,
+        query_counts=own,
+    )
     return (mass / (heads * (n_q if own is None else own[:, None]))).double().cpu()
 
 
@@ -92,9 +100,18 @@ def _config(splits: int):
 
 
 def _fused(q, k, v, seqlens, splits, queries, counts):
-    out, buffers = verify_attention_scores_triton(q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=SPAN + Q,
-                                                  span=SPAN, score_queries=queries, query_counts=counts,
-                                                  config=_config(splits))
+    out, buffers = verify_attention_scores_triton(
+        q,
+        k,
+        v,
+        seqlens,
+        softmax_scale=SCALE,
+        max_seqlen_k=SPAN + Q,
+        span=SPAN,
+        score_queries=queries,
+        query_counts=counts,
+        config=_config(splits),
+    )
     mass = attention_mass_from_scores(buffers, seqlens, counts)
     own = queries if counts is None else counts.clamp(1, queries)[:, None]
     return out, mass / (q.shape[2] * own)
@@ -114,10 +131,12 @@ def test_output_and_weights_equal_the_explicit_loops(splits, queries, counted):
         exact = _explicit_weights(q, k, seqlens, queries, counts)
         label = f"{dtype}, {splits} splits, {queries} queries, counted {counted}"
         if dtype == torch.float32:
-            torch.testing.assert_close(out.double().cpu(), exact_out, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{label}: {m}")
-            torch.testing.assert_close(weights.double().cpu(), exact, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{label}: {m}")
+            torch.testing.assert_close(
+                out.double().cpu(), exact_out, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}"
+            )
+            torch.testing.assert_close(
+                weights.double().cpu(), exact, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label}: {m}"
+            )
             continue
         dense = verify_attention_reference(q, k, v, seqlens, softmax_scale=SCALE)
         baseline = (dense.double().cpu() - exact_out).abs().max().item()
@@ -151,8 +170,12 @@ def test_selection_attention_equals_the_two_step_path(queries):
     q, k, v, seqlens = _inputs(torch.float32, seed=3)
     width = 64
     indices = torch.arange(width, dtype=torch.int32, device=DEVICE).expand(len(SEQLENS), width).contiguous()
-    tensors = DeviceTensors(seqlens, indices, torch.tensor([64, 50, 64, 30], dtype=torch.int32, device=DEVICE),
-                            torch.tensor([5, 2, 5, 1], dtype=torch.int32, device=DEVICE))
+    tensors = DeviceTensors(
+        seqlens,
+        indices,
+        torch.tensor([64, 50, 64, 30], dtype=torch.int32, device=DEVICE),
+        torch.tensor([5, 2, 5, 1], dtype=torch.int32, device=DEVICE),
+    )
     spec = SelectLayers((1,), 2, 4, queries)
     out, chosen = selection_attention(q, k, v, tensors, SPAN, SPAN + Q, spec, SCALE)
     dense = verify_attention_triton(q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=SPAN + Q)
@@ -182,8 +205,9 @@ def test_odd_shapes_equal_the_explicit_loops():
                 if length:
                     want_w[b, :length] += logits[:length].softmax(0) / (Q * heads)
     for config in (None, launch_config(3, 1, heads, Q, dim, span, 1, num_splits=4, block_n=16)):
-        out, buffers = verify_attention_scores_triton(q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=span + Q,
-                                                      span=span, config=config)
+        out, buffers = verify_attention_scores_triton(
+            q, k, v, seqlens, softmax_scale=SCALE, max_seqlen_k=span + Q, span=span, config=config
+        )
         weights = attention_mass_from_scores(buffers, seqlens) / (Q * heads)
         torch.testing.assert_close(out.double().cpu(), want_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(weights.double().cpu(), want_w, rtol=1e-4, atol=1e-6)
@@ -193,6 +217,8 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
     """Inside a real forward on the Triton backend the selection layer goes through ``selection_attention`` and the
     layers after it read what its own queries chose (as on the reference backend, ``test_select_layers.py``); a
     forward that returns attention weights (the masked path) chooses through ``choose_read_set`` instead."""
+    from tiny_models import random_prompt, tiny_model
+
     import dustin_hf
     from dustin_hf.adapter import attention
     from dustin_hf.adapter.assisted import attention_routed
@@ -201,15 +227,17 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
     from dustin_hf.decode.runner import ModelRunner
     from dustin_hf.runtime.plan import ForwardPlan
     from dustin_hf.selection.recovery import position_weights
-    from tiny_models import random_prompt, tiny_model
 
     layers, selector, prompt, width, sink, recent = 4, 1, 160, 24, 2, 4
     model = tiny_model("qwen2", layers=layers, hidden=32, heads=4, kv_heads=2, seed=4)
     tokens = random_prompt(prompt + Q, seed=9)[0]
     given = torch.arange(width, dtype=torch.int32)
     reads, fused, chosen = [], [], []
-    real_verify, real_fused, real_choose = attention.verify_attention, attention.selection_attention, \
-        attention.choose_read_set
+    real_verify, real_fused, real_choose = (
+        attention.verify_attention,
+        attention.selection_attention,
+        attention.choose_read_set,
+    )
 
     def verify(q, k, v, seqlens, *, indices=None, num_indices=None, **kwargs):
         reads.append(None if indices is None else indices[0, : int(num_indices[0])].tolist())
@@ -223,20 +251,31 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
         reads.clear(), fused.clear(), chosen.clear()
         with dustin_hf.patch(model), attention_routed(model):
             runner.prefill([tokens[:prompt]], None, {})
-            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[prompt], q_len=Q, indices=given[None],
-                               num_indices=torch.tensor([width], dtype=torch.int32), capture={selector: (0, 1, 2, 3)},
-                               select=SelectLayers((selector,), sink, recent), attention_weights=weights_out,
-                               backend="triton")
+            plan = ForwardPlan(
+                rows=slice(0, 1),
+                cache_seqlens=[prompt],
+                q_len=Q,
+                indices=given[None],
+                num_indices=torch.tensor([width], dtype=torch.int32),
+                capture={selector: (0, 1, 2, 3)},
+                select=SelectLayers((selector,), sink, recent),
+                attention_weights=weights_out,
+                backend="triton",
+            )
             runner.forward(plan, tokens[prompt:][None], keep=1)
         if weights_out:  # the masked path: every layer there, the choice through choose_read_set
             assert (fused, chosen, reads) == ([], [1], [])
             continue
         keys = runner.cache.layer_buffers(selector)[0][0]
-        weights = position_weights({0: plan.captured[selector][0]}, {0: keys}, prompt,
-                                   attention_scale(model, model.config))[0]
+        weights = position_weights(
+            {0: plan.captured[selector][0]}, {0: keys}, prompt, attention_scale(model, model.config)
+        )[0]
         candidates = weights[:prompt].clone()
-        candidates[:sink], candidates[prompt - recent:] = -1, -1
-        expected = sorted(list(range(sink)) + list(range(prompt - recent, prompt))
-                          + candidates.topk(width - sink - recent).indices.tolist())
+        candidates[:sink], candidates[prompt - recent :] = -1, -1
+        expected = sorted(
+            list(range(sink))
+            + list(range(prompt - recent, prompt))
+            + candidates.topk(width - sink - recent).indices.tolist()
+        )
         assert (fused, chosen) == ([1], [])
         assert reads == [given.tolist()] * selector + [expected] * (layers - selector - 1)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TRITON_RUNS, capture_graph
+from tiny_models import tiny_model
 
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.selection.fill import select_positions
-
-from conftest import TRITON_RUNS, capture_graph
-from tiny_models import tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,9 +58,16 @@ def _kernel_rows(seqlens, draft, history, cfg, chunk=None) -> list[list[int]]:
 
     fill = cfg.budget - cfg.sink_tokens - cfg.recent_tokens - cfg.draft_share
     config = triton_select.launch_config(draft.shape[1], cfg.draft_share, fill, chunk=chunk)
-    out = triton_select.select_sparse_triton(draft, history, torch.tensor(seqlens, device=DEVICE),
-                                             sink=cfg.sink_tokens, recent=cfg.recent_tokens, share=cfg.draft_share,
-                                             fill=fill, config=config)
+    out = triton_select.select_sparse_triton(
+        draft,
+        history,
+        torch.tensor(seqlens, device=DEVICE),
+        sink=cfg.sink_tokens,
+        recent=cfg.recent_tokens,
+        share=cfg.draft_share,
+        fill=fill,
+        config=config,
+    )
     assert out.dtype == torch.int32 and out.shape == (len(seqlens), cfg.budget)
     return out.tolist()
 
@@ -151,13 +157,23 @@ def test_per_row_counts_stop_the_history_fill(share):
     draft, target = _scores(seqlens, generator), _scores(seqlens, generator)
     fill = 64 - 4 - 16 - share
     out = triton_select.select_sparse_triton(
-        draft, target, torch.tensor(seqlens, device=DEVICE), sink=4, recent=16, share=share, fill=fill,
-        counts=torch.tensor(counts, device=DEVICE), config=triton_select.launch_config(700, share, fill, chunk=128))
+        draft,
+        target,
+        torch.tensor(seqlens, device=DEVICE),
+        sink=4,
+        recent=16,
+        share=share,
+        fill=fill,
+        counts=torch.tensor(counts, device=DEVICE),
+        config=triton_select.launch_config(700, share, fill, chunk=128),
+    )
     assert out.shape == (3, 64)
     for b, count in enumerate(counts):
         cfg = _config(budget=count, sink_tokens=4, recent_tokens=16, draft_share=share)
-        assert out[b, :count].tolist() == _explicit(seqlens[b:b + 1], draft[b:b + 1].cpu(), target[b:b + 1].cpu(),
-                                                    cfg)[0], f"row {b}"
+        assert (
+            out[b, :count].tolist()
+            == _explicit(seqlens[b : b + 1], draft[b : b + 1].cpu(), target[b : b + 1].cpu(), cfg)[0]
+        ), f"row {b}"
         assert (out[b, count:] == 0).all(), f"row {b}"
 
 
@@ -186,8 +202,9 @@ def test_backend_choice():
     assert triton_select.supports(32768, 246, 246) and not triton_select.supports(2**22, 246, 246)
     wide = torch.zeros(1, 2**22, device=DEVICE)
     with pytest.raises(ValueError, match="backend='reference'"):
-        triton_select.select_sparse_triton(wide, wide, torch.tensor([2**22], device=DEVICE), sink=4, recent=16,
-                                           share=246, fill=246)
+        triton_select.select_sparse_triton(
+            wide, wide, torch.tensor([2**22], device=DEVICE), sink=4, recent=16, share=246, fill=246
+        )
 
 
 @pytest.mark.gpu
@@ -214,8 +231,9 @@ def test_cuda_graph_replay():
     lengths = torch.tensor(seqlens, device=DEVICE)
     cfg = _config(budget=128, sink_tokens=4, recent_tokens=16)
     fill = cfg.budget - cfg.sink_tokens - cfg.recent_tokens - cfg.draft_share
-    graph, out = capture_graph(lambda: select_sparse_triton(draft, target, lengths, sink=4, recent=16,
-                                                            share=cfg.draft_share, fill=fill))
+    graph, out = capture_graph(
+        lambda: select_sparse_triton(draft, target, lengths, sink=4, recent=16, share=cfg.draft_share, fill=fill)
+    )
     seqlens = [2999, 2100, 3000]
     draft.copy_(_scores(seqlens, generator))
     target.copy_(_scores(seqlens, generator))

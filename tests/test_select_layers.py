@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf.adapter import attention
-from dustin_hf.selection import layers as select_layers
-from dustin_hf.decode.cache import DustinCache
+from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.compat import attention_scale
 from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.adapter.assisted import attention_routed
-from dustin_hf.runtime.plan import DeviceTensors, ForwardPlan, SelectLayers
-from dustin_hf.selection.recovery import position_weights
+from dustin_hf.decode.cache import DustinCache
 from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.runtime.plan import DeviceTensors, ForwardPlan, SelectLayers
+from dustin_hf.selection import layers as select_layers
 from dustin_hf.selection.layers import choose_read_set, select_spec
-
-from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
+from dustin_hf.selection.recovery import position_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,8 +52,9 @@ def test_the_chosen_set_holds_sinks_recent_and_the_most_attended_positions_per_r
     width = 64
     indices = torch.arange(width, dtype=torch.int32).expand(batch, width).contiguous()
     counts = torch.tensor([64, 50, 64], dtype=torch.int32)
-    chosen = choose_read_set(q, keys, DeviceTensors(seqlens, indices, counts), 250, SelectLayers((1,), SINK, RECENT),
-                             0.3)
+    chosen = choose_read_set(
+        q, keys, DeviceTensors(seqlens, indices, counts), 250, SelectLayers((1,), SINK, RECENT), 0.3
+    )
     assert torch.equal(chosen.num_indices, counts) and torch.equal(chosen.cache_seqlens, seqlens)
     for b in range(2):
         length, count = int(seqlens[b]), int(counts[b])
@@ -81,8 +81,16 @@ def test_under_a_sliding_window_the_set_is_chosen_inside_it(holes):
     if holes:  # every slot counts twice for row 0 (a hole after each): its window holds half as many positions
         slots = torch.arange(capacity).expand(batch, capacity).clone()
         slots[0] *= 2
-    chosen = choose_read_set(q, keys, DeviceTensors(seqlens, indices, counts), 250, SelectLayers((1,), SINK, RECENT),
-                             0.3, window=window, key_slots=slots)
+    chosen = choose_read_set(
+        q,
+        keys,
+        DeviceTensors(seqlens, indices, counts),
+        250,
+        SelectLayers((1,), SINK, RECENT),
+        0.3,
+        window=window,
+        key_slots=slots,
+    )
     for b in range(2):
         length, count = int(seqlens[b]), int(counts[b])
         low = length - window + 1 if not (holes and b == 0) else length - window // 2 + 1
@@ -99,8 +107,11 @@ def test_rows_choose_independently_and_from_their_leading_queries_when_told():
     query scores (its later queries may change freely)."""
     torch.manual_seed(1)
     q, keys = torch.randn(2, 4, 4, 8), torch.randn(2, 128, 2, 8)
-    tensors = DeviceTensors(torch.tensor([120, 100], dtype=torch.int32), torch.zeros(2, 24, dtype=torch.int32),
-                            torch.tensor([24, 24], dtype=torch.int32))
+    tensors = DeviceTensors(
+        torch.tensor([120, 100], dtype=torch.int32),
+        torch.zeros(2, 24, dtype=torch.int32),
+        torch.tensor([24, 24], dtype=torch.int32),
+    )
     spec = SelectLayers((0,), SINK, RECENT)
     before = choose_read_set(q, keys, tensors, 120, spec, 0.35).indices
     q2, keys2 = q.clone(), keys.clone()
@@ -110,8 +121,10 @@ def test_rows_choose_independently_and_from_their_leading_queries_when_told():
     first = SelectLayers((0,), SINK, RECENT, queries=1)
     q3 = q.clone()
     q3[:, 1:] = torch.randn(2, 3, 4, 8)
-    assert torch.equal(choose_read_set(q, keys, tensors, 120, first, 0.35).indices,
-                       choose_read_set(q3, keys, tensors, 120, first, 0.35).indices)
+    assert torch.equal(
+        choose_read_set(q, keys, tensors, 120, first, 0.35).indices,
+        choose_read_set(q3, keys, tensors, 120, first, 0.35).indices,
+    )
     assert not torch.equal(choose_read_set(q3, keys, tensors, 120, spec, 0.35).indices, before)
 
 
@@ -137,9 +150,15 @@ def _sparse_step(runner: ModelRunner, tokens: torch.Tensor, at: int, given: torc
     """One sparse verification-shaped forward of ``Q`` tokens at ``at`` cached positions, reading ``given`` before the
     selection layer; returns what each layer read and the selection layer's queries and keys."""
     runner.cache.rollback([at])
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[at], q_len=Q, indices=given[None],
-                       num_indices=torch.tensor([given.numel()], dtype=torch.int32),
-                       capture={SELECTOR: tuple(range(4))}, select=SelectLayers((SELECTOR,), SINK, RECENT))
+    plan = ForwardPlan(
+        rows=slice(0, 1),
+        cache_seqlens=[at],
+        q_len=Q,
+        indices=given[None],
+        num_indices=torch.tensor([given.numel()], dtype=torch.int32),
+        capture={SELECTOR: tuple(range(4))},
+        select=SelectLayers((SELECTOR,), SINK, RECENT),
+    )
     reads.calls.clear()
     runner.forward(plan, tokens[at : at + Q][None], keep=1)
     keys = runner.cache.layer_buffers(SELECTOR)[0][0]  # (T, Hkv, D)
@@ -195,8 +214,14 @@ def test_a_reused_plan_reads_the_given_set_before_the_selection_layer_again(monk
     runner = ModelRunner(model, DustinCache(LAYERS, 1, PROMPT + Q + 1), "reference")
     reads = _Reads(monkeypatch)
     given = torch.arange(WIDTH, dtype=torch.int32)
-    plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[PROMPT], q_len=Q, indices=given[None],
-                       num_indices=torch.tensor([WIDTH], dtype=torch.int32), select=SelectLayers((1,), SINK, RECENT))
+    plan = ForwardPlan(
+        rows=slice(0, 1),
+        cache_seqlens=[PROMPT],
+        q_len=Q,
+        indices=given[None],
+        num_indices=torch.tensor([WIDTH], dtype=torch.int32),
+        select=SelectLayers((1,), SINK, RECENT),
+    )
     with dustin_hf.patch(model), attention_routed(model):
         runner.prefill([tokens[:PROMPT]], None, {})
         for _ in range(2):
@@ -210,8 +235,14 @@ def test_a_dense_forward_never_selects(monkeypatch):
     """Without a read set (a dense step, a prefill) the selection layer is an ordinary dense layer."""
     plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[10], q_len=2, select=SelectLayers((0,), SINK, RECENT))
     assert not plan.selects_at(0)
-    sparse = ForwardPlan(rows=slice(0, 1), cache_seqlens=[10], q_len=2, indices=torch.zeros(1, 4, dtype=torch.int32),
-                         num_indices=torch.tensor([4], dtype=torch.int32), select=SelectLayers((0,), SINK, RECENT))
+    sparse = ForwardPlan(
+        rows=slice(0, 1),
+        cache_seqlens=[10],
+        q_len=2,
+        indices=torch.zeros(1, 4, dtype=torch.int32),
+        num_indices=torch.tensor([4], dtype=torch.int32),
+        select=SelectLayers((0,), SINK, RECENT),
+    )
     assert sparse.selects_at(0) and not sparse.selects_at(1)
 
 
@@ -220,12 +251,15 @@ def test_selection_settings_are_validated_and_resolved():
     target = tiny_model("qwen2", layers=6, hidden=32)
     assert resolve(DustinConfig(selection="dustin"), target.config, target.config).selection_layers == ()
     assert resolve(DustinConfig(), target.config, target.config).selection_layers == (2, 3)  # the default: verify
-    assert resolve(DustinConfig(selection="verify", selection_layers=(-2, 2)), target.config,
-                   target.config).selection_layers == (2, 4)
+    assert resolve(
+        DustinConfig(selection="verify", selection_layers=(-2, 2)), target.config, target.config
+    ).selection_layers == (2, 4)
     assert resolve(DustinConfig(selection="verify"), target.config, target.config).selection_layers  # a default
     # recorded layers (a profile's) are kept for selection="verify" and unused by the paper's selection
-    assert resolve(DustinConfig(selection="dustin", selection_layers=(3,)), target.config,
-                   target.config).selection_layers == ()
+    assert (
+        resolve(DustinConfig(selection="dustin", selection_layers=(3,)), target.config, target.config).selection_layers
+        == ()
+    )
     assert select_spec(resolve(DustinConfig(selection="dustin"), target.config, target.config)) is None
     with pytest.raises(ValueError, match="selection must be one of"):
         DustinConfig(selection="tidal")
@@ -244,8 +278,20 @@ def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement
     from dustin_lab import select_calibration
     from dustin_lab.select_calibration import calibrate_selection_layers, selection_candidates
 
-    assert selection_candidates(28) == [(1,), (2,), (4,), (1, 7), (1, 14), (1, 18), (2, 7), (2, 14), (2, 18), (4, 7),
-                                        (4, 14), (4, 18)]
+    assert selection_candidates(28) == [
+        (1,),
+        (2,),
+        (4,),
+        (1, 7),
+        (1, 14),
+        (1, 18),
+        (2, 7),
+        (2, 14),
+        (2, 18),
+        (4, 7),
+        (4, 14),
+        (4, 18),
+    ]
     assert all(max(c) < 3 for c in selection_candidates(4))  # never the last layer: nothing after it
 
     target = tiny_model("qwen2", layers=4, hidden=32, heads=4, kv_heads=2)
@@ -256,11 +302,21 @@ def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement
 
     pair = Pair()
     pair.target, pair.draft, pair.tokenizer = target, draft, None
-    monkeypatch.setattr(select_calibration, "token_window",
-                        lambda tokenizer, book, length, offset=0: random_prompt(length, seed=len(book))[0])
-    report = calibrate_selection_layers(pair, DustinConfig(budget=24, min_context=16, sink_tokens=SINK,
-                                                           recent_tokens=RECENT), ("a", "bb"), context=120,
-                                        tokens=41, gamma=3, candidates=[(1,), (2,), (1, 2)], progress=False)
+    monkeypatch.setattr(
+        select_calibration,
+        "token_window",
+        lambda tokenizer, book, length, offset=0: random_prompt(length, seed=len(book))[0],
+    )
+    report = calibrate_selection_layers(
+        pair,
+        DustinConfig(budget=24, min_context=16, sink_tokens=SINK, recent_tokens=RECENT),
+        ("a", "bb"),
+        context=120,
+        tokens=41,
+        gamma=3,
+        candidates=[(1,), (2,), (1, 2)],
+        progress=False,
+    )
     names = {"select-L1": (1,), "select-L2": (2,), "select-L1,2": (1, 2)}
     assert set(report["pooled"]) == {"dustin", *names} and set(report["per_book"]) == {"a", "bb"}
     best = max(names, key=lambda n: (report["pooled"][n]["top1_agreement"], -report["pooled"][n]["ppl_ratio"]))
@@ -276,8 +332,9 @@ def test_full_budget_equals_greedy_and_stock_assisted(family):
     greedy = target.generate(ids, max_new_tokens=24, do_sample=False)
     stock = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False)
     with dustin_hf.patch(target, DustinConfig(selection="verify", selection_layers=(1,))):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False,
-                              cache_implementation="dustin")
+        out = target.generate(
+            ids, assistant_model=draft, max_new_tokens=24, do_sample=False, cache_implementation="dustin"
+        )
     assert torch.equal(stock, greedy) and torch.equal(out, greedy)
 
 
@@ -293,19 +350,27 @@ def test_a_row_its_budget_covers_equals_greedy_beside_a_sparse_row(monkeypatch):
     real = attention.choose_read_set
     monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
     new = dict(do_sample=False, max_new_tokens=20, pad_token_id=PAD)
-    alone = [target.generate(p[None], **new)[0, p.shape[0]:] for p in prompts]
-    config = dict(budget=96, min_context=16, sink_tokens=SINK, recent_tokens=RECENT, selection="verify",
-                  selection_layers=(1,))
+    alone = [target.generate(p[None], **new)[0, p.shape[0] :] for p in prompts]
+    config = dict(
+        budget=96, min_context=16, sink_tokens=SINK, recent_tokens=RECENT, selection="verify", selection_layers=(1,)
+    )
     with dustin_hf.patch(target):
         for mode in ("sparse", "exact"):
             chose.clear()
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, cache_implementation="dustin",
-                                  return_dict_in_generate=True, cache_config={**config, "mode": mode}, **new)
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+                cache_config={**config, "mode": mode},
+                **new,
+            )
             assert out.past_key_values.stats["sparse_steps"] > 0 and chose
-            short = out.sequences[1, ids.shape[1]:]
+            short = out.sequences[1, ids.shape[1] :]
             assert torch.equal(short, alone[1]), mode
             if mode == "exact":
-                assert torch.equal(out.sequences[0, ids.shape[1]:], alone[0])
+                assert torch.equal(out.sequences[0, ids.shape[1] :], alone[0])
 
 
 def _ragged_case():
@@ -327,12 +392,20 @@ def test_sparse_steps_select_in_the_forward_and_exact_mode_stays_greedy(monkeypa
     config = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT)
     outs = {}
     with dustin_hf.patch(target):
-        for name, extra in (("dustin", {"selection": "dustin"}),
-                            ("verify", {"selection": "verify", "selection_layers": (1,)}),
-                            ("exact", {"selection": "verify", "selection_layers": (1,), "mode": "exact"})):
+        for name, extra in (
+            ("dustin", {"selection": "dustin"}),
+            ("verify", {"selection": "verify", "selection_layers": (1,)}),
+            ("exact", {"selection": "verify", "selection_layers": (1,), "mode": "exact"}),
+        ):
             chose.clear()
-            out = target.generate(ids, assistant_model=draft, cache_implementation="dustin",
-                                  return_dict_in_generate=True, cache_config={**config, **extra}, **kwargs)
+            out = target.generate(
+                ids,
+                assistant_model=draft,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+                cache_config={**config, **extra},
+                **kwargs,
+            )
             outs[name] = out.sequences
             assert out.past_key_values.stats["sparse_steps"] > 0
             assert bool(chose) == (name != "dustin")
@@ -348,10 +421,19 @@ def test_a_workspace_serves_only_its_own_selection():
     draft = set_gamma(noisy_copy(target, noise=0.02), 4)
     ids = random_prompt(200, batch=2, seed=3)
     base = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT, selection="dustin")
-    configs = [base, {**base, "selection": "verify", "selection_layers": (1,)},
-               {**base, "selection": "verify", "selection_layers": (0,)}, base]
-    kwargs = dict(assistant_model=draft, cache_implementation="dustin", do_sample=False, max_new_tokens=16,
-                  attention_mask=torch.ones_like(ids))
+    configs = [
+        base,
+        {**base, "selection": "verify", "selection_layers": (1,)},
+        {**base, "selection": "verify", "selection_layers": (0,)},
+        base,
+    ]
+    kwargs = dict(
+        assistant_model=draft,
+        cache_implementation="dustin",
+        do_sample=False,
+        max_new_tokens=16,
+        attention_mask=torch.ones_like(ids),
+    )
 
     expected = []
     for config in configs:

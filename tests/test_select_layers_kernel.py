@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TRITON_RUNS
 
 from dustin_hf.kernels.tuning import ScoreTuning, SelectTuning
 from dustin_hf.runtime.plan import DeviceTensors, SelectLayers
 from dustin_hf.selection.layers import choose_read_set, layer_position_weights
 from dustin_hf.selection.scoring import attention_mass
-
-from conftest import TRITON_RUNS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,8 +70,17 @@ def _low_precision_pytorch(q, keys, seqlens, counts=None) -> torch.Tensor:
     """The same mean through PyTorch's logits in the inputs' dtype (``attention_mass``'s reference path)."""
     n_q, heads = q.shape[1], q.shape[2]
     own = None if counts is None else counts.long().clamp(1, n_q)
-    mass = attention_mass(q, keys, (seqlens.long() - 1)[:, None].expand(-1, n_q), tuple(range(heads)),
-                          heads // keys.shape[2], SCALE, SPAN, SPAN, query_counts=own)
+    mass = attention_mass(
+        q,
+        keys,
+        (seqlens.long() - 1)[:, None].expand(-1, n_q),
+        tuple(range(heads)),
+        heads // keys.shape[2],
+        SCALE,
+        SPAN,
+        SPAN,
+        query_counts=own,
+    )
     return (mass / (heads * (n_q if own is None else own[:, None]))).double().cpu()
 
 
@@ -90,8 +98,9 @@ def test_kernel_weights_equal_the_reference_and_the_explicit_loop(group, counted
             assert got.dtype == torch.float32 and got.shape == (4, SPAN) and not torch.isnan(got).any()
             label = f"group {group} counted {counted} {dtype} tuning {tuning}"
             if dtype == torch.float32:
-                torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{label}: {m}")
+                torch.testing.assert_close(
+                    got.double().cpu(), exact, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label}: {m}"
+                )
                 want = layer_position_weights(q, keys, seqlens, SPAN, SCALE, counts)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} vs reference: {m}")
                 continue
@@ -109,8 +118,12 @@ def test_queries_past_a_rows_count_change_nothing():
     moved = q.clone()
     for b, n in enumerate(counts.tolist()):
         moved[b, n:] = 3 * torch.randn_like(moved[b, n:])
-    torch.testing.assert_close(layer_position_weights(moved, keys, seqlens, SPAN, SCALE, counts, backend="triton"),
-                               before, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        layer_position_weights(moved, keys, seqlens, SPAN, SCALE, counts, backend="triton"),
+        before,
+        rtol=1e-5,
+        atol=1e-7,
+    )
     everything = layer_position_weights(q, keys, seqlens, SPAN, SCALE, None, backend="triton")
     assert (everything - before).abs().max() > 1e-3
 
@@ -125,8 +138,11 @@ def _read_set_inputs(seed: int):
     width = 64
     indices = torch.arange(width, dtype=torch.int32, device=DEVICE).expand(4, width).contiguous()
     counts = torch.tensor([64, 50, 64, 30], dtype=torch.int32, device=DEVICE)
-    return q, keys, DeviceTensors(seqlens, indices, counts,
-                                  torch.tensor([5, 2, 5, 1], dtype=torch.int32, device=DEVICE))
+    return (
+        q,
+        keys,
+        DeviceTensors(seqlens, indices, counts, torch.tensor([5, 2, 5, 1], dtype=torch.int32, device=DEVICE)),
+    )
 
 
 @pytest.mark.parametrize("queries", [None, 1])
@@ -140,8 +156,9 @@ def test_chosen_sets_equal_the_reference(counted, queries):
     spec = SelectLayers((1,), SINK, RECENT, queries)
     want = choose_read_set(q, keys, tensors, 250, spec, SCALE)
     for score, select in ((None, None), (SMALL_SCORE, SMALL_SELECT)):
-        got = choose_read_set(q, keys, tensors, 250, spec, SCALE, backend="triton", score_tuning=score,
-                              select_tuning=select)
+        got = choose_read_set(
+            q, keys, tensors, 250, spec, SCALE, backend="triton", score_tuning=score, select_tuning=select
+        )
         assert got.indices.dtype == torch.int32 and got.indices.shape == want.indices.shape
         assert torch.equal(got.indices, want.indices), (score, select)
         assert got.num_indices is tensors.num_indices and got.cache_seqlens is tensors.cache_seqlens

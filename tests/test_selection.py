@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.selection.fill import select_positions
-
-from tiny_models import tiny_model
 
 
 def _config(**kwargs):
@@ -75,8 +74,9 @@ def test_short_rows_beside_sparse_ones_read_in_full_by_their_count():
     assert sel.counts == [5, 20, 8] and sel.num_indices.tolist() == [5, 20, 8] and sel.indices.shape == (3, 8)
     indices, counts = full_rows_written(sel.indices, sel.num_indices, torch.tensor(seqlens), None, 1)
     assert counts.tolist() == [5, 20, 8]
-    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == \
-        [listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)]
+    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == [
+        listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)
+    ]
     # every row dense: listed as before (no sparse row to keep the width of)
     alone = select_positions(seqlens[:2], scores[:2, :20], scores[:2, :20], [True] * 2, cfg, full_rows=True)
     assert not alone.full_rows and alone.indices[1].tolist() == list(range(20))
@@ -149,8 +149,10 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
         if sel.counts[b] >= seqlens[b]:
             sel.indices[b] = -1
     limits = [n - int(torch.randint(0, min(8, c) + 1, (1,), generator=generator)) for n, c in zip(seqlens, sel.counts)]
-    expected = [min(limits[b], n) if c >= n else int(((sel.indices[b, :c]) < limits[b]).sum())
-                for b, (c, n) in enumerate(zip(sel.counts, seqlens))]
+    expected = [
+        min(limits[b], n) if c >= n else int(((sel.indices[b, :c]) < limits[b]).sum())
+        for b, (c, n) in enumerate(zip(sel.counts, seqlens))
+    ]
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the counts back from the device"))
     cut = truncated(sel, limits, seqlens, recent=8)
     monkeypatch.undo()
@@ -158,5 +160,7 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     # row 3 cut below its recent window (a short window: below the window, inside recent_tokens): counted on the
     # device, still right
     limits[3] = seqlens[3] - (7 if kind == "short_window" else 20)
-    expected[3] = limits[3] if sel.counts[3] >= seqlens[3] else int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
+    expected[3] = (
+        limits[3] if sel.counts[3] >= seqlens[3] else int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
+    )
     assert truncated(sel, limits, seqlens, recent=8).counts == expected

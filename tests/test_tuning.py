@@ -7,13 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import TRITON_RUNS, on_launch, package_kernels
 
-from dustin_hf.kernels.tuning import (ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectTuning,
-                                      VerifyTuning)
+from dustin_hf.kernels.tuning import ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectTuning, VerifyTuning
 from dustin_hf.runtime.fused import FusedTuning
 from dustin_hf.runtime.tuning import Tuning
-
-from conftest import TRITON_RUNS, on_launch, package_kernels
 
 needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,8 +30,13 @@ def test_with_value_returns_a_new_tuning_and_leaves_the_old_one():
 
 def test_every_field_has_one_path():
     paths = Tuning.paths()
-    parts = {"verify": VerifyTuning, "gemm": GemmTuning, "score": ScoreTuning, "select": SelectTuning,
-             "argmax": ArgmaxTuning}
+    parts = {
+        "verify": VerifyTuning,
+        "gemm": GemmTuning,
+        "score": ScoreTuning,
+        "select": SelectTuning,
+        "argmax": ArgmaxTuning,
+    }
     expected = [f"kernels.{name}.{field.name}" for name, cls in parts.items() for field in dataclasses.fields(cls)]
     assert list(paths) == expected + [f"fused.{field.name}" for field in dataclasses.fields(FusedTuning)]
 
@@ -44,18 +47,21 @@ def test_with_value_names_the_valid_paths(path):
         Tuning().with_value(path, 2)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: VerifyTuning(programs_per_sm=0), "VerifyTuning.programs_per_sm must be an int >= 1; got 0"),
-    (lambda: VerifyTuning(sparse_stages=()), "VerifyTuning.sparse_stages must be a non-empty tuple of ints"),
-    (lambda: GemmTuning(num_stages=2.5), "GemmTuning.num_stages must be an int >= 1; got 2.5"),
-    (lambda: GemmTuning(gated_block_n=48), "GemmTuning.gated_block_n must be a power of two; got 48"),
-    (lambda: ScoreTuning(pass2_block_r=6), "ScoreTuning.pass2_block_r must be a power of two"),
-    (lambda: SelectTuning(min_chunk=1000), "SelectTuning.min_chunk must be a power of two"),
-    (lambda: ArgmaxTuning(programs_per_sm=True), "ArgmaxTuning.programs_per_sm must be an int >= 1; got True"),
-    (lambda: FusedTuning(gated_rows=-1), "FusedTuning.gated_rows must be an int >= 0; got -1"),
-    (lambda: KernelTuning(score=SelectTuning()), "KernelTuning.score must be a ScoreTuning"),
-    (lambda: Tuning().with_value("kernels.argmax.block", 1000), "ArgmaxTuning.block must be a power of two"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: VerifyTuning(programs_per_sm=0), "VerifyTuning.programs_per_sm must be an int >= 1; got 0"),
+        (lambda: VerifyTuning(sparse_stages=()), "VerifyTuning.sparse_stages must be a non-empty tuple of ints"),
+        (lambda: GemmTuning(num_stages=2.5), "GemmTuning.num_stages must be an int >= 1; got 2.5"),
+        (lambda: GemmTuning(gated_block_n=48), "GemmTuning.gated_block_n must be a power of two; got 48"),
+        (lambda: ScoreTuning(pass2_block_r=6), "ScoreTuning.pass2_block_r must be a power of two"),
+        (lambda: SelectTuning(min_chunk=1000), "SelectTuning.min_chunk must be a power of two"),
+        (lambda: ArgmaxTuning(programs_per_sm=True), "ArgmaxTuning.programs_per_sm must be an int >= 1; got True"),
+        (lambda: FusedTuning(gated_rows=-1), "FusedTuning.gated_rows must be an int >= 0; got -1"),
+        (lambda: KernelTuning(score=SelectTuning()), "KernelTuning.score must be a ScoreTuning"),
+        (lambda: Tuning().with_value("kernels.argmax.block", 1000), "ArgmaxTuning.block must be a power of two"),
+    ],
+)
 def test_a_bad_value_is_named_with_its_class_and_field(make, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         make()
@@ -85,8 +91,10 @@ def test_verify_tuning_reaches_the_launch():
     want = verify_attention_reference(q, cache, cache, seqlens, **kwargs)
     split = VerifyTuning(programs_per_sm=4, min_blocks_per_split=1, short_range_blocks=2)
     for tuning, single in ((None, True), (split, False)):
-        out, launched = _constexprs(lambda: verify_attention(q, cache, cache, seqlens, **kwargs, backend="triton",
-                                                             tuning=tuning), triton_verify)
+        out, launched = _constexprs(
+            lambda: verify_attention(q, cache, cache, seqlens, **kwargs, backend="triton", tuning=tuning),
+            triton_verify,
+        )
         assert [k["SINGLE_SPLIT"] for k in launched if "SINGLE_SPLIT" in k] == [single]
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
@@ -102,8 +110,12 @@ def test_score_select_and_argmax_tunings_reach_their_launches():  # left unwritt
     query_pos = torch.tensor([[250], [299]], device=DEVICE)
     scored = {}
     for name, tuning in (("default", None), ("tuned", ScoreTuning(tile_bytes=1024, programs_per_sm=64))):
-        scored[name], launched = _constexprs(lambda: triton_score.attention_mass_triton(
-            queries, keys, query_pos, (0, 1), 2, 0.25, 300, 300, tuning=tuning), triton_score)
+        scored[name], launched = _constexprs(
+            lambda: triton_score.attention_mass_triton(
+                queries, keys, query_pos, (0, 1), 2, 0.25, 300, 300, tuning=tuning
+            ),
+            triton_score,
+        )
         scored[name + " tiles"] = {(k.get("BLOCK_N"), k.get("BLOCK_S")) for k in launched if "BLOCK_S" in k}
     assert scored["default tiles"] == {(128, 1)} and scored["tuned tiles"] == {(32, 2)}  # 1 KiB tiles, 2 splits
     torch.testing.assert_close(scored["tuned"], scored["default"], rtol=1e-5, atol=1e-6)
@@ -112,8 +124,12 @@ def test_score_select_and_argmax_tunings_reach_their_launches():  # left unwritt
     lengths = torch.tensor([3000, 2900], device=DEVICE)
     picks = {}
     for chunk, tuning in ((1024, None), (2048, SelectTuning(min_chunk=2048))):
-        picks[chunk], launched = _constexprs(lambda: triton_select.select_sparse_triton(
-            scores, scores, lengths, sink=4, recent=8, share=20, fill=32, tuning=tuning), triton_select)
+        picks[chunk], launched = _constexprs(
+            lambda: triton_select.select_sparse_triton(
+                scores, scores, lengths, sink=4, recent=8, share=20, fill=32, tuning=tuning
+            ),
+            triton_select,
+        )
         assert {k["CHUNK"] for k in launched if "CHUNK" in k} == {chunk}
     assert torch.equal(picks[1024], picks[2048])
 

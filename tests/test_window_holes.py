@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.kernels.masked import masked_attention
 from dustin_hf.decode.masks import prompts_from_mask, stock_slots
+from dustin_hf.kernels.masked import masked_attention
 from dustin_hf.selection.fill import select_by_recovery, select_positions
 from dustin_hf.selection.selector import Selector
-
-from tiny_models import noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,9 +34,11 @@ def test_stock_slots_put_each_cache_position_where_stock_keeps_it():
     mask = _mask("0011011", "1111100", "0111111")
     prompts = prompts_from_mask(random_prompt(7, batch=3), mask)
     table = stock_slots(prompts, width=7, capacity=10)
-    assert table.tolist() == [[2, 3, 5, 6, 7, 8, 9, 10, 11, 12],
-                              [0, 1, 2, 3, 4, 7, 8, 9, 10, 11],
-                              [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    assert table.tolist() == [
+        [2, 3, 5, 6, 7, 8, 9, 10, 11, 12],
+        [0, 1, 2, 3, 4, 7, 8, 9, 10, 11],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    ]
     left = prompts_from_mask(random_prompt(7, batch=2), _mask("0001111", "1111111"))
     assert stock_slots(left, width=7, capacity=10) is None
 
@@ -76,15 +77,18 @@ def test_masked_attention_counts_the_window_in_stock_indices(selected):
     if selected:
         indices = torch.tensor([[0, 2, 5, 7, 8, 10, 11], [1, 4, 6, 7, 8, 0, 0]], dtype=torch.int32)
         counts = torch.tensor([7, 5], dtype=torch.int32)
-    out, _ = masked_attention(q, k, v, seqlens, softmax_scale=0.3, indices=indices, num_indices=counts,
-                              window=window, key_slots=slots)
+    out, _ = masked_attention(
+        q, k, v, seqlens, softmax_scale=0.3, indices=indices, num_indices=counts, window=window, key_slots=slots
+    )
     expected = _reference(q, k, v, seqlens, slots, window, 0.3, indices, counts)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    plain, _ = masked_attention(q, k, v, seqlens, softmax_scale=0.3, indices=indices, num_indices=counts,
-                                window=window)
+    plain, _ = masked_attention(
+        q, k, v, seqlens, softmax_scale=0.3, indices=indices, num_indices=counts, window=window
+    )
     identity = torch.arange(capacity).repeat(batch, 1)
-    torch.testing.assert_close(plain.double(), _reference(q, k, v, seqlens, identity, window, 0.3, indices, counts),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        plain.double(), _reference(q, k, v, seqlens, identity, window, 0.3, indices, counts), atol=1e-5, rtol=1e-5
+    )
 
 
 def _config(**kwargs):
@@ -96,8 +100,13 @@ def _config(**kwargs):
 def test_read_sets_per_row_window(knob):
     """A window per row (what masked slots leave of it in cache positions) selects each row as that row alone with
     its own window: inside ``[L - w + 1, L)``, its whole window where the budget covers it."""
-    cfg = _config(budget=8, sink_tokens=2, recent_tokens=2, min_context=0,
-                  **({"min_recovery": 0.9, "max_budget": 12} if knob else {}))
+    cfg = _config(
+        budget=8,
+        sink_tokens=2,
+        recent_tokens=2,
+        min_context=0,
+        **({"min_recovery": 0.9, "max_budget": 12} if knob else {}),
+    )
     seqlens, windows = [60, 40, 30], [20, 7, 12]
     gen = torch.Generator().manual_seed(1)
     draft, target = torch.rand(3, 60, generator=gen), torch.rand(3, 60, generator=gen)
@@ -118,8 +127,17 @@ def test_selector_windows_count_stock_indices():
     index is within the window of its own; a hole inside the window leaves fewer positions in it."""
     prompts = prompts_from_mask(random_prompt(10, batch=2), _mask("1111011111", "1111111111"))
     table = stock_slots(prompts, width=10, capacity=20)
-    selector = Selector(_config(budget=8, sink_tokens=2, recent_tokens=2, min_context=0), "reference", 1, 1, 1.0, 1.0,
-                        graphs=False, window=6, window_slots=table)
+    selector = Selector(
+        _config(budget=8, sink_tokens=2, recent_tokens=2, min_context=0),
+        "reference",
+        1,
+        1,
+        1.0,
+        1.0,
+        graphs=False,
+        window=6,
+        window_slots=table,
+    )
     # row 0: L = 9 (stock index 10) sees indices 5..9, the hole at input slot 4 aside: cache positions 4..8
     assert selector._row_windows([9, 10]) == [6, 6]
     assert selector._row_windows([6, 10]) == [5, 6]  # L = 6 (index 7) sees indices 2..6: positions 2, 3, 4, 5
@@ -140,10 +158,22 @@ def test_sparse_steps_inside_windows_with_holes(budget):
     config = {"budget": budget, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4}
     call = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
     with dustin_hf.patch(target):
-        batch = target.generate(input_ids=ids, attention_mask=mask, assistant_model=draft,
-                                cache_implementation="dustin", cache_config=dict(config), **call)
-        single = target.generate(input_ids=ids[:1], attention_mask=mask[:1], assistant_model=draft,
-                                 cache_implementation="dustin", cache_config=dict(config), **call)
+        batch = target.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            cache_implementation="dustin",
+            cache_config=dict(config),
+            **call,
+        )
+        single = target.generate(
+            input_ids=ids[:1],
+            attention_mask=mask[:1],
+            assistant_model=draft,
+            cache_implementation="dustin",
+            cache_config=dict(config),
+            **call,
+        )
     stats = getattr(batch, "cache", None) or batch.past_key_values
     assert stats.stats["sparse_steps"] > 0
     if budget < 12:
@@ -151,9 +181,11 @@ def test_sparse_steps_inside_windows_with_holes(budget):
     for b in range(2):
         start = int(mask[b].nonzero()[0])
         alone = target.generate(input_ids=ids[b : b + 1, start:], attention_mask=mask[b : b + 1, start:], **call)
-        assert batch.sequences[b, 60:].tolist() == alone.sequences[0, 60 - start:].tolist(), b
-    assert single.sequences[0, 60:].tolist() == target.generate(input_ids=ids[:1], attention_mask=mask[:1],
-                                                                **call).sequences[0, 60:].tolist()
+        assert batch.sequences[b, 60:].tolist() == alone.sequences[0, 60 - start :].tolist(), b
+    assert (
+        single.sequences[0, 60:].tolist()
+        == target.generate(input_ids=ids[:1], attention_mask=mask[:1], **call).sequences[0, 60:].tolist()
+    )
 
 
 @pytest.mark.parametrize("selection", ["dustin", "verify"])
@@ -171,9 +203,13 @@ def test_same_shape_calls_on_one_handle_equal_fresh_handles(selection, do_sample
     first[1, 30:33] = 0
     second[0, :4] = 0
     second[1, [50, 53, 57, 58]] = 0
-    call = dict(assistant_model=draft, cache_implementation="dustin", max_new_tokens=12, do_sample=do_sample,
-                cache_config={"budget": 8, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4,
-                              "selection": selection})
+    call = dict(
+        assistant_model=draft,
+        cache_implementation="dustin",
+        max_new_tokens=12,
+        do_sample=do_sample,
+        cache_config={"budget": 8, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4, "selection": selection},
+    )
 
     def run(mask):
         torch.manual_seed(7)

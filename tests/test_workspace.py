@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import _triton_runs
+from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from transformers import DynamicCache
 
 import dustin_hf
-from dustin_hf.decode.cache import DustinCache
-from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.compat import CACHE_KWARG
+from dustin_hf.decode.cache import DustinCache
 from dustin_hf.decode.runner import ModelRunner, _row_groups
 from dustin_hf.runtime.fused import FusedWeights, fused_ops
-
-from conftest import _triton_runs
-from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPARSE = {"budget": 16, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4}
-CALL = dict(cache_implementation="dustin", cache_config=SPARSE, max_new_tokens=14, do_sample=False,
-            return_dict_in_generate=True)
+CALL = dict(
+    cache_implementation="dustin",
+    cache_config=SPARSE,
+    max_new_tokens=14,
+    do_sample=False,
+    return_dict_in_generate=True,
+)
 
 
 def _pair(seed: int = 0):
@@ -155,8 +159,9 @@ def test_warmup_builds_the_workspace_a_real_call_reuses():
     target, draft = _pair()
     prompt_len, new = 120, 14
     with dustin_hf.patch(target) as handle:
-        stats = handle.warmup(draft, batch_size=2, max_length=prompt_len + new, steps=4,
-                              cache_config=SPARSE, do_sample=False)
+        stats = handle.warmup(
+            draft, batch_size=2, max_length=prompt_len + new, steps=4, cache_config=SPARSE, do_sample=False
+        )
         assert 1 <= stats["steps"] <= 4
         held = handle.workspaces.held
         out = _generate(target, draft, random_prompt(prompt_len, batch=2, seed=3), max_new_tokens=new)
@@ -194,8 +199,13 @@ def test_the_returned_cache_is_stocks():
     call = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     greedy = target.generate(ids, **call)
     with dustin_hf.patch(target):
-        out = target.generate(ids, assistant_model=draft, cache_implementation="dustin",
-                              cache_config={"budget": 4096, "min_context": 0}, **call)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            cache_implementation="dustin",
+            cache_config={"budget": 4096, "min_context": 0},
+            **call,
+        )
     assert torch.equal(out.sequences, greedy.sequences)
     mine, stock = getattr(out, CACHE_KWARG), getattr(greedy, CACHE_KWARG)
     assert isinstance(mine, DynamicCache) and mine.get_seq_length() == stock.get_seq_length()
@@ -216,11 +226,17 @@ def test_continuing_from_a_returned_cache_is_refused_clearly():
     target, draft = _pair()
     ids = random_prompt(20, batch=2, seed=1)
     with dustin_hf.patch(target):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=4, do_sample=False,
-                              return_dict_in_generate=True)
+        out = target.generate(
+            ids, assistant_model=draft, max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+        )
         with pytest.raises(ValueError, match="does not continue from"):
-            target.generate(out.sequences, assistant_model=draft, max_new_tokens=4, do_sample=False,
-                            **{CACHE_KWARG: getattr(out, CACHE_KWARG)})
+            target.generate(
+                out.sequences,
+                assistant_model=draft,
+                max_new_tokens=4,
+                do_sample=False,
+                **{CACHE_KWARG: getattr(out, CACHE_KWARG)},
+            )
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -265,8 +281,9 @@ def test_rows_of_one_length_share_a_forward_and_give_each_rows_own_result():
         torch.testing.assert_close(together[b], alone[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kept[b][1], kept_alone[0][1], atol=1e-5, rtol=1e-5)
         n = ids.numel()
-        torch.testing.assert_close(cache.layers[1].buffers()[1][b, :n], cache_alone.layers[1].buffers()[1][0, :n],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cache.layers[1].buffers()[1][b, :n], cache_alone.layers[1].buffers()[1][0, :n], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_full_budget_equals_greedy_with_any_prefill_chunk():
@@ -276,9 +293,15 @@ def test_full_budget_equals_greedy_with_any_prefill_chunk():
     greedy = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     with dustin_hf.patch(target):
         for chunk in (7, None):
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=10,
-                                  do_sample=False, cache_implementation="dustin",
-                                  cache_config={"budget": 4096, "min_context": 0, "prefill_chunk": chunk})
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                max_new_tokens=10,
+                do_sample=False,
+                cache_implementation="dustin",
+                cache_config={"budget": 4096, "min_context": 0, "prefill_chunk": chunk},
+            )
             assert torch.equal(out, greedy), chunk
 
 

@@ -41,14 +41,31 @@ _FAMILIES = {
 }
 
 
-def tiny_model(family: str = "qwen2", layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-               seed: int = 0, vocab: int = VOCAB, **overrides):
+def tiny_model(
+    family: str = "qwen2",
+    layers: int = 3,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    **overrides,
+):
     """A random-weight causal LM of ``family`` small enough for CPU tests (float32, eval mode)."""
     config_cls, model_cls, extra = _FAMILIES[family]
     config = config_cls(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **{**extra, **overrides},
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16384,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        **{**extra, **overrides},
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -93,6 +110,6 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor,
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - r.numel():] = r
-        mask[b, width - r.numel():] = 1
+        ids[b, width - r.numel() :] = r
+        mask[b, width - r.numel() :] = 1
     return ids, mask

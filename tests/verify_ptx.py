@@ -22,7 +22,6 @@ import json
 import re
 
 import torch
-
 from kernel_ptx import H200, Launch, compile_sm90, launches_on, require_cuda_compiler
 
 BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET = 16, 8, 8, 5, 128, 512
@@ -36,8 +35,20 @@ def verify_launches() -> list[tuple[str, Launch]]:
     def empty(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, device="cuda", dtype=dtype)
 
-    ticket = triton_verify.launch_config(BATCH, N_KV_HEADS, GROUP, N_QUERIES, HEAD_DIM, BUDGET, H200.sm_count,
-                                         sparse=True, elem_bytes=2, num_splits=2, num_stages=5, merge="ticket")
+    ticket = triton_verify.launch_config(
+        BATCH,
+        N_KV_HEADS,
+        GROUP,
+        N_QUERIES,
+        HEAD_DIM,
+        BUDGET,
+        H200.sm_count,
+        sparse=True,
+        elem_bytes=2,
+        num_splits=2,
+        num_stages=5,
+        merge="ticket",
+    )
 
     def run():
         q = empty(BATCH, N_QUERIES, N_KV_HEADS * GROUP, HEAD_DIM)
@@ -64,7 +75,7 @@ def _ordered(ptx: str, before: str, middle: str, after: str) -> bool | None:
 
 def summary(ptx: str) -> dict:
     atom = "atom.global.gpu.acq_rel"
-    tail = ptx[ptx.find(atom):] if atom in ptx else ""
+    tail = ptx[ptx.find(atom) :] if atom in ptx else ""
     return dict(
         max_wait_group=max(int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)),
         cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b", ptx)),
@@ -78,8 +89,9 @@ def main() -> None:
     require_cuda_compiler()
     report = []
     for label, launch in verify_launches():
-        report.append(dict(label=label, constexprs=launch.constexprs, options=launch.options,
-                           **summary(compile_sm90(launch))))
+        report.append(
+            dict(label=label, constexprs=launch.constexprs, options=launch.options, **summary(compile_sm90(launch)))
+        )
     print(json.dumps(report))
 
 

@@ -15,19 +15,26 @@ import torch
 from transformers import GenerationConfig
 
 from ..calibration import prompt as prompt_calibration
-from .attention import ATTENTION_NAME
 from ..compat import CACHE_KWARG, check_pair
 from ..config import resolve
-from ..decode.settings import Drafting, GenerateSettings, RuntimeOptions
 from ..decode.decoder import DecodeResult, SpeculativeDecoder
 from ..decode.masks import prompts_from_mask
+from ..decode.settings import Drafting, GenerateSettings, RuntimeOptions
+from .attention import ATTENTION_NAME
 
 __all__ = ["attention_routed", "run_assisted"]
 
 # model kwargs generate() prepares itself (position_ids from the mask, unless the caller gave them: the loop
 # follows either as stock does); anything else would be silently ignored by the loop
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "output_attentions",
-                       "output_hidden_states", CACHE_KWARG}
+_KNOWN_MODEL_KWARGS = {
+    "attention_mask",
+    "position_ids",
+    "use_cache",
+    "logits_to_keep",
+    "output_attentions",
+    "output_hidden_states",
+    CACHE_KWARG,
+}
 
 
 @contextlib.contextmanager
@@ -46,8 +53,11 @@ def attention_routed(*models):
 # What the loop drafts with when the draft's generation config leaves all three unset (transformers would take
 # 20 drafts and a 0.4 confidence stop): a short fixed length keeps every step one forward shape (one CUDA graph
 # each) and wastes little verification when acceptance is low, which long-context sparse verification is built for.
-DEFAULT_DRAFTING = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
-                    "assistant_confidence_threshold": None}
+DEFAULT_DRAFTING = {
+    "num_assistant_tokens": 4,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": None,
+}
 
 
 def draft_settings(draft) -> dict:
@@ -88,7 +98,9 @@ def run_assisted(
             "assistant_model=... (prompt lookup and early-exit assistants are not supported here)"
         )
     if synced_gpus:
-        raise NotImplementedError("synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by dustin_hf's decoding loop")
+        raise NotImplementedError(
+            "synced_gpus (DeepSpeed ZeRO-3 / FSDP) is not supported by dustin_hf's decoding loop"
+        )
     for processor in logits_processor or []:
         if type(processor).__name__ == "UnbatchedClassifierFreeGuidanceLogitsProcessor":
             raise NotImplementedError(
@@ -123,11 +135,17 @@ def run_assisted(
     handle = target._dustin_patch
     drafting = draft_settings(draft)
     decoder = SpeculativeDecoder(
-        target, draft, GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
+        target,
+        draft,
+        GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
         dustin_config=dustin,
-        drafting=Drafting(int(drafting["num_assistant_tokens"]), drafting["assistant_confidence_threshold"] or None,
-                          drafting["num_assistant_tokens_schedule"]),
-        runtime=RuntimeOptions(workspaces=handle.workspaces), hooks=handle.hooks,
+        drafting=Drafting(
+            int(drafting["num_assistant_tokens"]),
+            drafting["assistant_confidence_threshold"] or None,
+            drafting["num_assistant_tokens_schedule"],
+        ),
+        runtime=RuntimeOptions(workspaces=handle.workspaces),
+        hooks=handle.hooks,
         # the loop sits below the calibration search: it runs the search it is handed
         calibrate=prompt_calibration.calibrate_on_prompts,
     )
@@ -141,6 +159,10 @@ def run_assisted(
         return dataclasses.replace(result, cache=None, draft_cache=None)
     # the loop's own cache stays with the model for its next call: the caller gets stock's layout, a copy
     prompts = prompts_from_mask(input_ids, mask)
-    returned = result.cache.to_dynamic(target.config, [p.slots for p in prompts], input_ids.shape[1],
-                                       [p.length + n - 1 for p, n in zip(prompts, result.generated)])
+    returned = result.cache.to_dynamic(
+        target.config,
+        [p.slots for p in prompts],
+        input_ids.shape[1],
+        [p.length + n - 1 for p, n in zip(prompts, result.generated)],
+    )
     return dataclasses.replace(result, cache=returned, draft_cache=None)

@@ -77,8 +77,9 @@ def dustin_attention(
         backend = "reference"
     sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
     window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
-    if sliding_window is not None and (sliding_window < dustin_plan.max_seqlen_k
-                                       or dustin_plan.window_slots is not None):
+    if sliding_window is not None and (
+        sliding_window < dustin_plan.max_seqlen_k or dustin_plan.window_slots is not None
+    ):
         window = sliding_window
     masked = window is not None or dustin_plan.hide_new or dustin_plan.attention_weights
     if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
@@ -86,35 +87,64 @@ def dustin_attention(
         tuning = dustin_plan.tuning
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         if dustin_plan.backend == "triton" and not masked:  # one read of the keys for the attention and the choice
-            out, chosen = selection_attention(q, key.transpose(1, 2), value.transpose(1, 2), tensors,
-                                              dustin_plan.key_span, dustin_plan.max_seqlen_k, dustin_plan.select,
-                                              scale, tuning=tuning)
+            out, chosen = selection_attention(
+                q,
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                tensors,
+                dustin_plan.key_span,
+                dustin_plan.max_seqlen_k,
+                dustin_plan.select,
+                scale,
+                tuning=tuning,
+            )
             dustin_plan.keep_selection(chosen)
             return out, None
-        dustin_plan.keep_selection(choose_read_set(
-            q, key.transpose(1, 2), tensors, dustin_plan.key_span, dustin_plan.select, scale,
-            backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
-            score_tuning=None if tuning is None else tuning.score,
-            select_tuning=None if tuning is None else tuning.select,
-            window=window, key_slots=dustin_plan.window_slots_on(q.device) if window is not None else None))
+        dustin_plan.keep_selection(
+            choose_read_set(
+                q,
+                key.transpose(1, 2),
+                tensors,
+                dustin_plan.key_span,
+                dustin_plan.select,
+                scale,
+                backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
+                score_tuning=None if tuning is None else tuning.score,
+                select_tuning=None if tuning is None else tuning.select,
+                window=window,
+                key_slots=dustin_plan.window_slots_on(q.device) if window is not None else None,
+            )
+        )
     if masked:
         sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
         indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
         if sparse and dustin_plan.full_rows:  # the masked path reads listed positions only
-            indices, num_indices = full_rows_written(indices, num_indices, tensors.cache_seqlens,
-                                                     dustin_plan.max_seqlen_k, dustin_plan.q_len)
+            indices, num_indices = full_rows_written(
+                indices, num_indices, tensors.cache_seqlens, dustin_plan.max_seqlen_k, dustin_plan.q_len
+            )
         out, weights = masked_attention(
-            q, key.transpose(1, 2), value.transpose(1, 2), tensors.cache_seqlens,
+            q,
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            tensors.cache_seqlens,
             softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-            indices=indices, num_indices=num_indices,
-            window=window, key_slots=dustin_plan.window_slots_on(q.device), hide_new=dustin_plan.hide_new,
+            indices=indices,
+            num_indices=num_indices,
+            window=window,
+            key_slots=dustin_plan.window_slots_on(q.device),
+            hide_new=dustin_plan.hide_new,
             return_weights=dustin_plan.attention_weights,
         )
         return out, weights
     start = dustin_plan.uniform_start
     if prompt and start is not None:  # a prompt chunk of rows that all hold `start` positions: one causal call
-        out = prefill_attention(q, key.transpose(1, 2), value.transpose(1, 2), start,
-                                softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
+        out = prefill_attention(
+            q,
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            start,
+            softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+        )
         return out, None
     out = verify_attention(
         q,

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 
-from .attention import ATTENTION_NAME, dustin_attention
 from ..compat import CACHE_KWARG, check_model, check_transformers
 from ..config import DustinConfig
-from ..patches.cache_registry import register_cache_implementation, unregister_cache_implementation
-from ..patches.generation import patched_class
 from ..decode.hooks import DecodeHooks
 from ..decode.workspace import Workspaces
+from ..patches.cache_registry import register_cache_implementation, unregister_cache_implementation
+from ..patches.generation import patched_class
+from .attention import ATTENTION_NAME, dustin_attention
 
 __all__ = ["DustinPatch", "patch", "is_patched"]
 
@@ -97,11 +97,15 @@ class DustinPatch:
         """
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        clashing = sorted({"max_new_tokens", "max_length", "attention_mask", "assistant_model", "input_ids",
-                           "cache_implementation"} & set(generate_kwargs))
+        clashing = sorted(
+            {"max_new_tokens", "max_length", "attention_mask", "assistant_model", "input_ids", "cache_implementation"}
+            & set(generate_kwargs)
+        )
         if clashing:
-            raise TypeError(f"warmup() sets {clashing} itself (its length budget is max_length); pass the other "
-                            "generate() arguments the real calls pass")
+            raise TypeError(
+                f"warmup() sets {clashing} itself (its length budget is max_length); pass the other "
+                "generate() arguments the real calls pass"
+            )
         config = self.config.replace(**dict(generate_kwargs.get("cache_config") or {}))
         prompt_len = min(max_length // 2, max(config.min_context, config.budget + config.sink_tokens) + 64)
         vocab = min(self.model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size)
@@ -115,9 +119,15 @@ class DustinPatch:
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
         criteria = StoppingCriteriaList([*generate_kwargs.pop("stopping_criteria", []), _After()])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
-                                  cache_implementation="dustin", max_new_tokens=max_length - prompt_len,
-                                  stopping_criteria=criteria, **{**generate_kwargs, "return_dict_in_generate": True})
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            cache_implementation="dustin",
+            max_new_tokens=max_length - prompt_len,
+            stopping_criteria=criteria,
+            **{**generate_kwargs, "return_dict_in_generate": True},
+        )
         return getattr(out, CACHE_KWARG).stats
 
     def unpatch(self) -> None:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from .search import default_choice, recovery_of, search, stack_features, step_features
 from ..config import SEARCHED_FIELDS, DustinConfig, ResolvedConfig, resolve
+from .search import default_choice, recovery_of, search, stack_features, step_features
 
 __all__ = ["SEARCH_SECONDS", "STEPS", "calibrate_on_prompts"]
 
@@ -35,7 +35,9 @@ SEARCH_SECONDS = 5.0  # the greedy search stops here, keeping its best choice so
 def _restored(cache, row: int, start: int, stop: int):
     """Put back row ``row``'s slots ``[start, stop)`` of every layer and its length after the block."""
     length = cache.seq_lengths[row]
-    saved = [tuple(t[row, start:stop].clone() for t in cache.layer_buffers(layer)) for layer in range(len(cache.layers))]
+    saved = [
+        tuple(t[row, start:stop].clone() for t in cache.layer_buffers(layer)) for layer in range(len(cache.layers))
+    ]
     cache.seq_lengths[row] = start
     try:
         yield
@@ -55,8 +57,9 @@ def _positions(length: int, gamma: int) -> list[int]:
     return torch.linspace(first, last, STEPS).round().long().unique().tolist()
 
 
-def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedConfig, gamma: int,
-                         lengths: list[int]) -> tuple[ResolvedConfig, dict]:
+def calibrate_on_prompts(
+    target, draft, tokens: torch.Tensor, config: ResolvedConfig, gamma: int, lengths: list[int]
+) -> tuple[ResolvedConfig, dict]:
     """The scoring heads and ``m`` searched on the prompts (the first ``lengths[b]`` of ``tokens[b]``, ``(B, T)``)
     held by ``target``/``draft`` (:class:`~dustin_hf.decode.runner.ModelRunner` s right after prefill: the target caches
     each prompt, the draft all but its last token); returns the new resolved config and a report
@@ -67,19 +70,36 @@ def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedCo
     for row in rows:
         for at in _positions(lengths[row], gamma):
             with _restored(target.cache, row, at - 1, at + gamma + 1), _restored(draft.cache, row, at - 1, at + gamma):
-                features.append(step_features(target.model, draft.model, target, draft, tokens[row], at, gamma,
-                                              target.backend, row=row))
+                features.append(
+                    step_features(
+                        target.model, draft.model, target, draft, tokens[row], at, gamma, target.backend, row=row
+                    )
+                )
             seqlens.append(at)
             sources.append({"row": row, "position": at})
     if not features:
         return config, {"skipped": f"prompts shorter than {2 * (gamma + 2)} tokens: kept the configured heads"}
     steps = stack_features(features, seqlens, sources)
     t_cfg, d_cfg = target.model.config.get_text_config(), draft.model.config.get_text_config()
-    base = DustinConfig(budget=config.budget, sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
-                        dense_layers=config.dense_layers, min_context=config.min_context, backend=config.backend,
-                        prefill_chunk=config.prefill_chunk)
-    choice, log = search(steps, t_cfg, d_cfg, (config.budget,), base, time.perf_counter() + SEARCH_SECONDS,
-                         progress=False, search_windows=False)
+    base = DustinConfig(
+        budget=config.budget,
+        sink_tokens=config.sink_tokens,
+        recent_tokens=config.recent_tokens,
+        dense_layers=config.dense_layers,
+        min_context=config.min_context,
+        backend=config.backend,
+        prefill_chunk=config.prefill_chunk,
+    )
+    choice, log = search(
+        steps,
+        t_cfg,
+        d_cfg,
+        (config.budget,),
+        base,
+        time.perf_counter() + SEARCH_SECONDS,
+        progress=False,
+        search_windows=False,
+    )
     default = default_choice(base, t_cfg, d_cfg, config.budget)
     recovery = recovery_of(steps, choice, (config.budget,), base)[config.budget]
     default_recovery = recovery_of(steps, default, (config.budget,), base)[config.budget]
@@ -87,14 +107,21 @@ def calibrate_on_prompts(target, draft, tokens: torch.Tensor, config: ResolvedCo
         choice, recovery = default, default_recovery
     picked = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
     # only the searched fields change: mode, the confirm schedule, the sparse draft and the knob stay the user's
-    chosen = dataclasses.replace(config, calibration="none",
-                                 **{name: getattr(picked, name) for name in SEARCHED_FIELDS})
+    chosen = dataclasses.replace(
+        config, calibration="none", **{name: getattr(picked, name) for name in SEARCHED_FIELDS}
+    )
     report = {
-        "steps": len(seqlens), "rows": rows, "seconds": time.perf_counter() - started,
-        "recovery": recovery, "default_recovery": default_recovery,
-        "target_layer": chosen.target_layer, "target_heads": list(chosen.target_heads),
-        "draft_layers": list(chosen.draft_layers), "draft_heads": [list(h) for h in chosen.draft_heads],
-        "draft_share": chosen.draft_share, "candidates": log["candidates_evaluated"],
+        "steps": len(seqlens),
+        "rows": rows,
+        "seconds": time.perf_counter() - started,
+        "recovery": recovery,
+        "default_recovery": default_recovery,
+        "target_layer": chosen.target_layer,
+        "target_heads": list(chosen.target_heads),
+        "draft_layers": list(chosen.draft_layers),
+        "draft_heads": [list(h) for h in chosen.draft_heads],
+        "draft_share": chosen.draft_share,
+        "candidates": log["candidates_evaluated"],
         "stopped_early": log["stopped_early"],
     }
     return chosen, report

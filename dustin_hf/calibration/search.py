@@ -30,11 +30,19 @@ from tqdm.auto import tqdm
 from ..compat import attention_scale, group_size
 from ..config import DustinConfig, resolve
 from ..runtime.plan import ForwardPlan
-from ..selection.recovery import head_probabilities, position_weights
 from ..selection.fill import select_positions
+from ..selection.recovery import head_probabilities, position_weights
 
-__all__ = ["Choice", "StepFeatures", "default_choice", "oracle_recovery", "recovery_of", "search", "stack_features",
-           "step_features"]
+__all__ = [
+    "Choice",
+    "StepFeatures",
+    "default_choice",
+    "oracle_recovery",
+    "recovery_of",
+    "search",
+    "stack_features",
+    "step_features",
+]
 
 _SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 _SINK_GRID = (1, 4, 16)
@@ -57,8 +65,16 @@ class StepFeatures:
 
     def save(self, path) -> None:
         """Keep the features (hundreds of MB for a real pair) to search again without re-collecting."""
-        torch.save({"seqlens": self.seqlens, "weights": self.weights, "target": self.target, "draft": self.draft,
-                    "sources": self.sources}, path)
+        torch.save(
+            {
+                "seqlens": self.seqlens,
+                "weights": self.weights,
+                "target": self.target,
+                "draft": self.draft,
+                "sources": self.sources,
+            },
+            path,
+        )
 
     @classmethod
     def load(cls, path) -> "StepFeatures":
@@ -81,22 +97,39 @@ def step_features(target, draft, t_model, d_model, tokens, at, gamma, backend, r
     d_scale, d_cfg = _scale_and_config(draft)
     t_heads, d_heads = tuple(range(t_cfg.num_attention_heads)), tuple(range(d_cfg.num_attention_heads))
     rows = slice(row, row + 1)
-    plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 2, backend=backend,
-                       capture={layer: t_heads for layer in range(t_cfg.num_hidden_layers)})
+    plan = ForwardPlan(
+        rows=rows,
+        cache_seqlens=[at - 1],
+        q_len=gamma + 2,
+        backend=backend,
+        capture={layer: t_heads for layer in range(t_cfg.num_hidden_layers)},
+    )
     t_model.forward(plan, tokens[at - 1 : at + gamma + 1][None], keep=1)
     t_keys = {layer: t_model.cache.layer_buffers(layer)[0][row] for layer in plan.captured}  # (T, Hkv, D)
     weights = position_weights({l: q[0, 1:] for l, q in plan.captured.items()}, t_keys, at, t_scale)  # (layers, L)
     history_pos = torch.tensor([at - 1], device=tokens.device)
-    target = torch.stack([head_probabilities(plan.captured[l][0, :1], t_keys[l], history_pos, at, t_scale)
-                          for l in sorted(plan.captured)])  # (layers, heads, L)
-    plan = ForwardPlan(rows=rows, cache_seqlens=[at - 1], q_len=gamma + 1, backend=backend,
-                       capture={layer: d_heads for layer in range(d_cfg.num_hidden_layers)})
+    target = torch.stack(
+        [
+            head_probabilities(plan.captured[l][0, :1], t_keys[l], history_pos, at, t_scale)
+            for l in sorted(plan.captured)
+        ]
+    )  # (layers, heads, L)
+    plan = ForwardPlan(
+        rows=rows,
+        cache_seqlens=[at - 1],
+        q_len=gamma + 1,
+        backend=backend,
+        capture={layer: d_heads for layer in range(d_cfg.num_hidden_layers)},
+    )
     # ids a smaller draft embedding cannot hold reach it as its last id, as in decoding
     d_model.forward(plan, tokens[at - 1 : at + gamma][None].clamp_max(d_cfg.vocab_size - 1), keep=1)
     query_pos = at + torch.arange(gamma, device=tokens.device)
-    draft_feats = torch.stack([
-        head_probabilities(plan.captured[l][0, 1:], d_model.cache.layer_buffers(l)[0][row], query_pos, at, d_scale)
-        for l in sorted(plan.captured)])  # (layers, heads, L)
+    draft_feats = torch.stack(
+        [
+            head_probabilities(plan.captured[l][0, 1:], d_model.cache.layer_buffers(l)[0][row], query_pos, at, d_scale)
+            for l in sorted(plan.captured)
+        ]
+    )  # (layers, heads, L)
     return weights.cpu(), target.cpu(), draft_feats.cpu()
 
 
@@ -128,8 +161,10 @@ class Choice:
     recent: int | None = None  # recent_tokens; None: the base config's
 
     def windows(self, base: DustinConfig) -> tuple[int, int]:
-        return (base.sink_tokens if self.sink is None else self.sink,
-                base.recent_tokens if self.recent is None else self.recent)
+        return (
+            base.sink_tokens if self.sink is None else self.sink,
+            base.recent_tokens if self.recent is None else self.recent,
+        )
 
     def draft_share(self, base: DustinConfig, budget: int) -> int:
         sink, recent = self.windows(base)
@@ -142,9 +177,14 @@ class Choice:
         sink, recent = self.windows(base)
         layers = tuple(sorted(self.draft))
         return base.replace(
-            budget=budget, sink_tokens=sink, recent_tokens=recent, draft_share=self.draft_share(base, budget),
-            target_layer=self.target_layer, target_heads=self.target_heads,
-            draft_layers=tuple(l for l, _ in layers) or None, draft_heads=tuple(h for _, h in layers) or None,
+            budget=budget,
+            sink_tokens=sink,
+            recent_tokens=recent,
+            draft_share=self.draft_share(base, budget),
+            target_layer=self.target_layer,
+            target_heads=self.target_heads,
+            draft_layers=tuple(l for l, _ in layers) or None,
+            draft_heads=tuple(h for _, h in layers) or None,
         )
 
 
@@ -171,8 +211,10 @@ def oracle_recovery(features: StepFeatures, budgets) -> dict:
     attention itself; recovery is linear in the selection): ``{budget: share}``."""
     out = {}
     for budget in budgets:
-        values = [1.0 if budget >= n else float(row[:n].topk(budget).values.sum())
-                  for row, n in zip(features.mean_weights, features.seqlens)]
+        values = [
+            1.0 if budget >= n else float(row[:n].topk(budget).values.sum())
+            for row, n in zip(features.mean_weights, features.seqlens)
+        ]
         out[budget] = sum(values) / len(values)
     return out
 
@@ -224,8 +266,17 @@ def _group(head: int, group_size: int) -> tuple[int, ...]:
     return tuple(range(first, first + group_size))
 
 
-def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, deadline: float, progress: bool = True,
-           max_draft_layers: int = 3, search_windows: bool = True) -> tuple[Choice, dict]:
+def search(
+    features: StepFeatures,
+    t_cfg,
+    d_cfg,
+    budgets,
+    base: DustinConfig,
+    deadline: float,
+    progress: bool = True,
+    max_draft_layers: int = 3,
+    search_windows: bool = True,
+) -> tuple[Choice, dict]:
     """The greedy search of the module docstring (recovery averaged over ``budgets``); returns the best
     choice and a log of each stage."""
     t_heads, t_group = t_cfg.num_attention_heads, group_size(t_cfg)
@@ -240,9 +291,13 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
                 break
             singles[(layer, head)] = s.score(Choice(layer, (head,)))
     best = max(((v, Choice(l, (h,))) for (l, h), v in singles.items()), key=lambda x: x[0])
-    groups = [Choice(l, _group(g, t_group)) for l in range(t_cfg.num_hidden_layers) for g in range(0, t_heads, t_group)]
+    groups = [
+        Choice(l, _group(g, t_group)) for l in range(t_cfg.num_hidden_layers) for g in range(0, t_heads, t_group)
+    ]
     best = s.best(groups, best)
-    top_layers = sorted({l for l, _ in singles}, key=lambda l: -max(v for (ll, _), v in singles.items() if ll == l))[:4]
+    top_layers = sorted({l for l, _ in singles}, key=lambda l: -max(v for (ll, _), v in singles.items() if ll == l))[
+        :4
+    ]
     for layer in top_layers:
         head = max((h for (l, h) in singles if l == layer), key=lambda h: singles[(layer, h)])
         heads, value = (head,), singles[(layer, head)]
@@ -272,7 +327,9 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
     for layer in {l for l, _ in d_singles}:
         options = [_group(g, d_group) for g in range(0, d_heads, d_group)]
         for g in range(0, d_heads, d_group):
-            ranked = sorted((h for h in _group(g, d_group) if (layer, h) in d_singles), key=lambda h: -d_singles[(layer, h)])
+            ranked = sorted(
+                (h for h in _group(g, d_group) if (layer, h) in d_singles), key=lambda h: -d_singles[(layer, h)]
+            )
             options += [tuple(sorted(ranked[:k])) for k in (2, 4) if len(ranked) >= k]
         scored = s.best([with_target(((layer, o),)) for o in options])
         if scored is not None:
@@ -297,8 +354,12 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
         windows = [(sink, recent) for sink in _SINK_GRID for recent in _RECENT_GRID if sink + recent <= limit]
         final_value, final = s.best([final.replace(sink=a, recent=b) for a, b in windows], (final_value, final))
         final_value, final = s.best([final.replace(share=f) for f in _SHARE_GRID], (final_value, final))
-        log["windows"] = {"recovery": final_value, "sink_tokens": final.sink, "recent_tokens": final.recent,
-                          "share": final.share}
+        log["windows"] = {
+            "recovery": final_value,
+            "sink_tokens": final.sink,
+            "recent_tokens": final.recent,
+            "share": final.share,
+        }
     log["candidates_evaluated"] = s.evaluated
     log["stopped_early"] = s.stopped_early
     s.bar.close()
@@ -307,8 +368,17 @@ def search(features: StepFeatures, t_cfg, d_cfg, budgets, base: DustinConfig, de
 
 def default_choice(base: DustinConfig, t_cfg, d_cfg, budget: int) -> Choice:
     """``DustinConfig()``'s model-dependent defaults, as a :class:`Choice`."""
-    resolved = resolve(base.replace(budget=budget, target_layer=None, target_heads=None, draft_layers=None,
-                                    draft_heads=None, draft_share=None), t_cfg, d_cfg)
+    resolved = resolve(
+        base.replace(
+            budget=budget, target_layer=None, target_heads=None, draft_layers=None, draft_heads=None, draft_share=None
+        ),
+        t_cfg,
+        d_cfg,
+    )
     free = budget - base.sink_tokens - base.recent_tokens
-    return Choice(resolved.target_layer, resolved.target_heads, tuple(zip(resolved.draft_layers, resolved.draft_heads)),
-                  resolved.draft_share / free if free else 0.0)
+    return Choice(
+        resolved.target_layer,
+        resolved.target_heads,
+        tuple(zip(resolved.draft_layers, resolved.draft_heads)),
+        resolved.draft_share / free if free else 0.0,
+    )

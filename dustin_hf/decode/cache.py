@@ -14,6 +14,7 @@ Which slots a forward writes comes from the active :class:`~dustin_hf.runtime.pl
 from __future__ import annotations
 
 import contextlib
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
@@ -45,7 +46,9 @@ class DustinLayer(CacheLayerMixin):
         batch, heads, _, head_dim = key_states.shape
         shape = (self._owner.batch_size, self._owner.capacity, heads, head_dim)
         self._k = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self._v = torch.zeros(shape[:3] + (value_states.shape[-1],), dtype=value_states.dtype, device=value_states.device)
+        self._v = torch.zeros(
+            shape[:3] + (value_states.shape[-1],), dtype=value_states.dtype, device=value_states.device
+        )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
         self._sync_views()
@@ -199,7 +202,9 @@ class DustinCache(Cache):
             raise ValueError(f"plan rows {plan.rows} outside the cache's {self.batch_size} rows")
         for row, length in zip(range(plan.rows.start, plan.rows.stop), plan.cache_seqlens):
             if length != self.seq_lengths[row]:
-                raise RuntimeError(f"plan says row {row} holds {length} positions, the cache says {self.seq_lengths[row]}")
+                raise RuntimeError(
+                    f"plan says row {row} holds {length} positions, the cache says {self.seq_lengths[row]}"
+                )
         self.ensure_capacity(plan.max_seqlen_k)
         plan.begin()
         self.active_plan = plan
@@ -261,8 +266,12 @@ class DustinCache(Cache):
             k_out = keys.new_zeros(keys.shape[0], width, *keys.shape[2:])
             v_out = values.new_zeros(values.shape[0], width, *values.shape[2:])
             for b, (row_slots, n) in enumerate(zip(slots, lengths)):
-                where = torch.cat([row_slots.to(keys.device),
-                                   torch.arange(padded_len, padded_len + n - len(row_slots), device=keys.device)])
+                where = torch.cat(
+                    [
+                        row_slots.to(keys.device),
+                        torch.arange(padded_len, padded_len + n - len(row_slots), device=keys.device),
+                    ]
+                )
                 k_out[b, where] = keys[b, :n]
                 v_out[b, where] = values[b, :n]
             out.update(k_out.transpose(1, 2), v_out.transpose(1, 2), layer_idx)

@@ -20,20 +20,20 @@ from collections.abc import Callable
 import torch
 from transformers import GenerationConfig
 
-from .cache import DustinCache
 from ..compat import model_device, window_cuts
 from ..config import ResolvedConfig
-from .run import DecodeResult, DecodeRun
-from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
-from ..selection.draft_reads import DraftReads
-from .exact_step import exact_step
 from ..kernels import resolve_backend
-from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
-from .runner import ModelRunner
 from ..runtime.fused import FusedWeights, fused_ops, fused_ops_available
 from ..runtime.launch import all_on_cuda
+from ..selection.draft_reads import DraftReads
 from ..selection.layers import select_spec
+from .cache import DustinCache
+from .exact_step import exact_step
 from .hooks import DecodeHooks, PhaseClock
+from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
+from .run import DecodeResult, DecodeRun
+from .runner import ModelRunner
+from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
 from .workspace import Shape, Workspace, capacity_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
@@ -78,15 +78,18 @@ class SpeculativeDecoder:
         if not isinstance(generation, GenerateSettings):
             generation = GenerateSettings.from_generate(generation)
         if dustin_config is not None and dustin_config.calibration == "prompt" and calibrate is None:
-            raise ValueError("calibration='prompt' needs the search to run on the prompts: pass "
-                             "calibrate=dustin_hf.calibration.prompt.calibrate_on_prompts")
+            raise ValueError(
+                "calibration='prompt' needs the search to run on the prompts: pass "
+                "calibrate=dustin_hf.calibration.prompt.calibrate_on_prompts"
+            )
         self.target, self.draft = target, draft
         self.generation, self.dustin_config, self.calibrate = generation, dustin_config, calibrate
         self.drafting = drafting or Drafting()
         self.runtime = runtime or RuntimeOptions()
         self.hooks = hooks or DecodeHooks()
-        self.backend = resolve_backend(dustin_config.backend if dustin_config is not None else self.runtime.backend,
-                                       model_device(target))
+        self.backend = resolve_backend(
+            dustin_config.backend if dustin_config is not None else self.runtime.backend, model_device(target)
+        )
         # graphs need all of a model's parameters on CUDA devices (one graph per device) and a graph-safe kernel
         cuda_graphs, fused = self.runtime.cuda_graphs, self.runtime.fused_ops
         self.graphs = {
@@ -99,13 +102,21 @@ class SpeculativeDecoder:
         }
         for role, model in (("target", target), ("draft", draft)):
             if fused is None and self.backend == "triton" and not self.fused[role]:
-                logger.info("fused decode ops are off for the %s (%s): its layers run transformers' own forwards",
-                            role, type(model).__name__)
+                logger.info(
+                    "fused decode ops are off for the %s (%s): its layers run transformers' own forwards",
+                    role,
+                    type(model).__name__,
+                )
         self.profile = PhaseClock.mode_of(self.hooks.profile, model_device(target))  # None, "sync" or "events"
         # greedy, unprocessed and nothing returned but tokens: the forwards hand out their logits' argmax only
-        self.tokens_only = not (generation.do_sample or self.drafting.confidence_threshold is not None
-                                or len(generation.logits_processor) or generation.output_scores
-                                or generation.output_logits or generation.recording)
+        self.tokens_only = not (
+            generation.do_sample
+            or self.drafting.confidence_threshold is not None
+            or len(generation.logits_processor)
+            or generation.output_scores
+            or generation.output_logits
+            or generation.recording
+        )
 
     def decode_step(self, run: DecodeRun) -> None:
         """One step of ``run``: exact mode's (:func:`~dustin_hf.decode.exact_step.exact_step`) or the plain one
@@ -116,8 +127,12 @@ class SpeculativeDecoder:
             run.step()
 
     # ------------------------------------------------------------------------------------------ a run
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> DecodeResult:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> DecodeResult:
         prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
         batch, padded_len = input_ids.shape
         max_length = self.generation.config.max_length
@@ -128,17 +143,25 @@ class SpeculativeDecoder:
             raise ValueError("streaming is supported for batch size 1 only")
         check_token_ids(prompts, self.target.config.get_text_config().vocab_size)
         needed = max(p.length for p in prompts) + max_new + self.drafting.max_gamma + 2
-        if self.dustin_config is not None and self.dustin_config.mode == "exact":  # tentative tokens past max_new, wider blocks
+        if (
+            self.dustin_config is not None and self.dustin_config.mode == "exact"
+        ):  # tentative tokens past max_new, wider blocks
             needed += self.dustin_config.confirm_tokens + 2 * self.drafting.max_gamma + 2
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
-        calibrating = self.dustin_config is not None and self.dustin_config.calibration == "prompt"  # each run picks its heads
+        calibrating = (
+            self.dustin_config is not None and self.dustin_config.calibration == "prompt"
+        )  # each run picks its heads
         workspace = None
         try:
             workspace, window_slots = self._workspace(prompts, padded_len, needed)
             generation = workspace.fused.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
-            with fused_ops(*fused, tuning=self.runtime.tuning.fused, gemm=self.runtime.tuning.kernels.gemm,
-                           weights=workspace.fused) as report:
+            with fused_ops(
+                *fused,
+                tuning=self.runtime.tuning.fused,
+                gemm=self.runtime.tuning.kernels.gemm,
+                weights=workspace.fused,
+            ) as report:
                 if workspace.fingerprint is None:
                     workspace.seal()
                 elif workspace.fused.generation != generation:  # fits() compared the addresses the graphs read
@@ -155,14 +178,18 @@ class SpeculativeDecoder:
             self.runtime.workspaces.keep(workspace)
         else:
             workspace.release()
-        result.stats.reports["fused_ops"] = {"norms": report.norms, "rotary": list(report.rotary_modules),
-                                             "mlps": report.mlps, "qkv": report.qkv, "outputs": report.outputs,
-                                             "attentions": report.attentions}
+        result.stats.reports["fused_ops"] = {
+            "norms": report.norms,
+            "rotary": list(report.rotary_modules),
+            "mlps": report.mlps,
+            "qkv": report.qkv,
+            "outputs": report.outputs,
+            "attentions": report.attentions,
+        }
         result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
         return result
 
-    def _workspace(self, prompts: list[Prompt], padded_len: int,
-                   needed: int) -> tuple[Workspace, torch.Tensor | None]:
+    def _workspace(self, prompts: list[Prompt], padded_len: int, needed: int) -> tuple[Workspace, torch.Tensor | None]:
         """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`); its
         runners get this run's position and window tables. Also what sliding windows count where rows have holes
         (``None``: the slots), which the selector reads."""
@@ -175,8 +202,10 @@ class SpeculativeDecoder:
         # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
         # not the slots (a masked last input slot, the caller's position_ids), a sliding window that can cut, or
         # attentions and hidden states to return run eagerly
-        graphs = tuple(self.graphs[role] and positions is None and not recording and not windowed[role]
-                       for role in ("target", "draft"))
+        graphs = tuple(
+            self.graphs[role] and positions is None and not recording and not windowed[role]
+            for role in ("target", "draft")
+        )
         cfg = self.dustin_config
         read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
         sparse_draft = cfg is not None and cfg.sparse_draft
@@ -184,27 +213,53 @@ class SpeculativeDecoder:
         # exact mode's sampling needs p~ to be a function of the prefix: only the first query (x's) scores there
         exact_sampling = self.generation.do_sample and cfg is not None and cfg.mode == "exact"
         select = select_spec(cfg, queries=1 if exact_sampling else None) if cfg is not None else None
-        shape = Shape(batch=len(prompts), backend=self.backend, graphs=graphs,
-                      fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
-                      widths=(read_width, draft_width), dustin_config=cfg, tuning=self.runtime.tuning, select=select)
+        shape = Shape(
+            batch=len(prompts),
+            backend=self.backend,
+            graphs=graphs,
+            fused=(self.fused["target"], self.fused["draft"]),
+            tokens_only=self.tokens_only,
+            widths=(read_width, draft_width),
+            dustin_config=cfg,
+            tuning=self.runtime.tuning,
+            select=select,
+        )
         workspaces = self.runtime.workspaces
         held = workspaces is not None and workspaces.held is not None
         workspace = None if workspaces is None else workspaces.take(self.target, self.draft, shape, needed)
         if workspace is not None:
-            logger.info("reusing the held decode workspace (batch %d, %d slots a row)", len(prompts),
-                        workspace.capacity)
+            logger.info(
+                "reusing the held decode workspace (batch %d, %d slots a row)", len(prompts), workspace.capacity
+            )
         else:
-            logger.info("building a decode workspace (batch %d, %d slots a row)%s: caches, and CUDA graphs as "
-                        "each decode shape first runs", len(prompts), capacity,
-                        "; the held one was of another shape and is released" if held else "")
+            logger.info(
+                "building a decode workspace (batch %d, %d slots a row)%s: caches, and CUDA graphs as "
+                "each decode shape first runs",
+                len(prompts),
+                capacity,
+                "; the held one was of another shape and is released" if held else "",
+            )
             t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-            target = ModelRunner(self.target, DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
-                                 self.backend, graphs[0], graph_width=read_width,
-                                 dense_layers=cfg.dense_layers if cfg is not None else (),
-                                 tokens_only=self.tokens_only, tuning=self.runtime.tuning.kernels, select=select)
-            draft = ModelRunner(self.draft, DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity), self.backend,
-                                graphs[1], graph_width=draft_width, tokens_only=self.tokens_only,
-                                tuning=self.runtime.tuning.kernels)
+            target = ModelRunner(
+                self.target,
+                DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
+                self.backend,
+                graphs[0],
+                graph_width=read_width,
+                dense_layers=cfg.dense_layers if cfg is not None else (),
+                tokens_only=self.tokens_only,
+                tuning=self.runtime.tuning.kernels,
+                select=select,
+            )
+            draft = ModelRunner(
+                self.draft,
+                DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity),
+                self.backend,
+                graphs[1],
+                graph_width=draft_width,
+                tokens_only=self.tokens_only,
+                tuning=self.runtime.tuning.kernels,
+            )
             workspace = Workspace(shape, target, draft, FusedWeights())
         workspace.start_run()
         held_slots = workspace.capacity  # the tables span the caches, which may hold more than this run needs

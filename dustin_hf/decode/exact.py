@@ -55,7 +55,8 @@ class ExactStats:
             "tentative_confirmed": self.tentative_confirmed,
             "tentative_rejected": self.tentative_rejected,
             "confirmed_fraction": self.tentative_confirmed / checked if checked else 1.0,
-            "tokens_per_confirmation": self.committed_by_confirmations / self.confirmations if self.confirmations
+            "tokens_per_confirmation": self.committed_by_confirmations / self.confirmations
+            if self.confirmations
             else 0.0,
             "dense_row_steps": self.dense_rows,
             "sparse_row_steps": self.sparse_rows,
@@ -129,8 +130,9 @@ class ConfirmSchedule:
         self.proposals[b] = []
 
 
-def blocks(tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts: torch.Tensor,
-            width: int) -> torch.Tensor:
+def blocks(
+    tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts: torch.Tensor, width: int
+) -> torch.Tensor:
     """``(B, width)`` verification inputs of exact mode: row ``b``'s token at ``starts[b]`` and the
     ``tentative[b]`` after it, then its drafts, cut or padded (with its last input) to ``width``.
 
@@ -145,8 +147,9 @@ def blocks(tokens: torch.Tensor, starts: list[int], tentative: list[int], drafts
     return out
 
 
-def block_proposals(draft_probs: torch.Tensor, tentative_probs: list[list[torch.Tensor]], tentative: list[int],
-                     vocab: int, width: int) -> torch.Tensor:
+def block_proposals(
+    draft_probs: torch.Tensor, tentative_probs: list[list[torch.Tensor]], tentative: list[int], vocab: int, width: int
+) -> torch.Tensor:
     """``(B, width, V)`` proposal distributions of exact mode's blocks: p~ of each tentative token a confirming
     row holds, then the draft's q (zero past the draft's vocabulary and past a row's block)."""
     batch, gamma, draft_vocab = draft_probs.shape

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .run import DecodeRun, Drafts
-from .exact import block_proposals, blocks
 from ..runtime.plan import HostCopy, device_tensor
 from ..selection.fill import dense_rows, truncated, with_dense_rows
+from .exact import block_proposals, blocks
+from .run import DecodeRun, Drafts
 
 __all__ = ["exact_step"]
 
@@ -54,19 +54,23 @@ def exact_step(run: DecodeRun) -> None:
         first = {layer: queries[:1] for layer, queries in drafts.queries.items()}
         selection = run.selector.select(target, draft, seqlens, base, first, 1)
     elif sparse:
-        selection = run.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
-                                        drafts.row_gamma)
+        selection = run.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma, drafts.row_gamma)
     if selection is not None and selection.recovery is not None:
-        run.stats.record_knob(selection.counts, selection.recovery, selection.fallback,
-                              [b for b in rows.active if not dense[b]])
+        run.stats.record_knob(
+            selection.counts, selection.recovery, selection.fallback, [b for b in rows.active if not dense[b]]
+        )
     reads = None if all(dense) else with_dense_rows(selection, starts, dense)
     # what the sparse draft reads next: a confirming row rewrites its positions from its confirmed start, so it
     # keeps the part of this selection below that start and reads everything written from it on (without the
     # sparse draft only whether a selection exists matters)
     kept_from = [s if c else L for s, L, c in zip(starts, seqlens, confirming)]
-    run.last_selection = None if selection is None else (selection, seqlens) \
-        if not (any(confirming) and run.sparse_draft) else \
-        (truncated(selection, kept_from, seqlens, cfg.recent_tokens), kept_from)
+    run.last_selection = (
+        None
+        if selection is None
+        else (selection, seqlens)
+        if not (any(confirming) and run.sparse_draft)
+        else (truncated(selection, kept_from, seqlens, cfg.recent_tokens), kept_from)
+    )
     run.clock.mark("score_select")
 
     # 3. Verify each row's block [x, proposal] from its start: a confirming row's x is its last committed
@@ -79,15 +83,24 @@ def exact_step(run: DecodeRun) -> None:
     # the width count only when every tentative token before them is confirmed
     width = cfg.confirm_tokens + run.max_gamma if any(confirming) else max(drafts.row_gamma)
     if max(tentative) > width:  # the schedule keeps every limit <= confirm_tokens; a block must hold them all
-        raise RuntimeError(f"exact mode: a row holds {max(tentative)} tentative tokens, more than a confirming "
-                           f"block's {width}; this is a bug in dustin_hf")
+        raise RuntimeError(
+            f"exact mode: a row holds {max(tentative)} tentative tokens, more than a confirming "
+            f"block's {width}; this is a bug in dustin_hf"
+        )
     verified = [min(g, width - n) for n, g in zip(tentative, drafts.row_gamma)]  # new drafts in each block
     gammas = [n + g for n, g in zip(tentative, verified)]
     inputs = blocks(rows.tokens, starts, tentative, drafts.tokens, 1 + width)  # (B, 1 + width): x, proposal
     proposal = inputs[:, 1:]
     target.cache.rollback(starts)  # a confirming row re-reads its tentative positions densely
-    raw, captured = target.step(inputs, starts, keep=1 + width, capture=run.history_capture,
-                                capture_last=False, selection=reads, query_counts=[1 + g for g in gammas])
+    raw, captured = target.step(
+        inputs,
+        starts,
+        keep=1 + width,
+        capture=run.history_capture,
+        capture_last=False,
+        selection=reads,
+        query_counts=[1 + g for g in gammas],
+    )
     scores = None
     if not run.tokens_only:
         prefixes = [rows.history(b, upto=starts[b] + 1) for b in range(batch)]
@@ -116,8 +129,11 @@ def exact_step(run: DecodeRun) -> None:
     #    this one: a confirming row's start is past the budget and min_context (its committed tokens were, for
     #    its last sparse step), and committed lengths only grow.
     host = HostCopy(torch.cat([n_accepted[:, None], new_tokens], dim=1))
-    run.ahead = run.queue_drafts(device_tensor(starts, device) if any(confirming) else base,
-                                 n_accepted, *(run.last_selection or (None, seqlens)))
+    run.ahead = run.queue_drafts(
+        device_tensor(starts, device) if any(confirming) else base,
+        n_accepted,
+        *(run.last_selection or (None, seqlens)),
+    )
     run.clock.mark("draft")
     host = host.tolist()
     accepted = [row[0] for row in host]
@@ -141,8 +157,11 @@ def exact_step(run: DecodeRun) -> None:
             new = host[b][1 : accepted[b] + 2]  # the new tentative tokens, from the host copy
             rows.tentative[b] += accepted[b] + 1
             schedule.after_sparse(b, schedule.must[b] or rows.would_stop(b, new))
-    run.update_schedule(verified, [min(max(n - t, 0), g) for n, t, g in zip(accepted, tentative, verified)],
-                        [b for b in active if verified[b]])  # a block with no new drafts tells nothing
+    run.update_schedule(
+        verified,
+        [min(max(n - t, 0), g) for n, t, g in zip(accepted, tentative, verified)],
+        [b for b in active if verified[b]],
+    )  # a block with no new drafts tells nothing
     if run.recorder is not None:
         hidden, attentions = target.last_outputs
         for b in active:
@@ -152,8 +171,14 @@ def exact_step(run: DecodeRun) -> None:
         schedule.stats.confirm_steps += 1
     run.clock.mark("commit")
 
-    run.stats.record_step(gammas, accepted, counts, active,
-                          sparse=reads is not None,
-                          attended=None if reads is None else run.attended(reads, starts, active), seqlens=starts)
+    run.stats.record_step(
+        gammas,
+        accepted,
+        counts,
+        active,
+        sparse=reads is not None,
+        attended=None if reads is None else run.attended(reads, starts, active),
+        seqlens=starts,
+    )
     run.clock.mark("bookkeeping")
     run.clock.end_step()

@@ -64,8 +64,9 @@ class Prompt:
         return (self.length if self.first_position is None else self.first_position) - 1
 
 
-def prompts_from_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None = None) -> list[Prompt]:
+def prompts_from_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+) -> list[Prompt]:
     """Each row's :class:`Prompt`. A row with no unmasked slot is an error (stock would attend to nothing).
     ``position_ids``: ``(batch, length)`` or ``(1, length)`` integers, stock's own (``cumsum(mask) - 1``, masked
     slots 0) when ``None``."""
@@ -145,5 +146,7 @@ def check_token_ids(prompts: list[Prompt], vocab: int) -> None:
     for b, p in enumerate(prompts):
         low, high = int(p.tokens.min()), int(p.tokens.max())
         if low < 0 or high >= vocab:
-            raise ValueError(f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
-                             f"vocabulary [0, {vocab})")
+            raise ValueError(
+                f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
+                f"vocabulary [0, {vocab})"
+            )

@@ -58,7 +58,9 @@ def _for_row(processor, b: int, pad: int, min_length_from_new: bool):
         return _shifted(processor, "regulation_start", pad)
     if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor):
         ignore = getattr(processor, "prompt_ignore_length", None)
-        if isinstance(ignore, torch.Tensor):  # per padded row: how many leading ids to ignore (the padding, by default)
+        if isinstance(
+            ignore, torch.Tensor
+        ):  # per padded row: how many leading ids to ignore (the padding, by default)
             row = copy.copy(processor)
             row.prompt_ignore_length = max(0, int(ignore[b]) - pad)
             return row
@@ -90,8 +92,12 @@ class LogitsPipeline:
     history of each row and position, as if that row were decoded alone: one call per row and position.
     """
 
-    def __init__(self, processors: lp.LogitsProcessorList | None, pads: list[int] | None = None,
-                 min_length_from_new: bool = False):
+    def __init__(
+        self,
+        processors: lp.LogitsProcessorList | None,
+        pads: list[int] | None = None,
+        min_length_from_new: bool = False,
+    ):
         self.processors = processors if processors is not None else lp.LogitsProcessorList()
         self.min_length_from_new = min_length_from_new
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
@@ -101,8 +107,10 @@ class LogitsPipeline:
 
     def for_batch(self, pads: list[int]) -> None:
         """Make each row's processor list for a batch whose rows carry ``pads`` tokens of left padding."""
-        self._rows = [lp.LogitsProcessorList([_for_row(p, b, pad, self.min_length_from_new) for p in self.processors])
-                      for b, pad in enumerate(pads)]
+        self._rows = [
+            lp.LogitsProcessorList([_for_row(p, b, pad, self.min_length_from_new) for p in self.processors])
+            for b, pad in enumerate(pads)
+        ]
 
     def __call__(self, logits: torch.Tensor, history: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
         """``logits (B, n, V)`` float32; ``history(b, i)`` is row b's ``(1, len)`` token ids before position i."""

@@ -35,8 +35,19 @@ class Rows:
         output_scores, output_logits: keep each committed token's processed scores / raw logits.
     """
 
-    def __init__(self, prompts: list, width: int, pad: int, device: torch.device, max_new: int,
-                 eos: list[int], row_criteria: list, streamer, output_scores: bool, output_logits: bool):
+    def __init__(
+        self,
+        prompts: list,
+        width: int,
+        pad: int,
+        device: torch.device,
+        max_new: int,
+        eos: list[int],
+        row_criteria: list,
+        streamer,
+        output_scores: bool,
+        output_logits: bool,
+    ):
         batch = len(prompts)
         self.tokens = torch.full((batch, width), pad, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
@@ -72,7 +83,7 @@ class Rows:
         ``generate()`` would hand them to a processor were the row alone: ``(1, len)``."""
         committed = self.tokens[b : b + 1, : self.lens[b] + self.tentative[b] if upto is None else upto]
         if self.views[b] is not None:
-            committed = torch.cat([self.views[b], committed[:, self.prompt_lens[b]:]], dim=1)
+            committed = torch.cat([self.views[b], committed[:, self.prompt_lens[b] :]], dim=1)
         if not drafts:
             return committed
         return torch.cat([committed, torch.stack([d[b] for d in drafts])[None]], dim=1)
@@ -81,11 +92,13 @@ class Rows:
         """Write every row's candidates ``(B, n)`` after its committed tokens, or from ``offsets[b]`` (one scatter;
         :meth:`commit` then makes the first ``k_b`` of them committed)."""
         slots = device_tensor(self.lens if offsets is None else offsets, new_tokens.device)[:, None] + torch.arange(
-            new_tokens.shape[1], device=new_tokens.device)
+            new_tokens.shape[1], device=new_tokens.device
+        )
         self.tokens.scatter_(1, slots.clamp_max(self.tokens.shape[1] - 1), new_tokens)
 
-    def commit(self, new_tokens: torch.Tensor, host_tokens: list[list[int]], raw, scores,
-               proposed: list[int]) -> list[int]:
+    def commit(
+        self, new_tokens: torch.Tensor, host_tokens: list[list[int]], raw, scores, proposed: list[int]
+    ) -> list[int]:
         """Append up to ``proposed[b]`` of ``new_tokens[b]`` (already written by :meth:`write_candidates`) to
         each unfinished row, cut at EOS, length and stopping criteria; return the counts appended (0 for rows
         already finished). ``host_tokens`` is ``new_tokens`` on the host; ``raw``/``scores`` ``(B, n, V)`` are
@@ -128,7 +141,9 @@ class Rows:
             return True
         return bool(self.row_criteria) and any(
             bool(criterion(self.history(b, upto=held - len(new) + j), None)[0])
-            for j in range(1, len(new) + 1) for criterion in self.row_criteria)
+            for j in range(1, len(new) + 1)
+            for criterion in self.row_criteria
+        )
 
     def _apply_row_criteria(self, b: int, start: int, k: int) -> int:
         for j in range(1, k + 1):
@@ -154,8 +169,10 @@ class Rows:
         if per_row is None:
             return None
         template = next(s for row in per_row for s in row)
-        return tuple(torch.stack([row[t] if t < len(row) else torch.zeros_like(template) for row in per_row])
-                     for t in range(max(self.generated)))
+        return tuple(
+            torch.stack([row[t] if t < len(row) else torch.zeros_like(template) for row in per_row])
+            for t in range(max(self.generated))
+        )
 
 
 def token_ids(tensor, fallback) -> list[int]:

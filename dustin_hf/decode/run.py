@@ -43,23 +43,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import DustinCache
 from ..compat import attention_scale, common_window, group_size, model_device
 from ..config import ResolvedConfig
+from ..runtime.launch import prefer_cublaslt
+from ..runtime.plan import HostCopy, device_tensor, select_heads
 from ..selection.draft_reads import DraftReads
+from ..selection.fill import Selection, dense_rows
+from ..selection.selector import Selector
+from .cache import DustinCache
 from .exact import ConfirmSchedule
+from .hooks import PhaseClock, synchronize
 from .masks import Prompt
 from .outputs import OutputRecorder
-from ..runtime.plan import HostCopy, device_tensor, select_heads
 from .processors import LogitsPipeline
 from .rows import Rows
 from .runner import ModelRunner
-from ..runtime.launch import prefer_cublaslt
 from .sampling import RowGenerators, accept_greedy, accept_sampled, pick_tokens
-from ..selection.fill import Selection, dense_rows
-from ..selection.selector import Selector
 from .stats import RunStats
-from .hooks import PhaseClock, synchronize
 from .workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -118,11 +118,20 @@ class DecodeRun:
         window_slots: what sliding windows count where rows have holes (``None``: the slots themselves).
     """
 
-    def __init__(self, decoder, workspace: Workspace, prompts: list[Prompt], padded_len: int,
-                 max_new: int, window_slots: torch.Tensor | None):
+    def __init__(
+        self,
+        decoder,
+        workspace: Workspace,
+        prompts: list[Prompt],
+        padded_len: int,
+        max_new: int,
+        window_slots: torch.Tensor | None,
+    ):
         gen, drafting = decoder.generation, decoder.drafting
         self.gen, self.hooks, self.calibrate = gen, decoder.hooks, decoder.calibrate
-        self.dustin_config: ResolvedConfig | None = decoder.dustin_config  # prompt calibration replaces it for this run
+        self.dustin_config: ResolvedConfig | None = (
+            decoder.dustin_config
+        )  # prompt calibration replaces it for this run
         self.backend, self.kernel_tuning = decoder.backend, decoder.runtime.tuning.kernels
         self.do_sample, self.tokens_only = gen.do_sample, decoder.tokens_only
         self.gamma, self.threshold = drafting.num_draft_tokens, drafting.confidence_threshold
@@ -136,19 +145,35 @@ class DecodeRun:
         batch = len(prompts)
 
         self.target.record = (gen.output_attentions, gen.output_hidden_states)
-        self.recorder = OutputRecorder([p.slots for p in prompts], padded_len, gen.output_attentions,
-                                       gen.output_hidden_states) if gen.recording else None
+        self.recorder = (
+            OutputRecorder([p.slots for p in prompts], padded_len, gen.output_attentions, gen.output_hidden_states)
+            if gen.recording
+            else None
+        )
         self.stats = self.target.cache.run_stats = RunStats()
-        self.rows = Rows(prompts, self.target.cache.capacity + 1, gen.pad, device, max_new, gen.eos,
-                         list(gen.row_criteria), gen.streamer, gen.output_scores, gen.output_logits)
-        self.process = LogitsPipeline(gen.logits_processor, [p.pad for p in prompts],
-                                      min_length_from_new=gen.min_length_from_new)
+        self.rows = Rows(
+            prompts,
+            self.target.cache.capacity + 1,
+            gen.pad,
+            device,
+            max_new,
+            gen.eos,
+            list(gen.row_criteria),
+            gen.streamer,
+            gen.output_scores,
+            gen.output_logits,
+        )
+        self.process = LogitsPipeline(
+            gen.logits_processor, [p.pad for p in prompts], min_length_from_new=gen.min_length_from_new
+        )
         self.rng = RowGenerators(batch, device) if self.do_sample else None
         self.row_gamma = [self.gamma] * batch  # each row's draft length for its next step (the schedule's state)
         cfg = self.dustin_config
-        self.confirm = ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every,
-                                       min_limit=0 if self.do_sample else 1) \
-            if cfg is not None and cfg.mode == "exact" else None
+        self.confirm = (
+            ConfirmSchedule(batch, cfg.confirm_tokens, cfg.confirm_every, min_limit=0 if self.do_sample else 1)
+            if cfg is not None and cfg.mode == "exact"
+            else None
+        )
         self.selector: Selector | None = None  # made after prefill (prompt calibration may change the heads)
         self.last_selection = None  # (selection, seqlens) of the last sparse step, for the sparse draft
         self.ahead: QueuedDraft | None = None  # the next step's first draft forwards, already queued
@@ -158,8 +183,9 @@ class DecodeRun:
         self.clock = PhaseClock(device, decoder.profile)
 
     # ------------------------------------------------------------------------------------------ the call
-    def decode(self, input_ids: torch.Tensor, prompts: list[Prompt],
-               step: Callable[[DecodeRun], None]) -> DecodeResult:
+    def decode(
+        self, input_ids: torch.Tensor, prompts: list[Prompt], step: Callable[[DecodeRun], None]
+    ) -> DecodeResult:
         """Prefill, then ``step(self)`` until every row is done (or ``max_time`` is up); the call's result."""
         started = time.perf_counter()
         self.prefill(prompts)
@@ -189,22 +215,32 @@ class DecodeRun:
             target, draft = self.target.model, self.draft.model
             t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
             selector = self.workspace.selector = Selector(
-                self.dustin_config, self.backend, group_size(t_cfg), group_size(d_cfg),
-                attention_scale(target, t_cfg), attention_scale(draft, d_cfg),
-                graphs=self.workspace.shape.graphs[0], window=common_window(target), tuning=self.kernel_tuning)
+                self.dustin_config,
+                self.backend,
+                group_size(t_cfg),
+                group_size(d_cfg),
+                attention_scale(target, t_cfg),
+                attention_scale(draft, d_cfg),
+                graphs=self.workspace.shape.graphs[0],
+                window=common_window(target),
+                tuning=self.kernel_tuning,
+            )
         selector.budgets, selector.window_slots = self.hooks.budgets, self.window_slots
         return selector
 
-    def _result(self, input_ids: torch.Tensor, started: float, decoding: float, step_ends: list[float],
-                step_tokens: list[int]) -> DecodeResult:
+    def _result(
+        self, input_ids: torch.Tensor, started: float, decoding: float, step_ends: list[float], step_tokens: list[int]
+    ) -> DecodeResult:
         rows, stats, target, draft = self.rows, self.stats, self.target, self.draft
         stats.prefill_seconds = decoding - started
         stats.decode_seconds = (step_ends[-1] if step_ends else decoding) - decoding
         stats.generated_tokens = sum(rows.generated)
         stats.step_end_times, stats.step_tokens = [t - decoding for t in step_ends], step_tokens
-        stats.reports["cuda_graphs"] = {"target": target.graph_report, "draft": draft.graph_report,
-                                        "select": self.selector.graph_report if self.dustin_config is not None
-                                        else {"captured": 0, "failed": []}}
+        stats.reports["cuda_graphs"] = {
+            "target": target.graph_report,
+            "draft": draft.graph_report,
+            "select": self.selector.graph_report if self.dustin_config is not None else {"captured": 0, "failed": []},
+        }
         if self.clock.mode:
             stats.reports.update(phase_seconds=self.clock.steps, phase_host_seconds=self.clock.host_steps)
         if self.confirm is not None:
@@ -212,9 +248,18 @@ class DecodeRun:
         if self.dustin_config is not None:
             stats.reports["dense_rows"] = self._dense_rows()
         attentions, hidden = self.recorder.tuples(rows.generated) if self.recorder is not None else (None, None)
-        return DecodeResult(rows.sequences(input_ids), rows.per_position(rows.scores), rows.per_position(rows.raw),
-                            attentions, hidden, stats, target.cache, draft.cache, list(rows.generated),
-                            draft_tokens=list(self.row_gamma))
+        return DecodeResult(
+            rows.sequences(input_ids),
+            rows.per_position(rows.scores),
+            rows.per_position(rows.raw),
+            attentions,
+            hidden,
+            stats,
+            target.cache,
+            draft.cache,
+            list(rows.generated),
+            draft_tokens=list(self.row_gamma),
+        )
 
     def _dense_rows(self) -> dict:
         """Rows that never verified sparsely, by reason: the most positions they held at a verification within the
@@ -223,13 +268,20 @@ class DecodeRun:
         (the ``dustin_hf`` logger), once per process and (budget, min_context)."""
         cfg, stats = self.dustin_config, self.stats
         dense = [n for b, n in enumerate(stats.held) if b not in stats.sparse_rows]
-        counts = {"within_budget": sum(n <= cfg.budget for n in dense),
-                  "below_min_context": sum(cfg.budget < n < cfg.min_context for n in dense)}
+        counts = {
+            "within_budget": sum(n <= cfg.budget for n in dense),
+            "below_min_context": sum(cfg.budget < n < cfg.min_context for n in dense),
+        }
         if stats.sparse_steps == 0 and stats.held and ("dense call", cfg.budget, cfg.min_context) not in _LOGGED:
             _LOGGED.add(("dense call", cfg.budget, cfg.min_context))
-            logger.info("every step of this call verified densely: its rows held at most %d cached positions at a "
-                        "verification, and a row verifies sparsely only past budget=%d and min_context=%d "
-                        "(cache_config changes both)", max(stats.held), cfg.budget, cfg.min_context)
+            logger.info(
+                "every step of this call verified densely: its rows held at most %d cached positions at a "
+                "verification, and a row verifies sparsely only past budget=%d and min_context=%d "
+                "(cache_config changes both)",
+                max(stats.held),
+                cfg.budget,
+                cfg.min_context,
+            )
         return counts
 
     def prefill(self, prompts: list[Prompt]) -> None:
@@ -266,7 +318,9 @@ class DecodeRun:
         # last id, as every later token does (draft_feed): its proposals there are poor, the output is the same
         prefill(draft, [p.tokens[:-1].clamp_max(self.draft_vocab - 1) for p in prompts], chunk, {})
         if calibrate:
-            self.dustin_config, report = self.calibrate(target, draft, rows.tokens, self.dustin_config, self.gamma, prompt_lens)
+            self.dustin_config, report = self.calibrate(
+                target, draft, rows.tokens, self.dustin_config, self.gamma, prompt_lens
+            )
             self.stats.reports["calibration"] = report
         if self.dustin_config is not None:
             layer, heads = self.dustin_config.target_layer, self.dustin_config.target_heads
@@ -288,8 +342,11 @@ class DecodeRun:
         self.clock.mark("draft")
 
         # 2. Select what verification reads (Dustin, once some row is long enough).
-        selection = self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma,
-                                         drafts.row_gamma) if sparse else None
+        selection = (
+            self.selector.select(target, draft, seqlens, base, drafts.queries, drafts.gamma, drafts.row_gamma)
+            if sparse
+            else None
+        )
         self.last_selection = None if selection is None else (selection, seqlens)
         if selection is not None and selection.recovery is not None:
             self.stats.record_knob(selection.counts, selection.recovery, selection.fallback, rows.active)
@@ -322,9 +379,15 @@ class DecodeRun:
         self.settle(seqlens, counts, captured)  # keep x, d_1..d_{k-1}
         self.clock.mark("commit")
 
-        self.stats.record_step(drafts.row_gamma, accepted, counts, active, sparse=selection is not None,
-                               attended=None if selection is None else self.attended(selection, seqlens, active),
-                               seqlens=seqlens)
+        self.stats.record_step(
+            drafts.row_gamma,
+            accepted,
+            counts,
+            active,
+            sparse=selection is not None,
+            attended=None if selection is None else self.attended(selection, seqlens, active),
+            seqlens=seqlens,
+        )
         self.clock.mark("bookkeeping")
         self.clock.end_step()
 
@@ -366,8 +429,11 @@ class DecodeRun:
             queued, reads, feed = ahead.outputs, ahead.reads, None
         else:
             queued = ()
-            reads = DraftReads.after(self.last_selection, self.dustin_config, self.max_gamma, draft.cache.capacity) \
-                if sparse and self.sparse_draft else None
+            reads = (
+                DraftReads.after(self.last_selection, self.dustin_config, self.max_gamma, draft.cache.capacity)
+                if sparse and self.sparse_draft
+                else None
+            )
             feed = self.draft_feed(base - 1)
         device = rows.tokens.device
         tokens, probs, kept_queries = [], [], {layer: [] for layer in d_capture}
@@ -378,8 +444,14 @@ class DecodeRun:
             if i < len(queued):
                 raw, captured = queued[i]
             else:
-                raw, captured = draft.step(feed, at, keep=1, capture=d_capture, capture_last=True,
-                                           selection=None if reads is None else reads.at(at))  # (B, 1, Vd)
+                raw, captured = draft.step(
+                    feed,
+                    at,
+                    keep=1,
+                    capture=d_capture,
+                    capture_last=True,
+                    selection=None if reads is None else reads.at(at),
+                )  # (B, 1, Vd)
             if self.tokens_only:
                 token = raw[:, 0].to(device)
             else:
@@ -407,8 +479,9 @@ class DecodeRun:
             self.stats.draft_sparse_forwards += len(tokens)
         gamma = len(tokens)
         row_gamma = [n if not done else gamma for n, done in zip(drafted, rows.finished)]
-        return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, kept_queries,
-                      row_gamma=row_gamma)
+        return Drafts(
+            torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, kept_queries, row_gamma=row_gamma
+        )
 
     def update_schedule(self, row_gamma: list[int], accepted: list[int], active: list[int]) -> None:
         """transformers' ``num_assistant_tokens_schedule``, each row on its own: a row that kept all the drafts it
@@ -419,21 +492,32 @@ class DecodeRun:
             grew = accepted[b] >= row_gamma[b]
             self.row_gamma[b] = min(self.max_gamma, self.row_gamma[b] + 2) if grew else max(1, self.row_gamma[b] - 1)
 
-    def verify(self, drafts: Drafts, seqlens: list[int], base: torch.Tensor,
-               selection: Selection | None):
+    def verify(self, drafts: Drafts, seqlens: list[int], base: torch.Tensor, selection: Selection | None):
         """Step 3: the target over [x, d_1..d_γ]; returns raw logits ``(B, γ+1, V)`` (or their argmax ``(B, γ+1)``
         when only tokens are needed), processed scores (``None`` then) and the kept history queries."""
         target = self.target
         verify_in = torch.cat([self.rows.tokens.gather(1, base[:, None]), drafts.tokens], dim=1)  # (B, γ+1)
-        raw, captured = target.step(verify_in, seqlens, keep=drafts.gamma + 1, capture=self.history_capture,
-                                    capture_last=False, selection=selection,
-                                    query_counts=[g + 1 for g in drafts.row_gamma])
+        raw, captured = target.step(
+            verify_in,
+            seqlens,
+            keep=drafts.gamma + 1,
+            capture=self.history_capture,
+            capture_last=False,
+            selection=selection,
+            query_counts=[g + 1 for g in drafts.row_gamma],
+        )
         tokens = drafts.tokens.unbind(1)
         scores = None if self.tokens_only else self.process(raw, lambda b, i: self.rows.history(b, tokens[:i]))
         return raw, scores, captured
 
-    def accept(self, drafts: Drafts, raw: torch.Tensor, scores: torch.Tensor | None,
-               tentative: list[int] | None = None, dense: list[bool] | None = None):
+    def accept(
+        self,
+        drafts: Drafts,
+        raw: torch.Tensor,
+        scores: torch.Tensor | None,
+        tentative: list[int] | None = None,
+        dense: list[bool] | None = None,
+    ):
         """Step 4: ``n_accepted (B,)`` leading drafts kept and the target's ``next_token (B,)`` after them
         (:func:`~dustin_hf.decode.sampling.accept_greedy` / :func:`~dustin_hf.decode.sampling.accept_sampled`); a replayed
         acceptance (:attr:`DecodeHooks.accept`; in exact mode :attr:`DecodeHooks.confirm`, told how many of each
@@ -447,8 +531,14 @@ class DecodeRun:
         if target_tokens is None and (not self.do_sample or replay is not None):
             target_tokens = scores.argmax(dim=-1)
         if self.do_sample:
-            n_accepted, next_token = accept_sampled(drafts.tokens, drafts.probs, scores, self.rng, drafts.row_gamma,
-                                                    rows=[not done for done in self.rows.finished])
+            n_accepted, next_token = accept_sampled(
+                drafts.tokens,
+                drafts.probs,
+                scores,
+                self.rng,
+                drafts.row_gamma,
+                rows=[not done for done in self.rows.finished],
+            )
         else:
             n_accepted, next_token = accept_greedy(drafts.tokens, target_tokens, drafts.row_gamma)
         if replay is not None:
@@ -461,14 +551,23 @@ class DecodeRun:
     def attended(self, selection: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
         """Per active row: the cached positions it read per layer (dense and selection layers read everything), and
         whether its read set held less than the row (a sparse row, not one read in full)."""
-        layers, dense = self.target_layers, len(set(self.dustin_config.dense_layers) | set(self.dustin_config.selection_layers))
-        return [((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers,
-                 selection.counts[b] < seqlens[b]) for b in active]
+        layers, dense = (
+            self.target_layers,
+            len(set(self.dustin_config.dense_layers) | set(self.dustin_config.selection_layers)),
+        )
+        return [
+            ((selection.counts[b] * (layers - dense) + seqlens[b] * dense) / layers, selection.counts[b] < seqlens[b])
+            for b in active
+        ]
 
     @property
     def history_capture(self) -> dict:
         """The target's scoring queries to keep on a verification: its scoring layer's heads (Dustin only)."""
-        return {self.dustin_config.target_layer: self.dustin_config.target_heads} if self.dustin_config is not None else {}
+        return (
+            {self.dustin_config.target_layer: self.dustin_config.target_heads}
+            if self.dustin_config is not None
+            else {}
+        )
 
     def draft_capture(self, sparse: bool) -> dict:
         """The draft's scoring queries to keep on a step: its scoring layers' heads when the step is sparse."""
@@ -503,15 +602,24 @@ class DecodeRun:
         if any(self.rows.finished):
             kept = torch.where(device_tensor(self.rows.finished, base.device), -1, n_accepted)
         before = (base + kept).clamp_max(draft.cache.capacity - 1 - self.max_gamma)  # L + k - 1
-        reads = DraftReads.after((selection, seqlens), self.dustin_config, self.max_gamma, draft.cache.capacity) \
-            if sparse and self.sparse_draft else None
+        reads = (
+            DraftReads.after((selection, seqlens), self.dustin_config, self.max_gamma, draft.cache.capacity)
+            if sparse and self.sparse_draft
+            else None
+        )
         capture, feed, outputs = self.draft_capture(sparse), self.draft_feed(before), []
         for i in range(max(self.row_gamma) if self.tokens_only else 1):
             cached = before if i == 0 else before + 1 + i  # the forward's rows hold this many positions
-            out = draft.step_ahead(feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
-                                   indices=None if reads is None else reads.indices,
-                                   num_indices=None if reads is None else reads.ahead(cached - base),
-                                   full_rows=reads is not None and reads.full_rows)
+            out = draft.step_ahead(
+                feed,
+                cached.to(torch.int32),
+                keep=1,
+                capture=capture,
+                capture_last=True,
+                indices=None if reads is None else reads.indices,
+                num_indices=None if reads is None else reads.ahead(cached - base),
+                full_rows=reads is not None and reads.full_rows,
+            )
             if out is None:  # this shape has no graph yet
                 break
             outputs.append(out)

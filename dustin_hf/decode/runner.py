@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import DustinCache
 from ..compat import CACHE_KWARG, model_device, window_cuts
 from ..kernels.tuning import KernelTuning
-from ..runtime.plan import ForwardPlan, SelectLayers
 from ..runtime.graphs import GraphedForward, Pipeline
+from ..runtime.plan import ForwardPlan, SelectLayers
+from .cache import DustinCache
 
 __all__ = ["ModelRunner", "prefill_chunk"]
 
@@ -31,9 +31,18 @@ class ModelRunner:
     slots and runs the fast kernels only).
     """
 
-    def __init__(self, model, cache: DustinCache, backend: str, cuda_graphs: bool = False, graph_width: int = 0,
-                 dense_layers: tuple[int, ...] = (), tokens_only: bool = False, tuning: KernelTuning | None = None,
-                 select: SelectLayers | None = None):
+    def __init__(
+        self,
+        model,
+        cache: DustinCache,
+        backend: str,
+        cuda_graphs: bool = False,
+        graph_width: int = 0,
+        dense_layers: tuple[int, ...] = (),
+        tokens_only: bool = False,
+        tuning: KernelTuning | None = None,
+        select: SelectLayers | None = None,
+    ):
         self.model, self.cache, self.backend, self.tuning = model, cache, backend, tuning
         self.select = select  # selection layers of the sparse steps (ForwardPlan.select)
         self.tokens_only = tokens_only  # step() returns the argmax tokens (B, keep), not the logits
@@ -52,8 +61,9 @@ class ModelRunner:
         if cuda_graphs:
             self.pipeline = Pipeline(model, tuning)
             # per device the model spans: one memory pool shared by all graphs, and a stream to capture on
-            self.graph_pools = {device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-                                for device in self.pipeline.devices}
+            self.graph_pools = {
+                device: (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)) for device in self.pipeline.devices
+            }
 
     def drop_graphs(self) -> None:
         """Forget every captured graph (its memory pool goes with it); later forwards capture anew."""
@@ -75,8 +85,12 @@ class ModelRunner:
             plan.attention_weights = attentions
             extra.update(output_attentions=attentions, output_hidden_states=hidden)
         out = self.model(
-            input_ids=input_ids, position_ids=positions, use_cache=True, dustin_plan=plan,
-            **{CACHE_KWARG: self.cache}, **extra,
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=True,
+            dustin_plan=plan,
+            **{CACHE_KWARG: self.cache},
+            **extra,
         )
         if attentions or hidden:
             self.last_outputs = (out.hidden_states if hidden else None, out.attentions if attentions else None)
@@ -89,38 +103,70 @@ class ModelRunner:
         self.cache.advance(plan.rows, [plan.q_len] * plan.batch_size)
         return logits
 
-    def step(self, input_ids: torch.Tensor, seqlens: list[int], keep: int, capture: dict, capture_last: bool,
-             selection=None, query_counts: list[int] | None = None) -> tuple[torch.Tensor, dict]:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        seqlens: list[int],
+        keep: int,
+        capture: dict,
+        capture_last: bool,
+        selection=None,
+        query_counts: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """Every row's next ``Q`` tokens at ``seqlens``; returns ``(logits (B, keep, V) float32, kept queries)``,
         or with :attr:`tokens_only` ``(argmax tokens (B, keep), kept queries)``. ``query_counts``: each row's own
         leading tokens of the ``Q`` (its selection layers score with those alone; ``None``: all)."""
         indices, num_indices = (None, None) if selection is None else (selection.indices, selection.num_indices)
         full_rows = selection is not None and selection.full_rows
         if selection is not None:  # a count past the width reads past the index rows (a GPU: illegal access)
-            over = [(b, c) for b, (c, n) in enumerate(zip(selection.counts, seqlens))
-                    if c > indices.shape[1] and not (full_rows and c >= n)]
+            over = [
+                (b, c)
+                for b, (c, n) in enumerate(zip(selection.counts, seqlens))
+                if c > indices.shape[1] and not (full_rows and c >= n)
+            ]
             if over:
-                raise RuntimeError(f"read set rows (row, count) {over[:4]} count more entries than its "
-                                   f"{indices.shape[1]} columns and do not read in full (full_rows={full_rows}); "
-                                   "this is a bug in dustin_hf")
+                raise RuntimeError(
+                    f"read set rows (row, count) {over[:4]} count more entries than its "
+                    f"{indices.shape[1]} columns and do not read in full (full_rows={full_rows}); "
+                    "this is a bug in dustin_hf"
+                )
         graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=True, full_rows=full_rows)
         if graphed is None:  # no graphs, or a rare width: not worth a graph
             plan = ForwardPlan(
-                rows=slice(0, len(seqlens)), cache_seqlens=seqlens, q_len=input_ids.shape[1], backend=self.backend,
-                indices=indices, num_indices=num_indices, full_rows=full_rows,
-                capture=capture, capture_last=capture_last, dense_layers=self.dense_layers, select=self.select,
+                rows=slice(0, len(seqlens)),
+                cache_seqlens=seqlens,
+                q_len=input_ids.shape[1],
+                backend=self.backend,
+                indices=indices,
+                num_indices=num_indices,
+                full_rows=full_rows,
+                capture=capture,
+                capture_last=capture_last,
+                dense_layers=self.dense_layers,
+                select=self.select,
                 query_counts=query_counts if self.select is not None else None,
                 key_bound=self.cache.capacity,  # kernels split the keys exactly as a replayed graph does
-                positions=self.positions, window_slots=self.window_slots, read_budget=self.graph_width,
+                positions=self.positions,
+                window_slots=self.window_slots,
+                read_budget=self.graph_width,
                 tuning=self.tuning,
             )
             logits = self.forward(plan, input_ids, keep)
             return (logits.argmax(dim=-1) if self.tokens_only else logits), plan.captured
         return graphed(input_ids, seqlens, indices, num_indices, query_counts)
 
-    def step_ahead(self, input_ids: torch.Tensor, seqlens: torch.Tensor, keep: int, capture: dict, capture_last: bool,
-                   indices: torch.Tensor | None = None, num_indices: torch.Tensor | None = None, *,
-                   full_rows: bool):
+    def step_ahead(
+        self,
+        input_ids: torch.Tensor,
+        seqlens: torch.Tensor,
+        keep: int,
+        capture: dict,
+        capture_last: bool,
+        indices: torch.Tensor | None = None,
+        num_indices: torch.Tensor | None = None,
+        *,
+        full_rows: bool,
+    ):
         """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
         the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
         queued: run :meth:`step` once the lengths are known). ``full_rows`` is :attr:`Selection.full_rows` of the
@@ -130,19 +176,26 @@ class ModelRunner:
             return None
         return graphed(input_ids, seqlens, indices, num_indices)
 
-    def _graphed(self, input_ids, indices, keep: int, capture: dict, capture_last: bool,
-                 create: bool, full_rows: bool) -> GraphedForward | None:
+    def _graphed(
+        self, input_ids, indices, keep: int, capture: dict, capture_last: bool, create: bool, full_rows: bool
+    ) -> GraphedForward | None:
         """The graph of this forward's shape (made if ``create``), or ``None``: no graphs, or a sparse width other
         than :attr:`graph_width` (rare, not worth a graph). A sparse forward whose rows may read in full
         (``full_rows``) runs other launches: a graph of its own, whichever rows they are."""
         width = 0 if indices is None else indices.shape[1]
-        if self._graphs is None or width not in (0, self.graph_width) or self.positions is not None \
-                or self.window_slots is not None or any(self.record):
+        if (
+            self._graphs is None
+            or width not in (0, self.graph_width)
+            or self.positions is not None
+            or self.window_slots is not None
+            or any(self.record)
+        ):
             return None
         key = input_ids.shape[1], width, keep, tuple(sorted(capture.items())), capture_last, full_rows and width > 0
         if key not in self._graphs and create:
-            self._graphs[key] = GraphedForward(self, input_ids.shape[1], width, keep, capture, capture_last,
-                                               full_rows=full_rows and width > 0)
+            self._graphs[key] = GraphedForward(
+                self, input_ids.shape[1], width, keep, capture, capture_last, full_rows=full_rows and width > 0
+            )
         return self._graphs.get(key)
 
     @property
@@ -150,12 +203,15 @@ class ModelRunner:
         """Shapes captured and replayed (``full_rows``: of them, sparse ones whose rows may read in full), and why
         any capture failed (those shapes ran eagerly)."""
         graphs = self._graphs or {}
-        return {"captured": sum(g.graphs is not None for g in graphs.values()),
-                "full_rows": sum(g.graphs is not None and g.plan.full_rows for g in graphs.values()),
-                "failed": [g.failed for g in graphs.values() if g.failed]}
+        return {
+            "captured": sum(g.graphs is not None for g in graphs.values()),
+            "full_rows": sum(g.graphs is not None and g.plan.full_rows for g in graphs.values()),
+            "failed": [g.failed for g in graphs.values() if g.failed],
+        }
 
-    def prefill(self, rows: list[torch.Tensor], chunk: int | None, capture: dict,
-                on_chunk: Callable[[int], None] | None = None) -> tuple[list[torch.Tensor], list]:
+    def prefill(
+        self, rows: list[torch.Tensor], chunk: int | None, capture: dict, on_chunk: Callable[[int], None] | None = None
+    ) -> tuple[list[torch.Tensor], list]:
         """Write each row's tokens; return each row's last logits and kept queries.
 
         A forward holds at most ``chunk`` tokens (``None``: :func:`prefill_chunk`'s choice from free memory). A row
@@ -180,8 +236,13 @@ class ModelRunner:
             for start in range(0, ids.shape[1], chunk):
                 piece = ids[:, start : start + chunk]
                 plan = ForwardPlan(
-                    rows=slice(first, stop), cache_seqlens=[start] * (stop - first), q_len=piece.shape[1],
-                    backend=self.backend, capture=capture, capture_last=True, tuning=self.tuning,
+                    rows=slice(first, stop),
+                    cache_seqlens=[start] * (stop - first),
+                    q_len=piece.shape[1],
+                    backend=self.backend,
+                    capture=capture,
+                    capture_last=True,
+                    tuning=self.tuning,
                     positions=None if self.positions is None else self.positions[first:stop],
                     window_slots=None if self.window_slots is None else self.window_slots[first:stop],
                 )
@@ -207,9 +268,15 @@ class ModelRunner:
         if self.window_slots is not None:  # the masked slot sits in stock's cache just before the first new token
             slots = self.window_slots[row : row + 1].clone()
             slots[0, held] -= 1
-        plan = ForwardPlan(rows=slice(row, row + 1), cache_seqlens=[held], q_len=1, backend="reference",
-                           positions=torch.full((1, held + 1), position, device=self.device), hide_new=True,
-                           window_slots=slots)
+        plan = ForwardPlan(
+            rows=slice(row, row + 1),
+            cache_seqlens=[held],
+            q_len=1,
+            backend="reference",
+            positions=torch.full((1, held + 1), position, device=self.device),
+            hide_new=True,
+            window_slots=slots,
+        )
         ids = torch.tensor([[token]], device=self.device)
         with self.cache.forward_plan(plan):  # writes slot `held` (overwritten by the next forward), not counted
             return self.call(plan, ids, plan.position_ids(self.device), keep=1)[0, -1]
@@ -244,8 +311,9 @@ def _activation_bytes(text_config, dtype: torch.dtype) -> int:
     """An upper bound on one prompt token's transient activations in a decoder layer's forward: the MLP's
     ``[gate; up]`` output and its product (3 intermediate widths), the residual stream, norms, q/k/v and the
     attention output (8 hidden widths), with a width to spare."""
-    return torch.tensor([], dtype=dtype).element_size() * (4 * text_config.intermediate_size
-                                                            + 8 * text_config.hidden_size)
+    return torch.tensor([], dtype=dtype).element_size() * (
+        4 * text_config.intermediate_size + 8 * text_config.hidden_size
+    )
 
 
 def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[int, int]]:

@@ -83,8 +83,9 @@ def _within(gammas: list[int] | None, batch: int, width: int, device) -> torch.T
     return torch.arange(width, device=device)[None, :] < device_tensor(gammas, device)[:, None]
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
-                  gammas: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, gammas: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification.
 
     Args:
@@ -110,8 +111,12 @@ def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
 
 
 def accept_sampled(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_scores: torch.Tensor, rng: RowGenerators,
-    gammas: list[int] | None = None, rows: list[bool] | None = None,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_scores: torch.Tensor,
+    rng: RowGenerators,
+    gammas: list[int] | None = None,
+    rows: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling, each row independently (same outputs as :func:`accept_greedy`).
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
-from .rows import token_ids
 from ..runtime.tuning import Tuning
+from .rows import token_ids
 from .workspace import Workspaces
 
 __all__ = ["DRAFT_SCHEDULES", "Drafting", "GenerateSettings", "RuntimeOptions"]
@@ -47,13 +47,16 @@ class Drafting:
     def __post_init__(self):
         gamma = self.num_draft_tokens
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-            raise ValueError(f"num_draft_tokens (the draft's generation_config.num_assistant_tokens) must be an int "
-                             f">= 1, got {gamma!r}")
+            raise ValueError(
+                f"num_draft_tokens (the draft's generation_config.num_assistant_tokens) must be an int "
+                f">= 1, got {gamma!r}"
+            )
         if self.schedule not in DRAFT_SCHEDULES:
             raise ValueError(f"num_assistant_tokens_schedule must be one of {DRAFT_SCHEDULES}, got {self.schedule!r}")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
-            raise ValueError(f"assistant_confidence_threshold must be in [0, 1] or None, got "
-                             f"{self.confidence_threshold!r}")
+            raise ValueError(
+                f"assistant_confidence_threshold must be in [0, 1] or None, got {self.confidence_threshold!r}"
+            )
 
     @property
     def max_gamma(self) -> int:
@@ -111,8 +114,9 @@ class GenerateSettings:
     streamer: object | None  # receives each step's new tokens (batch size 1 only)
 
     @classmethod
-    def from_generate(cls, generation_config, logits_processor=None, stopping_criteria=None,
-                      streamer=None) -> GenerateSettings:
+    def from_generate(
+        cls, generation_config, logits_processor=None, stopping_criteria=None, streamer=None
+    ) -> GenerateSettings:
         """From ``generate()``'s prepared config, processors and criteria (each may be ``None``)."""
         eos = token_ids(getattr(generation_config, "_eos_token_tensor", None), generation_config.eos_token_id)
         pad = token_ids(getattr(generation_config, "_pad_token_tensor", None), generation_config.pad_token_id)
@@ -127,8 +131,11 @@ class GenerateSettings:
             config=generation_config,
             logits_processor=logits_processor if logits_processor is not None else [],
             min_length_from_new=getattr(generation_config, "min_new_tokens", None) is not None,
-            do_sample=bool(generation_config.do_sample), eos=eos, pad=pad[0] if pad else (eos[0] if eos else 0),
-            max_time=max_time, row_criteria=tuple(row_criteria),
+            do_sample=bool(generation_config.do_sample),
+            eos=eos,
+            pad=pad[0] if pad else (eos[0] if eos else 0),
+            max_time=max_time,
+            row_criteria=tuple(row_criteria),
             output_scores=returned and bool(generation_config.output_scores),
             output_logits=returned and bool(generation_config.output_logits),
             output_attentions=returned and bool(generation_config.output_attentions),

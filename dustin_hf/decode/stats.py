@@ -46,8 +46,16 @@ class RunStats:
         self.recoveries += [recovery[b] for b in active]
         self.fallbacks += sum(fallback[b] for b in active)
 
-    def record_step(self, row_gamma: list[int], accepted: list[int], committed: list[int], active: list[int],
-                    sparse: bool, attended: list[tuple[float, bool]] | None, seqlens: list[int]) -> None:
+    def record_step(
+        self,
+        row_gamma: list[int],
+        accepted: list[int],
+        committed: list[int],
+        active: list[int],
+        sparse: bool,
+        attended: list[tuple[float, bool]] | None,
+        seqlens: list[int],
+    ) -> None:
         """Count one step: ``row_gamma[b]`` drafts proposed, ``accepted[b]`` kept and ``committed[b]`` tokens
         appended per row; ``active``: the rows that were unfinished before it; ``attended``: on a sparse step, per
         active row, the mean cached positions it read per layer and whether it read less than it holds;
@@ -102,6 +110,12 @@ class RunStats:
         def quantile(q: float) -> int:
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-        return {"budget_mean": sum(ordered) / len(ordered), "budget_p50": quantile(0.5), "budget_p95": quantile(0.95),
-                "budget_max": ordered[-1], "estimated_recovery": sum(self.recoveries) / len(self.recoveries),
-                "dense_fallbacks": self.fallbacks, "row_steps": len(ordered)}
+        return {
+            "budget_mean": sum(ordered) / len(ordered),
+            "budget_p50": quantile(0.5),
+            "budget_p95": quantile(0.95),
+            "budget_max": ordered[-1],
+            "estimated_recovery": sum(self.recoveries) / len(self.recoveries),
+            "dense_fallbacks": self.fallbacks,
+            "row_steps": len(ordered),
+        }

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ResolvedConfig
-from ..runtime.plan import SelectLayers
-from .runner import ModelRunner
 from ..runtime.fused import FusedWeights
+from ..runtime.plan import SelectLayers
 from ..runtime.tuning import Tuning
 from ..selection.selector import Selector
+from .runner import ModelRunner
 
 __all__ = ["SLACK", "Shape", "Workspace", "Workspaces", "capacity_for"]
 
@@ -63,8 +63,9 @@ def capacity_for(needed: int) -> int:
 
 def _fingerprint(*models) -> tuple:
     """Where every parameter and buffer of ``models`` lives (captured graphs read those addresses)."""
-    return tuple((t.data_ptr(), t.dtype, t.device) for model in models
-                 for t in (*model.parameters(), *model.buffers()))
+    return tuple(
+        (t.data_ptr(), t.dtype, t.device) for model in models for t in (*model.parameters(), *model.buffers())
+    )
 
 
 class Workspace:
@@ -85,9 +86,13 @@ class Workspace:
         self.fingerprint = _fingerprint(self.target.model, self.draft.model)
 
     def fits(self, target, draft, shape: Shape, needed: int) -> bool:
-        return (self.target.model is target and self.draft.model is draft and self.shape == shape
-                and needed <= self.capacity <= needed + min(SLACK, max(_ROUND, needed // 8))
-                and self.fingerprint == _fingerprint(target, draft))
+        return (
+            self.target.model is target
+            and self.draft.model is draft
+            and self.shape == shape
+            and needed <= self.capacity <= needed + min(SLACK, max(_ROUND, needed // 8))
+            and self.fingerprint == _fingerprint(target, draft)
+        )
 
     def start_run(self) -> None:
         """Empty both caches and forget the last run's per-run state (the buffers and graphs stay)."""

@@ -27,8 +27,18 @@ from .reference import verify_attention_reference
 from .tuning import ArgmaxTuning, GemmTuning, KernelTuning, ScoreTuning, SelectTuning, VerifyTuning
 
 __all__ = [
-    "BACKENDS", "ArgmaxTuning", "GemmTuning", "KernelTuning", "ScoreTuning", "SelectTuning", "VerifyTuning",
-    "available_backends", "full_rows_written", "launch_device", "resolve_backend", "verify_attention",
+    "BACKENDS",
+    "ArgmaxTuning",
+    "GemmTuning",
+    "KernelTuning",
+    "ScoreTuning",
+    "SelectTuning",
+    "VerifyTuning",
+    "available_backends",
+    "full_rows_written",
+    "launch_device",
+    "resolve_backend",
+    "verify_attention",
 ]
 
 BACKENDS = ("reference", "triton", "flash_attn", "varlen")
@@ -50,7 +60,9 @@ def _backend_unavailable_reason(name: str, device: torch.device) -> str | None:
     if name == "triton" and not _has_module("triton"):
         return "backend 'triton' needs the triton package; use backend='varlen' or 'reference'"
     if name == "flash_attn" and not _has_module("flash_attn"):
-        return "backend 'flash_attn' needs flash-attn (pip install 'dustin-hf[flash]'); use backend='triton' or 'varlen'"
+        return (
+            "backend 'flash_attn' needs flash-attn (pip install 'dustin-hf[flash]'); use backend='triton' or 'varlen'"
+        )
     if name == "varlen":
         from . import varlen
 
@@ -117,21 +129,31 @@ def verify_attention(
         from .triton_verify import verify_attention_triton
 
         with launch_device(q):
-            return verify_attention_triton(q, k_cache, v_cache, cache_seqlens, **kwargs, full_rows=full_rows,
-                                           tuning=tuning)
+            return verify_attention_triton(
+                q, k_cache, v_cache, cache_seqlens, **kwargs, full_rows=full_rows, tuning=tuning
+            )
     if backend in ("flash_attn", "varlen"):
         from .varlen import verify_attention_varlen
 
         if q.dtype not in (torch.float16, torch.bfloat16):  # FlashAttention-2's kernels
-            raise ValueError(f"backend {backend!r} runs fp16 or bf16 only (got {q.dtype}); "
-                             "use backend='triton' or 'reference' for float32")
+            raise ValueError(
+                f"backend {backend!r} runs fp16 or bf16 only (got {q.dtype}); "
+                "use backend='triton' or 'reference' for float32"
+            )
 
-        return verify_attention_varlen(q, k_cache, v_cache, cache_seqlens, use_flash_attn=backend == "flash_attn", **kwargs)
+        return verify_attention_varlen(
+            q, k_cache, v_cache, cache_seqlens, use_flash_attn=backend == "flash_attn", **kwargs
+        )
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
 
-def full_rows_written(indices: torch.Tensor, num_indices: torch.Tensor, cache_seqlens: torch.Tensor,
-                      max_seqlen_k: int | None, n_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+def full_rows_written(
+    indices: torch.Tensor,
+    num_indices: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    max_seqlen_k: int | None,
+    n_queries: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, num_indices)`` of a ``full_rows`` call with every row's reads written out: a row whose count
     covers all it holds lists ``0 .. cache_seqlens[b] - 1`` (the index tensor widened to the longest such row,
     ``max_seqlen_k - n_queries`` when given, else found with one device->host sync)."""
@@ -140,5 +162,7 @@ def full_rows_written(indices: torch.Tensor, num_indices: torch.Tensor, cache_se
     full = num_indices.to(indices.device, torch.int32) >= seqlens
     padded = torch.nn.functional.pad(indices, (0, width - indices.shape[1]))
     everything = torch.arange(width, device=indices.device, dtype=indices.dtype).expand_as(padded)
-    return (torch.where(full[:, None], everything, padded).contiguous(),
-            torch.where(full, seqlens, num_indices.to(indices.device, torch.int32)))
+    return (
+        torch.where(full[:, None], everything, padded).contiguous(),
+        torch.where(full, seqlens, num_indices.to(indices.device, torch.int32)),
+    )

@@ -81,8 +81,13 @@ def masked_attention(
         values = gather_positions(v_cache, read.clamp_max(v_cache.shape[1] - 1))
     if not return_weights:
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=visible[:, None], scale=softmax_scale, enable_gqa=n_heads != keys.shape[2])  # (B, Hq, Q, D)
+            q.transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=visible[:, None],
+            scale=softmax_scale,
+            enable_gqa=n_heads != keys.shape[2],
+        )  # (B, Hq, Q, D)
         # a query that sees nothing (a hidden query of an empty row) would be NaN: it attends to nothing
         return out.transpose(1, 2).nan_to_num(0.0), None
     group = n_heads // keys.shape[2]

@@ -23,8 +23,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 # SDPA's backends for a prompt's causal attention on CUDA, fastest first. On an H200 (7B heads, 32k tokens, GQA)
 # cuDNN's ran at 656 TFLOP/s against flash's 355; SDPA's own order may put flash first.
-_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                     SDPBackend.MATH]
+_PREFILL_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 def verify_attention_reference(
@@ -94,8 +98,9 @@ def gather_positions(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return cache[rows, positions]
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, *,
-                      softmax_scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, *, softmax_scale: float
+) -> torch.Tensor:
     """A prompt chunk's attention: every row holds ``start`` cached positions and brings ``Q`` new tokens.
 
     Args:
@@ -114,6 +119,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     causal = dict(is_causal=True) if start == 0 else dict(attn_mask=causal_lower_right(n_q, start + n_q))
     backends = sdpa_kernel(_PREFILL_BACKENDS, set_priority=True) if q.is_cuda else contextlib.nullcontext()
     with backends:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, scale=softmax_scale,
-                                             enable_gqa=q.shape[2] != keys.shape[1], **causal)  # (B, Hq, Q, D)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, scale=softmax_scale, enable_gqa=q.shape[2] != keys.shape[1], **causal
+        )  # (B, Hq, Q, D)
     return out.transpose(1, 2)

@@ -40,8 +40,20 @@ def _order_key(x):
 
 
 @triton.jit
-def _argmax_kernel(X, OUT, PART_K, PART_I, TICKETS, n_cols, stride_row, chunk,
-                   SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _argmax_kernel(
+    X,
+    OUT,
+    PART_K,
+    PART_I,
+    TICKETS,
+    n_cols,
+    stride_row,
+    chunk,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     await_producers(PDL)
     row = tl.program_id(0)
     s = tl.program_id(1)
@@ -76,10 +88,14 @@ def _argmax_kernel(X, OUT, PART_K, PART_I, TICKETS, n_cols, stride_row, chunk,
 def _workspace(device: torch.device, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The partial keys and indices and zeroed tickets of a launch shape
     (:func:`~dustin_hf.kernels._device.workspace`)."""
-    return workspace(("argmax", device, rows, splits), lambda: (
-        torch.empty(rows * splits, dtype=torch.int32, device=device),
-        torch.empty(rows * splits, dtype=torch.int32, device=device),
-        torch.zeros(rows, dtype=torch.int32, device=device)))
+    return workspace(
+        ("argmax", device, rows, splits),
+        lambda: (
+            torch.empty(rows * splits, dtype=torch.int32, device=device),
+            torch.empty(rows * splits, dtype=torch.int32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device),
+        ),
+    )
 
 
 def _splits(rows: int, n_cols: int, sm_count: int, tuning: ArgmaxTuning) -> int:
@@ -114,8 +130,19 @@ def argmax_triton(x: torch.Tensor, *, splits: int | None = None, tuning: ArgmaxT
         pdl = dependent_launch(x)
         with launch_device(x):
             _argmax_kernel[(rows.shape[0], splits)](
-                rows, out, part_k, part_i, tickets, n_cols, rows.stride(0), chunk,
-                SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK=tuning.block, PDL=pdl, num_warps=4,
+                rows,
+                out,
+                part_k,
+                part_i,
+                tickets,
+                n_cols,
+                rows.stride(0),
+                chunk,
+                SPLITS=splits,
+                SPLITS_P2=triton.next_power_of_2(splits),
+                BLOCK=tuning.block,
+                PDL=pdl,
+                num_warps=4,
                 launch_pdl=pdl,
             )
     return out.reshape(x.shape[:-1])

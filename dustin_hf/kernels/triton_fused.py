@@ -40,7 +40,13 @@ from ._device import launch_device
 from ._rounding import TL_DTYPES, round_to
 from .triton_launch import await_producers, dependent_launch
 
-__all__ = ["add_rms_norm_triton", "apply_rotary_triton", "rms_norm_triton", "rotary_write_kv_triton", "silu_mul_triton"]
+__all__ = [
+    "add_rms_norm_triton",
+    "apply_rotary_triton",
+    "rms_norm_triton",
+    "rotary_write_kv_triton",
+    "silu_mul_triton",
+]
 
 _MAX_ONE_TILE = 16384  # RMSNorm rows up to this many elements are held in registers, longer ones looped
 _LOOP_BLOCK = 4096
@@ -66,8 +72,21 @@ def _norm_input(x_row, r_row, res_row, cols, mask, X_DTYPE: tl.constexpr, ADD: t
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_out, stride_res, eps,
-    N_COLS: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    res_ptr,
+    stride_x,
+    stride_r,
+    stride_out,
+    stride_res,
+    eps,
+    N_COLS: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row: ``out = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
@@ -176,10 +195,25 @@ def _rms_norm(x, residual, weight, eps, block) -> tuple[torch.Tensor, torch.Tens
     pdl = dependent_launch(x)
     with launch_device(x):
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, res_rows, weight.contiguous(), out, total_rows, rows.stride(0), res_rows.stride(0), n_cols,
-            n_cols, float(eps),
-            N_COLS=n_cols, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype], BLOCK=block,
-            ADD=residual is not None, PDL=pdl, num_warps=num_warps, enable_fp_fusion=False, launch_pdl=pdl,
+            rows,
+            res_rows,
+            weight.contiguous(),
+            out,
+            total_rows,
+            rows.stride(0),
+            res_rows.stride(0),
+            n_cols,
+            n_cols,
+            float(eps),
+            N_COLS=n_cols,
+            X_DTYPE=TL_DTYPES[x.dtype],
+            OUT_DTYPE=TL_DTYPES[out_dtype],
+            BLOCK=block,
+            ADD=residual is not None,
+            PDL=pdl,
+            num_warps=num_warps,
+            enable_fp_fusion=False,
+            launch_pdl=pdl,
         )
     return out, total
 
@@ -189,9 +223,24 @@ def _rms_norm(x, residual, weight, eps, block) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_h, stride_d, out_stride_h, out_stride_d, cos1, cos2, sin1, sin2, d, d_mask,
-    N_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    COS_DTYPE: tl.constexpr, SIN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_h,
+    stride_d,
+    out_stride_h,
+    out_stride_d,
+    cos1,
+    cos2,
+    sin1,
+    sin2,
+    d,
+    d_mask,
+    N_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    COS_DTYPE: tl.constexpr,
+    SIN_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
     """``x * cos + rotate_half(x) * sin`` for the heads of one (batch row, position); ``rotate_half(x) = cat(-x2, x1)``.
 
@@ -205,18 +254,24 @@ def _rotate_heads(
         src = x_ptr + h[:, None] * stride_h + d[None, :] * stride_d  # (BLOCK_H, BLOCK_HALF), first halves
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
-        out1 = round_to(round_to(x1 * cos1[None, :], COS_DTYPE) + round_to(-x2 * sin1[None, :], SIN_DTYPE),
-                        OUT_DTYPE)
-        out2 = round_to(round_to(x2 * cos2[None, :], COS_DTYPE) + round_to(x1 * sin2[None, :], SIN_DTYPE),
-                        OUT_DTYPE)
+        out1 = round_to(round_to(x1 * cos1[None, :], COS_DTYPE) + round_to(-x2 * sin1[None, :], SIN_DTYPE), OUT_DTYPE)
+        out2 = round_to(round_to(x2 * cos2[None, :], COS_DTYPE) + round_to(x1 * sin2[None, :], SIN_DTYPE), OUT_DTYPE)
         dst = out_ptr + h[:, None] * out_stride_h + d[None, :] * out_stride_d
         tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF * out_stride_d, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_heads(src, dst, stride_h, dst_stride_h, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _copy_heads(
+    src,
+    dst,
+    stride_h,
+    dst_stride_h,
+    N_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Copy the heads of one (batch row, position), unit stride along the head dim, casting to ``dst``'s dtype."""
     d = tl.arange(0, BLOCK_D)
     for h0 in range(0, N_HEADS, BLOCK_H):
@@ -228,16 +283,60 @@ def _copy_heads(src, dst, stride_h, dst_stride_h, N_HEADS: tl.constexpr, HEAD_DI
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq_len,
-    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
-    sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
-    sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
-    v_ptr, v_out_ptr, slots_ptr, row0, sv_b, sv_h, sv_t, svo_b, svo_h, svo_t,  # read iff TO_CACHE
-    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    Q_COS_DTYPE: tl.constexpr, Q_SIN_DTYPE: tl.constexpr, Q_OUT_DTYPE: tl.constexpr,
-    K_COS_DTYPE: tl.constexpr, K_SIN_DTYPE: tl.constexpr, K_OUT_DTYPE: tl.constexpr,
-    TO_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    seq_len,
+    sq_b,
+    sq_h,
+    sq_t,
+    sq_d,
+    sk_b,
+    sk_h,
+    sk_t,
+    sk_d,
+    sqo_b,
+    sqo_h,
+    sqo_t,
+    sqo_d,
+    sko_b,
+    sko_h,
+    sko_t,
+    sko_d,
+    sc_b,
+    sc_t,
+    sc_d,
+    ss_b,
+    ss_t,
+    ss_d,
+    v_ptr,
+    v_out_ptr,
+    slots_ptr,
+    row0,
+    sv_b,
+    sv_h,
+    sv_t,
+    svo_b,
+    svo_h,
+    svo_t,  # read iff TO_CACHE
+    N_Q_HEADS: tl.constexpr,
+    N_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    Q_COS_DTYPE: tl.constexpr,
+    Q_SIN_DTYPE: tl.constexpr,
+    Q_OUT_DTYPE: tl.constexpr,
+    K_COS_DTYPE: tl.constexpr,
+    K_SIN_DTYPE: tl.constexpr,
+    K_OUT_DTYPE: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (batch row, position): loads its cos/sin once, rotates every q head, then every k head.
 
@@ -262,16 +361,56 @@ def _rotary_kernel(
     sin1 = tl.load(sin_row + d * ss_d, mask=d_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_row + (d + HALF) * ss_d, mask=d_mask, other=0.0).to(tl.float32)
     _rotate_heads(
-        q_ptr + b * sq_b + t * sq_t, q_out_ptr + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
-        cos1, cos2, sin1, sin2, d, d_mask, N_Q_HEADS, HALF, BLOCK_H, Q_COS_DTYPE, Q_SIN_DTYPE, Q_OUT_DTYPE,
+        q_ptr + b * sq_b + t * sq_t,
+        q_out_ptr + b * sqo_b + t * sqo_t,
+        sq_h,
+        sq_d,
+        sqo_h,
+        sqo_d,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        d,
+        d_mask,
+        N_Q_HEADS,
+        HALF,
+        BLOCK_H,
+        Q_COS_DTYPE,
+        Q_SIN_DTYPE,
+        Q_OUT_DTYPE,
     )
     _rotate_heads(
-        k_ptr + b * sk_b + t * sk_t, k_out_row, sk_h, sk_d, sko_h, sko_d,
-        cos1, cos2, sin1, sin2, d, d_mask, N_K_HEADS, HALF, BLOCK_H, K_COS_DTYPE, K_SIN_DTYPE, K_OUT_DTYPE,
+        k_ptr + b * sk_b + t * sk_t,
+        k_out_row,
+        sk_h,
+        sk_d,
+        sko_h,
+        sko_d,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        d,
+        d_mask,
+        N_K_HEADS,
+        HALF,
+        BLOCK_H,
+        K_COS_DTYPE,
+        K_SIN_DTYPE,
+        K_OUT_DTYPE,
     )
     if TO_CACHE:
-        _copy_heads(v_ptr + b * sv_b + t * sv_t, v_out_ptr + (row0 + b) * svo_b + slot * svo_t, sv_h, svo_h,
-                    N_K_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _copy_heads(
+            v_ptr + b * sv_b + t * sv_t,
+            v_out_ptr + (row0 + b) * svo_b + slot * svo_t,
+            sv_h,
+            svo_h,
+            N_K_HEADS,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_D,
+        )
 
 
 def apply_rotary_triton(
@@ -305,8 +444,15 @@ def apply_rotary_triton(
 
 
 def rotary_write_kv_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, row0: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    row0: int,
 ) -> torch.Tensor:
     """``apply_rotary_pos_emb`` of ``q`` and ``k`` and the cache write of the rotated keys and the values, in one
     launch: returns ``q_embed``; ``k_cache[row0 + b, slots[b, t]] = k_embed[b, t]`` and likewise ``v``.
@@ -337,8 +483,9 @@ def rotary_write_kv_triton(
         raise ValueError(f"rows {row0}..{row0 + batch - 1} are outside the cache's {k_cache.shape[0]}")
     q_out = torch.empty(q.shape, dtype=_rotary_dtypes(q, cos, sin)[2], device=q.device)
     heads_first = [t.transpose(1, 2) for t in (q, k, q_out, k_cache, v, v_cache)]  # (B, H, T, D) indexing
-    _launch_rotary(*heads_first[:2], cos.unsqueeze(1), sin.unsqueeze(1), *heads_first[2:4],
-                   cache=(*heads_first[4:], slots, row0))
+    _launch_rotary(
+        *heads_first[:2], cos.unsqueeze(1), sin.unsqueeze(1), *heads_first[2:4], cache=(*heads_first[4:], slots, row0)
+    )
     return q_out
 
 
@@ -365,15 +512,42 @@ def _launch_rotary(q, k, cos, sin, q_out, k_out, *, cache=None) -> None:
     pdl = dependent_launch(q)
     with launch_device(q):
         _rotary_kernel[(batch * seq_len,)](
-            q, k, cos, sin, q_out, k_out, seq_len,
-            *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
-            cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+            q,
+            k,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            seq_len,
+            *q.stride(),
+            *k.stride(),
+            *q_out.stride(),
+            *k_out.stride(),
+            cos.stride(0),
+            cos.stride(2),
+            cos.stride(3),
+            sin.stride(0),
+            sin.stride(2),
+            sin.stride(3),
             *cache_args,
-            N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-            Q_COS_DTYPE=q_dtypes[0], Q_SIN_DTYPE=q_dtypes[1], Q_OUT_DTYPE=q_dtypes[2],
-            K_COS_DTYPE=k_dtypes[0], K_SIN_DTYPE=k_dtypes[1], K_OUT_DTYPE=k_dtypes[2],
-            TO_CACHE=cache is not None, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
-            num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
+            N_Q_HEADS=n_q_heads,
+            N_K_HEADS=k.shape[1],
+            HALF=half,
+            BLOCK_H=block_h,
+            BLOCK_HALF=block_half,
+            Q_COS_DTYPE=q_dtypes[0],
+            Q_SIN_DTYPE=q_dtypes[1],
+            Q_OUT_DTYPE=q_dtypes[2],
+            K_COS_DTYPE=k_dtypes[0],
+            K_SIN_DTYPE=k_dtypes[1],
+            K_OUT_DTYPE=k_dtypes[2],
+            TO_CACHE=cache is not None,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            PDL=pdl,
+            num_warps=4,
+            enable_fp_fusion=False,
+            launch_pdl=pdl,
         )
 
 
@@ -416,8 +590,9 @@ def _check_rotary(q, k, cos, sin, dim: int) -> None:
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr, out_ptr, stride_gu, stride_out, n_cols, DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """``out = silu(gate) * up`` for one row block, ``gate | up`` the two halves of a ``gate_up`` row, each
     product rounded as PyTorch's two kernels round it (``silu`` in fp32 to ``DTYPE``, then the product)."""
     await_producers(PDL)
@@ -451,7 +626,16 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     pdl = dependent_launch(gate_up)
     with launch_device(gate_up):
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, _SILU_MUL_BLOCK))](
-            rows, out, rows.stride(0), n_cols, n_cols, DTYPE=TL_DTYPES[gate_up.dtype], BLOCK=_SILU_MUL_BLOCK, PDL=pdl,
-            num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
+            rows,
+            out,
+            rows.stride(0),
+            n_cols,
+            n_cols,
+            DTYPE=TL_DTYPES[gate_up.dtype],
+            BLOCK=_SILU_MUL_BLOCK,
+            PDL=pdl,
+            num_warps=4,
+            enable_fp_fusion=False,
+            launch_pdl=pdl,
         )
     return out

@@ -35,8 +35,8 @@ import triton.language as tl
 
 from ._device import launch_device, prepare_interpreter, sm_count, smem_limit, workspace
 from ._rounding import TL_DTYPES, round_to
-from .tuning import GemmTuning
 from .triton_launch import await_producers, dependent_launch
+from .tuning import GemmTuning
 
 __all__ = ["MAX_ROWS", "LaunchConfig", "gated_linear", "launch_config", "skinny_linear"]
 
@@ -56,10 +56,22 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(rows: int, n: int, k: int, sm_count: int, elem_bytes: int, *, gated: bool = False,
-                  smem_limit: int | None = None, tuning: GemmTuning | None = None, block_n: int | None = None,
-                  block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> LaunchConfig:
+def launch_config(
+    rows: int,
+    n: int,
+    k: int,
+    sm_count: int,
+    elem_bytes: int,
+    *,
+    gated: bool = False,
+    smem_limit: int | None = None,
+    tuning: GemmTuning | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> LaunchConfig:
     """The launch of ``rows`` rows of ``x (rows, k)`` against an ``(n, k)`` weight (``gated``: the ``n`` columns of
     :func:`gated_linear`, from a ``2n``-row weight), from host ints only.
 
@@ -86,8 +98,11 @@ def launch_config(rows: int, n: int, k: int, sm_count: int, elem_bytes: int, *, 
     n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     if split_k is None:
-        split_k = 1 if k_tiles < tuning.min_split_k_tiles else max(1, min((tuning.waves * sm_count) // n_tiles,
-                                                                          k_tiles // 2, tuning.max_splits))
+        split_k = (
+            1
+            if k_tiles < tuning.min_split_k_tiles
+            else max(1, min((tuning.waves * sm_count) // n_tiles, k_tiles // 2, tuning.max_splits))
+        )
     split_k = max(1, min(split_k, k_tiles))
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no split without a tile
@@ -97,12 +112,29 @@ def launch_config(rows: int, n: int, k: int, sm_count: int, elem_bytes: int, *, 
 
 @triton.jit
 def _skinny_gemm_kernel(
-    X, W, BIAS, OUT, PART, TICKETS,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    X,
+    W,
+    BIAS,
+    OUT,
+    PART,
+    TICKETS,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Tile ``j`` of ``x @ W^T`` over split ``s`` of ``K``; ``GATED`` (one split): of
     ``silu(x @ W[:N]^T) * (x @ W[N:]^T)``, the second accumulator over the up projection's rows."""
@@ -120,17 +152,26 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < k_hi
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(W + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(
+            X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            W + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         if UPCAST:  # the interpreter multiplies bf16 as raw bits
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if GATED:
-            u = tl.load(W + (cols + N).to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            u = tl.load(
+                W + (cols + N).to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
             if UPCAST:
                 u = u.to(tl.float32)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=DOT_PRECISION)
@@ -164,8 +205,9 @@ def _shared_bytes(block_m: int, block_n: int, block_k: int, elem_bytes: int, num
     return (num_stages - 1) * (block_m + (2 if gated else 1) * block_n) * block_k * elem_bytes
 
 
-def _fit_shared(cfg: LaunchConfig, elem_bytes: int, gated: bool, limit: int | None, *,
-                explicit: set[str]) -> LaunchConfig:
+def _fit_shared(
+    cfg: LaunchConfig, elem_bytes: int, gated: bool, limit: int | None, *, explicit: set[str]
+) -> LaunchConfig:
     """``cfg`` with fewer stages (down to 2), then narrower tiles (down to 16), where its shared memory would
     exceed ``limit`` (bytes a block may use; ``None``: no limit); what the caller gave (``explicit``) is kept.
     ``gated_linear``'s 4 stages of 64-wide tiles need 110,592 bytes at 16 rows, more than an sm_86/89 block may
@@ -173,27 +215,43 @@ def _fit_shared(cfg: LaunchConfig, elem_bytes: int, gated: bool, limit: int | No
     block_m = cfg.block_m
     if limit is None or _shared_bytes(block_m, cfg.block_n, cfg.block_k, elem_bytes, cfg.num_stages, gated) <= limit:
         return cfg
-    widths = [cfg.block_n] if "block_n" in explicit else [w for w in (cfg.block_n, cfg.block_n // 2, cfg.block_n // 4)
-                                                         if w >= 16]
+    widths = (
+        [cfg.block_n]
+        if "block_n" in explicit
+        else [w for w in (cfg.block_n, cfg.block_n // 2, cfg.block_n // 4) if w >= 16]
+    )
     stages = [cfg.num_stages] if "num_stages" in explicit else range(cfg.num_stages, 1, -1)
     for block_n in widths:
         for num_stages in stages:
             if _shared_bytes(block_m, block_n, cfg.block_k, elem_bytes, num_stages, gated) <= limit:
                 return dataclasses.replace(cfg, block_n=block_n, num_stages=num_stages)
-    raise ValueError(f"no launch configuration of the decode GEMM fits {limit} bytes of shared memory "
-                     f"({block_m} rows, {cfg.block_k}-wide K tiles, {elem_bytes}-byte elements)")
+    raise ValueError(
+        f"no launch configuration of the decode GEMM fits {limit} bytes of shared memory "
+        f"({block_m} rows, {cfg.block_k}-wide K tiles, {elem_bytes}-byte elements)"
+    )
 
 
-def _workspace(device: torch.device, n_tiles: int, split_k: int, block_m: int,
-               block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(
+    device: torch.device, n_tiles: int, split_k: int, block_m: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 partials and zeroed tickets of a split-K launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
-    return workspace(("gemm", device, n_tiles, split_k, block_m, block_n), lambda: (
-        torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device),
-        torch.zeros(n_tiles, dtype=torch.int32, device=device)))
+    return workspace(
+        ("gemm", device, n_tiles, split_k, block_m, block_n),
+        lambda: (
+            torch.empty(n_tiles * split_k * block_m * block_n, dtype=torch.float32, device=device),
+            torch.zeros(n_tiles, dtype=torch.int32, device=device),
+        ),
+    )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  tuning: GemmTuning | None = None, **overrides) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tuning: GemmTuning | None = None,
+    **overrides,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)`` with at most :data:`MAX_ROWS` rows, one launch.
 
     ``weight (N, K)`` and ``bias (N,)`` as ``nn.Linear`` holds them (contiguous along ``K``); fp16, bf16 or
@@ -204,8 +262,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _skinny(x, weight, bias, False, tuning, overrides)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, tuning: GemmTuning | None = None,
-                 **overrides) -> torch.Tensor:
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, tuning: GemmTuning | None = None, **overrides
+) -> torch.Tensor:
     """``silu(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` (``2I x K``): what a gated MLP feeds its
     down projection, in one launch, for at most :data:`MAX_ROWS` rows.
 
@@ -219,8 +278,14 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, *, tuning: GemmTuning | 
     return _skinny(x, weight, None, True, tuning, overrides)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            tuning: GemmTuning | None, overrides: dict) -> torch.Tensor:
+def _skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    tuning: GemmTuning | None,
+    overrides: dict,
+) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m, n = rows.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]
@@ -229,8 +294,10 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be (N, {k}), got {tuple(weight.shape)}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias must share one of {_DTYPES}; got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")
+        raise ValueError(
+            f"x, weight and bias must share one of {_DTYPES}; got {x.dtype}, {weight.dtype}, "
+            f"{None if bias is None else bias.dtype}"
+        )
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if weight.stride(-1) != 1:
@@ -238,23 +305,51 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     interpreting = prepare_interpreter()
     if m and n:
-        cfg = launch_config(m, n, k, sm_count(x.device), x.element_size(), gated=gated,
-                            smem_limit=smem_limit(x.device), tuning=tuning, **overrides)
+        cfg = launch_config(
+            m,
+            n,
+            k,
+            sm_count(x.device),
+            x.element_size(),
+            gated=gated,
+            smem_limit=smem_limit(x.device),
+            tuning=tuning,
+            **overrides,
+        )
         block_m = cfg.block_m
         n_tiles = triton.cdiv(n, cfg.block_n)
         k_tiles_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-        part, tickets = (_workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1
-                         else (out, out))
+        part, tickets = (
+            _workspace(x.device, n_tiles, cfg.split_k, block_m, cfg.block_n) if cfg.split_k > 1 else (out, out)
+        )
         pdl = dependent_launch(x)
         with launch_device(x):
             _skinny_gemm_kernel[(n_tiles, cfg.split_k)](
-                rows, weight, bias if bias is not None else weight, out, part, tickets,
-                m, n, k, k_tiles_per_split * cfg.block_k,
-                rows.stride(0), weight.stride(0), out.stride(0),
-                HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, GATED=gated, OUT_DTYPE=TL_DTYPES[x.dtype],
+                rows,
+                weight,
+                bias if bias is not None else weight,
+                out,
+                part,
+                tickets,
+                m,
+                n,
+                k,
+                k_tiles_per_split * cfg.block_k,
+                rows.stride(0),
+                weight.stride(0),
+                out.stride(0),
+                HAS_BIAS=bias is not None,
+                SPLIT_K=cfg.split_k,
+                GATED=gated,
+                OUT_DTYPE=TL_DTYPES[x.dtype],
                 UPCAST=interpreting and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+                BLOCK_M=block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                PDL=pdl,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                launch_pdl=pdl,
             )
     return out.reshape(*x.shape[:-1], n)

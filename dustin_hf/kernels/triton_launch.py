@@ -43,8 +43,12 @@ def _capability_major(device: torch.device) -> int:
 
 def dependent_launch(t: torch.Tensor) -> bool:
     """Whether a Triton kernel launched for ``t``'s device may start before the kernel it follows ends."""
-    return (_TRITON_HAS_GDC and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-            and _capability_major(t.device) >= 9)
+    return (
+        _TRITON_HAS_GDC
+        and t.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and _capability_major(t.device) >= 9
+    )
 
 
 @triton.jit

@@ -73,11 +73,20 @@ import triton
 import triton.language as tl
 
 from ._device import prepare_interpreter, sm_count, tickets
-from .tuning import ScoreTuning
 from .triton_launch import await_producers, dependent_launch
+from .tuning import ScoreTuning
 
-__all__ = ["LaunchConfig", "ScoreBuffers", "attention_mass_from_scores", "attention_mass_layers_triton",
-           "attention_mass_triton", "buffer_tiles", "call_config", "launch_config", "score_buffers"]
+__all__ = [
+    "LaunchConfig",
+    "ScoreBuffers",
+    "attention_mass_from_scores",
+    "attention_mass_layers_triton",
+    "attention_mass_triton",
+    "buffer_tiles",
+    "call_config",
+    "launch_config",
+    "score_buffers",
+]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # pass 2 holds (rows, splits) log-sum-exps of one batch row in registers
@@ -185,12 +194,17 @@ def launch_config(
     if tile % block_p:
         raise ValueError(f"tile ({tile}) must be a multiple of block_p ({block_p}) and block_n ({block_n})")
     return LaunchConfig(
-        block_n=block_n, num_splits=num_splits, chunk=blocks_per_split * block_n, tile=tile, block_p=block_p,
+        block_n=block_n,
+        num_splits=num_splits,
+        chunk=blocks_per_split * block_n,
+        tile=tile,
+        block_p=block_p,
         block_r=block_r,
         num_warps=num_warps or (8 if key_bytes == 4 else 4),  # fp32: an FMA dot, more registers
         num_stages=num_stages or (3 if block_n * block_d <= 64 * 128 else 2),
         num_warps_reduce=num_warps_reduce,
-        num_stages_reduce=num_stages_reduce or tuning.pass2_stages, layers_per_pass2=layers_per_pass2 or 0,
+        num_stages_reduce=num_stages_reduce or tuning.pass2_stages,
+        layers_per_pass2=layers_per_pass2 or 0,
     )
 
 
@@ -208,12 +222,23 @@ def call_config(
     """The :func:`launch_config` that :func:`attention_mass_layers_triton` launches these layers with
     (``overrides``: launch keywords of :func:`launch_config`); the inputs as that function takes them."""
     n_queries, head_dim = queries[0].shape[1], queries[0].shape[3]
-    m_tiles = [[triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in _kv_groups(layer, group_size)]
-               for layer in heads]
+    m_tiles = [
+        [triton.cdiv(n_queries * len(members), _MAX_BLOCK_M) for _, members in _kv_groups(layer, group_size)]
+        for layer in heads
+    ]
     batch = queries[0].shape[0]
-    return launch_config(batch, batch * max(sum(tiles) for tiles in m_tiles), head_dim, max(key_span, num_positions),
-                         num_positions, sm_count(keys[0].device), key_bytes=keys[0].element_size(),
-                         rows=n_queries * sum(len(layer) for layer in heads), tuning=tuning, **overrides)
+    return launch_config(
+        batch,
+        batch * max(sum(tiles) for tiles in m_tiles),
+        head_dim,
+        max(key_span, num_positions),
+        num_positions,
+        sm_count(keys[0].device),
+        key_bytes=keys[0].element_size(),
+        rows=n_queries * sum(len(layer) for layer in heads),
+        tuning=tuning,
+        **overrides,
+    )
 
 
 # Sizes that change every decode step (span, strides of per-call buffers) must not be specialised on:
@@ -222,29 +247,65 @@ def call_config(
 # prove a key row 16-byte aligned and loads the keys 2 bytes at a time, unpipelined, at a fraction of the copy
 # bandwidth. The per-call buffers' strides are multiples of BLOCK_N by construction, which
 # tl.multiple_of tells the compiler instead (so the 16-bit scores are stored and read 16 bytes at a time).
-@triton.jit(do_not_specialize=[
-    "stride_qb", "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_lb", "stride_lr",
-    "stride_xb", "stride_cb", "span", "chunk",
-])
+@triton.jit(
+    do_not_specialize=[
+        "stride_qb",
+        "stride_pb",
+        "stride_pr",
+        "stride_mb",
+        "stride_mt",
+        "stride_eb",
+        "stride_lb",
+        "stride_lr",
+        "stride_xb",
+        "stride_cb",
+        "span",
+        "chunk",
+    ]
+)
 def _score_pass1_kernel(
-    Q, K, QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
+    Q,
+    K,
+    QPOS,  # Q (B, n_q, N_HEADS, D) of one KV head; K (B, capacity, D) that KV head's keys
     QCOUNT,  # (B,) int, read iff HAS_COUNTS: query j of row b counts iff j < QCOUNT[b]
-    SHIFTED, TILE_MAX, LSE,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R) the rows' log-sum-exps
-    LSE_PART, TICKETS,  # (B, R, num_splits) per-split log-sum-exps; (>= B * M_TILES,) int32 zeroed counters
+    SHIFTED,
+    TILE_MAX,
+    LSE,  # outputs: (B, R, >= span), (B, n_tiles, R), (B, R) the rows' log-sum-exps
+    LSE_PART,
+    TICKETS,  # (B, R, num_splits) per-split log-sum-exps; (>= B * M_TILES,) int32 zeroed counters
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kd,
-    stride_pb, stride_pr,  # SHIFTED, unit stride along positions
-    stride_mb, stride_mt,  # TILE_MAX, unit stride along rows (a tile's maxima are one write)
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_pb,
+    stride_pr,  # SHIFTED, unit stride along positions
+    stride_mb,
+    stride_mt,  # TILE_MAX, unit stride along rows (a tile's maxima are one write)
     stride_eb,  # LSE, unit stride along rows
-    stride_lb, stride_lr,  # LSE_PART, unit stride along splits
-    stride_xb, stride_xt,  # QPOS
+    stride_lb,
+    stride_lr,  # LSE_PART, unit stride along splits
+    stride_xb,
+    stride_xt,  # QPOS
     stride_cb,  # QCOUNT
-    query_offset, query_step,  # query j of row b sits at QPOS[b, j] + query_offset + j * query_step
-    span, chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
-    N_QUERIES: tl.constexpr, N_HEADS: tl.constexpr, ALL_HEADS: tl.constexpr, HEAD_OFFSET: tl.constexpr,
-    HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr, HAS_COUNTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    query_offset,
+    query_step,  # query j of row b sits at QPOS[b, j] + query_offset + j * query_step
+    span,
+    chunk,  # key positions to cover (host int); positions per split (multiple of BLOCK_N)
+    N_QUERIES: tl.constexpr,
+    N_HEADS: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    M_TILES: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two; 1: one split, which writes LSE itself
     PDL: tl.constexpr,
 ):
@@ -278,8 +339,12 @@ def _score_pass1_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         key_ok = n < hi
-        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt, mask=key_ok[:, None] & d_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")  # streamed once: leave L2 to SHIFTED
+        k = tl.load(
+            k_base + n[:, None].to(tl.int64) * stride_kt,
+            mask=key_ok[:, None] & d_ok[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )  # streamed once: leave L2 to SHIFTED
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
         s = tl.where(key_ok[None, :] & (n[None, :] <= last[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf while a row has seen nothing
@@ -290,8 +355,9 @@ def _score_pass1_kernel(
         x_ptrs = SHIFTED + tl.multiple_of(b * stride_pb + out_row * stride_pr, BLOCK_N)[:, None] + n[None, :]
         # whole tiles (the rows are padded to them, and a split owns whole tiles), so the stores vectorise;
         # x = -inf past `hi`, where no query looks
-        tl.store(x_ptrs, x.to(SHIFTED.dtype.element_ty), mask=row_ok[:, None],
-                 eviction_policy="evict_last")  # pass 2 reads it back soon: keep it in L2 if it fits
+        tl.store(
+            x_ptrs, x.to(SHIFTED.dtype.element_ty), mask=row_ok[:, None], eviction_policy="evict_last"
+        )  # pass 2 reads it back soon: keep it in L2 if it fits
         tl.store(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + out_row, m_new, mask=row_ok)
 
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))  # base 2
@@ -300,8 +366,14 @@ def _score_pass1_kernel(
     else:
         part_rows = b * stride_lb + out_row * stride_lr  # (BLOCK_M,)
         tl.store(LSE_PART + part_rows + split, lse, mask=row_ok)
-        _merge_lse_if_last(TICKETS + b * M_TILES + m_tile, tl.num_programs(0) // M_TILES, LSE_PART + part_rows,
-                           LSE + b * stride_eb + out_row, row_ok, BLOCK_S)
+        _merge_lse_if_last(
+            TICKETS + b * M_TILES + m_tile,
+            tl.num_programs(0) // M_TILES,
+            LSE_PART + part_rows,
+            LSE + b * stride_eb + out_row,
+            row_ok,
+            BLOCK_S,
+        )
 
 
 @triton.jit
@@ -319,8 +391,12 @@ def _merge_lse_if_last(ticket, num_splits, part_ptrs, lse_ptrs, row_ok, BLOCK_S:
     arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")  # tickets taken before this one
     if arrived == num_splits - 1:
         s = tl.arange(0, BLOCK_S)
-        part = tl.load(part_ptrs[:, None] + s[None, :], mask=row_ok[:, None] & (s[None, :] < num_splits),
-                       other=float("-inf"), cache_modifier=".cg")  # (BLOCK_M, BLOCK_S); empty splits are -inf
+        part = tl.load(
+            part_ptrs[:, None] + s[None, :],
+            mask=row_ok[:, None] & (s[None, :] < num_splits),
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # (BLOCK_M, BLOCK_S); empty splits are -inf
         part_max = tl.max(part, 1)
         part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
         total = tl.sum(tl.exp2(part - part_max[:, None]), 1)  # 0 iff the row's query sees nothing
@@ -329,18 +405,52 @@ def _merge_lse_if_last(ticket, num_splits, part_ptrs, lse_ptrs, row_ok, BLOCK_S:
         tl.store(ticket, 0)  # every split has its ticket: nothing reads the counter again in this launch
 
 
-@triton.jit(do_not_specialize=[
-    "stride_pb", "stride_pr", "stride_mb", "stride_mt", "stride_eb", "stride_xb", "stride_cb", "stride_ob",
-    "num_positions", "tile",
-])
+@triton.jit(
+    do_not_specialize=[
+        "stride_pb",
+        "stride_pr",
+        "stride_mb",
+        "stride_mt",
+        "stride_eb",
+        "stride_xb",
+        "stride_cb",
+        "stride_ob",
+        "num_positions",
+        "tile",
+    ]
+)
 def _score_pass2_kernel(
-    SHIFTED, TILE_MAX, LSE, QPOS, QCOUNT, LIMIT, OUT,  # QCOUNT as in pass 1; LIMIT (B,) read iff HAS_LIMIT
-    stride_pb, stride_pr, stride_mb, stride_mt, stride_eb, stride_xb, stride_xt, stride_cb, stride_limit, stride_ob,
-    query_offset, query_step,  # as in pass 1
-    num_positions, tile,
-    N_ROWS: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    SHIFTED,
+    TILE_MAX,
+    LSE,
+    QPOS,
+    QCOUNT,
+    LIMIT,
+    OUT,  # QCOUNT as in pass 1; LIMIT (B,) read iff HAS_LIMIT
+    stride_pb,
+    stride_pr,
+    stride_mb,
+    stride_mt,
+    stride_eb,
+    stride_xb,
+    stride_xt,
+    stride_cb,
+    stride_limit,
+    stride_ob,
+    query_offset,
+    query_step,  # as in pass 1
+    num_positions,
+    tile,
+    N_ROWS: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
     SHARED_POS: tl.constexpr,  # every query of a row reads QPOS[b, 0] (a stride-0 view, or one query)
     PDL: tl.constexpr,
 ):
@@ -374,9 +484,11 @@ def _score_pass2_kernel(
         for rb in tl.static_range(ROW_BLOCKS):
             r = rb * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) buffer rows j * ALL_HEADS + k
             r_ok = r < N_ROWS
-            x = tl.load(SHIFTED + tl.multiple_of(b * stride_pb + r * stride_pr, BLOCK_N)[:, None, None] + n[None, :, :],
-                        mask=r_ok[:, None, None],
-                        eviction_policy="evict_first")  # (BLOCK_R, BLOCK_T, BLOCK_N), whole tiles (vectorised)
+            x = tl.load(
+                SHIFTED + tl.multiple_of(b * stride_pb + r * stride_pr, BLOCK_N)[:, None, None] + n[None, :, :],
+                mask=r_ok[:, None, None],
+                eviction_policy="evict_first",
+            )  # (BLOCK_R, BLOCK_T, BLOCK_N), whole tiles (vectorised)
             lse = tl.load(LSE + b * stride_eb + r, mask=r_ok, other=0.0)  # (BLOCK_R,), L1 after the first step
             query = r // ALL_HEADS
             if SHARED_POS:  # no load in the loop: every query's position derives from the row's one
@@ -390,8 +502,11 @@ def _score_pass2_kernel(
                 last = tl.where(query < counted, last, -1)
             tile_seen = tile_start[None, :] <= last[:, None]  # (BLOCK_R, BLOCK_T): pass 1 wrote this row's tile
             # masked by what the buffer holds, not by `tile_seen`: no load waits for another inside the loop
-            tile_max = tl.load(TILE_MAX + b * stride_mb + (tile_start // BLOCK_N)[None, :] * stride_mt + r[:, None],
-                               mask=r_ok[:, None] & (tile_start < hi)[None, :], other=0.0)
+            tile_max = tl.load(
+                TILE_MAX + b * stride_mb + (tile_start // BLOCK_N)[None, :] * stride_mt + r[:, None],
+                mask=r_ok[:, None] & (tile_start < hi)[None, :],
+                other=0.0,
+            )
             offset = tl.where(tile_seen, tile_max - lse[:, None], 0.0)  # (BLOCK_R, BLOCK_T), <= 0
             seen = n[None, :, :] <= last[:, None, None]  # (BLOCK_R, BLOCK_T, BLOCK_N): one compare a score
             probs += tl.where(seen, tl.exp2(x.to(tl.float32) + offset[:, :, None]), 0.0)
@@ -446,10 +561,23 @@ def attention_mass_triton(
     Returns:
         ``(B, num_positions)`` float32 (a query that sees no key at all adds nothing).
     """
-    return attention_mass_layers_triton([queries], [keys], query_pos, [heads], group_size, softmax_scale,
-                                        num_positions, key_span, out=out, position_limit=position_limit, config=config,
-                                        tuning=tuning, query_offset=query_offset, query_step=query_step,
-                                        query_counts=query_counts)
+    return attention_mass_layers_triton(
+        [queries],
+        [keys],
+        query_pos,
+        [heads],
+        group_size,
+        softmax_scale,
+        num_positions,
+        key_span,
+        out=out,
+        position_limit=position_limit,
+        config=config,
+        tuning=tuning,
+        query_offset=query_offset,
+        query_step=query_step,
+        query_counts=query_counts,
+    )
 
 
 def attention_mass_layers_triton(
@@ -488,15 +616,32 @@ def attention_mass_layers_triton(
     """
     heads = [tuple(int(h) for h in layer_heads) for layer_heads in heads]
     if not queries or not (len(queries) == len(keys) == len(heads)):
-        raise ValueError(f"need one queries, keys and heads entry per layer (at least one); got {len(queries)}, "
-                         f"{len(keys)} and {len(heads)}")
+        raise ValueError(
+            f"need one queries, keys and heads entry per layer (at least one); got {len(queries)}, "
+            f"{len(keys)} and {len(heads)}"
+        )
     for layer_queries, layer_keys, layer_heads in zip(queries, keys, heads):
-        _check_inputs(layer_queries, layer_keys, query_pos, layer_heads, group_size, num_positions, key_span, out,
-                      position_limit, query_counts)
-        if layer_keys.dtype != keys[0].dtype or layer_keys.device != keys[0].device \
-                or layer_queries.shape[1::2] != queries[0].shape[1::2]:
-            raise ValueError("all layers need one key dtype and device, one number of queries and one head dim; "
-                             "call attention_mass_triton per layer (with out=) otherwise")
+        _check_inputs(
+            layer_queries,
+            layer_keys,
+            query_pos,
+            layer_heads,
+            group_size,
+            num_positions,
+            key_span,
+            out,
+            position_limit,
+            query_counts,
+        )
+        if (
+            layer_keys.dtype != keys[0].dtype
+            or layer_keys.device != keys[0].device
+            or layer_queries.shape[1::2] != queries[0].shape[1::2]
+        ):
+            raise ValueError(
+                "all layers need one key dtype and device, one number of queries and one head dim; "
+                "call attention_mass_triton per layer (with out=) otherwise"
+            )
     batch, n_queries, _, head_dim = queries[0].shape
     device = keys[0].device
     span = max(key_span, num_positions)
@@ -513,12 +658,23 @@ def attention_mass_layers_triton(
         step = config.layers_per_pass2
         for first in range(0, len(queries), step):
             last = first + step >= len(queries)
-            out = attention_mass_layers_triton(queries[first:first + step], keys[first:first + step], query_pos,
-                                               heads[first:first + step], group_size, softmax_scale, num_positions,
-                                               key_span, out=out, position_limit=position_limit if last else None,
-                                               config=given,  # None: each group of layers sizes its own pass 2
-                                               tuning=tuning, query_offset=query_offset, query_step=query_step,
-                                               query_counts=query_counts)
+            out = attention_mass_layers_triton(
+                queries[first : first + step],
+                keys[first : first + step],
+                query_pos,
+                heads[first : first + step],
+                group_size,
+                softmax_scale,
+                num_positions,
+                key_span,
+                out=out,
+                position_limit=position_limit if last else None,
+                config=given,  # None: each group of layers sizes its own pass 2
+                tuning=tuning,
+                query_offset=query_offset,
+                query_step=query_step,
+                query_counts=query_counts,
+            )
         return out
     if out is None:
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=device)
@@ -541,42 +697,120 @@ def attention_mass_layers_triton(
             group_keys = layer_keys[:, :, kv_head]  # (B, capacity, D)
             rows = n_queries * len(members)
             _score_pass1_kernel[(config.num_splits * tiles, batch)](
-                group_queries, group_keys, query_pos, counts, shifted, tile_max, lse, lse_part, counters,
+                group_queries,
+                group_keys,
+                query_pos,
+                counts,
+                shifted,
+                tile_max,
+                lse,
+                lse_part,
+                counters,
                 softmax_scale * _LOG2E,
-                *group_queries.stride(), *group_keys.stride(),
-                *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *lse_part.stride()[:2],
-                *query_pos.stride(), counts.stride(0), query_offset, query_step,
-                span, config.chunk,
-                N_QUERIES=n_queries, N_HEADS=len(members), ALL_HEADS=total_heads, HEAD_OFFSET=head_offset,
-                HEAD_DIM=head_dim, M_TILES=tiles, HAS_COUNTS=query_counts is not None,
-                BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))), BLOCK_N=config.block_n,
-                BLOCK_D=block_d, DOT_PRECISION="ieee" if keys[0].dtype == torch.float32 else "tf32",
-                BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1, PDL=pdl,
-                num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+                *group_queries.stride(),
+                *group_keys.stride(),
+                *shifted.stride()[:2],
+                *tile_max.stride()[:2],
+                lse.stride(0),
+                *lse_part.stride()[:2],
+                *query_pos.stride(),
+                counts.stride(0),
+                query_offset,
+                query_step,
+                span,
+                config.chunk,
+                N_QUERIES=n_queries,
+                N_HEADS=len(members),
+                ALL_HEADS=total_heads,
+                HEAD_OFFSET=head_offset,
+                HEAD_DIM=head_dim,
+                M_TILES=tiles,
+                HAS_COUNTS=query_counts is not None,
+                BLOCK_M=min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))),
+                BLOCK_N=config.block_n,
+                BLOCK_D=block_d,
+                DOT_PRECISION="ieee" if keys[0].dtype == torch.float32 else "tf32",
+                BLOCK_S=triton.next_power_of_2(config.num_splits) if split else 1,
+                PDL=pdl,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+                launch_pdl=pdl,
             )
             head_offset += len(members)
-    _pass2(shifted, tile_max, lse, query_pos, query_counts, position_limit, out, accumulate, config, n_rows,
-           total_heads, num_positions, query_offset, query_step, pdl)
+    _pass2(
+        shifted,
+        tile_max,
+        lse,
+        query_pos,
+        query_counts,
+        position_limit,
+        out,
+        accumulate,
+        config,
+        n_rows,
+        total_heads,
+        num_positions,
+        query_offset,
+        query_step,
+        pdl,
+    )
     return out
 
 
-def _pass2(shifted, tile_max, lse, query_pos, query_counts, position_limit, out, accumulate, config, n_rows,
-           total_heads, num_positions, query_offset, query_step, pdl) -> None:
+def _pass2(
+    shifted,
+    tile_max,
+    lse,
+    query_pos,
+    query_counts,
+    position_limit,
+    out,
+    accumulate,
+    config,
+    n_rows,
+    total_heads,
+    num_positions,
+    query_offset,
+    query_step,
+    pdl,
+) -> None:
     """Launch pass 2 over pass 1's buffers (rows ``j * total_heads + k``) into ``out``."""
     counts = query_counts if query_counts is not None else query_pos  # placeholder, never read
     limit = position_limit if position_limit is not None else query_pos  # placeholder, never read
     block_r = min(config.block_r, triton.next_power_of_2(n_rows))
     _score_pass2_kernel[(triton.cdiv(num_positions, config.tile), out.shape[0])](
-        shifted, tile_max, lse, query_pos, counts, limit, out,
-        *shifted.stride()[:2], *tile_max.stride()[:2], lse.stride(0), *query_pos.stride(), counts.stride(0),
+        shifted,
+        tile_max,
+        lse,
+        query_pos,
+        counts,
+        limit,
+        out,
+        *shifted.stride()[:2],
+        *tile_max.stride()[:2],
+        lse.stride(0),
+        *query_pos.stride(),
+        counts.stride(0),
         limit.stride(0),
-        out.stride(0), query_offset, query_step,
-        num_positions, config.tile,
-        N_ROWS=n_rows, ALL_HEADS=total_heads, BLOCK_R=block_r, ROW_BLOCKS=triton.cdiv(n_rows, block_r),
-        BLOCK_T=config.block_p // config.block_n, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages_reduce,
-        ACCUMULATE=accumulate, HAS_LIMIT=position_limit is not None, HAS_COUNTS=query_counts is not None,
-        SHARED_POS=query_pos.shape[1] == 1 or query_pos.stride(1) == 0, PDL=pdl,
-        num_warps=config.num_warps_reduce, launch_pdl=pdl,
+        out.stride(0),
+        query_offset,
+        query_step,
+        num_positions,
+        config.tile,
+        N_ROWS=n_rows,
+        ALL_HEADS=total_heads,
+        BLOCK_R=block_r,
+        ROW_BLOCKS=triton.cdiv(n_rows, block_r),
+        BLOCK_T=config.block_p // config.block_n,
+        BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages_reduce,
+        ACCUMULATE=accumulate,
+        HAS_LIMIT=position_limit is not None,
+        HAS_COUNTS=query_counts is not None,
+        SHARED_POS=query_pos.shape[1] == 1 or query_pos.stride(1) == 0,
+        PDL=pdl,
+        num_warps=config.num_warps_reduce,
+        launch_pdl=pdl,
     )
 
 
@@ -608,33 +842,58 @@ class ScoreBuffers:
     span: int
 
 
-def score_buffers(batch: int, queries: int, lse_queries: int, heads: int, span: int, block_n: int, head_dim: int,
-                  keys: torch.Tensor, *, written: int | None = None, tuning: ScoreTuning | None = None) -> ScoreBuffers:
+def score_buffers(
+    batch: int,
+    queries: int,
+    lse_queries: int,
+    heads: int,
+    span: int,
+    block_n: int,
+    head_dim: int,
+    keys: torch.Tensor,
+    *,
+    written: int | None = None,
+    tuning: ScoreTuning | None = None,
+) -> ScoreBuffers:
     """Empty :class:`ScoreBuffers` for ``queries`` scoring queries of ``heads`` heads over ``span`` positions, in key
     tiles of ``block_n`` (the writer's), sized for pass 2's whole steps (:func:`buffer_tiles`) and for the whole
     tiles of the ``written`` positions the writer may cover (``None``: ``span``); ``lse_queries``: the writer's
     queries (``>= queries``); ``keys``: the cache the writer reads (dtype, device)."""
     rows = queries * heads
-    config = launch_config(batch, batch, head_dim, span, span, sm_count(keys.device), key_bytes=keys.element_size(),
-                           rows=rows, tuning=tuning, block_n=block_n)
+    config = launch_config(
+        batch,
+        batch,
+        head_dim,
+        span,
+        span,
+        sm_count(keys.device),
+        key_bytes=keys.element_size(),
+        rows=rows,
+        tuning=tuning,
+        block_n=block_n,
+    )
     tiles = max(buffer_tiles(span, config), triton.cdiv(max(span, written or 0), block_n))
     shifted, tile_max, lse = _pass1_buffers(batch, rows, lse_queries * heads, tiles, block_n, keys)
     return ScoreBuffers(shifted, tile_max, lse, config=config, queries=queries, heads=heads, span=span)
 
 
-def _pass1_buffers(batch: int, rows: int, lse_rows: int, tiles: int, block_n: int,
-                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pass1_buffers(
+    batch: int, rows: int, lse_rows: int, tiles: int, block_n: int, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1's outputs, empty: the shifted scores ``(B, rows, tiles * block_n)`` (fp32 for fp32 keys, else fp16;
     rows padded to whole tiles, so a row stride divisible by 16 lets Triton vectorise the 16-bit accesses), the tile
     maxima ``(B, tiles, rows)`` and the log-sum-exps ``(B, lse_rows)``, fp32, on the keys' device."""
     shifted_dtype = torch.float32 if keys.dtype == torch.float32 else torch.float16  # scores - running max
-    return (torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
-            torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
-            torch.empty(batch, lse_rows, dtype=torch.float32, device=keys.device))
+    return (
+        torch.empty(batch, rows, tiles * block_n, dtype=shifted_dtype, device=keys.device),
+        torch.empty(batch, tiles, rows, dtype=torch.float32, device=keys.device),
+        torch.empty(batch, lse_rows, dtype=torch.float32, device=keys.device),
+    )
 
 
-def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tensor,
-                               query_counts: torch.Tensor | None = None) -> torch.Tensor:
+def attention_mass_from_scores(
+    buffers: ScoreBuffers, cache_seqlens: torch.Tensor, query_counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pass 2 over ``buffers``: per row ``b`` and position ``p < buffers.span``, the sum over heads and counted
     queries of each query's attention over the cached positions ``[0, cache_seqlens[b])`` (``query_counts``: row
     ``b`` counts its first ``query_counts[b]`` queries; ``None``: all). Returns ``(B, span)`` fp32, 0 past each
@@ -646,8 +905,23 @@ def attention_mass_from_scores(buffers: ScoreBuffers, cache_seqlens: torch.Tenso
         return out
     seqlens = cache_seqlens.to(out.device)
     query_pos = seqlens[:, None].expand(batch, buffers.queries)  # every query sits at L_b - 1: offset -1 below
-    _pass2(buffers.shifted, buffers.tile_max, buffers.lse, query_pos, query_counts, None, out, False, buffers.config,
-           buffers.queries * buffers.heads, buffers.heads, span, -1, 0, dependent_launch(out))
+    _pass2(
+        buffers.shifted,
+        buffers.tile_max,
+        buffers.lse,
+        query_pos,
+        query_counts,
+        None,
+        out,
+        False,
+        buffers.config,
+        buffers.queries * buffers.heads,
+        buffers.heads,
+        span,
+        -1,
+        0,
+        dependent_launch(out),
+    )
     return out
 
 
@@ -663,22 +937,27 @@ def _heads(queries: torch.Tensor, members: list[int]) -> torch.Tensor:
     strided view where ``members`` are evenly spaced, else stacked views."""
     step = members[1] - members[0] if len(members) > 1 else 1
     if step > 0 and members == list(range(members[0], members[-1] + 1, step)):
-        return queries[:, :, members[0]:members[-1] + 1:step]
+        return queries[:, :, members[0] : members[-1] + 1 : step]
     return torch.stack([queries[:, :, i] for i in members], dim=2)
 
 
 def _kv_groups(heads: tuple[int, ...], group_size: int) -> list[tuple[int, list[int]]]:
     """``[(kv_head, [i for i, h in enumerate(heads) if h // group_size == kv_head])]`` by kv head."""
-    return [(kv, [i for i, h in enumerate(heads) if h // group_size == kv])
-            for kv in sorted({h // group_size for h in heads})]
+    return [
+        (kv, [i for i, h in enumerate(heads) if h // group_size == kv])
+        for kv in sorted({h // group_size for h in heads})
+    ]
 
 
-def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit,
-                  query_counts=None) -> None:
+def _check_inputs(
+    queries, keys, query_pos, heads, group_size, num_positions, key_span, out, position_limit, query_counts=None
+) -> None:
     """Shape/dtype checks on host metadata only (no device reads)."""
     if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"queries must be (B, n_q, len(heads), D) and keys (B, capacity, kv_heads, D); "
-                         f"got {tuple(queries.shape)} and {tuple(keys.shape)}")
+        raise ValueError(
+            f"queries must be (B, n_q, len(heads), D) and keys (B, capacity, kv_heads, D); "
+            f"got {tuple(queries.shape)} and {tuple(keys.shape)}"
+        )
     batch, n_queries, n_heads, head_dim = queries.shape
     if n_heads != len(heads) or not heads:
         raise ValueError(f"queries hold {n_heads} heads but heads={heads}")
@@ -692,16 +971,20 @@ def _check_inputs(queries, keys, query_pos, heads, group_size, num_positions, ke
     if head_dim > 256:
         raise ValueError(f"head dims up to 256 are supported; got {head_dim}")
     if query_pos.shape != (batch, n_queries) or query_pos.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"query_pos must be ({batch}, {n_queries}) int32/int64; got {tuple(query_pos.shape)} "
-                         f"{query_pos.dtype}")
+        raise ValueError(
+            f"query_pos must be ({batch}, {n_queries}) int32/int64; got {tuple(query_pos.shape)} {query_pos.dtype}"
+        )
     if max(key_span, num_positions) > keys.shape[1]:
-        raise ValueError(f"key_span ({key_span}) and num_positions ({num_positions}) must fit the keys' "
-                         f"capacity ({keys.shape[1]})")
+        raise ValueError(
+            f"key_span ({key_span}) and num_positions ({num_positions}) must fit the keys' capacity ({keys.shape[1]})"
+        )
     if out is not None and (out.shape != (batch, num_positions) or out.dtype != torch.float32 or out.stride(-1) != 1):
         raise ValueError(f"out must be ({batch}, {num_positions}) float32 with unit stride along positions")
     if position_limit is not None and position_limit.shape != (batch,):
         raise ValueError(f"position_limit must be ({batch},); got {tuple(position_limit.shape)}")
-    if query_counts is not None and (query_counts.shape != (batch,)
-                                     or query_counts.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"query_counts must be ({batch},) int32/int64; got {tuple(query_counts.shape)} "
-                         f"{query_counts.dtype}")
+    if query_counts is not None and (
+        query_counts.shape != (batch,) or query_counts.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"query_counts must be ({batch},) int32/int64; got {tuple(query_counts.shape)} {query_counts.dtype}"
+        )

@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from ._device import prepare_interpreter
-from .tuning import SelectTuning
 from .triton_launch import await_producers, dependent_launch
+from .tuning import SelectTuning
 
 __all__ = ["LaunchConfig", "launch_config", "select_sparse_triton", "supports"]
 
@@ -83,8 +83,16 @@ def _pool_width(k: int, chunk: int) -> int:
     return min(k, chunk)
 
 
-def launch_config(span: int, share: int, fill: int, *, tuning: SelectTuning | None = None, chunk: int | None = None,
-                  num_warps_local: int | None = None, num_warps_merge: int | None = None) -> LaunchConfig | None:
+def launch_config(
+    span: int,
+    share: int,
+    fill: int,
+    *,
+    tuning: SelectTuning | None = None,
+    chunk: int | None = None,
+    num_warps_local: int | None = None,
+    num_warps_merge: int | None = None,
+) -> LaunchConfig | None:
     """Launch parameters from host ints, or ``None`` when the pools would not fit one program's registers.
 
     ``chunk`` left ``None``: the smallest power of two from ``tuning.min_chunk`` whose history pool
@@ -171,8 +179,17 @@ def _take(keys, valid, k, threshold):
 
 
 @triton.jit
-def _write_pool(pool_row, stride_plane, width, keep, positions, key, draft_key,
-                WITH_DRAFT_KEY: tl.constexpr, WIDTH_BLOCK: tl.constexpr):
+def _write_pool(
+    pool_row,
+    stride_plane,
+    width,
+    keep,
+    positions,
+    key,
+    draft_key,
+    WITH_DRAFT_KEY: tl.constexpr,
+    WIDTH_BLOCK: tl.constexpr,
+):
     """Store the kept entries of one chunk compacted in position order to ``width`` slots at
     ``pool_row``, ``-1`` positions in the slots left over. Planes: positions, keys, [draft keys]."""
     kept = keep.to(tl.int32)
@@ -185,17 +202,41 @@ def _write_pool(pool_row, stride_plane, width, keep, positions, key, draft_key,
     tl.store(pool_row + rest, -1, mask=(rest >= tl.sum(kept, 0)) & (rest < width))
 
 
-@triton.jit(do_not_specialize=["stride_db", "stride_hb", "span", "stride_pd_plane", "stride_pd", "stride_ph_plane",
-                             "stride_ph"])
+@triton.jit(
+    do_not_specialize=[
+        "stride_db",
+        "stride_hb",
+        "span",
+        "stride_pd_plane",
+        "stride_pd",
+        "stride_ph_plane",
+        "stride_ph",
+    ]
+)
 def _local_pools_kernel(
-    DRAFT, HISTORY, LENGTHS,  # (B, span) float scores (unit stride along positions); (B,) int
-    DRAFT_POOL, HISTORY_POOL,  # (2, B, n_chunks * POOL_D) and (3, B, n_chunks * POOL_H) int32
-    stride_db, stride_hb, stride_l,
+    DRAFT,
+    HISTORY,
+    LENGTHS,  # (B, span) float scores (unit stride along positions); (B,) int
+    DRAFT_POOL,
+    HISTORY_POOL,  # (2, B, n_chunks * POOL_D) and (3, B, n_chunks * POOL_H) int32
+    stride_db,
+    stride_hb,
+    stride_l,
     span,
-    stride_pd_plane, stride_pd, stride_ph_plane, stride_ph,
-    SINK: tl.constexpr, RECENT: tl.constexpr, SHARE: tl.constexpr, FILL: tl.constexpr,
-    POOL_D: tl.constexpr, POOL_H: tl.constexpr, POOL_D_BLOCK: tl.constexpr, POOL_H_BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr, PDL: tl.constexpr,
+    stride_pd_plane,
+    stride_pd,
+    stride_ph_plane,
+    stride_ph,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    SHARE: tl.constexpr,
+    FILL: tl.constexpr,
+    POOL_D: tl.constexpr,
+    POOL_H: tl.constexpr,
+    POOL_D_BLOCK: tl.constexpr,
+    POOL_H_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     await_producers(PDL)
     c = tl.program_id(0)
@@ -213,21 +254,56 @@ def _local_pools_kernel(
     elif SHARE > 0:
         keep_draft, _ = _top_k(draft, candidate, SHARE)
     if SHARE > 0:
-        _write_pool(DRAFT_POOL + b * stride_pd + c * POOL_D, stride_pd_plane, POOL_D, keep_draft, positions, draft,
-                    draft, WITH_DRAFT_KEY=False, WIDTH_BLOCK=POOL_D_BLOCK)
+        _write_pool(
+            DRAFT_POOL + b * stride_pd + c * POOL_D,
+            stride_pd_plane,
+            POOL_D,
+            keep_draft,
+            positions,
+            draft,
+            draft,
+            WITH_DRAFT_KEY=False,
+            WIDTH_BLOCK=POOL_D_BLOCK,
+        )
     if FILL > 0:
-        _write_pool(HISTORY_POOL + b * stride_ph + c * POOL_H, stride_ph_plane, POOL_H, keep_history, positions,
-                    history, draft, WITH_DRAFT_KEY=True, WIDTH_BLOCK=POOL_H_BLOCK)
+        _write_pool(
+            HISTORY_POOL + b * stride_ph + c * POOL_H,
+            stride_ph_plane,
+            POOL_H,
+            keep_history,
+            positions,
+            history,
+            draft,
+            WITH_DRAFT_KEY=True,
+            WIDTH_BLOCK=POOL_H_BLOCK,
+        )
 
 
 @triton.jit(do_not_specialize=["stride_pd_plane", "stride_pd", "stride_ph_plane", "stride_ph", "n_draft", "n_history"])
 def _merge_pools_kernel(
-    DRAFT_POOL, HISTORY_POOL, LENGTHS, COUNTS, OUT,  # pools as launch 1 wrote them; OUT (B, budget) int32
-    stride_pd_plane, stride_pd, stride_ph_plane, stride_ph, stride_l, stride_c, stride_ob,
-    n_draft, n_history,  # pool entries per row: n_chunks * POOL_D, n_chunks * POOL_H
-    SINK: tl.constexpr, RECENT: tl.constexpr, SHARE: tl.constexpr, FILL: tl.constexpr,
-    DRAFT_BLOCK: tl.constexpr, HISTORY_BLOCK: tl.constexpr, SINK_BLOCK: tl.constexpr,
-    RECENT_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr,
+    DRAFT_POOL,
+    HISTORY_POOL,
+    LENGTHS,
+    COUNTS,
+    OUT,  # pools as launch 1 wrote them; OUT (B, budget) int32
+    stride_pd_plane,
+    stride_pd,
+    stride_ph_plane,
+    stride_ph,
+    stride_l,
+    stride_c,
+    stride_ob,
+    n_draft,
+    n_history,  # pool entries per row: n_chunks * POOL_D, n_chunks * POOL_H
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    SHARE: tl.constexpr,
+    FILL: tl.constexpr,
+    DRAFT_BLOCK: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr,
+    SINK_BLOCK: tl.constexpr,
+    RECENT_BLOCK: tl.constexpr,
+    MIDDLE_BLOCK: tl.constexpr,
     HAS_COUNTS: tl.constexpr,  # COUNTS (B,) int read: a row's history fill stops at its count
     PDL: tl.constexpr,
 ):
@@ -314,8 +390,10 @@ def select_sparse_triton(
         return out
     config = config or launch_config(span, share, fill, tuning=tuning)
     if config is None:
-        raise ValueError(f"scores {span} wide with share {share} and fill {fill} overflow the selection kernel's "
-                         f"pools; use the PyTorch path (select_positions(..., backend='reference'))")
+        raise ValueError(
+            f"scores {span} wide with share {share} and fill {fill} overflow the selection kernel's "
+            f"pools; use the PyTorch path (select_positions(..., backend='reference'))"
+        )
     prepare_interpreter()
     n_chunks = triton.cdiv(span, config.chunk)
     pool_d, pool_h = _pool_width(share, config.chunk), _pool_width(share + fill, config.chunk)
@@ -325,22 +403,51 @@ def select_sparse_triton(
     sizes = dict(SINK=sink, RECENT=recent, SHARE=share, FILL=fill)
     pdl = dependent_launch(out)
     _local_pools_kernel[(n_chunks, batch)](
-        draft_scores, history_scores, lengths, draft_pool, history_pool,
-        draft_scores.stride(0), history_scores.stride(0), lengths.stride(0), span,
-        *draft_pool.stride()[:2], *history_pool.stride()[:2],
-        **sizes, POOL_D=pool_d, POOL_H=pool_h,
-        POOL_D_BLOCK=_block(pool_d), POOL_H_BLOCK=_block(pool_h), CHUNK=config.chunk, PDL=pdl,
-        num_warps=config.num_warps_local, launch_pdl=pdl,
+        draft_scores,
+        history_scores,
+        lengths,
+        draft_pool,
+        history_pool,
+        draft_scores.stride(0),
+        history_scores.stride(0),
+        lengths.stride(0),
+        span,
+        *draft_pool.stride()[:2],
+        *history_pool.stride()[:2],
+        **sizes,
+        POOL_D=pool_d,
+        POOL_H=pool_h,
+        POOL_D_BLOCK=_block(pool_d),
+        POOL_H_BLOCK=_block(pool_h),
+        CHUNK=config.chunk,
+        PDL=pdl,
+        num_warps=config.num_warps_local,
+        launch_pdl=pdl,
     )
     row_counts = counts if counts is not None else lengths  # placeholder, never read
     _merge_pools_kernel[(batch,)](
-        draft_pool, history_pool, lengths, row_counts, out,
-        *draft_pool.stride()[:2], *history_pool.stride()[:2], lengths.stride(0), row_counts.stride(0), out.stride(0),
-        n_chunks * pool_d, n_chunks * pool_h,
-        **sizes, DRAFT_BLOCK=_block(n_chunks * pool_d), HISTORY_BLOCK=_block(n_chunks * pool_h),
-        SINK_BLOCK=_block(sink), RECENT_BLOCK=_block(recent), MIDDLE_BLOCK=_block(share + fill),
-        HAS_COUNTS=counts is not None, PDL=pdl,
-        num_warps=config.num_warps_merge, launch_pdl=pdl,
+        draft_pool,
+        history_pool,
+        lengths,
+        row_counts,
+        out,
+        *draft_pool.stride()[:2],
+        *history_pool.stride()[:2],
+        lengths.stride(0),
+        row_counts.stride(0),
+        out.stride(0),
+        n_chunks * pool_d,
+        n_chunks * pool_h,
+        **sizes,
+        DRAFT_BLOCK=_block(n_chunks * pool_d),
+        HISTORY_BLOCK=_block(n_chunks * pool_h),
+        SINK_BLOCK=_block(sink),
+        RECENT_BLOCK=_block(recent),
+        MIDDLE_BLOCK=_block(share + fill),
+        HAS_COUNTS=counts is not None,
+        PDL=pdl,
+        num_warps=config.num_warps_merge,
+        launch_pdl=pdl,
     )
     return out
 
@@ -353,16 +460,20 @@ def _block(n: int) -> int:
 def _check_inputs(draft_scores, history_scores, lengths, counts=None) -> None:
     """Shape/dtype checks on host metadata only (no device reads)."""
     if draft_scores.dim() != 2 or history_scores.shape != draft_scores.shape:
-        raise ValueError(f"draft_scores and history_scores must both be (B, span); got {tuple(draft_scores.shape)} "
-                         f"and {tuple(history_scores.shape)}")
+        raise ValueError(
+            f"draft_scores and history_scores must both be (B, span); got {tuple(draft_scores.shape)} "
+            f"and {tuple(history_scores.shape)}"
+        )
     for name, t in (("draft_scores", draft_scores), ("history_scores", history_scores)):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"{name} must be fp16, bf16 or fp32; got {t.dtype}")
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} needs unit stride along positions (call .contiguous())")
     if lengths.shape != draft_scores.shape[:1] or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lengths must be ({draft_scores.shape[0]},) int32/int64; got {tuple(lengths.shape)} "
-                         f"{lengths.dtype}")
+        raise ValueError(
+            f"lengths must be ({draft_scores.shape[0]},) int32/int64; got {tuple(lengths.shape)} {lengths.dtype}"
+        )
     if counts is not None and (counts.shape != lengths.shape or counts.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"counts must be ({draft_scores.shape[0]},) int32/int64; got {tuple(counts.shape)} "
-                         f"{counts.dtype}")
+        raise ValueError(
+            f"counts must be ({draft_scores.shape[0]},) int32/int64; got {tuple(counts.shape)} {counts.dtype}"
+        )

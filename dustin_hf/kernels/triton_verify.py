@@ -81,8 +81,13 @@ from .triton_launch import await_producers, dependent_launch
 from .triton_score import ScoreBuffers, score_buffers
 from .tuning import ScoreTuning, VerifyTuning
 
-__all__ = ["LaunchConfig", "launch_config", "sparse_loop_keys", "verify_attention_scores_triton",
-           "verify_attention_triton"]
+__all__ = [
+    "LaunchConfig",
+    "launch_config",
+    "sparse_loop_keys",
+    "verify_attention_scores_triton",
+    "verify_attention_triton",
+]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel holds (num_splits, head_dim) fp32 values of one row in registers
@@ -131,8 +136,9 @@ def _shared_bytes(block_m: int, block_n: int, block_d: int, elem_bytes: int, num
     return (in_flight * 2 * block_n * block_d + block_m * (block_d + block_n)) * elem_bytes + 1024
 
 
-def _fit_shared(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool,
-                limit: int) -> tuple[int, int]:
+def _fit_shared(
+    block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int, sparse: bool, limit: int
+) -> tuple[int, int]:
     """``(block_n, num_stages)``: the given ones if :func:`_shared_bytes` fits ``limit``, else fewer stages
     (sparse 3, dense 2), then narrower key tiles (down to 16). fp32 inputs with head dim 128 need this on
     GPUs with less shared memory than an H100's (99 KiB a block on sm_86/89, 163 KiB on an A100)."""
@@ -142,8 +148,10 @@ def _fit_shared(block_m: int, block_n: int, block_d: int, elem_bytes: int, num_s
         for stages in dict.fromkeys((num_stages, 3 if sparse else 2)):
             if stages <= num_stages and _shared_bytes(block_m, n, block_d, elem_bytes, stages, sparse) <= limit:
                 return n, stages
-    raise ValueError(f"no launch configuration of the verification kernel fits {limit} bytes of shared memory "
-                     f"(block_m {block_m}, head dim {block_d}, {elem_bytes}-byte elements); use 16-bit inputs")
+    raise ValueError(
+        f"no launch configuration of the verification kernel fits {limit} bytes of shared memory "
+        f"(block_m {block_m}, head dim {block_d}, {elem_bytes}-byte elements); use 16-bit inputs"
+    )
 
 
 def launch_config(
@@ -193,9 +201,15 @@ def launch_config(
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     if fit:
-        block_n, num_stages = _fit_shared(block_m, block_n, block_d, elem_bytes,
-                                          _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning), sparse,
-                                          smem_limit)
+        block_n, num_stages = _fit_shared(
+            block_m,
+            block_n,
+            block_d,
+            elem_bytes,
+            _num_stages(block_m, block_n, block_d, elem_bytes, sparse, tuning),
+            sparse,
+            smem_limit,
+        )
     n_blocks = max(1, triton.cdiv(n_keys, block_n))
     programs = batch * n_kv_heads * m_tiles
     if num_splits is None and n_blocks <= tuning.short_range_blocks and 2 * programs >= sm_count:
@@ -220,14 +234,16 @@ def launch_config(
     elif merge is None:
         merge = "ticket" if num_splits <= _MAX_TICKET_SPLITS else "kernel"
     elif merge not in ("ticket", "kernel") or (merge == "ticket" and num_splits > _MAX_TICKET_SPLITS):
-        raise ValueError(f"merge must be 'kernel', or 'ticket' with at most {_MAX_TICKET_SPLITS} splits; "
-                         f"got {merge!r} with {num_splits} splits")
-    return LaunchConfig(block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages,
-                        merge)
+        raise ValueError(
+            f"merge must be 'kernel', or 'ticket' with at most {_MAX_TICKET_SPLITS} splits; "
+            f"got {merge!r} with {num_splits} splits"
+        )
+    return LaunchConfig(
+        block_m, block_n, block_d, num_splits, blocks_per_split * block_n, num_warps, num_stages, merge
+    )
 
 
-def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool,
-                tuning: VerifyTuning) -> int:
+def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, sparse: bool, tuning: VerifyTuning) -> int:
     """Software-pipelining depth: in sparse mode the deepest of ``tuning.sparse_stages`` that fits.
 
     Sparse mode needs 2 more stages per K/V tile kept in flight (the index loads take the others;
@@ -249,27 +265,76 @@ def _num_stages(block_m: int, block_n: int, block_d: int, elem_bytes: int, spars
 # would compile a new variant in the middle of an eager decode; the stores tell the compiler what is aligned.
 @triton.jit(do_not_specialize=["stride_sb", "stride_sr", "stride_mb", "stride_mt", "stride_eb", "stride_cb"])
 def _verify_fwd_kernel(
-    Q, K, V, SEQLENS, INDICES, NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
-    OUT, OUT_PART, LSE_PART,  # OUT written iff SINGLE_SPLIT (or by the last split, TICKET_MERGE), else partials
+    Q,
+    K,
+    V,
+    SEQLENS,
+    INDICES,
+    NUM_INDICES,  # inputs; INDICES/NUM_INDICES unused when not SPARSE
+    OUT,
+    OUT_PART,
+    LSE_PART,  # OUT written iff SINGLE_SPLIT (or by the last split, TICKET_MERGE), else partials
     TICKETS,  # (B * Hkv * M_TILES,) int32 counters, zero between launches; read iff TICKET_MERGE
-    SHIFTED, TILE_MAX, LSE_C, LSE_C_PART, QCOUNT,  # SCORES only (verify_attention_scores_triton); QCOUNT iff HAS_COUNTS
+    SHIFTED,
+    TILE_MAX,
+    LSE_C,
+    LSE_C_PART,
+    QCOUNT,  # SCORES only (verify_attention_scores_triton); QCOUNT iff HAS_COUNTS
     qk_scale,  # softmax_scale * log2(e): scores come out in base-2 units
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_ib, stride_in,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_pb, stride_pt, stride_ph, stride_ps,  # OUT_PART (B, Q, Hq, S, D) with unit d stride
-    stride_lb, stride_lt, stride_lh,  # LSE_PART (B, Q, Hq, S) with unit split stride; LSE_C_PART alike
-    stride_sb, stride_sr, stride_mb, stride_mt, stride_eb, stride_cb,  # SHIFTED, TILE_MAX, LSE_C, QCOUNT (SCORES)
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ib,
+    stride_in,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_ps,  # OUT_PART (B, Q, Hq, S, D) with unit d stride
+    stride_lb,
+    stride_lt,
+    stride_lh,  # LSE_PART (B, Q, Hq, S) with unit split stride; LSE_C_PART alike
+    stride_sb,
+    stride_sr,
+    stride_mb,
+    stride_mt,
+    stride_eb,
+    stride_cb,  # SHIFTED, TILE_MAX, LSE_C, QCOUNT (SCORES)
     chunk,  # key ordinals per split (multiple of BLOCK_N)
-    N_QUERIES: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPARSE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, TICKET_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
-    OPEN_LOOP: tl.constexpr, OFFSETS_32: tl.constexpr, SAME_T_STRIDE: tl.constexpr, PDL: tl.constexpr,
+    N_QUERIES: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    M_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    TICKET_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TAIL_FIRST: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    OPEN_LOOP: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    SAME_T_STRIDE: tl.constexpr,
+    PDL: tl.constexpr,
     ROWS: tl.constexpr,  # 0: every row; 1: only rows read in full (num_indices >= cache_seqlens); 2: only the others
-    SCORES: tl.constexpr = False, SCORE_QUERIES: tl.constexpr = 0, HAS_COUNTS: tl.constexpr = False,
+    SCORES: tl.constexpr = False,
+    SCORE_QUERIES: tl.constexpr = 0,
+    HAS_COUNTS: tl.constexpr = False,
 ):
     await_producers(PDL)
     split = tl.program_id(0) // M_TILES
@@ -314,8 +379,23 @@ def _verify_fwd_kernel(
         t_ok = (tl.arange(0, BLOCK_T) < N_QUERIES) & (split == 0)
         if ROWS != 0:
             t_ok = t_ok & own
-        m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok,
-                                           m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
+        m_i, l_i, acc = _attend_new_tokens(
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            cached_len,
+            query,
+            t_ok,
+            d_ok,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            DOT_PRECISION,
+            BLOCK_T,
+        )
     if SCORES:  # the rows that score: the leading queries (of the row's own count), every head
         score_row = row_ok & (query < SCORE_QUERIES)
         if HAS_COUNTS:
@@ -325,8 +405,9 @@ def _verify_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key ordinals
             key_ok = n < hi
-            slot = _open_loop_slots(INDICES + b * stride_ib, stride_in, n, key_ok, n_cached, cached_len, SPARSE,
-                                    TAIL_FIRST)
+            slot = _open_loop_slots(
+                INDICES + b * stride_ib, stride_in, n, key_ok, n_cached, cached_len, SPARSE, TAIL_FIRST
+            )
             if OFFSETS_32:
                 slot = slot.to(tl.int32)
             else:
@@ -347,8 +428,12 @@ def _verify_fwd_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + bias[None, :]
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 x_ptrs = SHIFTED + tl.multiple_of(b * stride_sb + score_out * stride_sr, BLOCK_N)[:, None] + n[None, :]
-                tl.store(x_ptrs, (s - m_new[:, None]).to(SHIFTED.dtype.element_ty), mask=score_row[:, None],
-                         eviction_policy="evict_last")  # read back soon by the scoring pass: keep it in L2
+                tl.store(
+                    x_ptrs,
+                    (s - m_new[:, None]).to(SHIFTED.dtype.element_ty),
+                    mask=score_row[:, None],
+                    eviction_policy="evict_last",
+                )  # read back soon by the scoring pass: keep it in L2
                 tl.store(TILE_MAX + b * stride_mb + (start // BLOCK_N) * stride_mt + score_out, m_new, mask=score_row)
                 l_i, acc = _accumulate(s, m_new, v, m_i, l_i, acc, DOT_PRECISION)
                 m_i = m_new
@@ -373,8 +458,23 @@ def _verify_fwd_kernel(
             tl.store(LSE_C_PART + lse_c_rows + split, lse_c, mask=score_row)
         if split == 0:
             t_ok = tl.arange(0, BLOCK_T) < N_QUERIES
-            m_i, l_i, acc = _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok,
-                                               d_ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, BLOCK_T)
+            m_i, l_i, acc = _attend_new_tokens(
+                q,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                cached_len,
+                query,
+                t_ok,
+                d_ok,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                DOT_PRECISION,
+                BLOCK_T,
+            )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D), normalised over this split's keys
@@ -392,17 +492,68 @@ def _verify_fwd_kernel(
             group_slot = (b * tl.num_programs(1) + kv_head) * M_TILES + m_tile
             num_splits = tl.num_programs(0) // M_TILES
             if SCORES:  # the last split merges the cached log-sum-exps too
-                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
-                               LSE_C_PART + lse_c_rows, LSE_C + b * stride_eb + score_out, score_row, True)
+                _merge_if_last(
+                    TICKETS + group_slot,
+                    num_splits,
+                    o_ptrs,
+                    OUT_PART,
+                    part_rows,
+                    stride_ps,
+                    LSE_PART,
+                    lse_rows,
+                    store_mask,
+                    row_ok,
+                    d,
+                    BLOCK_M,
+                    BLOCK_D,
+                    BLOCK_S,
+                    LSE_C_PART + lse_c_rows,
+                    LSE_C + b * stride_eb + score_out,
+                    score_row,
+                    True,
+                )
             elif ROWS == 0:
-                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
-                               LSE_PART, LSE_PART, row_ok, False)
+                _merge_if_last(
+                    TICKETS + group_slot,
+                    num_splits,
+                    o_ptrs,
+                    OUT_PART,
+                    part_rows,
+                    stride_ps,
+                    LSE_PART,
+                    lse_rows,
+                    store_mask,
+                    row_ok,
+                    d,
+                    BLOCK_M,
+                    BLOCK_D,
+                    BLOCK_S,
+                    LSE_PART,
+                    LSE_PART,
+                    row_ok,
+                    False,
+                )
             elif own:  # every program of a (row, kv head, row tile) takes this branch alike: no ticket is left taken
-                _merge_if_last(TICKETS + group_slot, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps,
-                               LSE_PART, lse_rows, store_mask, row_ok, d, BLOCK_M, BLOCK_D, BLOCK_S,
-                               LSE_PART, LSE_PART, row_ok, False)
+                _merge_if_last(
+                    TICKETS + group_slot,
+                    num_splits,
+                    o_ptrs,
+                    OUT_PART,
+                    part_rows,
+                    stride_ps,
+                    LSE_PART,
+                    lse_rows,
+                    store_mask,
+                    row_ok,
+                    d,
+                    BLOCK_M,
+                    BLOCK_D,
+                    BLOCK_S,
+                    LSE_PART,
+                    LSE_PART,
+                    row_ok,
+                    False,
+                )
 
 
 @triton.jit
@@ -417,8 +568,23 @@ def _owned(num_indices, seqlen, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _attend_new_tokens(q, k_base, v_base, stride_kt, stride_vt, cached_len, query, t_ok, d_ok, m_i, l_i, acc, qk_scale,
-                       DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr):
+def _attend_new_tokens(
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    cached_len,
+    query,
+    t_ok,
+    d_ok,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """The step's new tokens (slots ``cached_len + t`` where ``t_ok``) in a tile of their own, causal: query ``i``
     sees ``t <= i``; returns the updated online-softmax state."""
     t = tl.arange(0, BLOCK_T)
@@ -467,9 +633,24 @@ def _accumulate(s, m_ref, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _merge_if_last(
-    ticket, num_splits, o_ptrs, OUT_PART, part_rows, stride_ps, LSE_PART, lse_rows, store_mask, row_ok, d,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    lse_c_parts, lse_c_out, score_row, SCORES: tl.constexpr,
+    ticket,
+    num_splits,
+    o_ptrs,
+    OUT_PART,
+    part_rows,
+    stride_ps,
+    LSE_PART,
+    lse_rows,
+    store_mask,
+    row_ok,
+    d,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    lse_c_parts,
+    lse_c_out,
+    score_row,
+    SCORES: tl.constexpr,
 ):
     """Take a ticket; the last of the ``num_splits`` programs of this (row, kv head, row tile) merges.
 
@@ -499,8 +680,12 @@ def _merge_if_last(
         for s in tl.static_range(BLOCK_S):  # unrolled, so the loads of all splits can be in flight together
             s_ok = s < num_splits
             lse_s = tl.load(LSE_PART + lse_rows + s, mask=row_ok & s_ok, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(OUT_PART + (part_rows + s * stride_ps)[:, None] + d[None, :], mask=store_mask & s_ok,
-                           other=0.0, cache_modifier=".cg")  # (BLOCK_M, BLOCK_D)
+            part = tl.load(
+                OUT_PART + (part_rows + s * stride_ps)[:, None] + d[None, :],
+                mask=store_mask & s_ok,
+                other=0.0,
+                cache_modifier=".cg",
+            )  # (BLOCK_M, BLOCK_D)
             m_new = tl.maximum(m, lse_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows (split 0 of a real row holds key 0)
             alpha = tl.exp2(m - m_safe)
@@ -520,8 +705,12 @@ def _merge_lse(part_ptrs, out_ptrs, rows_ok, num_splits, BLOCK_S: tl.constexpr):
     """``out = log2(sum_s 2^part_s)`` per row (``part_ptrs``: split 0 of each row, unit split stride; empty splits
     are ``-inf``); a row that saw nothing gets 0 (finite: the scoring pass's rows see some key or are left out)."""
     s = tl.arange(0, BLOCK_S)
-    part = tl.load(part_ptrs[:, None] + s[None, :], mask=rows_ok[:, None] & (s[None, :] < num_splits),
-                   other=float("-inf"), cache_modifier=".cg")  # (rows, BLOCK_S)
+    part = tl.load(
+        part_ptrs[:, None] + s[None, :],
+        mask=rows_ok[:, None] & (s[None, :] < num_splits),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # (rows, BLOCK_S)
     part_max = tl.max(part, 1)
     part_max = tl.where(part_max == float("-inf"), 0.0, part_max)
     total = tl.sum(tl.exp2(part - part_max[:, None]), 1)
@@ -529,8 +718,9 @@ def _merge_lse(part_ptrs, out_ptrs, rows_ok, num_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE: tl.constexpr,
-                     TAIL_FIRST: tl.constexpr):
+def _open_loop_slots(
+    idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE: tl.constexpr, TAIL_FIRST: tl.constexpr
+):
     """Cache slot of each key ordinal ``n`` (BLOCK_N,) of an open loop (one query, or the selected positions
     only), and slot 0 past the loop's end (``key_ok`` false): a real row of the cache, read without a
     mask and then masked out of the scores.
@@ -551,12 +741,21 @@ def _open_loop_slots(idx_row, stride_in, n, key_ok, n_cached, cached_len, SPARSE
 
 @triton.jit
 def _merge_splits_kernel(
-    OUT_PART, LSE_PART, OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
-    SEQLENS, NUM_INDICES,  # read iff ROWS != 0
-    LSE_C_PART, LSE_C,  # SCORES: (R, S) and (R,) fp32, the cached log-sum-exps
-    num_splits, rows_per_b,  # rows_per_b = Q * Hq: output rows of one batch row
+    OUT_PART,
+    LSE_PART,
+    OUT,  # (R, S, D) fp32, (R, S) fp32, (R, D) out dtype; R = B * Q * Hq rows
+    SEQLENS,
+    NUM_INDICES,  # read iff ROWS != 0
+    LSE_C_PART,
+    LSE_C,  # SCORES: (R, S) and (R,) fp32, the cached log-sum-exps
+    num_splits,
+    rows_per_b,  # rows_per_b = Q * Hq: output rows of one batch row
     score_rows_per_b,  # SCORES: the leading rows of a batch row that score (SCORE_QUERIES * Hq)
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+    ROWS: tl.constexpr,
     SCORES: tl.constexpr = False,
 ):
     """One program per (batch row, query, head): ``out = sum_s w_s out_s / sum_s w_s``.
@@ -654,9 +853,19 @@ def verify_attention_triton(
         indices = num_indices = cache_seqlens  # placeholders, never read when not SPARSE
     group = n_heads // n_kv_heads
     if config is None:
-        config = launch_config(batch, n_kv_heads, group, n_queries, head_dim, n_keys, sm_count(q.device),
-                               sparse=sparse, elem_bytes=q.element_size(), tuning=tuning,
-                               smem_limit=smem_limit(q.device))
+        config = launch_config(
+            batch,
+            n_kv_heads,
+            group,
+            n_queries,
+            head_dim,
+            n_keys,
+            sm_count(q.device),
+            sparse=sparse,
+            elem_bytes=q.element_size(),
+            tuning=tuning,
+            smem_limit=smem_limit(q.device),
+        )
     if not (sparse and full_rows):
         return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, config)
     tuning = tuning or VerifyTuning()
@@ -664,11 +873,22 @@ def verify_attention_triton(
     # the dense launch's splits are sized for a share of the rows reading in full (it cannot know how many do):
     # a lone row then still spreads over many SMs, and a batch of them over a few waves
     assumed = max(1, batch // tuning.full_rows_divisor)
-    whole = launch_config(assumed, n_kv_heads, group, n_queries, head_dim, span, sm_count(q.device),
-                          elem_bytes=q.element_size(), tuning=tuning, smem_limit=smem_limit(q.device))
+    whole = launch_config(
+        assumed,
+        n_kv_heads,
+        group,
+        n_queries,
+        head_dim,
+        span,
+        sm_count(q.device),
+        elem_bytes=q.element_size(),
+        tuning=tuning,
+        smem_limit=smem_limit(q.device),
+    )
     out = _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, False, whole, rows=1)
-    return _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, True, config, rows=2,
-                   out=out)
+    return _launch(
+        q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, True, config, rows=2, out=out
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -719,17 +939,48 @@ def verify_attention_scores_triton(
     _check_inputs(q, k_cache, v_cache, cache_seqlens, None)
     score_queries = n_queries if score_queries is None else min(score_queries, n_queries)
     if score_queries < 1 or span > k_cache.shape[1]:
-        raise ValueError(f"need at least one scoring query and a span ({span}) within the cache "
-                         f"({k_cache.shape[1]}); got {score_queries} queries")
+        raise ValueError(
+            f"need at least one scoring query and a span ({span}) within the cache "
+            f"({k_cache.shape[1]}); got {score_queries} queries"
+        )
     n_kv_heads = k_cache.shape[2]
     if config is None:  # the splits divide the cached keys
-        config = launch_config(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim,
-                               max(1, max_seqlen_k - n_queries), sm_count(q.device), elem_bytes=q.element_size(),
-                               tuning=tuning, smem_limit=smem_limit(q.device))
-    buffers = score_buffers(batch, score_queries, n_queries, n_heads, span, config.block_n, head_dim, k_cache,
-                            written=max_seqlen_k - n_queries, tuning=score_tuning)  # the kernel writes every cached key
-    out = _launch(q, k_cache, v_cache, cache_seqlens, cache_seqlens, cache_seqlens, softmax_scale, False, config,
-                  scores=_Scores(buffers, score_queries, query_counts))
+        config = launch_config(
+            batch,
+            n_kv_heads,
+            n_heads // n_kv_heads,
+            n_queries,
+            head_dim,
+            max(1, max_seqlen_k - n_queries),
+            sm_count(q.device),
+            elem_bytes=q.element_size(),
+            tuning=tuning,
+            smem_limit=smem_limit(q.device),
+        )
+    buffers = score_buffers(
+        batch,
+        score_queries,
+        n_queries,
+        n_heads,
+        span,
+        config.block_n,
+        head_dim,
+        k_cache,
+        written=max_seqlen_k - n_queries,
+        tuning=score_tuning,
+    )  # the kernel writes every cached key
+    out = _launch(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        cache_seqlens,
+        cache_seqlens,
+        softmax_scale,
+        False,
+        config,
+        scores=_Scores(buffers, score_queries, query_counts),
+    )
     return out, buffers
 
 
@@ -755,7 +1006,9 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
     """Shape/dtype checks on host metadata only (no device reads)."""
     batch, _, n_heads, head_dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache/v_cache must be (batch, capacity, nheads_k, {head_dim}); got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache/v_cache must be (batch, capacity, nheads_k, {head_dim}); got {tuple(k_cache.shape)}"
+        )
     if n_heads % k_cache.shape[2] != 0:
         raise ValueError(f"nheads ({n_heads}) must be a multiple of nheads_k ({k_cache.shape[2]})")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -770,8 +1023,20 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, indices) -> None:
         raise ValueError(f"indices must be ({batch}, W); got {tuple(indices.shape)}")
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_scale, sparse, cfg: LaunchConfig,
-            rows: int = 0, out: torch.Tensor | None = None, scores: _Scores | None = None):
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    indices,
+    num_indices,
+    softmax_scale,
+    sparse,
+    cfg: LaunchConfig,
+    rows: int = 0,
+    out: torch.Tensor | None = None,
+    scores: _Scores | None = None,
+):
     """Run the main kernel (and the merge kernel when ``cfg.merge == "kernel"``); returns the output. ``rows``:
     which rows it computes (the kernel's ``ROWS``: 0 all; 1 those read in full, 2 the others, into ``out``).
     ``scores`` (a dense call): the kernel also writes the scoring pass's inputs there."""
@@ -805,29 +1070,72 @@ def _launch(q, k_cache, v_cache, cache_seqlens, indices, num_indices, softmax_sc
     tail_first = sparse and _tail_first(n_queries)
     pdl = dependent_launch(q)
     _verify_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, indices, num_indices, out, out_part, lse_part, counters, *score_args,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        indices,
+        num_indices,
+        out,
+        out_part,
+        lse_part,
+        counters,
+        *score_args,
         softmax_scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *(indices.stride()[:2] if sparse else (0, 0)),
-        *out.stride(), *part_strides, *lse_strides, *score_strides,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *(indices.stride()[:2] if sparse else (0, 0)),
+        *out.stride(),
+        *part_strides,
+        *lse_strides,
+        *score_strides,
         cfg.chunk,
-        N_QUERIES=n_queries, GROUP=group, HEAD_DIM=head_dim, M_TILES=m_tiles,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-        SPARSE=sparse, SINGLE_SPLIT=single, TICKET_MERGE=ticket,
+        N_QUERIES=n_queries,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        M_TILES=m_tiles,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d,
+        SPARSE=sparse,
+        SINGLE_SPLIT=single,
+        TICKET_MERGE=ticket,
         BLOCK_S=triton.next_power_of_2(cfg.num_splits) if ticket else 1,  # constexpr: only where it is used
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding; 16-bit: unused
-        TAIL_FIRST=tail_first, BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
+        TAIL_FIRST=tail_first,
+        BLOCK_T=max(16, triton.next_power_of_2(n_queries)),
         OPEN_LOOP=tail_first or n_queries == 1 or scores is not None,
         OFFSETS_32=cfg.int32_offsets and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
-        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1), PDL=pdl, ROWS=rows,
-        SCORES=scores is not None, SCORE_QUERIES=0 if scores is None else scores.queries,
+        SAME_T_STRIDE=k_cache.stride(1) == v_cache.stride(1),
+        PDL=pdl,
+        ROWS=rows,
+        SCORES=scores is not None,
+        SCORE_QUERIES=0 if scores is None else scores.queries,
         HAS_COUNTS=scores is not None and scores.query_counts is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if cfg.merge == "kernel":
         _merge_splits_kernel[(batch * n_queries * n_heads,)](
-            out_part, lse_part, out, cache_seqlens, num_indices, score_args[3], score_args[2], cfg.num_splits,
-            n_queries * n_heads, 0 if scores is None else scores.queries * n_heads,
-            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), BLOCK_D=cfg.block_d, PDL=pdl,
-            ROWS=rows, SCORES=scores is not None, num_warps=4 if cfg.block_d >= 128 else 2, launch_pdl=pdl,
+            out_part,
+            lse_part,
+            out,
+            cache_seqlens,
+            num_indices,
+            score_args[3],
+            score_args[2],
+            cfg.num_splits,
+            n_queries * n_heads,
+            0 if scores is None else scores.queries * n_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)),
+            BLOCK_D=cfg.block_d,
+            PDL=pdl,
+            ROWS=rows,
+            SCORES=scores is not None,
+            num_warps=4 if cfg.block_d >= 128 else 2,
+            launch_pdl=pdl,
         )
     return out

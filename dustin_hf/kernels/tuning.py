@@ -14,8 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-__all__ = ["ArgmaxTuning", "Checked", "GemmTuning", "KernelTuning", "ScoreTuning", "SelectTuning", "VerifyTuning",
-           "check_parts"]
+__all__ = [
+    "ArgmaxTuning",
+    "Checked",
+    "GemmTuning",
+    "KernelTuning",
+    "ScoreTuning",
+    "SelectTuning",
+    "VerifyTuning",
+    "check_parts",
+]
 
 
 class Checked:

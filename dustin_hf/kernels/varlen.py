@@ -128,8 +128,18 @@ def _call_varlen(attend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if seqused_k is not None:
         kwargs["seqused_k"] = seqused_k
     if "softmax_scale" in params:  # flash-attn: causal is bottom-right aligned, GQA native
-        return attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale=softmax_scale, causal=True, **kwargs)
+        return attend(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale=softmax_scale,
+            causal=True,
+            **kwargs,
+        )
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True

@@ -43,17 +43,52 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..kernels.tuning import GemmTuning
-from .ops import (_fused_rms_norm_forward, _interpreting, add_rms_norm, apply_rotary, argmax, fused_ops_available,
-                  gated_linear, rms_norm, rotary_write_kv, silu_mul, skinny_linear, triton_runs_on)
+from .ops import (
+    _fused_rms_norm_forward,
+    _interpreting,
+    add_rms_norm,
+    apply_rotary,
+    argmax,
+    fused_ops_available,
+    gated_linear,
+    rms_norm,
+    rotary_write_kv,
+    silu_mul,
+    skinny_linear,
+    triton_runs_on,
+)
 from .projections import FusedTuning, FusedWeights, _fuse_mlp, _fuse_output, _fuse_qkv
 from .recognise import _RMS_NORM_CLASSES, _standard_norm_code, _standard_rotary, _warn_unrecognised
-from .registry import (_register, _replace_forward, _standard_attention, _standard_layer, _static_rotary,
-                       fused_attention, fused_decoder_layer, fused_norm, static_rotary)
+from .registry import (
+    _register,
+    _replace_forward,
+    _standard_attention,
+    _standard_layer,
+    _static_rotary,
+    fused_attention,
+    fused_decoder_layer,
+    fused_norm,
+    static_rotary,
+)
 
 __all__ = [
-    "FusedOps", "FusedTuning", "FusedWeights", "add_rms_norm", "apply_rotary", "argmax", "fused_attention",
-    "fused_decoder_layer", "fused_norm", "fused_ops", "fused_ops_available", "gated_linear", "rms_norm",
-    "rotary_write_kv", "silu_mul", "skinny_linear", "static_rotary",
+    "FusedOps",
+    "FusedTuning",
+    "FusedWeights",
+    "add_rms_norm",
+    "apply_rotary",
+    "argmax",
+    "fused_attention",
+    "fused_decoder_layer",
+    "fused_norm",
+    "fused_ops",
+    "fused_ops_available",
+    "gated_linear",
+    "rms_norm",
+    "rotary_write_kv",
+    "silu_mul",
+    "skinny_linear",
+    "static_rotary",
 ]
 
 
@@ -86,8 +121,12 @@ class FusedOps:
 
 
 @contextlib.contextmanager
-def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
-              gemm: GemmTuning | None = None, weights: FusedWeights | None = None) -> Iterator[FusedOps]:
+def fused_ops(
+    *models: torch.nn.Module,
+    tuning: FusedTuning | None = None,
+    gemm: GemmTuning | None = None,
+    weights: FusedWeights | None = None,
+) -> Iterator[FusedOps]:
     """Run ``models``' RMSNorms and rotary embeddings through the fused kernels while the context is open.
 
     ``tuning``: which projections run as Triton GEMMs (``None``: the defaults); ``gemm``: those GEMMs' launch
@@ -119,8 +158,16 @@ def fused_ops(*models: torch.nn.Module, tuning: FusedTuning | None = None,
         layers = sum(_register(m, _standard_layer, undo) for m in modules)
         tables = sum(_register(m, _static_rotary, undo) for m in modules)
         attentions = sum(_register(m, _standard_attention, undo) for m in modules)
-        yield FusedOps(norms=norms, rotary_modules=rotary, mlps=mlps, qkv=qkv, outputs=outputs, layers=layers,
-                       rotary_tables=tables, attentions=attentions)
+        yield FusedOps(
+            norms=norms,
+            rotary_modules=rotary,
+            mlps=mlps,
+            qkv=qkv,
+            outputs=outputs,
+            layers=layers,
+            rotary_tables=tables,
+            attentions=attentions,
+        )
     finally:
         for restore in reversed(undo):
             restore()
@@ -147,8 +194,11 @@ def _attention_modules(models) -> list[str]:
 def _kernelized(attention: torch.nn.Module) -> bool:
     """Whether ``kernels.kernelize`` gave ``attention`` a kernel of its own for a function it calls (the ``kernels``
     package keeps one wrapper module per model in ``_kernel_funcs``; ``kernelize`` sets that wrapper's forward)."""
-    return any("forward" in vars(f) for f in getattr(attention, "_kernel_funcs", {}).values()
-               if isinstance(f, torch.nn.Module))
+    return any(
+        "forward" in vars(f)
+        for f in getattr(attention, "_kernel_funcs", {}).values()
+        if isinstance(f, torch.nn.Module)
+    )
 
 
 def _fuse_rotary(module: types.ModuleType, undo: list) -> bool:

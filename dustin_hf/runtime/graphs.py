@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fused, ops
 from ..compat import CACHE_KWARG
 from ..kernels.tuning import KernelTuning
+from . import fused, ops
 from .plan import DeviceTensors, ForwardPlan
 
 __all__ = ["GraphedCall", "GraphedForward", "Pipeline"]
@@ -78,7 +78,9 @@ class Pipeline:
     def __init__(self, model, tuning: KernelTuning | None = None):
         self.model, self.decoder = model, model.base_model
         self.tuning = tuning or KernelTuning()
-        missing = [name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(self.decoder, name)]
+        missing = [
+            name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(self.decoder, name)
+        ]
         if missing or model.get_output_embeddings() is None:
             raise ValueError(
                 f"{type(model).__name__} does not have the decoder layout CUDA graph capture follows (missing: "
@@ -86,8 +88,10 @@ class Pipeline:
             )
         self.layers = self.decoder.layers[: model.config.get_text_config().num_hidden_layers]
         self.head = model.get_output_embeddings()
-        placed = [("embed", _module_device(self.decoder.embed_tokens)),
-                  ("rotary", _module_device(self.decoder.rotary_emb))]
+        placed = [
+            ("embed", _module_device(self.decoder.embed_tokens)),
+            ("rotary", _module_device(self.decoder.rotary_emb)),
+        ]
         placed += [(i, _module_device(layer)) for i, layer in enumerate(self.layers)]
         placed += [("norm", _module_device(self.decoder.norm)), ("head", _module_device(self.head))]
         stages: list[tuple[torch.device, list[_Step]]] = []
@@ -99,8 +103,9 @@ class Pipeline:
         self.devices = tuple(dict.fromkeys(stage.device for stage in self.stages))
         self._rotary_tables: dict[torch.device, torch.Tensor] = {}  # per device: (2, capacity, D) cos/sin rows
 
-    def run(self, stage: Stage, state: dict[str, torch.Tensor], plan: ForwardPlan, cache, keep: int,
-            tokens: bool = False) -> dict:
+    def run(
+        self, stage: Stage, state: dict[str, torch.Tensor], plan: ForwardPlan, cache, keep: int, tokens: bool = False
+    ) -> dict:
         """Run ``stage`` on ``state`` (its tensors on ``stage.device``); returns the next state.
 
         The state holds ``ids`` before the embedding, then ``h`` (hidden states: the residual stream) and,
@@ -126,8 +131,12 @@ class Pipeline:
             else:
                 state = _settled(state)
                 hidden = self.layers[step](
-                    state["h"], attention_mask=None, position_embeddings=(state["cos"], state["sin"]),
-                    position_ids=plan.write_positions(stage.device), use_cache=True, dustin_plan=plan,
+                    state["h"],
+                    attention_mask=None,
+                    position_embeddings=(state["cos"], state["sin"]),
+                    position_ids=plan.write_positions(stage.device),
+                    use_cache=True,
+                    dustin_plan=plan,
                     **{CACHE_KWARG: cache},
                 )
                 state = {**state, "h": hidden[0] if isinstance(hidden, tuple) else hidden}
@@ -145,8 +154,12 @@ class Pipeline:
             attn = self._attention(layer.self_attn, normed, state, plan, cache)
         else:
             attn, _ = layer.self_attn(  # the arguments the layer's forward passes
-                hidden_states=normed, attention_mask=None, position_ids=plan.write_positions(h.device),
-                **{CACHE_KWARG: cache}, use_cache=True, position_embeddings=(state["cos"], state["sin"]),
+                hidden_states=normed,
+                attention_mask=None,
+                position_ids=plan.write_positions(h.device),
+                **{CACHE_KWARG: cache},
+                use_cache=True,
+                position_embeddings=(state["cos"], state["sin"]),
                 dustin_plan=plan,
             )
         normed, h = _add_norm(layer.post_attention_layernorm, attn, h)
@@ -165,14 +178,22 @@ class Pipeline:
         v = module.v_proj(x).view(hidden_shape)
         layer = cache.layers[module.layer_idx]
         keys, values = layer.buffers()
-        q = fused.rotary_write_kv(q, k, v, state["cos"], state["sin"], keys, values, plan.write_positions(x.device),
-                                  plan.rows.start)
+        q = fused.rotary_write_kv(
+            q, k, v, state["cos"], state["sin"], keys, values, plan.write_positions(x.device), plan.rows.start
+        )
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            module.config._attn_implementation, sys.modules[type(module).__module__].eager_attention_forward)
+            module.config._attn_implementation, sys.modules[type(module).__module__].eager_attention_forward
+        )
         out, _ = interface(  # what the cache's update returns: (B', H, capacity, D) views of the covered rows
-            module, q.transpose(1, 2), layer.keys[plan.rows], layer.values[plan.rows], None,
-            dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
-            sliding_window=module.sliding_window, dustin_plan=plan,
+            module,
+            q.transpose(1, 2),
+            layer.keys[plan.rows],
+            layer.values[plan.rows],
+            None,
+            dropout=0.0 if not module.training else module.attention_dropout,
+            scaling=module.scaling,
+            sliding_window=module.sliding_window,
+            dustin_plan=plan,
         )
         return module.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
@@ -233,8 +254,7 @@ def _add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) ->
     """``(norm(residual + x), residual + x)``: one :func:`~dustin_hf.runtime.fused.add_rms_norm` launch when ``norm`` is a
     fused RMSNorm and the two tensors match, else the add and the norm module."""
     params = fused.fused_norm(norm)
-    if (params is not None and x.dtype == residual.dtype and x.shape == residual.shape
-            and ops.triton_runs_on(x.device)):
+    if params is not None and x.dtype == residual.dtype and x.shape == residual.shape and ops.triton_runs_on(x.device):
         return fused.add_rms_norm(x, residual, *params)
     total = residual + x
     return norm(total), total
@@ -254,21 +274,33 @@ class GraphedForward:
         full_rows: rows may read in full through their counts (:attr:`~dustin_hf.runtime.plan.ForwardPlan.full_rows`).
     """
 
-    def __init__(self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool,
-                 full_rows: bool = False):
+    def __init__(
+        self, runner, q_len: int, width: int, keep: int, capture: dict, capture_last: bool, full_rows: bool = False
+    ):
         batch, pipeline = runner.cache.batch_size, runner.pipeline
         self.runner, self.q_len, self.keep = runner, q_len, keep
         self.input_ids = torch.zeros(batch, q_len, dtype=torch.long, device=pipeline.stages[0].device)
-        self.tensors = tuple(DeviceTensors(
-            torch.zeros(batch, dtype=torch.int32, device=device),
-            torch.zeros(batch, width, dtype=torch.int32, device=device) if width else None,
-            torch.zeros(batch, dtype=torch.int32, device=device) if width else None,
-            torch.zeros(batch, dtype=torch.int32, device=device) if width and runner.select is not None else None,
-        ) for device in pipeline.devices)
+        self.tensors = tuple(
+            DeviceTensors(
+                torch.zeros(batch, dtype=torch.int32, device=device),
+                torch.zeros(batch, width, dtype=torch.int32, device=device) if width else None,
+                torch.zeros(batch, dtype=torch.int32, device=device) if width else None,
+                torch.zeros(batch, dtype=torch.int32, device=device) if width and runner.select is not None else None,
+            )
+            for device in pipeline.devices
+        )
         self.plan = ForwardPlan(
-            rows=slice(0, batch), cache_seqlens=[0] * batch, q_len=q_len, backend=runner.backend,
-            capture=dict(capture), capture_last=capture_last, static=self.tensors, key_bound=runner.cache.capacity,
-            dense_layers=runner.dense_layers, read_budget=runner.graph_width, tuning=runner.tuning,
+            rows=slice(0, batch),
+            cache_seqlens=[0] * batch,
+            q_len=q_len,
+            backend=runner.backend,
+            capture=dict(capture),
+            capture_last=capture_last,
+            static=self.tensors,
+            key_bound=runner.cache.capacity,
+            dense_layers=runner.dense_layers,
+            read_budget=runner.graph_width,
+            tuning=runner.tuning,
             select=runner.select,
             full_rows=full_rows,
         )
@@ -284,8 +316,14 @@ class GraphedForward:
         """Captured, and the cache buffers the graphs point into are still the current ones."""
         return self.graphs is not None and self._capacity == self.runner.cache.capacity
 
-    def __call__(self, input_ids: torch.Tensor, seqlens: list[int] | torch.Tensor, indices=None, num_indices=None,
-                 query_counts: list[int] | None = None):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        seqlens: list[int] | torch.Tensor,
+        indices=None,
+        num_indices=None,
+        query_counts: list[int] | None = None,
+    ):
         """Run at ``seqlens``; returns ``(logits (B, keep, V) float32, captured queries)``, owned by the caller;
         for a runner that decodes greedily (``runner.tokens_only``) ``(B, keep)`` argmax tokens instead of logits.
         ``query_counts``: each row's own leading queries, for selection layers (``None``: all).
@@ -304,8 +342,10 @@ class GraphedForward:
                 tensors.indices.copy_(indices, non_blocking=True)
                 tensors.num_indices.copy_(num_indices, non_blocking=True)
             if tensors.query_counts is not None:
-                tensors.query_counts.copy_(torch.tensor(query_counts or [self.q_len] * len(tensors.query_counts),
-                                                        dtype=torch.int32), non_blocking=True)
+                tensors.query_counts.copy_(
+                    torch.tensor(query_counts or [self.q_len] * len(tensors.query_counts), dtype=torch.int32),
+                    non_blocking=True,
+                )
         if not on_device:
             self.plan.cache_seqlens = list(seqlens)
         cache = self.runner.cache
@@ -331,12 +371,14 @@ class GraphedForward:
         self.plan._slots.clear()  # slots from the static seqlens, computed now
         cache = self.runner.cache
         with cache.forward_plan(self.plan):
-            return self.runner.pipeline.forward(self.input_ids, self.plan, cache, self.keep,
-                                                self.runner.tokens_only).to(self.runner.device)
+            return self.runner.pipeline.forward(
+                self.input_ids, self.plan, cache, self.keep, self.runner.tokens_only
+            ).to(self.runner.device)
 
     def _replay(self) -> None:
-        for stage, graph, inputs, previous in zip(self.runner.pipeline.stages, self.graphs, self.inputs,
-                                                  [{}] + self.outputs[:-1]):
+        for stage, graph, inputs, previous in zip(
+            self.runner.pipeline.stages, self.graphs, self.inputs, [{}] + self.outputs[:-1]
+        ):
             for name, buffer in inputs.items():  # across the device boundary, ordered on both devices' streams
                 buffer.copy_(previous[name], non_blocking=True)
             with torch.cuda.device(stage.device):
@@ -358,8 +400,9 @@ class GraphedForward:
                     pool, stream = self.runner.graph_pools[stage.device]
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        state = pipeline.run(stage, static or state, self.plan, cache, self.keep,
-                                             self.runner.tokens_only)
+                        state = pipeline.run(
+                            stage, static or state, self.plan, cache, self.keep, self.runner.tokens_only
+                        )
                     graphs.append(graph)
                     inputs.append(static)
                     outputs.append(state)

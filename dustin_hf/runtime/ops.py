@@ -26,8 +26,16 @@ import torch
 from ..kernels.tuning import ArgmaxTuning, GemmTuning
 
 __all__ = [
-    "add_rms_norm", "apply_rotary", "argmax", "fused_ops_available", "gated_linear", "rms_norm", "rotary_write_kv",
-    "silu_mul", "skinny_linear", "triton_runs_on",
+    "add_rms_norm",
+    "apply_rotary",
+    "argmax",
+    "fused_ops_available",
+    "gated_linear",
+    "rms_norm",
+    "rotary_write_kv",
+    "silu_mul",
+    "skinny_linear",
+    "triton_runs_on",
 ]
 
 
@@ -82,8 +90,9 @@ def fused_ops_available(model: torch.nn.Module) -> bool:
     return importlib.util.find_spec("triton") is not None and all(p.is_cuda for p in model.parameters())
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tuning: GemmTuning | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tuning: GemmTuning | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a decode-sized ``x`` in one Triton launch
     (:func:`dustin_hf.kernels.triton_gemm.skinny_linear`; ``tuning``: its heuristic, ``None``: the defaults)."""
     _check_device(x)
@@ -158,4 +167,3 @@ def _check_device(t: torch.Tensor) -> None:
             f"the fused kernels run in Triton: they need CUDA tensors (got {t.device}), or on CPU the "
             "Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"
         )
-

@@ -28,8 +28,12 @@ class DeviceTensors:
     query_counts: torch.Tensor | None = None  # (B',) int32: each row's own leading queries (selection layers)
 
     def to(self, device: torch.device) -> "DeviceTensors":
-        return DeviceTensors(*(None if t is None else t.to(device, non_blocking=True) for t in (
-            self.cache_seqlens, self.indices, self.num_indices, self.query_counts)))
+        return DeviceTensors(
+            *(
+                None if t is None else t.to(device, non_blocking=True)
+                for t in (self.cache_seqlens, self.indices, self.num_indices, self.query_counts)
+            )
+        )
 
     def write_positions(self, q_len: int) -> torch.Tensor:
         """``(B', Q)`` int64 cache slots of the new tokens: ``cache_seqlens[b] + arange(Q)``."""

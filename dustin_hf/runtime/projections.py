@@ -68,8 +68,11 @@ def _plain_linears(*linears) -> bool:
     if not all(type(m) is torch.nn.Linear and not hasattr(m, "_hf_hook") for m in linears):
         return False
     weights = [m.weight for m in linears]
-    return len({(w.dtype, w.device) for w in weights}) == 1 and weights[0].dtype in (
-        torch.float16, torch.bfloat16, torch.float32) and triton_runs_on(weights[0].device)
+    return (
+        len({(w.dtype, w.device) for w in weights}) == 1
+        and weights[0].dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and triton_runs_on(weights[0].device)
+    )
 
 
 class FusedWeights:
@@ -126,8 +129,9 @@ def _addresses(linears) -> tuple[int, ...]:
     return tuple(p.data_ptr() for m in linears for p in (m.weight, m.bias) if p is not None)
 
 
-def _fuse_mlp(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning,
-              gemm: GemmTuning | None) -> bool:
+def _fuse_mlp(
+    module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning, gemm: GemmTuning | None
+) -> bool:
     """``down(silu(gate(x)) * up(x))`` as one GEMM over ``[gate; up]`` and one :func:`silu_mul` launch."""
     cls = type(module)
     if cls.__name__ not in _MLP_CLASSES or not _standard_mlp_code(cls):
@@ -142,8 +146,13 @@ def _fuse_mlp(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning
     weight, _ = weights.share((gate, up))
     down = module.down_proj
     weight_bytes = weight.numel() * weight.element_size()
-    gated_rows = (tuning.skinny_rows if weight_bytes <= tuning.gated_max_bytes
-                  else tuning.gated_rows if weight_bytes >= tuning.gated_min_large_bytes else 0)
+    gated_rows = (
+        tuning.skinny_rows
+        if weight_bytes <= tuning.gated_max_bytes
+        else tuning.gated_rows
+        if weight_bytes >= tuning.gated_min_large_bytes
+        else 0
+    )
 
     def forward(x):
         if x.numel() <= gated_rows * x.shape[-1]:  # decode-sized: one launch, no gate_up tensor
@@ -157,8 +166,9 @@ def _fuse_mlp(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning
     return _replace_forward(module, forward, undo)
 
 
-def _fuse_qkv(module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning,
-              gemm: GemmTuning | None) -> bool:
+def _fuse_qkv(
+    module: torch.nn.Module, undo: list, weights: FusedWeights, tuning: FusedTuning, gemm: GemmTuning | None
+) -> bool:
     """``q_proj``, ``k_proj``, ``v_proj`` of one input as one GEMM over ``[q; k; v]``."""
     if type(module).__name__ not in _ATTENTION_CLASSES:
         return False
@@ -201,11 +211,14 @@ def _fuse_output(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm:
     return _replace_forward(o, lambda x: _projection(x, o.weight, o.bias, tuning, gemm), undo)
 
 
-def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tuning: FusedTuning,
-                gemm: GemmTuning | None) -> torch.Tensor:
+def _projection(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tuning: FusedTuning, gemm: GemmTuning | None
+) -> torch.Tensor:
     """``F.linear``; for at most ``tuning.skinny_rows`` rows and ``tuning.skinny_projection_max_bytes`` of weight
     one :func:`skinny_linear` launch."""
-    if (x.numel() <= tuning.skinny_rows * x.shape[-1]
-            and weight.numel() * weight.element_size() <= tuning.skinny_projection_max_bytes):
+    if (
+        x.numel() <= tuning.skinny_rows * x.shape[-1]
+        and weight.numel() * weight.element_size() <= tuning.skinny_projection_max_bytes
+    ):
         return skinny_linear(x, weight, bias, gemm)
     return torch.nn.functional.linear(x, weight, bias)

@@ -35,21 +35,41 @@ from . import _transformers_reference as copies
 
 # RMSNorm classes with transformers' standard forward (identical in 5.17, 5.23, 5.24, 5.25); each instance is
 # also checked against StandardRMSNorm.forward's bytecode before it is replaced.
-_RMS_NORM_CLASSES = frozenset({
-    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
-    "Qwen3MoeRMSNorm",
-})
+_RMS_NORM_CLASSES = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen3RMSNorm",
+        "Qwen3MoeRMSNorm",
+    }
+)
 # MLP classes with the standard ``down(act(gate(x)) * up(x))`` forward (5.17 to 5.25), checked by bytecode too.
 _MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
-_ATTENTION_CLASSES = frozenset({
-    "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention",
-    "Qwen3MoeAttention",
-})
+_ATTENTION_CLASSES = frozenset(
+    {
+        "LlamaAttention",
+        "MistralAttention",
+        "MixtralAttention",
+        "Qwen2Attention",
+        "Qwen2MoeAttention",
+        "Qwen3Attention",
+        "Qwen3MoeAttention",
+    }
+)
 # Decoder layers whose forward is the standard pre-norm block (5.17 to 5.25, checked by bytecode too).
-_DECODER_LAYER_CLASSES = frozenset({
-    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3DecoderLayer",
-    "Qwen3MoeDecoderLayer",
-})
+_DECODER_LAYER_CLASSES = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen2MoeDecoderLayer",
+        "Qwen3DecoderLayer",
+        "Qwen3MoeDecoderLayer",
+    }
+)
 # What the warning about unrecognised transformers code has already named in this process.
 _WARNED: set[str] = set()
 
@@ -64,15 +84,17 @@ def _standard_mlp_code(cls: type) -> bool:
 
 def _standard_layer_code(cls: type) -> bool:
     forward = inspect.unwrap(cls.forward)  # 5.24 wraps it in deprecate_kwarg
-    return any(_same_code(forward, copy.forward)
-               for copy in (copies.StandardDecoderLayer, copies.StandardDecoderLayer524))
+    return any(
+        _same_code(forward, copy.forward) for copy in (copies.StandardDecoderLayer, copies.StandardDecoderLayer524)
+    )
 
 
 def _standard_attention_code(cls: type) -> bool:
     # 5.24 wraps the forward in deprecate_kwarg; with the kernels package, use_kernelized_func wraps it once more
     forward = inspect.unwrap(cls.forward)
-    return any(_same_code(forward, copy.forward)
-               for copy in (copies.StandardQwen2Attention, copies.StandardQwen2Attention524))
+    return any(
+        _same_code(forward, copy.forward) for copy in (copies.StandardQwen2Attention, copies.StandardQwen2Attention524)
+    )
 
 
 def _wrapped_function(fn) -> Callable | None:
@@ -85,8 +107,12 @@ def _wrapped_function(fn) -> Callable | None:
     if inspect.isfunction(fn):
         return fn
     forward = getattr(type(fn), "forward", None)
-    if not (isinstance(fn, torch.nn.Module) and hasattr(type(fn), "kernel_layer_name")
-            and inspect.isfunction(forward) and "forward" not in vars(fn)):
+    if not (
+        isinstance(fn, torch.nn.Module)
+        and hasattr(type(fn), "kernel_layer_name")
+        and inspect.isfunction(forward)
+        and "forward" not in vars(fn)
+    ):
         return None
     cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
     inner = cells["func"].cell_contents if "func" in cells else None
@@ -111,10 +137,12 @@ def _unrecognised(modules) -> list[str]:
     for module in modules:
         cls = type(module)
         name = cls.__name__
-        if ((name in _RMS_NORM_CLASSES and not _standard_norm_code(cls))
-                or (name in _MLP_CLASSES and not _standard_mlp_code(cls))
-                or (name in _DECODER_LAYER_CLASSES and not _standard_layer_code(cls))
-                or (name == "Qwen2Attention" and not _standard_attention_code(cls))):
+        if (
+            (name in _RMS_NORM_CLASSES and not _standard_norm_code(cls))
+            or (name in _MLP_CLASSES and not _standard_mlp_code(cls))
+            or (name in _DECODER_LAYER_CLASSES and not _standard_layer_code(cls))
+            or (name == "Qwen2Attention" and not _standard_attention_code(cls))
+        ):
             found.append(f"{cls.__module__}.{cls.__qualname__}.forward")
         if name in _ATTENTION_CLASSES and cls.__module__ in sys.modules:
             modeling = sys.modules[cls.__module__]
@@ -158,9 +186,14 @@ def _same_code_objects(code, ref) -> bool:
 
     def instructions(c):
         jumps = set(dis.hasjrel) | set(dis.hasjabs)
-        return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, None if i.opcode in jumps else i.argval)
-                for i in dis.get_instructions(c)]
+        return [
+            ("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname, None if i.opcode in jumps else i.argval)
+            for i in dis.get_instructions(c)
+        ]
 
     return (instructions(code), code.co_names, code.co_varnames, consts(code)) == (
-        instructions(ref), ref.co_names, ref.co_varnames, consts(ref)
+        instructions(ref),
+        ref.co_names,
+        ref.co_varnames,
+        consts(ref),
     )

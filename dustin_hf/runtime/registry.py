@@ -35,10 +35,17 @@ __all__ = ["fused_attention", "fused_decoder_layer", "fused_norm", "static_rotar
 # Rotary modules computing cos/sin position by position from ``inv_freq`` (5.17 to 5.25), and the rope types
 # whose ``inv_freq`` does not depend on the sequence length (transformers' ``dynamic_rope_update`` changes it for
 # "dynamic" and "longrope" ones).
-_ROTARY_CLASSES = frozenset({
-    "LlamaRotaryEmbedding", "MistralRotaryEmbedding", "MixtralRotaryEmbedding", "Qwen2RotaryEmbedding",
-    "Qwen2MoeRotaryEmbedding", "Qwen3RotaryEmbedding", "Qwen3MoeRotaryEmbedding",
-})
+_ROTARY_CLASSES = frozenset(
+    {
+        "LlamaRotaryEmbedding",
+        "MistralRotaryEmbedding",
+        "MixtralRotaryEmbedding",
+        "Qwen2RotaryEmbedding",
+        "Qwen2MoeRotaryEmbedding",
+        "Qwen3RotaryEmbedding",
+        "Qwen3MoeRotaryEmbedding",
+    }
+)
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _MISSING = object()
 # Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
@@ -102,14 +109,21 @@ def _standard_layer(module: torch.nn.Module) -> bool:
 
 
 def _standard_attention(module: torch.nn.Module) -> bool:
-    return (type(module).__name__ == "Qwen2Attention" and _runs_as_its_class(module)
-            and _standard_attention_code(type(module)))
+    return (
+        type(module).__name__ == "Qwen2Attention"
+        and _runs_as_its_class(module)
+        and _standard_attention_code(type(module))
+    )
 
 
 def _static_rotary(module: torch.nn.Module) -> bool:
     rope_type = getattr(module, "rope_type", None)
-    return (type(module).__name__ in _ROTARY_CLASSES and isinstance(rope_type, str)
-            and rope_type in _STATIC_ROPE_TYPES and _runs_as_its_class(module))
+    return (
+        type(module).__name__ in _ROTARY_CLASSES
+        and isinstance(rope_type, str)
+        and rope_type in _STATIC_ROPE_TYPES
+        and _runs_as_its_class(module)
+    )
 
 
 def _runs_as_its_class(module: torch.nn.Module) -> bool:
@@ -121,8 +135,9 @@ def _runs_as_its_class(module: torch.nn.Module) -> bool:
         return True
     hook, old = getattr(module, "_hf_hook", None), module.__dict__.get("_old_forward")
     hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
-    return (getattr(old, "__func__", None) is type(module).forward
-            and not any(getattr(h, "offload", False) for h in hooks))
+    return getattr(old, "__func__", None) is type(module).forward and not any(
+        getattr(h, "offload", False) for h in hooks
+    )
 
 
 def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool], undo: list) -> bool:

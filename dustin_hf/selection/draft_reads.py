@@ -78,10 +78,13 @@ class DraftReads:
 
     def at(self, cached: list[int]) -> Selection:
         """The read set of a draft forward whose rows hold ``cached`` positions."""
-        counts = [n if d else c + min(max(n - base, 0), self.extra_slots)
-                  for c, n, base, d in zip(self.counts, cached, self.base, self.dense)]
-        return Selection(self.indices, device_tensor(counts, self.indices.device, torch.int32), counts,
-                         full_rows=self.full_rows)
+        counts = [
+            n if d else c + min(max(n - base, 0), self.extra_slots)
+            for c, n, base, d in zip(self.counts, cached, self.base, self.dense)
+        ]
+        return Selection(
+            self.indices, device_tensor(counts, self.indices.device, torch.int32), counts, full_rows=self.full_rows
+        )
 
     def ahead(self, beyond: torch.Tensor) -> torch.Tensor:
         """:meth:`at`'s per-row counts for rows holding ``base + beyond`` positions, ``beyond`` a device tensor."""

@@ -30,8 +30,15 @@ from ..kernels import available_backends
 from ..kernels.tuning import SelectTuning
 from ..runtime.plan import device_tensor
 
-__all__ = ["Selection", "dense_rows", "estimated_mass", "select_by_recovery", "select_positions", "truncated",
-           "with_dense_rows"]
+__all__ = [
+    "Selection",
+    "dense_rows",
+    "estimated_mass",
+    "select_by_recovery",
+    "select_positions",
+    "truncated",
+    "with_dense_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,16 @@ def select_positions(
         from ..kernels.triton_select import select_sparse_triton
 
         with launch_device(draft_scores):
-            indices = select_sparse_triton(draft_scores.contiguous(), history.contiguous(), lengths, sink=sink,
-                                           recent=recent, share=share, fill=fill, tuning=tuning)  # (B, budget)
+            indices = select_sparse_triton(
+                draft_scores.contiguous(),
+                history.contiguous(),
+                lengths,
+                sink=sink,
+                recent=recent,
+                share=share,
+                fill=fill,
+                tuning=tuning,
+            )  # (B, budget)
     else:
         indices = _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
     if any(dense) and full_rows:  # named by their counts, their index rows never read
@@ -128,8 +143,9 @@ def _per_row(window: int | list[int] | None, batch: int) -> list[int] | None:
     return None if window is None else [window] * batch if isinstance(window, int) else list(window)
 
 
-def _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, windows,
-                      tuning) -> Selection:
+def _select_in_window(
+    seqlens, draft_scores, target_scores, has_history, config, backend, windows, tuning
+) -> Selection:
     """:func:`select_positions` over each row's window ``[lo, L)``: the scores shifted by ``lo``, the selection
     made as for a context of ``L - lo`` positions (a row below ``min_context`` reads its whole window), and
     shifted back."""
@@ -145,8 +161,9 @@ def _select_in_window(seqlens, draft_scores, target_scores, has_history, config,
         return None if scores is None else scores.gather(1, take) * inside
 
     whole = dataclasses.replace(config, min_context=0)
-    chosen = select_positions(spans, shifted(draft_scores), shifted(target_scores), has_history, whole,
-                              backend=backend, tuning=tuning)
+    chosen = select_positions(
+        spans, shifted(draft_scores), shifted(target_scores), has_history, whole, backend=backend, tuning=tuning
+    )
     counts = [span if n < config.min_context else c for n, span, c in zip(seqlens, spans, chosen.counts)]
     indices = chosen.indices
     if counts != chosen.counts:  # rows below min_context: their whole window
@@ -155,11 +172,14 @@ def _select_in_window(seqlens, draft_scores, target_scores, has_history, config,
         everything = torch.arange(width, device=device, dtype=indices.dtype).expand_as(indices)
         short = device_tensor([n < config.min_context for n in seqlens], device)[:, None]
         indices = torch.where(short, everything, indices)
-    return Selection((indices + low.to(indices.dtype)).contiguous(), device_tensor(counts, device, torch.int32), counts)
+    return Selection(
+        (indices + low.to(indices.dtype)).contiguous(), device_tensor(counts, device, torch.int32), counts
+    )
 
 
-def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | None,
-                    has_history: list[bool]) -> torch.Tensor:
+def _history_scores(
+    draft_scores: torch.Tensor, target_scores: torch.Tensor | None, has_history: list[bool]
+) -> torch.Tensor:
     """The fill's scores per row: ``S_target`` where the row has a history, else ``S_draft``."""
     if target_scores is None:
         return draft_scores
@@ -169,8 +189,9 @@ def _history_scores(draft_scores: torch.Tensor, target_scores: torch.Tensor | No
     return torch.where(use_target, target_scores, draft_scores)
 
 
-def _resolve_backend(backend: str, draft_scores: torch.Tensor, share: int, fill: int,
-                     tuning: SelectTuning | None = None) -> str:
+def _resolve_backend(
+    backend: str, draft_scores: torch.Tensor, share: int, fill: int, tuning: SelectTuning | None = None
+) -> str:
     """``"auto"``: Triton for scores on CUDA (when triton is installed and its pools hold the span)."""
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown selection backend {backend!r}; choose 'auto', 'reference' or 'triton'")
@@ -202,8 +223,9 @@ def _select_sparse_reference(draft_scores, history, lengths, sink, recent, share
     return torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget)
 
 
-def estimated_mass(draft_scores: torch.Tensor, target_scores: torch.Tensor | None, has_history: list[bool],
-                   lengths: torch.Tensor) -> torch.Tensor:
+def estimated_mass(
+    draft_scores: torch.Tensor, target_scores: torch.Tensor | None, has_history: list[bool], lengths: torch.Tensor
+) -> torch.Tensor:
     """``(B, span)`` float32: each cached position's share of the scoring heads' attention, the mean of the target
     history's and the draft lookahead's masses, each normalised over the row's ``[0, L)`` (the draft's alone for
     a row without a history). It sums to 1 over a row, so a set's sum is its estimated recovery."""
@@ -256,8 +278,9 @@ def select_by_recovery(
         target_scores = None if target_scores is None else target_scores.float().masked_fill(outside, 0.0)
     mass = estimated_mass(draft_scores, target_scores, has_history, lengths)  # (B, span)
     inside = ~outside & (positions < lengths[:, None])
-    forced = inside & ((positions < low[:, None] + config.sink_tokens)
-                       | (positions >= lengths[:, None] - config.recent_tokens))
+    forced = inside & (
+        (positions < low[:, None] + config.sink_tokens) | (positions >= lengths[:, None] - config.recent_tokens)
+    )
     n_forced = forced.sum(dim=1)  # (B,)
     others = mass.masked_fill(forced | ~inside, -1.0)
     depth = min(span, ceiling)
@@ -275,7 +298,8 @@ def select_by_recovery(
         out_of_reach = given >= lengths
         take = (torch.minimum(given, lengths) - n_forced).clamp(0, depth)  # the ranked entries there are
     rank = torch.full_like(others, depth, dtype=torch.long).scatter_(
-        1, top.indices, torch.arange(depth, device=device).expand(batch, depth))  # each position's place in `top`
+        1, top.indices, torch.arange(depth, device=device).expand(batch, depth)
+    )  # each position's place in `top`
     dense = dense_rows(seqlens, config)
     whole = out_of_reach | device_tensor(dense, device)
     chosen = forced | ((rank < take[:, None]) & inside)
@@ -291,8 +315,14 @@ def select_by_recovery(
     order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
     indices = torch.where(torch.arange(width, device=device)[None, :] < counts_t[:, None], order, 0)
     fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
-    return Selection(indices.to(torch.int32).contiguous(), counts_t.to(torch.int32), counts, recovery=host[1],
-                     fallback=fallback, full_rows=any(u and c > ceiling for u, c in zip(unlisted, counts)))
+    return Selection(
+        indices.to(torch.int32).contiguous(),
+        counts_t.to(torch.int32),
+        counts,
+        recovery=host[1],
+        fallback=fallback,
+        full_rows=any(u and c > ceiling for u, c in zip(unlisted, counts)),
+    )
 
 
 def truncated(selection: Selection, limits: list[int], seqlens: list[int], recent: int) -> Selection:
@@ -314,10 +344,13 @@ def truncated(selection: Selection, limits: list[int], seqlens: list[int], recen
         else:
             break
     if len(counts) == len(limits):
-        return Selection(selection.indices, device_tensor(counts, device, torch.int32), counts,
-                         full_rows=selection.full_rows)
+        return Selection(
+            selection.indices, device_tensor(counts, device, torch.int32), counts, full_rows=selection.full_rows
+        )
     column = torch.arange(selection.indices.shape[1], device=device)[None, :]
-    keep = (column < selection.num_indices[:, None].to(device)) & (selection.indices < device_tensor(limits, device)[:, None])
+    keep = (column < selection.num_indices[:, None].to(device)) & (
+        selection.indices < device_tensor(limits, device)[:, None]
+    )
     counts_t = keep.sum(dim=1).to(torch.int32)
     full = [count >= n for count, n in zip(selection.counts, seqlens)]
     if any(full):  # read in full (perhaps not listed: full_rows): 0 .. limit - 1
@@ -331,5 +364,9 @@ def with_dense_rows(selection: Selection, starts: list[int], dense: list[bool]) 
     their selection: a dense row's count is ``starts[b]`` (:attr:`Selection.full_rows`), the index tensor keeps its
     width."""
     counts = [s if d else c for s, c, d in zip(starts, selection.counts, dense)]
-    return Selection(selection.indices, device_tensor(counts, selection.indices.device, torch.int32), counts,
-                     full_rows=selection.full_rows or any(dense))
+    return Selection(
+        selection.indices,
+        device_tensor(counts, selection.indices.device, torch.int32),
+        counts,
+        full_rows=selection.full_rows or any(dense),
+    )

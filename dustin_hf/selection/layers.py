@@ -43,9 +43,17 @@ from .scoring import attention_mass
 __all__ = ["choose_read_set", "layer_position_weights", "select_spec", "selection_attention"]
 
 
-def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, span: int,
-                           softmax_scale: float, query_counts: torch.Tensor | None = None, *,
-                           backend: str = "reference", tuning: ScoreTuning | None = None) -> torch.Tensor:
+def layer_position_weights(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    span: int,
+    softmax_scale: float,
+    query_counts: torch.Tensor | None = None,
+    *,
+    backend: str = "reference",
+    tuning: ScoreTuning | None = None,
+) -> torch.Tensor:
     """Per row, the mean over heads and queries of each query's attention over the row's cached positions.
 
     Args:
@@ -67,8 +75,12 @@ def layer_position_weights(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     # (B, Hkv, G*Q, D): the query heads of one key head together, each head's queries in a row
-    queries = q.float().reshape(batch, n_q, n_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
-        batch, n_kv, group * n_q, head_dim)
+    queries = (
+        q.float()
+        .reshape(batch, n_q, n_kv, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(batch, n_kv, group * n_q, head_dim)
+    )
     keys = k_cache[:, :span].float().permute(0, 2, 3, 1)  # (B, Hkv, D, span)
     logits = torch.matmul(queries, keys).mul_(softmax_scale)  # (B, Hkv, G*Q, span)
     outside = torch.arange(span, device=q.device)[None, :] >= cache_seqlens.to(q.device).long()[:, None]  # (B, span)
@@ -89,9 +101,20 @@ def _position_weights_triton(q, k_cache, cache_seqlens, span, softmax_scale, que
     batch, n_q, n_heads, _ = q.shape
     seqlens = cache_seqlens.to(k_cache.device)
     counts = _counted(query_counts, n_q, k_cache.device)
-    mass = attention_mass(q, k_cache, seqlens[:, None].expand(batch, n_q), tuple(range(n_heads)),
-                          n_heads // k_cache.shape[2], softmax_scale, span, span, backend="triton", query_offset=-1,
-                          query_counts=counts, tuning=tuning)  # (B, span), summed over heads and queries
+    mass = attention_mass(
+        q,
+        k_cache,
+        seqlens[:, None].expand(batch, n_q),
+        tuple(range(n_heads)),
+        n_heads // k_cache.shape[2],
+        softmax_scale,
+        span,
+        span,
+        backend="triton",
+        query_offset=-1,
+        query_counts=counts,
+        tuning=tuning,
+    )  # (B, span), summed over heads and queries
     return _mean(mass, n_heads, n_q, counts)
 
 
@@ -105,10 +128,21 @@ def _mean(mass: torch.Tensor, n_heads: int, n_q: int, counts: torch.Tensor | Non
     return mass.div_(n_heads * n_q) if counts is None else mass.div_((n_heads * counts)[:, None])
 
 
-def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTensors, span: int, spec: SelectLayers,
-                    softmax_scale: float, *, backend: str = "reference", score_tuning: ScoreTuning | None = None,
-                    select_tuning: SelectTuning | None = None, weights: torch.Tensor | None = None,
-                    window: int | None = None, key_slots: torch.Tensor | None = None) -> DeviceTensors:
+def choose_read_set(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    tensors: DeviceTensors,
+    span: int,
+    spec: SelectLayers,
+    softmax_scale: float,
+    *,
+    backend: str = "reference",
+    score_tuning: ScoreTuning | None = None,
+    select_tuning: SelectTuning | None = None,
+    weights: torch.Tensor | None = None,
+    window: int | None = None,
+    key_slots: torch.Tensor | None = None,
+) -> DeviceTensors:
     """The read set of the layers after a selection layer (module docstring), from the layer's queries and keys.
 
     Args:
@@ -137,8 +171,16 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
     counts = tensors.num_indices.long()
     width = tensors.indices.shape[1]
     if weights is None:
-        weights = layer_position_weights(q[:, :_score_queries(q, spec)], k_cache, seqlens, span, softmax_scale,
-                                         tensors.query_counts, backend=backend, tuning=score_tuning)  # (B, span)
+        weights = layer_position_weights(
+            q[:, : _score_queries(q, spec)],
+            k_cache,
+            seqlens,
+            span,
+            softmax_scale,
+            tensors.query_counts,
+            backend=backend,
+            tuning=score_tuning,
+        )  # (B, span)
     sink, recent = spec.sink_tokens, spec.recent_tokens
     low = torch.zeros_like(seqlens) if window is None else _window_start(seqlens, window, key_slots)
     full = (counts >= seqlens - low)[:, None]  # the whole window (or cache) fits the row's count: kept
@@ -147,10 +189,23 @@ def choose_read_set(q: torch.Tensor, k_cache: torch.Tensor, tensors: DeviceTenso
         from ..kernels.triton_select import select_sparse_triton
 
         with launch_device(weights):  # the history score alone: a draft share of 0
-            chosen = select_sparse_triton(weights, weights, seqlens, sink=sink, recent=recent, share=0,
-                                          fill=width - sink - recent, counts=counts, tuning=select_tuning)
-        return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
-                             tensors.query_counts)
+            chosen = select_sparse_triton(
+                weights,
+                weights,
+                seqlens,
+                sink=sink,
+                recent=recent,
+                share=0,
+                fill=width - sink - recent,
+                counts=counts,
+                tuning=select_tuning,
+            )
+        return DeviceTensors(
+            tensors.cache_seqlens,
+            torch.where(full, tensors.indices, chosen),
+            tensors.num_indices,
+            tensors.query_counts,
+        )
     return _fill(weights, tensors, span, sink, recent, low, full)
 
 
@@ -166,8 +221,15 @@ def _window_start(seqlens: torch.Tensor, window: int, key_slots: torch.Tensor | 
     return ((index <= first - window) & before).sum(dim=1)  # indices only grow along a row
 
 
-def _fill(weights: torch.Tensor, tensors: DeviceTensors, span: int, sink: int, recent: int, low: torch.Tensor,
-          full: torch.Tensor) -> DeviceTensors:
+def _fill(
+    weights: torch.Tensor,
+    tensors: DeviceTensors,
+    span: int,
+    sink: int,
+    recent: int,
+    low: torch.Tensor,
+    full: torch.Tensor,
+) -> DeviceTensors:
     """:func:`choose_read_set`'s fill in PyTorch, inside each row's ``[low, L)`` (``low`` 0 but for a sliding
     window): its first ``sink`` positions, the last ``recent``, then the rest of the row's count by weight; a
     ``full`` row keeps its index row."""
@@ -179,18 +241,34 @@ def _fill(weights: torch.Tensor, tensors: DeviceTensors, span: int, sink: int, r
     top = weights.masked_fill(taken, -1.0).topk(fill, dim=1).indices
     past = span + 1  # "not chosen": sorts last
     top = torch.where(torch.arange(fill, device=top.device)[None, :] < (counts - sink - recent)[:, None], top, past)
-    chosen = torch.cat([low[:, None] + torch.arange(sink, device=low.device),
-                        seqlens[:, None] - recent + torch.arange(recent, device=seqlens.device), top], dim=1)
+    chosen = torch.cat(
+        [
+            low[:, None] + torch.arange(sink, device=low.device),
+            seqlens[:, None] - recent + torch.arange(recent, device=seqlens.device),
+            top,
+        ],
+        dim=1,
+    )
     chosen = chosen.sort(dim=1).values
     chosen = torch.where(chosen == past, 0, chosen)
     chosen = torch.nn.functional.pad(chosen, (0, width - chosen.shape[1]))[:, :width].to(torch.int32)
-    return DeviceTensors(tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices,
-                         tensors.query_counts)
+    return DeviceTensors(
+        tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices, tensors.query_counts
+    )
 
 
-def selection_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: DeviceTensors,
-                        span: int, max_seqlen_k: int, spec: SelectLayers, softmax_scale: float, *,
-                        tuning=None) -> tuple[torch.Tensor, DeviceTensors]:
+def selection_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tensors: DeviceTensors,
+    span: int,
+    max_seqlen_k: int,
+    spec: SelectLayers,
+    softmax_scale: float,
+    *,
+    tuning=None,
+) -> tuple[torch.Tensor, DeviceTensors]:
     """A selection layer on the Triton path: its dense attention and its choice from one read of its keys.
 
     The verification kernel writes the scores of the scoring queries as it attends
@@ -215,13 +293,30 @@ def selection_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     counts = _counted(tensors.query_counts, n_q, q.device)
     with launch_device(q):
         out, buffers = verify_attention_scores_triton(
-            q, k_cache, v_cache, tensors.cache_seqlens, softmax_scale=softmax_scale, max_seqlen_k=max_seqlen_k,
-            span=span, score_queries=n_q, query_counts=counts, tuning=None if tuning is None else tuning.verify,
-            score_tuning=None if tuning is None else tuning.score)
+            q,
+            k_cache,
+            v_cache,
+            tensors.cache_seqlens,
+            softmax_scale=softmax_scale,
+            max_seqlen_k=max_seqlen_k,
+            span=span,
+            score_queries=n_q,
+            query_counts=counts,
+            tuning=None if tuning is None else tuning.verify,
+            score_tuning=None if tuning is None else tuning.score,
+        )
         mass = attention_mass_from_scores(buffers, tensors.cache_seqlens, counts)  # (B, span)
-    chosen = choose_read_set(q, k_cache, tensors, span, spec, softmax_scale, backend="triton",
-                             select_tuning=None if tuning is None else tuning.select,
-                             weights=_mean(mass, n_heads, n_q, counts))
+    chosen = choose_read_set(
+        q,
+        k_cache,
+        tensors,
+        span,
+        spec,
+        softmax_scale,
+        backend="triton",
+        select_tuning=None if tuning is None else tuning.select,
+        weights=_mean(mass, n_heads, n_q, counts),
+    )
     return out, chosen
 
 

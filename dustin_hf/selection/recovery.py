@@ -18,8 +18,9 @@ import torch
 __all__ = ["head_probabilities", "position_weights", "selection_recovery"]
 
 
-def head_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, num_positions: int,
-                       softmax_scale: float) -> torch.Tensor:
+def head_probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, num_positions: int, softmax_scale: float
+) -> torch.Tensor:
     """Per head, the attention probabilities of ``queries`` summed over queries, on ``[0, num_positions)``.
 
     Args:
@@ -36,15 +37,18 @@ def head_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_pos: tor
     span = int(query_pos.max()) + 1
     keys = keys[:span].float().transpose(0, 1)  # (Hkv, span, D)
     group = n_heads // keys.shape[0]
-    q = queries.float().transpose(0, 1).reshape(keys.shape[0], group * n_q, -1)  # (Hkv, G*Q, D): heads of a group together
+    q = (
+        queries.float().transpose(0, 1).reshape(keys.shape[0], group * n_q, -1)
+    )  # (Hkv, G*Q, D): heads of a group together
     logits = torch.matmul(q, keys.transpose(1, 2)).mul_(softmax_scale).view(n_heads, n_q, span)  # (H, Q, span)
     hidden = torch.arange(span, device=keys.device)[None, :] > query_pos.to(keys.device)[:, None]  # (Q, span)
     probs = logits.masked_fill_(hidden[None], float("-inf")).softmax(dim=-1)
     return probs[..., :num_positions].sum(dim=1)  # (H, num_positions)
 
 
-def position_weights(queries: dict[int, torch.Tensor], keys: dict[int, torch.Tensor], num_positions: int,
-                     softmax_scale: float) -> torch.Tensor:
+def position_weights(
+    queries: dict[int, torch.Tensor], keys: dict[int, torch.Tensor], num_positions: int, softmax_scale: float
+) -> torch.Tensor:
     """``W (n_layers, num_positions)``: per layer, the mean over heads and queries of each query's
     attention over the cached positions ``[0, num_positions)``, renormalised to sum to one.
 

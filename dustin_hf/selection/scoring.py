@@ -68,10 +68,20 @@ def attention_mass(
         from ..kernels.triton_score import attention_mass_triton
 
         with launch_device(queries):
-            return attention_mass_triton(queries, keys, query_pos.to(keys.device), heads, group_size, softmax_scale,
-                                         num_positions, key_span, query_offset=query_offset, query_step=query_step,
-                                         query_counts=None if query_counts is None else query_counts.to(keys.device),
-                                         tuning=tuning)
+            return attention_mass_triton(
+                queries,
+                keys,
+                query_pos.to(keys.device),
+                heads,
+                group_size,
+                softmax_scale,
+                num_positions,
+                key_span,
+                query_offset=query_offset,
+                query_step=query_step,
+                query_counts=None if query_counts is None else query_counts.to(keys.device),
+                tuning=tuning,
+            )
     _check_backend(backend)
     batch, n_q = queries.shape[:2]
     query_pos = query_pos.long() + query_offset + query_step * torch.arange(n_q, device=query_pos.device)
@@ -110,8 +120,17 @@ def target_history_scores(
     ``num_positions`` is ``max(seqlens)`` (host int); ``backend`` as in :func:`attention_mass`.
     """
     return attention_mass(  # the query sits at L_b - 1: a view of the lengths and an offset, nothing computed
-        history_queries[:, None], keys, seqlens[:, None], heads, group_size, softmax_scale, num_positions,
-        num_positions, backend=backend, query_offset=-1, tuning=tuning,
+        history_queries[:, None],
+        keys,
+        seqlens[:, None],
+        heads,
+        group_size,
+        softmax_scale,
+        num_positions,
+        num_positions,
+        backend=backend,
+        query_offset=-1,
+        tuning=tuning,
     )
 
 
@@ -140,15 +159,23 @@ def draft_lookahead_scores(
     """
     gamma = draft_queries[0].shape[1]
     if backend == "triton" and len({q.device for q in draft_queries}) == 1 and query_counts is None:
-        return _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
-                                       num_positions, tuning)
+        return _draft_lookahead_triton(
+            draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale, num_positions, tuning
+        )
     _check_backend(backend)
     query_pos = seqlens.long()[:, None] + torch.arange(gamma, device=seqlens.device)  # (B, γ)
     total = None
     for queries, keys, layer_heads in zip(draft_queries, draft_keys, heads):
         mass = attention_mass(
-            queries, keys, query_pos.to(queries.device), layer_heads, group_size, softmax_scale,
-            num_positions, num_positions + gamma, backend="reference" if query_counts is not None else backend,
+            queries,
+            keys,
+            query_pos.to(queries.device),
+            layer_heads,
+            group_size,
+            softmax_scale,
+            num_positions,
+            num_positions + gamma,
+            backend="reference" if query_counts is not None else backend,
             query_counts=query_counts,
         )
         total = mass if total is None else total + mass.to(total.device)
@@ -157,8 +184,9 @@ def draft_lookahead_scores(
     return total * cached
 
 
-def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale,
-                            num_positions, tuning) -> torch.Tensor:
+def _draft_lookahead_triton(
+    draft_queries, draft_keys, seqlens, heads, group_size, softmax_scale, num_positions, tuning
+) -> torch.Tensor:
     """The Triton path of :func:`draft_lookahead_scores`: one call for all layers (their scores summed in
     one pass 2, which also zeroes the draft tokens' own positions), the positions ``L_b + i`` taken from a
     view of the lengths: no elementwise kernels."""
@@ -168,9 +196,19 @@ def _draft_lookahead_triton(draft_queries, draft_keys, seqlens, heads, group_siz
     gamma = draft_queries[0].shape[1]
     seqlens = seqlens.to(draft_queries[0].device)
     with launch_device(draft_queries[0]):
-        return attention_mass_layers_triton(draft_queries, draft_keys, seqlens[:, None].expand(-1, gamma), heads,
-                                            group_size, softmax_scale, num_positions, num_positions + gamma,
-                                            position_limit=seqlens, query_step=1, tuning=tuning)
+        return attention_mass_layers_triton(
+            draft_queries,
+            draft_keys,
+            seqlens[:, None].expand(-1, gamma),
+            heads,
+            group_size,
+            softmax_scale,
+            num_positions,
+            num_positions + gamma,
+            position_limit=seqlens,
+            query_step=1,
+            tuning=tuning,
+        )
 
 
 def _check_backend(backend: str) -> None:

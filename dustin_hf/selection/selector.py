@@ -19,8 +19,8 @@ import torch
 from ..config import ResolvedConfig
 from ..kernels.tuning import KernelTuning
 from ..runtime.graphs import GraphedCall
-from .scoring import draft_lookahead_scores, target_history_scores
 from .fill import Selection, dense_rows, select_by_recovery, select_positions
+from .scoring import draft_lookahead_scores, target_history_scores
 
 __all__ = ["Selector"]
 
@@ -43,17 +43,36 @@ class Selector:
         tuning: the kernels' launch heuristics (scoring and selection take theirs).
     """
 
-    def __init__(self, config: ResolvedConfig, backend: str, t_group: int, d_group: int, t_scale: float,
-                 d_scale: float, graphs: bool, window: int | None = None, budgets=None,
-                 tuning: KernelTuning | None = None, window_slots: torch.Tensor | None = None):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        backend: str,
+        t_group: int,
+        d_group: int,
+        t_scale: float,
+        d_scale: float,
+        graphs: bool,
+        window: int | None = None,
+        budgets=None,
+        tuning: KernelTuning | None = None,
+        window_slots: torch.Tensor | None = None,
+    ):
         self.config, self.backend, self.graphs, self.window, self.budgets = config, backend, graphs, window, budgets
         self.window_slots = window_slots
         self.tuning = tuning or KernelTuning()
         self.t_group, self.d_group, self.t_scale, self.d_scale = t_group, d_group, t_scale, d_scale
         self._graphs: dict[tuple, GraphedCall] = {}  # the steady step, per γ and cache buffers
 
-    def select(self, target, draft, seqlens: list[int], base: torch.Tensor, kept_queries: dict,
-               gamma: int, row_gamma: list[int] | None = None) -> Selection:
+    def select(
+        self,
+        target,
+        draft,
+        seqlens: list[int],
+        base: torch.Tensor,
+        kept_queries: dict,
+        gamma: int,
+        row_gamma: list[int] | None = None,
+    ) -> Selection:
         """The read sets of a step at ``seqlens`` (``base``: the same on the device) from the draft's kept
         queries (``{layer: [(B, heads, D)] * γ}``) and the target cache's history queries; ``row_gamma``: the
         drafts each row proposed, when some row proposed fewer than γ (it scores with its own queries only)."""
@@ -75,17 +94,26 @@ class Selector:
 
         def score_select(*tensors) -> Selection:
             *queries, lengths, history_queries = tensors
-            return self._score_select(queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span,
-                                      triton, counts, window)
+            return self._score_select(
+                queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span, triton, counts, window
+            )
 
         devices = {base.device, t_keys.device, *(k.device for k in d_keys)}
-        if not (triton and self.graphs and all(has_history) and len(devices) == 1 and counts is None
-                and cfg.min_recovery is None and not any(dense_rows(seqlens, cfg))):
+        if not (
+            triton
+            and self.graphs
+            and all(has_history)
+            and len(devices) == 1
+            and counts is None
+            and cfg.min_recovery is None
+            and not any(dense_rows(seqlens, cfg))
+        ):
             return score_select(*d_queries, base, history)
         # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
         key = (gamma, tuple(k.data_ptr() for k in (*d_keys, t_keys)))
         call = self._graphs.get(key)
         if call is None:
+
             def read_set(*tensors) -> tuple[torch.Tensor, torch.Tensor]:
                 selection = score_select(*tensors)
                 return selection.indices, selection.num_indices
@@ -105,32 +133,80 @@ class Selector:
         outside = (table[:, : max(seqlens)] <= first - self.window).sum(dim=1)  # indices only grow along a row
         return (lengths - outside + 1).tolist()
 
-    def _score_select(self, d_queries, d_keys, t_keys, history_queries, lengths, seqlens, has_history, span: int,
-                      triton: bool, query_counts: torch.Tensor | None = None,
-                      window: int | list[int] | None = None) -> Selection:
+    def _score_select(
+        self,
+        d_queries,
+        d_keys,
+        t_keys,
+        history_queries,
+        lengths,
+        seqlens,
+        has_history,
+        span: int,
+        triton: bool,
+        query_counts: torch.Tensor | None = None,
+        window: int | list[int] | None = None,
+    ) -> Selection:
         """:func:`select_positions` from the draft queries and the target history queries (``None``: none)."""
         cfg = self.config
         score_backend = "triton" if triton else "reference"
-        s_draft = draft_lookahead_scores(d_queries, d_keys, lengths.to(d_keys[0].device), cfg.draft_heads,
-                                         self.d_group, self.d_scale, span, backend=score_backend,
-                                         query_counts=query_counts, tuning=self.tuning.score).to(lengths.device)
+        s_draft = draft_lookahead_scores(
+            d_queries,
+            d_keys,
+            lengths.to(d_keys[0].device),
+            cfg.draft_heads,
+            self.d_group,
+            self.d_scale,
+            span,
+            backend=score_backend,
+            query_counts=query_counts,
+            tuning=self.tuning.score,
+        ).to(lengths.device)
         s_target = None
         if history_queries is not None:
-            s_target = target_history_scores(history_queries.to(t_keys.device), t_keys, lengths.to(t_keys.device),
-                                             cfg.target_heads, self.t_group, self.t_scale, span,
-                                             backend=score_backend, tuning=self.tuning.score).to(lengths.device)
+            s_target = target_history_scores(
+                history_queries.to(t_keys.device),
+                t_keys,
+                lengths.to(t_keys.device),
+                cfg.target_heads,
+                self.t_group,
+                self.t_scale,
+                span,
+                backend=score_backend,
+                tuning=self.tuning.score,
+            ).to(lengths.device)
         if cfg.min_recovery is not None:  # the quality knob: each row's own count, chosen in PyTorch
             counts = None if self.budgets is None else self.budgets(seqlens)
             # a row read in full by its count (one width, so the target's CUDA graph); within a sliding window a
             # row reads its window, which only a listing says
-            return select_by_recovery(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths, counts=counts,
-                                      window=window, full_rows=self.window is None)
+            return select_by_recovery(
+                seqlens,
+                s_draft,
+                s_target,
+                has_history,
+                cfg,
+                lengths=lengths,
+                counts=counts,
+                window=window,
+                full_rows=self.window is None,
+            )
         # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
-        return select_positions(seqlens, s_draft, s_target, has_history, cfg, lengths=lengths,
-                                backend="auto" if triton else "reference", window=window,
-                                tuning=self.tuning.select, full_rows=True)
+        return select_positions(
+            seqlens,
+            s_draft,
+            s_target,
+            has_history,
+            cfg,
+            lengths=lengths,
+            backend="auto" if triton else "reference",
+            window=window,
+            tuning=self.tuning.select,
+            full_rows=True,
+        )
 
     @property
     def graph_report(self) -> dict:
-        return {"captured": sum(c.graph is not None for c in self._graphs.values()),
-                "failed": [c.failed for c in self._graphs.values() if c.failed]}
+        return {
+            "captured": sum(c.graph is not None for c in self._graphs.values()),
+            "failed": [c.failed for c in self._graphs.values() if c.failed],
+        }

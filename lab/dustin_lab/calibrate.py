@@ -35,10 +35,18 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from dustin_hf.calibration.search import (
+    StepFeatures,
+    default_choice,
+    oracle_recovery,
+    recovery_of,
+    search,
+    stack_features,
+    step_features,
+)
 from dustin_hf.config import DustinConfig
-from dustin_hf.kernels import resolve_backend
 from dustin_hf.decode.runner import ModelRunner
-from dustin_hf.calibration.search import StepFeatures, default_choice, oracle_recovery, recovery_of, search, stack_features, step_features
+from dustin_hf.kernels import resolve_backend
 
 from .prefilled import dustin_attention_on, prefill_pair
 from .settings import CalibrationSettings
@@ -63,8 +71,13 @@ def collect_features(pair, settings: CalibrationSettings, deadline: float, progr
         books.set_postfix_str(f"{book}: prefill {settings.context} tokens")
         tokens = token_window(pair.tokenizer, book, settings.context, settings.offset).to(pair.device)
         state = prefill_pair(target, draft, tokens, progress=progress)
-        positions = torch.linspace(settings.min_position, settings.context - settings.gamma - 2,
-                                   settings.steps_per_book).round().long().unique().tolist()
+        positions = (
+            torch.linspace(settings.min_position, settings.context - settings.gamma - 2, settings.steps_per_book)
+            .round()
+            .long()
+            .unique()
+            .tolist()
+        )
         books.set_postfix_str(f"{book}: {len(positions)} steps")
         t_model = ModelRunner(target, state.target_cache, backend)
         d_model = ModelRunner(draft, state.draft_cache, backend)
@@ -79,8 +92,14 @@ def collect_features(pair, settings: CalibrationSettings, deadline: float, progr
     return stack_features(rows, seqlens, sources)
 
 
-def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = None, progress: bool = True,
-              features: StepFeatures | None = None, save_features=None) -> dict:
+def calibrate(
+    pair,
+    settings: CalibrationSettings,
+    base: DustinConfig | None = None,
+    progress: bool = True,
+    features: StepFeatures | None = None,
+    save_features=None,
+) -> dict:
     """Collect, search and compare; returns the profile's sections (``config``, ``draft_share_fraction``,
     ``recovery``, ``default_recovery``, ``oracle_recovery``, ...) as a JSON-able dict (write it with
     :func:`dustin_hf.profiles.write_profile`). ``features`` given: skip collection (search only);
@@ -95,17 +114,32 @@ def calibrate(pair, settings: CalibrationSettings, base: DustinConfig | None = N
         if save_features is not None:
             features.save(save_features)
     collected = time.perf_counter() - start
-    choice, log = search(features, t_cfg, d_cfg, settings.budgets, base, deadline, progress,
-                         settings.max_draft_layers, settings.search_windows)
+    choice, log = search(
+        features,
+        t_cfg,
+        d_cfg,
+        settings.budgets,
+        base,
+        deadline,
+        progress,
+        settings.max_draft_layers,
+        settings.search_windows,
+    )
     default = default_choice(base, t_cfg, d_cfg, settings.profile_budget)
     report = {}
     for name, c in (("calibrated", choice), ("default", default)):
         per_budget = recovery_of(features, c, settings.budgets, base)
         per_layer = recovery_of(features, c, [settings.profile_budget], base, per_layer=True)[settings.profile_budget]
-        report[name] = {"mean": sum(per_budget.values()) / len(per_budget),
-                        "per_budget": {str(b): v for b, v in per_budget.items()}, f"per_layer@{settings.profile_budget}": per_layer}
+        report[name] = {
+            "mean": sum(per_budget.values()) / len(per_budget),
+            "per_budget": {str(b): v for b, v in per_budget.items()},
+            f"per_layer@{settings.profile_budget}": per_layer,
+        }
     oracle = oracle_recovery(features, settings.budgets)
-    report["oracle"] = {"mean": sum(oracle.values()) / len(oracle), "per_budget": {str(b): v for b, v in oracle.items()}}
+    report["oracle"] = {
+        "mean": sum(oracle.values()) / len(oracle),
+        "per_budget": {str(b): v for b, v in oracle.items()},
+    }
     config = choice.config(base, settings.profile_budget)
     return {
         "config": config.to_dict(),

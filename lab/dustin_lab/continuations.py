@@ -29,8 +29,17 @@ def eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def speculative_continuation(target, draft, prompt: torch.Tensor, *, config: ResolvedConfig | None, gamma: int,
-                             max_new_tokens: int, eos_token_ids: list[int], store: PrefillStore | None = None) -> dict:
+def speculative_continuation(
+    target,
+    draft,
+    prompt: torch.Tensor,
+    *,
+    config: ResolvedConfig | None,
+    gamma: int,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    store: PrefillStore | None = None,
+) -> dict:
     """Greedy speculative decoding of ``prompt (C,)`` for up to ``max_new_tokens``.
 
     ``config=None`` verifies densely (classic speculative decoding); otherwise Dustin with ``config``.
@@ -38,8 +47,12 @@ def speculative_continuation(target, draft, prompt: torch.Tensor, *, config: Res
     ``accepted``/``gammas`` (per step), ``seconds`` (the whole call) and ``decode_seconds``.
     """
     pad = eos_token_ids[0] if eos_token_ids else 0
-    generation_config = GenerationConfig(do_sample=False, max_length=prompt.numel() + max_new_tokens,
-                                         eos_token_id=eos_token_ids or None, pad_token_id=pad)
+    generation_config = GenerationConfig(
+        do_sample=False,
+        max_length=prompt.numel() + max_new_tokens,
+        eos_token_id=eos_token_ids or None,
+        pad_token_id=pad,
+    )
     decoder = speculative_decoder(target, draft, generation_config, dustin_config=config, gamma=gamma, store=store)
     device = target.get_input_embeddings().weight.device
     start = time.perf_counter()
@@ -48,7 +61,7 @@ def speculative_continuation(target, draft, prompt: torch.Tensor, *, config: Res
     seconds = time.perf_counter() - start
     stats = {k: v for k, v in result.cache.stats.items() if k not in ("step_end_times", "phase_seconds")}
     trace = result.stats.trace
-    generated = result.sequences[0, prompt.numel():].tolist()
+    generated = result.sequences[0, prompt.numel() :].tolist()
     decode_seconds = float(stats.get("decode_seconds", seconds))
     return {
         "tokens": generated,

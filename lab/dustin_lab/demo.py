@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.adapter.patching import patch
+from dustin_hf.compat import CACHE_KWARG
 from dustin_hf.decode.hooks import synchronize
 
 from .continuations import token_agreement
@@ -52,9 +52,14 @@ def demo_runs(budget: int, context: int) -> list[DemoRun]:
     """The runs the demo compares, in order; the first is the reference the others' agreement is measured against."""
     return [
         DemoRun("dense", "classic speculative decoding (dense verification)"),
-        DemoRun("dustin", f"Dustin (budget {budget} of {context} cached positions)", {"cache_implementation": "dustin"}),
-        DemoRun("exact", f"exact Dustin (budget {budget}, sparse steps confirmed by dense ones)",
-                {"cache_implementation": "dustin", "cache_config": {"mode": "exact"}}),
+        DemoRun(
+            "dustin", f"Dustin (budget {budget} of {context} cached positions)", {"cache_implementation": "dustin"}
+        ),
+        DemoRun(
+            "exact",
+            f"exact Dustin (budget {budget}, sparse steps confirmed by dense ones)",
+            {"cache_implementation": "dustin", "cache_config": {"mode": "exact"}},
+        ),
     ]
 
 
@@ -120,21 +125,34 @@ def _generate(pair, run: DemoRun, prompt: torch.Tensor, gamma: int, new_tokens: 
     try:
         synchronize(pair.device)
         started = time.perf_counter()
-        out = pair.target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=pair.draft,
-                                   do_sample=False, max_new_tokens=new_tokens, streamer=clock,
-                                   return_dict_in_generate=True, **run.generate_kwargs)
+        out = pair.target.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            assistant_model=pair.draft,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            streamer=clock,
+            return_dict_in_generate=True,
+            **run.generate_kwargs,
+        )
         synchronize(pair.device)
         finished = time.perf_counter()
     finally:
         clock.end()
     cache = getattr(out, CACHE_KWARG)
     stats = getattr(cache, "stats", None)  # Dustin's cache reports what verification did
-    tokens = out.sequences[0, prompt.shape[1]:].tolist()
-    result = {"title": run.title, "generate_kwargs": run.generate_kwargs,
-              "text": pair.tokenizer.decode(tokens, skip_special_tokens=True), "tokens": tokens,
-              **clock.summary(started, finished)}
+    tokens = out.sequences[0, prompt.shape[1] :].tolist()
+    result = {
+        "title": run.title,
+        "generate_kwargs": run.generate_kwargs,
+        "text": pair.tokenizer.decode(tokens, skip_special_tokens=True),
+        "tokens": tokens,
+        **clock.summary(started, finished),
+    }
     if stats is not None:
-        result["stats"] = {k: v for k, v in stats.items() if k not in ("step_end_times", "step_tokens", "phase_seconds")}
+        result["stats"] = {
+            k: v for k, v in stats.items() if k not in ("step_end_times", "step_tokens", "phase_seconds")
+        }
     return result
 
 
@@ -158,34 +176,50 @@ def run_demo(pair, config, prompt: torch.Tensor, runs: list[DemoRun], gamma: int
 def print_runs(results: dict, gamma: int, say) -> None:
     """Each run's text, acceptance, speed and stats, then what the numbers mean."""
     for name, r in results.items():
-        say("", f"== {r['title']} ==", r["text"].strip(), "",
+        say(
+            "",
+            f"== {r['title']} ==",
+            r["text"].strip(),
+            "",
             f"  acceptance {r['mean_accepted_per_step']:.2f} drafts kept per step (of γ={gamma}), "
             f"{r['decode_steps']} steps after the prompt",
             f"  decode {r['decode_tokens_per_s']:.2f} tokens/s ({r['decode_tokens']} tokens in {r['decode_seconds']:.1f} s); "
-            f"prompt read in {r['prefill_seconds']:.1f} s; generate() took {r['generate_seconds']:.1f} s in all")
+            f"prompt read in {r['prefill_seconds']:.1f} s; generate() took {r['generate_seconds']:.1f} s in all",
+        )
         for key, agreement in r.items():
             if key.startswith("agreement_with_"):
-                say(f"  agreement with the {key.removeprefix('agreement_with_')} text: {agreement['prefix']} of "
-                    f"{agreement['compared']} tokens identical before the first difference")
+                say(
+                    f"  agreement with the {key.removeprefix('agreement_with_')} text: {agreement['prefix']} of "
+                    f"{agreement['compared']} tokens identical before the first difference"
+                )
         if "stats" in r:
             s = r["stats"]
-            say(f"  stats: sparse_steps {s['sparse_steps']}, dense_steps {s['dense_steps']}, mean_attended "
+            say(
+                f"  stats: sparse_steps {s['sparse_steps']}, dense_steps {s['dense_steps']}, mean_attended "
                 f"{s['mean_attended']:.0f} cached positions read per sparse step, mean_accepted_per_step "
-                f"{s['mean_accepted_per_step']:.2f}")
+                f"{s['mean_accepted_per_step']:.2f}"
+            )
             if "exact" in s:
                 e = s["exact"]
-                say(f"  exact: {e['confirmations']} confirmations kept {e['tentative_confirmed']} tentative tokens and "
+                say(
+                    f"  exact: {e['confirmations']} confirmations kept {e['tentative_confirmed']} tentative tokens and "
                     f"rejected {e['tentative_rejected']} (confirmed fraction {e['confirmed_fraction']:.2f}), "
                     f"{e['tokens_per_confirmation']:.1f} tokens committed per confirmation; "
-                    f"{e['sparse_row_steps']} sparse and {e['dense_row_steps']} dense steps without tentative tokens")
+                    f"{e['sparse_row_steps']} sparse and {e['dense_row_steps']} dense steps without tentative tokens"
+                )
             if "calibration" in s:
                 c = s["calibration"]
-                say(f"  calibrated on the prompt: {c['skipped']}" if "skipped" in c else
-                    f"  calibrated on the prompt in {c['seconds']:.1f} s ({c['steps']} steps): target layer "
+                say(
+                    f"  calibrated on the prompt: {c['skipped']}"
+                    if "skipped" in c
+                    else f"  calibrated on the prompt in {c['seconds']:.1f} s ({c['steps']} steps): target layer "
                     f"{c['target_layer']} heads {c['target_heads']}, draft layers {c['draft_layers']}, "
                     f"m={c['draft_share']}; attention recovery {c['recovery']:.3f} (default heads "
-                    f"{c['default_recovery']:.3f})")
-    say("", "acceptance: drafts the target kept per verification step; each step commits acceptance + 1 tokens.",
+                    f"{c['default_recovery']:.3f})"
+                )
+    say(
+        "",
+        "acceptance: drafts the target kept per verification step; each step commits acceptance + 1 tokens.",
         "agreement: tokens identical before the first difference. Dense speculative decoding returns the target's "
         "greedy text; Dustin's target reads only the budget's cached positions when it verifies, so where two "
         "candidates were close a greedy choice can flip and the texts part ways: sparse verification changes the "
@@ -204,4 +238,5 @@ def print_runs(results: dict, gamma: int, say) -> None:
         "few thousand tokens a step's time is the models' weights, not the reads of the cache, so sparse reads save "
         "little and exact mode's dense checks cost more than they save; Dustin pays on a GPU at long contexts (tens "
         "of thousands of tokens) and large batches, where reading the KV cache dominates the decode. The measured "
-        "whole generate() calls are in benchmarks/results/README.md.")
+        "whole generate() calls are in benchmarks/results/README.md.",
+    )

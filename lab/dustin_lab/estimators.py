@@ -74,8 +74,9 @@ class Estimator:
 
 def library_estimator(config: ResolvedConfig) -> Estimator:
     """The recipe :func:`~dustin_hf.selection.fill.estimated_mass` follows with ``config``'s scoring heads."""
-    return Estimator(target=((config.target_layer, config.target_heads),),
-                     draft=tuple(zip(config.draft_layers, config.draft_heads)))
+    return Estimator(
+        target=((config.target_layer, config.target_heads),), draft=tuple(zip(config.draft_layers, config.draft_heads))
+    )
 
 
 def _summed(features: torch.Tensor, heads) -> torch.Tensor:
@@ -86,22 +87,31 @@ def _normalised(signal: torch.Tensor) -> torch.Tensor:
     return signal / signal.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def study(steps: dict[str, list[dict]], config: ResolvedConfig, estimators: dict[str, Estimator],
-          targets: list[float], budgets: list[int]) -> dict:
+def study(
+    steps: dict[str, list[dict]],
+    config: ResolvedConfig,
+    estimators: dict[str, Estimator],
+    targets: list[float],
+    budgets: list[int],
+) -> dict:
     """Score ``estimators`` on ``steps`` (per text, the feature steps of its walk): see the module docstring.
 
     ``config`` gives the paper's fill (its scoring heads, windows and ``draft_share``, rescaled per budget) and
     the knob's floor and ceiling (``budget``, ``max_budget``).
     """
     fills = {b: _fixed_fills(steps, config, b) for b in budgets}
-    report = {"fixed_fill": {str(b): _pooled(steps, fills[b]) for b in budgets},
-              "estimators": {}}
+    report = {"fixed_fill": {str(b): _pooled(steps, fills[b]) for b in budgets}, "estimators": {}}
     for name, estimator in estimators.items():
         masses = {text: [estimator.mass(s) for s in rows] for text, rows in steps.items()}
         proxy = {}
         for b in budgets:
-            pairs = {text: [(float(m[f].sum()), float(s["truth"][f].sum()))
-                            for s, m, f in zip(rows, masses[text], fills[b][text])] for text, rows in steps.items()}
+            pairs = {
+                text: [
+                    (float(m[f].sum()), float(s["truth"][f].sum()))
+                    for s, m, f in zip(rows, masses[text], fills[b][text])
+                ]
+                for text, rows in steps.items()
+            }
             proxy[str(b)] = _correlations(pairs)
         knob = {}
         for t in targets:
@@ -114,7 +124,10 @@ def study(steps: dict[str, list[dict]], config: ResolvedConfig, estimators: dict
 
 def _fixed_fills(steps, config: ResolvedConfig, budget: int) -> dict[str, list[torch.Tensor]]:
     """Per text and step, the positions the paper's fill reads at ``budget`` (the config's heads and share)."""
-    free, base_free = budget - config.sink_tokens - config.recent_tokens, config.budget - config.sink_tokens - config.recent_tokens
+    free, base_free = (
+        budget - config.sink_tokens - config.recent_tokens,
+        config.budget - config.sink_tokens - config.recent_tokens,
+    )
     share = round(config.draft_share * free / base_free) if base_free else 0
     cfg = dataclasses.replace(config, budget=budget, draft_share=min(share, free), min_recovery=None, max_budget=0)
     library = library_estimator(config)
@@ -148,8 +161,12 @@ def _correlations(pairs: dict[str, list[tuple[float, float]]]) -> dict:
 def _agreement(pairs: list[tuple[float, float]]) -> dict:
     estimate, truth = [p[0] for p in pairs], [p[1] for p in pairs]
     error = [e - t for e, t in pairs]
-    return {**correlation(estimate, truth), "mean_estimate": sum(estimate) / len(pairs),
-            "mean_truth": sum(truth) / len(pairs), "mean_abs_error": sum(abs(e) for e in error) / len(pairs)}
+    return {
+        **correlation(estimate, truth),
+        "mean_estimate": sum(estimate) / len(pairs),
+        "mean_truth": sum(truth) / len(pairs),
+        "mean_abs_error": sum(abs(e) for e in error) / len(pairs),
+    }
 
 
 def _knob_step(step: dict, mass: torch.Tensor, cfg: ResolvedConfig) -> tuple[int, int, float, float]:
@@ -163,10 +180,14 @@ def _knob_summary(rows: dict[str, list[tuple[int, int, float, float]]]) -> dict:
     def summary(items):
         counts, truths = [r[0] for r in items], [r[3] for r in items]
         sparse = [r for r in items if r[0] < r[1]]
-        return {"mean_read": sum(counts) / len(counts), "p95_read": _quantile(counts, 0.95),
-                "read_in_full": len(items) - len(sparse), "mean_truth": sum(truths) / len(truths),
-                "p10_truth": _quantile(truths, 0.1),
-                "estimate_vs_truth": _agreement([(r[2], r[3]) for r in sparse]) if len(sparse) >= 3 else None}
+        return {
+            "mean_read": sum(counts) / len(counts),
+            "p95_read": _quantile(counts, 0.95),
+            "read_in_full": len(items) - len(sparse),
+            "mean_truth": sum(truths) / len(truths),
+            "p10_truth": _quantile(truths, 0.1),
+            "estimate_vs_truth": _agreement([(r[2], r[3]) for r in sparse]) if len(sparse) >= 3 else None,
+        }
 
     out = {"pooled": summary([r for items in rows.values() for r in items])}
     out.update({text: summary(items) for text, items in rows.items()})
@@ -177,8 +198,13 @@ def _quantile(values: list[float], q: float) -> float:
     return float(torch.tensor(values, dtype=torch.float64).quantile(q))
 
 
-def order_study(steps: dict[str, list[dict]], config: ResolvedConfig, targets: list[float],
-                ladder: list[int] | None = None, reads: tuple[int, ...] = (1024, 2048)) -> dict:
+def order_study(
+    steps: dict[str, list[dict]],
+    config: ResolvedConfig,
+    targets: list[float],
+    ladder: list[int] | None = None,
+    reads: tuple[int, ...] = (1024, 2048),
+) -> dict:
     """The knob's order against the paper's, each with the estimate's split and the truth's (see the module docstring).
 
     ``ladder``: the rungs (default ``budget`` to ``max_budget`` in steps of 128); the fixed fill of each rung uses
@@ -222,38 +248,59 @@ def order_study(steps: dict[str, list[dict]], config: ResolvedConfig, targets: l
                 rows[text] = []
                 for s, (_, rungs) in zip(items, per_step[text]):
                     hit = next((r for r in rungs if key(r) >= t), None if fallback else rungs[-1])
-                    rows[text].append((s["at"], s["at"], 1.0, _truth(s, torch.arange(s["at"]))) if hit is None
-                                      else (hit[0], s["at"], hit[1], truth_at(hit)))
+                    rows[text].append(
+                        (s["at"], s["at"], 1.0, _truth(s, torch.arange(s["at"])))
+                        if hit is None
+                        else (hit[0], s["at"], hit[1], truth_at(hit))
+                    )
             out[str(t)] = _knob_summary(rows)
         return out
 
     library_knob = {}
     for t in targets:
         cfg = dataclasses.replace(config, min_recovery=t)
-        rows = {text: [_knob_step(s, m, cfg) for s, (m, _) in zip(items, per_step[text])] for text, items in steps.items()}
+        rows = {
+            text: [_knob_step(s, m, cfg) for s, (m, _) in zip(items, per_step[text])] for text, items in steps.items()
+        }
         library_knob[str(t)] = _knob_summary(rows)
-    curves = {"library_knob": library_knob,
-              "ladder_knob": laddered(lambda r: r[1], lambda r: r[2]),
-              "oracle_ladder": laddered(lambda r: r[2], lambda r: r[2]),
-              "oracle_library": laddered(lambda r: r[3], lambda r: r[3]),
-              "ladder_knob_no_fallback": laddered(lambda r: r[1], lambda r: r[2], fallback=False)}
+    curves = {
+        "library_knob": library_knob,
+        "ladder_knob": laddered(lambda r: r[1], lambda r: r[2]),
+        "oracle_ladder": laddered(lambda r: r[2], lambda r: r[2]),
+        "oracle_library": laddered(lambda r: r[3], lambda r: r[3]),
+        "ladder_knob_no_fallback": laddered(lambda r: r[1], lambda r: r[2], fallback=False),
+    }
     best = {"best_mean_ladder": _best_mean(steps, per_step, 2), "best_mean_library": _best_mean(steps, per_step, 3)}
     by_count = {}
     for j, b in enumerate(ladder):
         items = [rungs[j] for text in steps for _, rungs in per_step[text]]
         counts = [r[0] for r in items]
         paper, own = [r[2] for r in items], [r[3] for r in items]
-        by_count[str(b)] = {"mean_read": sum(counts) / len(counts),
-                            "fixed_fill": {"mean_truth": sum(paper) / len(paper), "p10_truth": _quantile(paper, 0.1),
-                                           "mean_estimate": sum(r[1] for r in items) / len(items)},
-                            "library_order": {"mean_truth": sum(own) / len(own), "p10_truth": _quantile(own, 0.1),
-                                              "mean_estimate": sum(r[4] for r in items) / len(items)}}
-    points = {"fixed_fill": [(v["mean_read"], v["fixed_fill"]) for v in by_count.values()],
-              "library_order_fixed": [(v["mean_read"], v["library_order"]) for v in by_count.values()]}
-    points.update({name: [(v["pooled"]["mean_read"], v["pooled"]) for v in curve.values()] for name, curve in curves.items()})
+        by_count[str(b)] = {
+            "mean_read": sum(counts) / len(counts),
+            "fixed_fill": {
+                "mean_truth": sum(paper) / len(paper),
+                "p10_truth": _quantile(paper, 0.1),
+                "mean_estimate": sum(r[1] for r in items) / len(items),
+            },
+            "library_order": {
+                "mean_truth": sum(own) / len(own),
+                "p10_truth": _quantile(own, 0.1),
+                "mean_estimate": sum(r[4] for r in items) / len(items),
+            },
+        }
+    points = {
+        "fixed_fill": [(v["mean_read"], v["fixed_fill"]) for v in by_count.values()],
+        "library_order_fixed": [(v["mean_read"], v["library_order"]) for v in by_count.values()],
+    }
+    points.update(
+        {name: [(v["pooled"]["mean_read"], v["pooled"]) for v in curve.values()] for name, curve in curves.items()}
+    )
     points.update({name: [(v["mean_read"], v) for v in curve] for name, curve in best.items()})
-    at_read = {str(x): {name: {k: _interpolated(p, x, k) for k in ("mean_truth", "p10_truth")} for name, p in points.items()}
-               for x in reads}
+    at_read = {
+        str(x): {name: {k: _interpolated(p, x, k) for k in ("mean_truth", "p10_truth")} for name, p in points.items()}
+        for x in reads
+    }
     return {"ladder": ladder, "targets": targets, "by_count": by_count, **curves, **best, "at_read": at_read}
 
 
@@ -269,8 +316,15 @@ def _best_mean(steps, per_step, truth_index: int) -> list[dict]:
                 count, truth = max(options, key=lambda o: (o[1] - lam * o[0], -o[0]))
                 counts.append(count), truths.append(truth)
                 full += count >= s["at"]
-        out.append({"lambda": lam, "mean_read": sum(counts) / len(counts), "read_in_full": full,
-                    "mean_truth": sum(truths) / len(truths), "p10_truth": _quantile(truths, 0.1)})
+        out.append(
+            {
+                "lambda": lam,
+                "mean_read": sum(counts) / len(counts),
+                "read_in_full": full,
+                "mean_truth": sum(truths) / len(truths),
+                "p10_truth": _quantile(truths, 0.1),
+            }
+        )
     return sorted(out, key=lambda p: (p["mean_read"], p["mean_truth"]))
 
 

@@ -33,9 +33,15 @@ def budget_summary(counts: list[int], contexts: list[int]) -> dict:
         return {"steps": 0}
     ordered = torch.tensor(sorted(counts), dtype=torch.float64)
     full = sum(c >= n for c, n in zip(counts, contexts))
-    return {"steps": len(counts), "mean": float(ordered.mean()), "p50": float(ordered.quantile(0.5)),
-            "p95": float(ordered.quantile(0.95)), "max": int(ordered[-1]), "read_in_full": full,
-            "mean_share_of_context": sum(c / n for c, n in zip(counts, contexts)) / len(counts)}
+    return {
+        "steps": len(counts),
+        "mean": float(ordered.mean()),
+        "p50": float(ordered.quantile(0.5)),
+        "p95": float(ordered.quantile(0.95)),
+        "max": int(ordered[-1]),
+        "read_in_full": full,
+        "mean_share_of_context": sum(c / n for c, n in zip(counts, contexts)) / len(counts),
+    }
 
 
 def correlation(x: list[float], y: list[float]) -> dict:
@@ -88,17 +94,41 @@ class EstimatorFeatures:
         if set(step.history) != set(step.target_keys):
             return
         device = step.weights.device
-        history = torch.stack([
-            head_probabilities(step.history[layer][None], step.target_keys[layer], torch.tensor([at - 1], device=device),
-                               at, step.target_scale)
-            for layer in sorted(step.target_keys)])  # (n_layers, H, L)
-        draft = torch.stack([
-            head_probabilities(queries, step.draft_keys[layer], at + torch.arange(queries.shape[0], device=device),
-                               at, step.draft_scale)
-            for layer, queries in sorted(step.draft_queries.items())])  # (n_draft_layers, H_draft, L)
-        torch.save({"step": step.step, "at": at, "truth": step.weights.mean(dim=0).float().cpu(),
-                    "layer_truth": step.weights.half().cpu(), "history": history.half().cpu(),
-                    "draft": draft.half().cpu()}, self.directory / f"step_{step.step:04d}.pt")
+        history = torch.stack(
+            [
+                head_probabilities(
+                    step.history[layer][None],
+                    step.target_keys[layer],
+                    torch.tensor([at - 1], device=device),
+                    at,
+                    step.target_scale,
+                )
+                for layer in sorted(step.target_keys)
+            ]
+        )  # (n_layers, H, L)
+        draft = torch.stack(
+            [
+                head_probabilities(
+                    queries,
+                    step.draft_keys[layer],
+                    at + torch.arange(queries.shape[0], device=device),
+                    at,
+                    step.draft_scale,
+                )
+                for layer, queries in sorted(step.draft_queries.items())
+            ]
+        )  # (n_draft_layers, H_draft, L)
+        torch.save(
+            {
+                "step": step.step,
+                "at": at,
+                "truth": step.weights.mean(dim=0).float().cpu(),
+                "layer_truth": step.weights.half().cpu(),
+                "history": history.half().cpu(),
+                "draft": draft.half().cpu(),
+            },
+            self.directory / f"step_{step.step:04d}.pt",
+        )
         self.saved += 1
 
 

@@ -23,8 +23,24 @@ from .texts import TextTooShortError, book_tokens
 
 __all__ = ["Needle", "make_needle", "make_needles", "needle_found"]
 
-_WORDS = ("amber", "falcon", "harbor", "juniper", "lantern", "meadow", "orchid", "quartz", "saffron", "thistle",
-          "velvet", "walnut", "cobalt", "ember", "glacier", "indigo")
+_WORDS = (
+    "amber",
+    "falcon",
+    "harbor",
+    "juniper",
+    "lantern",
+    "meadow",
+    "orchid",
+    "quartz",
+    "saffron",
+    "thistle",
+    "velvet",
+    "walnut",
+    "cobalt",
+    "ember",
+    "glacier",
+    "indigo",
+)
 QUESTION = "What is the secret passphrase mentioned in the text above? Answer with the passphrase only."
 _INTRO = "Read the following text carefully."
 _SEARCH_TOKENS = 256  # how far past the asked depth to look for a sentence end
@@ -44,8 +60,15 @@ class Needle:
     prompt_ids: torch.Tensor  # (n,) int64
 
     def describe(self) -> dict:
-        return {"book": self.book, "context": self.context, "depth": self.depth, "passphrase": self.passphrase,
-                "offset": self.offset, "needle_position": self.needle_position, "prompt_tokens": self.prompt_ids.numel()}
+        return {
+            "book": self.book,
+            "context": self.context,
+            "depth": self.depth,
+            "passphrase": self.passphrase,
+            "offset": self.offset,
+            "needle_position": self.needle_position,
+            "prompt_tokens": self.prompt_ids.numel(),
+        }
 
 
 def needle_found(answer: str, needle: Needle) -> bool:
@@ -85,10 +108,14 @@ def make_needle(tokenizer, book: str, context: int, depth: float, seed: int = 0)
     overhead = len(_render(tokenizer, needle_text)) + 2  # template, question and needle around an empty haystack
     size = context - overhead
     if size < 16:
-        raise ValueError(f"context {context} is too short for a needle prompt (its frame alone takes {overhead} tokens)")
+        raise ValueError(
+            f"context {context} is too short for a needle prompt (its frame alone takes {overhead} tokens)"
+        )
     ids = book_tokens(tokenizer, book)
     if ids.numel() < size:
-        raise TextTooShortError(f"book {book!r} has {ids.numel():,} tokens, too few for a {context:,}-token needle prompt")
+        raise TextTooShortError(
+            f"book {book!r} has {ids.numel():,} tokens, too few for a {context:,}-token needle prompt"
+        )
     offset = rng.randrange(0, ids.numel() - size + 1)
     hay = ids[offset : offset + size]
     cut = _sentence_cut(tokenizer, hay, int(round(depth * size)))

@@ -60,7 +60,9 @@ class LayerwisePlan(ForwardPlan):
     def __post_init__(self):
         super().__post_init__()
         if self.indices is None or self.batch_size != 1:
-            raise ValueError("a LayerwisePlan is sparse (give indices for the layers it does not override) and has one row")
+            raise ValueError(
+                "a LayerwisePlan is sparse (give indices for the layers it does not override) and has one row"
+            )
         if self.backend != "reference":
             raise ValueError(f"per-layer read sets run on the 'reference' backend only, not {self.backend!r}")
 
@@ -73,5 +75,6 @@ class LayerwisePlan(ForwardPlan):
         own = self.layer_indices.get(self._layer)
         if own is None:
             return tensors
-        return DeviceTensors(tensors.cache_seqlens, own.to(device, torch.int32),
-                             torch.full_like(tensors.num_indices, own.shape[1]))
+        return DeviceTensors(
+            tensors.cache_seqlens, own.to(device, torch.int32), torch.full_like(tensors.num_indices, own.shape[1])
+        )

@@ -25,8 +25,14 @@ __all__ = [
     "resolve_dtype",
 ]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class ModelPathError(FileNotFoundError):
@@ -51,15 +57,23 @@ class ModelPair:
 
     def describe(self) -> dict:
         """JSON-able names and shapes of both models, for reports and profiles."""
-        return {"target": _describe(self.target, self.target_dir), "draft": _describe(self.draft, self.draft_dir),
-                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device)}
+        return {
+            "target": _describe(self.target, self.target_dir),
+            "draft": _describe(self.draft, self.draft_dir),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
 
 
 def _describe(model, folder: Path) -> dict:
     cfg = model.config.get_text_config()
     return {
-        "name": folder.name, "path": str(folder), "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
-        "heads": cfg.num_attention_heads, "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "name": folder.name,
+        "path": str(folder),
+        "model_type": cfg.model_type,
+        "layers": cfg.num_hidden_layers,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
         "vocab_size": cfg.vocab_size,
     }
 
@@ -87,18 +101,25 @@ def add_device_options(parser) -> None:
     """``--device`` and ``--dtype`` for a script that loads the pair (:func:`load_pair`'s ``device`` and ``dtype``):
     by default CUDA in bfloat16 where there is a GPU, else the CPU in float32."""
     parser.add_argument("--device", default="auto", help="auto (CUDA when available, else cpu), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto",
-                        help=f"auto (bfloat16 on CUDA, float32 on the CPU) or one of {', '.join(sorted(_DTYPES))}")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help=f"auto (bfloat16 on CUDA, float32 on the CPU) or one of {', '.join(sorted(_DTYPES))}",
+    )
 
 
 def check_model_dir(path: str | Path, role: str) -> Path:
     """``path`` as a folder holding ``config.json``, or a :class:`ModelPathError` naming ``role``."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise ModelPathError(f"{role} model path {str(folder)!r} does not exist; pass a folder saved with "
-                             "save_pretrained(), or omit --target/--draft to use the offline Qwen2.5-Coder pair")
+        raise ModelPathError(
+            f"{role} model path {str(folder)!r} does not exist; pass a folder saved with "
+            "save_pretrained(), or omit --target/--draft to use the offline Qwen2.5-Coder pair"
+        )
     if not (folder / "config.json").is_file():
-        raise ModelPathError(f"{role} model path {str(folder)!r} has no config.json: it is not a transformers model folder")
+        raise ModelPathError(
+            f"{role} model path {str(folder)!r} has no config.json: it is not a transformers model folder"
+        )
     return folder
 
 
@@ -125,8 +146,9 @@ def load_tokenizers(target_dir: Path, draft_dir: Path):
     return t_tok
 
 
-def load_pair(target_dir: str | Path, draft_dir: str | Path, device: str = "auto", dtype: str = "auto",
-              check=None) -> ModelPair:
+def load_pair(
+    target_dir: str | Path, draft_dir: str | Path, device: str = "auto", dtype: str = "auto", check=None
+) -> ModelPair:
     """Check both folders and the tokenizers, then load both models on ``device`` in ``dtype``.
 
     ``check(tokenizer)``, if given, runs before any weights are read (e.g. to check that the texts
@@ -140,8 +162,10 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, device: str = "auto
     tokenizer = load_tokenizers(target_dir, draft_dir)
     if check is not None:
         check(tokenizer)
-    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch_dtype).to(torch_device).eval()
-              for d in (target_dir, draft_dir)]
+    models = [
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch_dtype).to(torch_device).eval()
+        for d in (target_dir, draft_dir)
+    ]
     return ModelPair(models[0], models[1], tokenizer, target_dir, draft_dir, torch_device, torch_dtype)
 
 
@@ -152,9 +176,15 @@ def describe_machine(device: torch.device) -> dict:
     from dustin_hf import __version__
 
     info = {
-        "device": str(device), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "dustin_hf": __version__,
-        "git_commit": _git_commit(), "cpu": _cpu_name(), "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dustin_hf": __version__,
+        "git_commit": _git_commit(),
+        "cpu": _cpu_name(),
+        "torch_threads": torch.get_num_threads(),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -167,10 +197,15 @@ def _git_commit() -> str | None:
 
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (commit + ("+dirty" if dirty else "")) or None

@@ -23,25 +23,35 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed: skipping the plot (pip install -e './lab[models]' in the repository)",
-                      stacklevel=2)
+        warnings.warn(
+            "matplotlib is not installed: skipping the plot (pip install -e './lab[models]' in the repository)",
+            stacklevel=2,
+        )
         return None
     summary = report["summary"]
     per_context = summary["per_context"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     teacher_forced = any(r.get("tf_accepted_ratio") is not None for row in per_context.values() for r in row.values())
     acceptance = "tf_accepted_ratio" if teacher_forced else "accepted_ratio"
-    panels = [(axes[0, 0], "ppl_ratio", "perplexity / dense (teacher-forced)"),
-              (axes[0, 1], acceptance, "drafts kept per step / dense" + (" (teacher-forced)" if teacher_forced else ""))]
+    panels = [
+        (axes[0, 0], "ppl_ratio", "perplexity / dense (teacher-forced)"),
+        (axes[0, 1], acceptance, "drafts kept per step / dense" + (" (teacher-forced)" if teacher_forced else "")),
+    ]
     for ax, key, title in panels:
         for context, row in per_context.items():
             budgets = sorted(int(b) for b in row)
             line = _curve(ax, budgets, [row[str(b)].get(key) for b in budgets], f"budget, context {context}", "-", "o")
             knob = summary.get("knob", {}).get(context, {})
             targets = sorted(knob, key=lambda t: knob[t]["mean_read"])
-            _curve(ax, [knob[t]["mean_read"] for t in targets], [knob[t].get(key) for t in targets],
-                   f"knob ({', '.join(targets)}), context {context}", "--", "s",
-                   color=None if line is None else line.get_color())
+            _curve(
+                ax,
+                [knob[t]["mean_read"] for t in targets],
+                [knob[t].get(key) for t in targets],
+                f"knob ({', '.join(targets)}), context {context}",
+                "--",
+                "s",
+                color=None if line is None else line.get_color(),
+            )
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_title(title)
         ax.set_xlabel("positions read per step (fixed budget, or the knob's mean)")
@@ -52,7 +62,9 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
             values = [row[str(b)].get(key) for b in budgets]
             if any(v is not None for v in values):
                 label = f"{context}, {key.removeprefix('recovery_')}" + ("" if key.endswith("oracle") else " heads")
-                ax.plot(budgets, [v if v is not None else float("nan") for v in values], marker="o", ls=style, label=label)
+                ax.plot(
+                    budgets, [v if v is not None else float("nan") for v in values], marker="o", ls=style, label=label
+                )
     ax.set_title("attention recovery (share of dense attention mass)")
     ax = axes[1, 1]
     for context, accuracy in report["summary"]["needle_accuracy"].items():
@@ -70,8 +82,11 @@ def plot_fidelity(report: dict, path: str | Path) -> Path | None:
             ax.legend(fontsize=7)
     pair = report.get("model_pair", {})
     machine = report.get("machine", {})
-    fig.suptitle(f"Dustin fidelity: {pair.get('target', {}).get('name', '?')} + {pair.get('draft', {}).get('name', '?')}"
-                 f" ({machine.get('device', '?')}, {pair.get('dtype', '?')})", fontsize=11)
+    fig.suptitle(
+        f"Dustin fidelity: {pair.get('target', {}).get('name', '?')} + {pair.get('draft', {}).get('name', '?')}"
+        f" ({machine.get('device', '?')}, {pair.get('dtype', '?')})",
+        fontsize=11,
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,4 +100,6 @@ def _curve(ax, xs, ys, label, style, marker, color=None):
     points = [(x, y) for x, y in zip(xs, ys) if y is not None]
     if not points:
         return None
-    return ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, ls=style, label=label, color=color)[0]
+    return ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, ls=style, label=label, color=color)[
+        0
+    ]

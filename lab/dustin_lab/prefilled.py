@@ -20,20 +20,27 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from dustin_hf.adapter.assisted import attention_routed
+from dustin_hf.adapter.patching import is_patched, patch
+from dustin_hf.calibration.prompt import calibrate_on_prompts
+from dustin_hf.compat import model_device
 from dustin_hf.decode import decoder as decoding
 from dustin_hf.decode.cache import DustinCache
-from dustin_hf.compat import model_device
-from dustin_hf.decode.settings import Drafting
-from dustin_hf.adapter.assisted import attention_routed
-from dustin_hf.kernels import resolve_backend
-from dustin_hf.adapter.patching import is_patched, patch
-from dustin_hf.runtime.plan import select_heads
-from dustin_hf.calibration.prompt import calibrate_on_prompts
-from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.hooks import DecodeHooks
+from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.decode.settings import Drafting
+from dustin_hf.kernels import resolve_backend
+from dustin_hf.runtime.plan import select_heads
 
-__all__ = ["Prefilled", "PrefillStore", "clone_cache", "copy_row_into", "dustin_attention_on", "prefill_pair",
-           "speculative_decoder"]
+__all__ = [
+    "Prefilled",
+    "PrefillStore",
+    "clone_cache",
+    "copy_row_into",
+    "dustin_attention_on",
+    "prefill_pair",
+    "speculative_decoder",
+]
 
 
 @dataclass
@@ -106,8 +113,15 @@ def copy_row_into(src: DustinCache, dst: DustinCache, row: int) -> None:
     dst.seq_lengths[row] = length
 
 
-def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int, ...] = (), chunk: int | None = 4096,
-                 capacity: int = 0, progress: bool = False) -> Prefilled:
+def prefill_pair(
+    target,
+    draft,
+    tokens: torch.Tensor,
+    history_layers: tuple[int, ...] = (),
+    chunk: int | None = 4096,
+    capacity: int = 0,
+    progress: bool = False,
+) -> Prefilled:
     """Prefill ``tokens (C,)`` like the decoder does, keeping every query head of ``history_layers``.
 
     Runs with Dustin's attention routed (the caller need not patch anything). ``chunk``: prompt tokens per forward
@@ -124,8 +138,13 @@ def prefill_pair(target, draft, tokens: torch.Tensor, history_layers: tuple[int,
     with torch.no_grad(), dustin_attention_on(target, draft):
         t_model = ModelRunner(target, DustinCache(t_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
         d_model = ModelRunner(draft, DustinCache(d_cfg.num_hidden_layers, 1, tokens.numel() + capacity + 1), backend)
-        with tqdm(total=2 * tokens.numel() - 1, desc=f"prefill {tokens.numel()} tokens", unit="tok", leave=False,
-                  disable=not progress) as bar:
+        with tqdm(
+            total=2 * tokens.numel() - 1,
+            desc=f"prefill {tokens.numel()} tokens",
+            unit="tok",
+            leave=False,
+            disable=not progress,
+        ) as bar:
             logits, kept = ModelRunner.prefill(t_model, [tokens], chunk, capture, on_chunk=bar.update)
             ModelRunner.prefill(d_model, [tokens[:-1]], chunk, {}, on_chunk=bar.update)
     history = {layer: kept[0][layer][:, 0] for layer in history_layers}  # (1, heads, D)
@@ -166,8 +185,10 @@ class PrefillStore:
                 if all(s is not None and set(capture) <= set(s.history) for s in states):
                     for b, state in enumerate(states):
                         copy_row_into(state.target_cache, model.cache, b)
-                    kept = [{layer: select_heads(s.history[layer][:, None], heads) for layer, heads in capture.items()}
-                            for s in states]
+                    kept = [
+                        {layer: select_heads(s.history[layer][:, None], heads) for layer, heads in capture.items()}
+                        for s in states
+                    ]
                     return [s.last_logits for s in states], kept
             elif model.model is self.draft:
                 states = [self.find(ids, drop_last=True) for ids in rows]
@@ -180,11 +201,17 @@ class PrefillStore:
         return prefill
 
 
-def speculative_decoder(target, draft, generation_config, *, dustin_config, gamma: int,
-                        store: PrefillStore | None = None):
+def speculative_decoder(
+    target, draft, generation_config, *, dustin_config, gamma: int, store: PrefillStore | None = None
+):
     """A :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
-    return decoding.SpeculativeDecoder(target, draft, generation_config, dustin_config=dustin_config,
-                                       drafting=Drafting(gamma),
-                                       hooks=None if store is None else DecodeHooks(prefill=store.hook()),
-                                       calibrate=calibrate_on_prompts)
+    return decoding.SpeculativeDecoder(
+        target,
+        draft,
+        generation_config,
+        dustin_config=dustin_config,
+        drafting=Drafting(gamma),
+        hooks=None if store is None else DecodeHooks(prefill=store.hook()),
+        calibrate=calibrate_on_prompts,
+    )

@@ -43,9 +43,17 @@ def selection_candidates(num_layers: int) -> list[tuple[int, ...]]:
     return grid
 
 
-def calibrate_selection_layers(pair, base: DustinConfig, books: tuple[str, ...], context: int = 4096,
-                               tokens: int = 151, gamma: int = 4, candidates: list[tuple[int, ...]] | None = None,
-                               offset: int = 0, progress: bool = True) -> dict:
+def calibrate_selection_layers(
+    pair,
+    base: DustinConfig,
+    books: tuple[str, ...],
+    context: int = 4096,
+    tokens: int = 151,
+    gamma: int = 4,
+    candidates: list[tuple[int, ...]] | None = None,
+    offset: int = 0,
+    progress: bool = True,
+) -> dict:
     """Walk ``tokens`` teacher-forced tokens after ``context`` of each book with every candidate; return the
     chosen layers and each candidate's top-1 agreement with dense verification and perplexity ratio to it,
     pooled over the books (Dustin's set alone as ``"dustin"``).
@@ -64,22 +72,50 @@ def calibrate_selection_layers(pair, base: DustinConfig, books: tuple[str, ...],
     for book in books:
         window = token_window(pair.tokenizer, book, context + tokens, offset)
         state = prefill_pair(pair.target, pair.draft, window[:context], (dustin.target_layer,), progress=progress)
-        walk = teacher_forced_walk(pair.target, pair.draft, state, window[context:], gamma, methods,
-                                   recovery_every=0, progress=progress, desc=f"select layers: {book}")
+        walk = teacher_forced_walk(
+            pair.target,
+            pair.draft,
+            state,
+            window[context:],
+            gamma,
+            methods,
+            recovery_every=0,
+            progress=progress,
+            desc=f"select layers: {book}",
+        )
         for name in methods:
             agreed[name] += walk.top1_agreement_with_dense[name] * walk.tokens
             nll[name] += walk.nll[name]
         positions += walk.tokens
-        per_book[book] = {name: {"top1_agreement": walk.top1_agreement_with_dense[name],
-                                 "ppl_ratio": walk.ppl[name] / walk.ppl["dense"]} for name in methods}
+        per_book[book] = {
+            name: {
+                "top1_agreement": walk.top1_agreement_with_dense[name],
+                "ppl_ratio": walk.ppl[name] / walk.ppl["dense"],
+            }
+            for name in methods
+        }
         del state, walk
-    pooled = {name: {"top1_agreement": agreed[name] / positions,
-                     "ppl_ratio": float(torch.tensor((nll[name] - nll["dense"]) / positions).exp())}
-              for name in methods if name != "dense"}
-    best = max(candidates, key=lambda layers: (pooled[_name(layers)]["top1_agreement"],
-                                               -pooled[_name(layers)]["ppl_ratio"]))
-    return {"chosen": list(best), "pooled": pooled, "per_book": per_book, "books": list(books),
-            "context": context, "tokens": positions, "budget": base.budget, "seconds": time.perf_counter() - started}
+    pooled = {
+        name: {
+            "top1_agreement": agreed[name] / positions,
+            "ppl_ratio": float(torch.tensor((nll[name] - nll["dense"]) / positions).exp()),
+        }
+        for name in methods
+        if name != "dense"
+    }
+    best = max(
+        candidates, key=lambda layers: (pooled[_name(layers)]["top1_agreement"], -pooled[_name(layers)]["ppl_ratio"])
+    )
+    return {
+        "chosen": list(best),
+        "pooled": pooled,
+        "per_book": per_book,
+        "books": list(books),
+        "context": context,
+        "tokens": positions,
+        "budget": base.budget,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _name(layers: tuple[int, ...]) -> str:
@@ -99,14 +135,22 @@ and a ``selection_layers`` section with every candidate's figures and this comma
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=_MAIN_DOC.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_MAIN_DOC)
-    parser.add_argument("--profile", required=True, help="the calibrated profile (e.g. profiles/qwen2.5-coder-1.5b+0.5b.json)")
+    parser = argparse.ArgumentParser(
+        description=_MAIN_DOC.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_MAIN_DOC
+    )
+    parser.add_argument(
+        "--profile", required=True, help="the calibrated profile (e.g. profiles/qwen2.5-coder-1.5b+0.5b.json)"
+    )
     parser.add_argument("--books", nargs="+", default=["mobydick", "paradise_lost"], help="calibration books")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=151, help="teacher-forced tokens walked per book")
-    parser.add_argument("--candidates", nargs="+", default=None, metavar="LAYERS",
-                        help="comma-separated layer sets (default: the library's grid)")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=None,
+        metavar="LAYERS",
+        help="comma-separated layer sets (default: the library's grid)",
+    )
     parser.add_argument("--write", action="store_true", help="record the best in the profile")
     add_device_options(parser)
     args = parser.parse_args(argv)
@@ -120,13 +164,16 @@ def main(argv=None) -> dict:
     config, _, profile = read_profile(args.profile)
     pair = load_pair(*fetch_pair(progress=True), args.device, args.dtype)
     candidates = [tuple(int(v) for v in c.split(",")) for c in args.candidates] if args.candidates else None
-    report = calibrate_selection_layers(pair, config.replace(min_context=1024), tuple(args.books), args.context,
-                                        args.tokens, candidates=candidates)
+    report = calibrate_selection_layers(
+        pair, config.replace(min_context=1024), tuple(args.books), args.context, args.tokens, candidates=candidates
+    )
     print(f"{'method':16s} {'top-1':>6s} {'ppl ratio':>9s}")
     for name, row in sorted(report["pooled"].items(), key=lambda kv: -kv[1]["top1_agreement"]):
         print(f"{name:16s} {row['top1_agreement']:6.3f} {row['ppl_ratio']:9.4f}")
-    report.update(command=shlex.join(["python", "-m", "dustin_lab.select_calibration", *sys.argv[1:]]),
-                  machine=describe_machine(pair.device))
+    report.update(
+        command=shlex.join(["python", "-m", "dustin_lab.select_calibration", *sys.argv[1:]]),
+        machine=describe_machine(pair.device),
+    )
     if args.write:
         profile["config"]["selection_layers"] = report["chosen"]
         profile["selection_layers"] = report

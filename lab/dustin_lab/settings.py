@@ -48,10 +48,14 @@ class CalibrationSettings:
         if not self.budgets or min(self.budgets) < 1:
             raise ValueError(f"budgets must be positive ints, got {self.budgets}")
         if self.min_position <= max(self.budgets):
-            raise ValueError(f"min_position ({self.min_position}) must exceed the largest budget ({max(self.budgets)}), "
-                             "or those steps would be verified densely")
+            raise ValueError(
+                f"min_position ({self.min_position}) must exceed the largest budget ({max(self.budgets)}), "
+                "or those steps would be verified densely"
+            )
         if self.context < self.min_position + self.gamma + 2:
-            raise ValueError(f"context ({self.context}) must exceed min_position + gamma + 1 ({self.min_position + self.gamma + 1})")
+            raise ValueError(
+                f"context ({self.context}) must exceed min_position + gamma + 1 ({self.min_position + self.gamma + 1})"
+            )
         if self.time_limit <= 0:
             raise ValueError(f"time_limit must be positive seconds, got {self.time_limit}")
 

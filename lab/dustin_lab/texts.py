@@ -62,8 +62,10 @@ def _stdlib_path(name: str) -> Path:
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     path = None if spec is None or not spec.origin or not spec.origin.endswith(".py") else Path(spec.origin).resolve()
     if path is None or stdlib not in path.parents:
-        raise ValueError(f"{name!r}: {module!r} is not a pure-Python module of this Python's standard library "
-                         f"({stdlib}); try stdlib:typing")
+        raise ValueError(
+            f"{name!r}: {module!r} is not a pure-Python module of this Python's standard library "
+            f"({stdlib}); try stdlib:typing"
+        )
     return path
 
 
@@ -78,7 +80,9 @@ def load_text(name: str) -> str:
     raw = gzip.decompress(_data_dir().joinpath(f"{name}.txt.gz").read_bytes())
     digest, size = table[name]
     if len(raw) != size or hashlib.sha256(raw).hexdigest() != digest:
-        raise RuntimeError(f"bundled book {name!r} is corrupt (size or sha256 differs from SHA256SUMS); reinstall dustin-hf")
+        raise RuntimeError(
+            f"bundled book {name!r} is corrupt (size or sha256 differs from SHA256SUMS); reinstall dustin-hf"
+        )
     return raw.decode("utf-8")
 
 
@@ -88,8 +92,13 @@ def describe_text(name: str) -> dict:
         load_text(name)  # checks the name and the file
         return {"kind": "book", "name": name, "sha256": _checksums()[name][0]}
     path = _stdlib_path(name)
-    return {"kind": "python-source", "name": name, "path": str(path), "python": platform.python_version(),
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {
+        "kind": "python-source",
+        "name": name,
+        "path": str(path),
+        "python": platform.python_version(),
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
 
 
 _TOKEN_CACHE: dict[tuple[int, str], torch.Tensor] = {}

@@ -38,9 +38,19 @@ def tiny_tokenizer(words: int = 250, book: str = "alice") -> PreTrainedTokenizer
 
 def tiny_qwen(vocab: int, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, seed: int = 0):
     """A random-weight Qwen2 causal LM (eval mode) with GQA, long enough positions for 4k-token prompts."""
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                         tie_word_embeddings=False, eos_token_id=1, pad_token_id=1, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).eval()
 

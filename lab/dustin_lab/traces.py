@@ -78,9 +78,23 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["KNOB_TRACE_FORMAT", "PREDICTION_FORMAT", "PREDICTION_KEYS", "TRACE_FORMAT", "knob_trace_record",
-           "load_knob_trace", "load_predictions", "load_trace", "prediction_record", "selection_of", "trace_filename",
-           "trace_record", "write_knob_trace", "write_predictions", "write_trace"]
+__all__ = [
+    "KNOB_TRACE_FORMAT",
+    "PREDICTION_FORMAT",
+    "PREDICTION_KEYS",
+    "TRACE_FORMAT",
+    "knob_trace_record",
+    "load_knob_trace",
+    "load_predictions",
+    "load_trace",
+    "prediction_record",
+    "selection_of",
+    "trace_filename",
+    "trace_record",
+    "write_knob_trace",
+    "write_predictions",
+    "write_trace",
+]
 
 TRACE_FORMAT = "dustin_hf.acceptance_trace/1"
 PREDICTION_FORMAT = "dustin_hf.prediction_trace/1"
@@ -99,18 +113,41 @@ def trace_filename(pair: dict, task: str, context: int, gamma: int, method: str,
     return f"{slug}_{task}_ctx{context}_g{gamma}_{method}{suffix}.json"
 
 
-def trace_record(pair: dict, task: str, context: int, gamma: int, method: str, budget: int | None, config: dict | None,
-                 max_new_tokens: int, dtype: str, device: str, sequences: list[dict]) -> dict:
+def trace_record(
+    pair: dict,
+    task: str,
+    context: int,
+    gamma: int,
+    method: str,
+    budget: int | None,
+    config: dict | None,
+    max_new_tokens: int,
+    dtype: str,
+    device: str,
+    sequences: list[dict],
+) -> dict:
     """The JSON object above; ``sequences`` hold ``source``, ``prompt_tokens``, ``generated_tokens``,
     ``gammas`` and ``accepted``."""
     steps = sum(len(s["accepted"]) for s in sequences)
     accepted = sum(sum(s["accepted"]) for s in sequences)
     return {
-        "format": TRACE_FORMAT, "model_pair": pair, "task": task, "context": context, "gamma": gamma,
-        "method": method, "budget": budget, "config": config, "max_new_tokens": max_new_tokens, "dtype": dtype,
-        "device": device, "sequences": sequences,
-        "summary": {"steps": steps, "mean_accepted_per_step": accepted / steps if steps else 0.0,
-                    "mean_tokens_per_step": (accepted + steps) / steps if steps else 0.0},
+        "format": TRACE_FORMAT,
+        "model_pair": pair,
+        "task": task,
+        "context": context,
+        "gamma": gamma,
+        "method": method,
+        "budget": budget,
+        "config": config,
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "device": device,
+        "sequences": sequences,
+        "summary": {
+            "steps": steps,
+            "mean_accepted_per_step": accepted / steps if steps else 0.0,
+            "mean_tokens_per_step": (accepted + steps) / steps if steps else 0.0,
+        },
     }
 
 
@@ -118,28 +155,55 @@ def write_trace(directory: str | Path, record: dict) -> Path:
     """Write ``record`` under ``directory`` with its canonical file name; return the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / trace_filename(record["model_pair"], record["task"], record["context"], record["gamma"],
-                                      record["method"], record["budget"])
+    path = directory / trace_filename(
+        record["model_pair"], record["task"], record["context"], record["gamma"], record["method"], record["budget"]
+    )
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
 
-def knob_trace_record(pair: dict, text: dict, context: int, gamma: int, config: dict, seqlens: list[list[int]],
-                      counts: list[list[int]], accepted: list[list[int]], dtype: str, device: str) -> dict:
+def knob_trace_record(
+    pair: dict,
+    text: dict,
+    context: int,
+    gamma: int,
+    config: dict,
+    seqlens: list[list[int]],
+    counts: list[list[int]],
+    accepted: list[list[int]],
+    dtype: str,
+    device: str,
+) -> dict:
     """The knob trace above; ``config`` is the resolved settings (``min_recovery``, ``budget``, ``max_budget``)."""
     from .knob import budget_summary
 
     if not len(seqlens) == len(counts) == len(accepted):
-        raise ValueError(f"a knob trace needs one entry per step in seqlens, counts and accepted, got "
-                         f"{len(seqlens)}, {len(counts)}, {len(accepted)}")
+        raise ValueError(
+            f"a knob trace needs one entry per step in seqlens, counts and accepted, got "
+            f"{len(seqlens)}, {len(counts)}, {len(accepted)}"
+        )
     flat_accepted = [a for row in accepted for a in row]
     summary = budget_summary([c for row in counts for c in row], [n for row in seqlens for n in row])
     return {
-        "format": KNOB_TRACE_FORMAT, "model_pair": pair, "task": "teacher-forced", "text": text, "context": context,
-        "gamma": gamma, "min_recovery": config["min_recovery"], "budget": config["budget"],
-        "max_budget": config["max_budget"], "config": config, "dtype": dtype, "device": device, "seqlens": seqlens,
-        "counts": counts, "accepted": accepted,
-        "summary": {**summary, "mean_accepted_per_step": sum(flat_accepted) / len(flat_accepted) if flat_accepted else 0.0},
+        "format": KNOB_TRACE_FORMAT,
+        "model_pair": pair,
+        "task": "teacher-forced",
+        "text": text,
+        "context": context,
+        "gamma": gamma,
+        "min_recovery": config["min_recovery"],
+        "budget": config["budget"],
+        "max_budget": config["max_budget"],
+        "config": config,
+        "dtype": dtype,
+        "device": device,
+        "seqlens": seqlens,
+        "counts": counts,
+        "accepted": accepted,
+        "summary": {
+            **summary,
+            "mean_accepted_per_step": sum(flat_accepted) / len(flat_accepted) if flat_accepted else 0.0,
+        },
     }
 
 
@@ -171,8 +235,17 @@ def _load(path: str | Path, expected: str) -> dict:
     return record
 
 
-def prediction_record(pair: dict, text: dict, context: int, gamma: int, budget: int, config: dict,
-                      predictions: dict[str, list[int]], dtype: str, device: str) -> dict:
+def prediction_record(
+    pair: dict,
+    text: dict,
+    context: int,
+    gamma: int,
+    budget: int,
+    config: dict,
+    predictions: dict[str, list[int]],
+    dtype: str,
+    device: str,
+) -> dict:
     """The prediction-trace object above; ``predictions`` holds the five lists of :data:`PREDICTION_KEYS`, of one
     length. ``agreement`` summarises them: per position, the share where two lists agree."""
     lengths = {key: len(predictions[key]) for key in PREDICTION_KEYS}
@@ -183,13 +256,28 @@ def prediction_record(pair: dict, text: dict, context: int, gamma: int, budget: 
     def share(a, b):
         return sum(x == y for x, y in zip(p[a], p[b])) / len(p[a]) if p[a] else 1.0
 
-    agreement = {"sparse_vs_dense": share("sparse", "dense"), "draft_vs_dense": share("draft", "dense"),
-                 "draft_vs_sparse": share("draft", "sparse"), "draft_sparse_vs_dense": share("draft_sparse", "dense"),
-                 "draft_sparse_vs_sparse": share("draft_sparse", "sparse"), "dense_vs_truth": share("dense", "truth")}
-    return {"format": PREDICTION_FORMAT, "model_pair": pair, "text": text, "context": context, "gamma": gamma,
-            "budget": budget, "config": config, "positions": lengths["truth"],
-            "predictions": {key: list(p[key]) for key in PREDICTION_KEYS}, "agreement": agreement, "dtype": dtype,
-            "device": device}
+    agreement = {
+        "sparse_vs_dense": share("sparse", "dense"),
+        "draft_vs_dense": share("draft", "dense"),
+        "draft_vs_sparse": share("draft", "sparse"),
+        "draft_sparse_vs_dense": share("draft_sparse", "dense"),
+        "draft_sparse_vs_sparse": share("draft_sparse", "sparse"),
+        "dense_vs_truth": share("dense", "truth"),
+    }
+    return {
+        "format": PREDICTION_FORMAT,
+        "model_pair": pair,
+        "text": text,
+        "context": context,
+        "gamma": gamma,
+        "budget": budget,
+        "config": config,
+        "positions": lengths["truth"],
+        "predictions": {key: list(p[key]) for key in PREDICTION_KEYS},
+        "agreement": agreement,
+        "dtype": dtype,
+        "device": device,
+    }
 
 
 def write_predictions(directory: str | Path, record: dict) -> Path:
@@ -200,8 +288,10 @@ def write_predictions(directory: str | Path, record: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     pair, text = record["model_pair"], record["text"]
     selected = "_select" if selection_of(record.get("config")) == "verify" else ""  # beside Dustin's set's traces
-    name = (f"{_slug(pair['target'] + '+' + pair['draft'])}_predictions_{_slug(text['name'])}_ctx{record['context']}"
-            f"_g{record['gamma']}_b{record['budget']}{selected}.json")
+    name = (
+        f"{_slug(pair['target'] + '+' + pair['draft'])}_predictions_{_slug(text['name'])}_ctx{record['context']}"
+        f"_g{record['gamma']}_b{record['budget']}{selected}.json"
+    )
     head = {k: v for k, v in record.items() if k != "predictions"}
     lists = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in record["predictions"].items())
     body = json.dumps(head, indent=1)[:-2] + ',\n "predictions": {\n' + lists + "\n }\n}\n"

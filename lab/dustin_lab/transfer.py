@@ -111,7 +111,9 @@ def _read_manifest(path: Path) -> dict:
         raise TransferError(f"no {MANIFEST} at {path.parent}: split writes one beside every chunk")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
-        raise TransferError(f"{path}: not a transfer manifest (format {manifest.get('format')!r}, expected {FORMAT!r})")
+        raise TransferError(
+            f"{path}: not a transfer manifest (format {manifest.get('format')!r}, expected {FORMAT!r})"
+        )
     return manifest
 
 
@@ -120,8 +122,9 @@ def _check_chunk(path: Path, entry: dict) -> None:
         raise TransferError(f"chunk {entry['index']:02d} is missing ({path})")
     size = path.stat().st_size
     if size != entry["size"]:
-        raise TransferError(f"chunk {entry['index']:02d} has {size:,} bytes, expected {entry['size']:,} ({path}): "
-                            "send it again")
+        raise TransferError(
+            f"chunk {entry['index']:02d} has {size:,} bytes, expected {entry['size']:,} ({path}): send it again"
+        )
     if _sha256_file(path) != entry["sha256"]:
         raise TransferError(f"chunk {entry['index']:02d} fails its sha256 ({path}): send it again")
 
@@ -164,8 +167,10 @@ def join(store: Path, out_dir: Path) -> list[Path]:
     chunks = manifest["chunks"]
     gone = status(store)["missing"]
     if gone:
-        raise TransferError(f"{len(gone)} of {len(chunks)} chunks missing or short in {store}: "
-                            f"{', '.join(_chunk_name(i) for i in gone)}; send them before joining")
+        raise TransferError(
+            f"{len(gone)} of {len(chunks)} chunks missing or short in {store}: "
+            f"{', '.join(_chunk_name(i) for i in gone)}; send them before joining"
+        )
     for chunk in chunks:
         _check_chunk(store / f"{_chunk_name(chunk['index'])}.bin", chunk)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,13 +247,18 @@ def convert(paths: list[Path], cache_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("split", help="cut the verified GGUF files into chunks (here)")
     p.add_argument("--out", type=Path, default=Path(".weights/chunks"), help="an ignored folder of the checkout")
-    p.add_argument("--gguf-dir", type=Path, default=None,
-                   help="a folder holding the joined GGUF files (default: download and join them into --work)")
+    p.add_argument(
+        "--gguf-dir",
+        type=Path,
+        default=None,
+        help="a folder holding the joined GGUF files (default: download and join them into --work)",
+    )
     p.add_argument("--work", type=Path, default=Path(".weights/gguf"), help="where downloaded GGUFs are joined")
     p.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_MIB)
     p = commands.add_parser("receive", help="check one arrived chunk and move it into the store (there)")
@@ -259,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("join", help="check every chunk, rebuild and check the files (there)")
     p.add_argument("store", type=Path)
     p.add_argument("--out", type=Path, default=None, help="where the files go (default: the store)")
-    p.add_argument("--convert", type=Path, default=None, metavar="CACHE_DIR",
-                   help="then convert each into CACHE_DIR/<name> (fetch_pair(cache_dir=CACHE_DIR) finds them)")
+    p.add_argument(
+        "--convert",
+        type=Path,
+        default=None,
+        metavar="CACHE_DIR",
+        help="then convert each into CACHE_DIR/<name> (fetch_pair(cache_dir=CACHE_DIR) finds them)",
+    )
     p.add_argument("--keep-chunks", action="store_true", help="keep the chunks after a good join")
     args = parser.parse_args(argv)
     try:

@@ -57,14 +57,14 @@ from tqdm.auto import tqdm
 
 from dustin_hf.compat import attention_scale, group_size, model_device
 from dustin_hf.config import ResolvedConfig
-from dustin_hf.selection.draft_reads import DraftReads
+from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.kernels import resolve_backend
 from dustin_hf.runtime.plan import ForwardPlan, device_tensor, select_heads
-from dustin_hf.selection.recovery import position_weights, selection_recovery
-from dustin_hf.decode.runner import ModelRunner
-from dustin_hf.selection.scoring import draft_lookahead_scores, target_history_scores
-from dustin_hf.selection.layers import select_spec
+from dustin_hf.selection.draft_reads import DraftReads
 from dustin_hf.selection.fill import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
+from dustin_hf.selection.layers import select_spec
+from dustin_hf.selection.recovery import position_weights, selection_recovery
+from dustin_hf.selection.scoring import draft_lookahead_scores, target_history_scores
 
 from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
@@ -111,8 +111,9 @@ class _Method:
     """One verification method's state along the walk: its row of the shared target cache (and of the draft cache,
     0 for the shared dense draft) and what it measured."""
 
-    def __init__(self, name: str, config: ResolvedConfig | None, row: int, history: torch.Tensor | None,
-                 draft_row: int):
+    def __init__(
+        self, name: str, config: ResolvedConfig | None, row: int, history: torch.Tensor | None, draft_row: int
+    ):
         self.name, self.config, self.row, self.history, self.draft_row = name, config, row, history, draft_row
         self.selection: Selection | None = None  # this step's read set (None: everything)
         self.layer_indices: dict | None = None  # an oracle's per-layer read sets this step
@@ -198,17 +199,23 @@ def teacher_forced_walk(
     if unknown := set(oracle.values()) - set(ORACLES):
         raise ValueError(f"unknown oracle kinds {sorted(unknown)}; choose from {ORACLES}")
     if chooses := sorted(n for n in oracle if methods[n].selection_layers):
-        raise ValueError(f"oracle methods {chooses} have selection layers, which would replace the oracle's sets in "
-                         "the layers after them: resolve their configs with selection='dustin'")
+        raise ValueError(
+            f"oracle methods {chooses} have selection layers, which would replace the oracle's sets in "
+            "the layers after them: resolve their configs with selection='dustin'"
+        )
     device = model_device(target)
     tokens = torch.cat([state.tokens, continuation.to(device)])
     context = state.tokens.numel()
     steps = (continuation.numel() - 1) // (gamma + 1)
     if steps < 1:
-        raise ValueError(f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}")
+        raise ValueError(
+            f"a continuation of {continuation.numel()} tokens is too short for one step of γ+1={gamma + 1}"
+        )
     dense_name = next((n for n, c in methods.items() if c is None), None)
     if (recovery_every or recovery_configs or oracle or probe) and dense_name is None:
-        raise ValueError("measuring recovery, oracles and probes need a dense method (a name mapped to None) in methods")
+        raise ValueError(
+            "measuring recovery, oracles and probes need a dense method (a name mapped to None) in methods"
+        )
     t_cfg, d_cfg = target.config.get_text_config(), draft.config.get_text_config()
     t_group, d_group = group_size(t_cfg), group_size(d_cfg)
     t_scale, d_scale = attention_scale(target, t_cfg), attention_scale(draft, d_cfg)
@@ -228,7 +235,9 @@ def teacher_forced_walk(
     runs = []
     for row, name in enumerate(order):
         cfg = methods[name]
-        history = None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
+        history = (
+            None if cfg is None else select_heads(state.history[cfg.target_layer][:, None], cfg.target_heads)[:, 0]
+        )
         runs.append(_Method(name, cfg, row, history, 1 + own_drafts.index(name) if name in own_drafts else 0))
     by_name = {run.name: run for run in runs}
     groups = _forward_groups(runs, oracle)
@@ -247,8 +256,18 @@ def teacher_forced_walk(
             # 1. every draft row reads the true next tokens in one forward (the shared dense draft all it holds, a
             #    sparse draft its method's last selection + what came since); queries at L .. L+γ-1 score positions
             reads = [DraftReads.after(by_name[n].last_selection, methods[n], gamma, capacity) for n in own_drafts]
-            guesses, s_draft = _draft_step(draft_model, [None] + [None if r is None else r.at([at - 1]) for r in reads],
-                                           tokens, at, gamma, backend, d_capture, base, d_group, d_scale)
+            guesses, s_draft = _draft_step(
+                draft_model,
+                [None] + [None if r is None else r.at([at - 1]) for r in reads],
+                tokens,
+                at,
+                gamma,
+                backend,
+                d_capture,
+                base,
+                d_group,
+                d_scale,
+            )
             dense_next, weights = None, None
             measure = bool(oracle) or probe is not None or (bool(recovery_every) and step % recovery_every == 0)
             verify_in = tokens[at : at + gamma + 1][None]
@@ -264,26 +283,50 @@ def teacher_forced_walk(
                         run.selection, run.layer_indices = _oracle_selection(weights, cfg, oracle[run.name])
                     else:
                         keys = target_model.cache.layer_buffers(cfg.target_layer)[0][run.row : run.row + 1]
-                        run.selection, run.estimate = _select(run.history, cfg, keys, s_draft[run.draft_row], base,
-                                                              t_group, t_scale, at)
+                        run.selection, run.estimate = _select(
+                            run.history, cfg, keys, s_draft[run.draft_row], base, t_group, t_scale, at
+                        )
                 # 3. verify: one forward of the group's rows, each against its selection (dense: everything)
-                logits, captured, chosen = _verify(target_model, group, verify_in, at, gamma, backend,
-                                                   {layer: all_t_heads for layer in layers})
+                logits, captured, chosen = _verify(
+                    target_model, group, verify_in, at, gamma, backend, {layer: all_t_heads for layer in layers}
+                )
                 for i, run in enumerate(group):
                     if run.config is not None:
                         continue
                     dense_next = logits[i].argmax(dim=-1)
                     if measure:  # the reference attention of this step, then selections from dense signals
                         queries = {l: q[i] for l, q in captured.items()}
-                        weights = _dense_recovery(target_model, run.row, queries, at, t_scale, recovery_configs,
-                                                  dense_history, s_draft[0], base, t_group, signals_recovery)
+                        weights = _dense_recovery(
+                            target_model,
+                            run.row,
+                            queries,
+                            at,
+                            t_scale,
+                            recovery_configs,
+                            dense_history,
+                            s_draft[0],
+                            base,
+                            t_group,
+                            signals_recovery,
+                        )
                         if probe is not None:
                             t_keys = {layer: target_model.cache.layer_buffers(layer)[0][run.row] for layer in queries}
-                            d_keys = {layer: draft_model.cache.layer_buffers(layer)[0][0]
-                                      for layer in s_draft[0].queries}
-                            probe(DenseStep(step, at, weights, t_keys, probe_history, d_keys,
-                                            {layer: q[0] for layer, q in s_draft[0].queries.items()}, t_scale,
-                                            d_scale))
+                            d_keys = {
+                                layer: draft_model.cache.layer_buffers(layer)[0][0] for layer in s_draft[0].queries
+                            }
+                            probe(
+                                DenseStep(
+                                    step,
+                                    at,
+                                    weights,
+                                    t_keys,
+                                    probe_history,
+                                    d_keys,
+                                    {layer: q[0] for layer, q in s_draft[0].queries.items()},
+                                    t_scale,
+                                    d_scale,
+                                )
+                            )
                             probe_history = {layer: q[gamma] for layer, q in queries.items()}
                     dense_history = {layer: captured[layer][i : i + 1, gamma] for layer in dense_history}
                 for i, run in enumerate(group):
@@ -299,8 +342,14 @@ def teacher_forced_walk(
                     if run.draft_row:
                         run.last_selection = None if run.selection is None else (run.selection, [at])
                     if run.name in refresh_every and (step + 1) % refresh_every[run.name] == 0:
-                        _refresh(target_model, run.row, tokens,
-                                 context + (step + 1 - refresh_every[run.name]) * (gamma + 1), at + gamma + 1, backend)
+                        _refresh(
+                            target_model,
+                            run.row,
+                            tokens,
+                            context + (step + 1 - refresh_every[run.name]) * (gamma + 1),
+                            at + gamma + 1,
+                            backend,
+                        )
                     if cfg is None:
                         continue
                     run.history = select_heads(captured[cfg.target_layer][i : i + 1, gamma], cfg.target_heads, dim=1)
@@ -309,20 +358,25 @@ def teacher_forced_walk(
                     elif weights is not None and run.selection is not None and chosen:
                         run.recovery.append(_read_recovery(weights, cfg, run.selection, chosen, i))
                     elif weights is not None and run.selection is not None:
-                        run.recovery.append(selection_recovery(weights, run.selection.indices[0],
-                                                               run.selection.counts[0]))
+                        run.recovery.append(
+                            selection_recovery(weights, run.selection.indices[0], run.selection.counts[0])
+                        )
                     run.read.append(at if run.selection is None else run.selection.counts[0])
                     run.estimates.append(run.estimate)
-                    run.truths.append(float(run.recovery[-1].mean()) if weights is not None and run.selection is not None
-                                      else None)
+                    run.truths.append(
+                        float(run.recovery[-1].mean()) if weights is not None and run.selection is not None else None
+                    )
             # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the next step
 
     runs = [by_name[name] for name in methods]
     evaluated = steps * (gamma + 1)
     result = WalkResult(
-        tokens=evaluated, steps=steps,
-        nll={r.name: r.nll for r in runs}, ppl={r.name: math.exp(r.nll / evaluated) for r in runs},
-        sparse_steps={r.name: r.sparse_steps for r in runs}, seconds=time.perf_counter() - start,
+        tokens=evaluated,
+        steps=steps,
+        nll={r.name: r.nll for r in runs},
+        ppl={r.name: math.exp(r.nll / evaluated) for r in runs},
+        sparse_steps={r.name: r.sparse_steps for r in runs},
+        seconds=time.perf_counter() - start,
         accepted={r.name: sum(r.trace) / steps for r in runs},
         accepted_trace={r.name: r.trace for r in runs},
         draft_agreement={r.name: r.agreed / (steps * gamma) for r in runs},
@@ -355,9 +409,12 @@ class _DraftScores:
         key = (cfg.draft_layers, cfg.draft_heads)
         if key not in self._memo:
             keys = [self.model.cache.layer_buffers(layer)[0][self.row : self.row + 1] for layer in cfg.draft_layers]
-            queries = [select_heads(self.queries[layer], heads) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads)]
-            self._memo[key] = draft_lookahead_scores(queries, keys, self.base.to(keys[0].device), cfg.draft_heads,
-                                                     self.group, self.scale, self.span).to(self.base.device)
+            queries = [
+                select_heads(self.queries[layer], heads) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads)
+            ]
+            self._memo[key] = draft_lookahead_scores(
+                queries, keys, self.base.to(keys[0].device), cfg.draft_heads, self.group, self.scale, self.span
+            ).to(self.base.device)
         return self._memo[key]
 
 
@@ -387,8 +444,9 @@ class _SelectingPlan(ForwardPlan):
         super().keep_selection(tensors)
 
 
-def _read_recovery(weights: torch.Tensor, cfg: ResolvedConfig, before: Selection, chosen: dict[int, torch.Tensor],
-                   row: int) -> torch.Tensor:
+def _read_recovery(
+    weights: torch.Tensor, cfg: ResolvedConfig, before: Selection, chosen: dict[int, torch.Tensor], row: int
+) -> torch.Tensor:
     """Per layer ``(n_layers,)``, the share of ``weights`` that what the layer read captures: a dense or selection
     layer everything, a layer before the first selection layer ``before`` (one row), a later one the set its
     selection layer chose for ``row`` of the forward (``before``'s count)."""
@@ -410,8 +468,12 @@ def _forward_groups(runs: list[_Method], oracle: dict[str, str]) -> list[list[_M
     groups: list[list[_Method]] = []
     for run in runs:
         last = groups[-1][0] if groups else None
-        if last is not None and run.name not in oracle and last.name not in oracle \
-                and _layer_roles(last.config) == _layer_roles(run.config):
+        if (
+            last is not None
+            and run.name not in oracle
+            and last.name not in oracle
+            and _layer_roles(last.config) == _layer_roles(run.config)
+        ):
             groups[-1].append(run)
         else:
             groups.append([run])
@@ -429,9 +491,12 @@ def _stacked(selections: list[Selection | None], cached: list[int]) -> Selection
     every = torch.arange(width, device=device, dtype=torch.int32)
     # a row read in full lists its positions, then zeros (a selection wider than the row's cache, e.g. the knob's
     # ceiling, must not name positions past it)
-    rows = [torch.where(every < n, every, 0) if sel is None
-            else torch.nn.functional.pad(sel.indices[0], (0, width - sel.indices.shape[1]))
-            for sel, n in zip(selections, cached)]
+    rows = [
+        torch.where(every < n, every, 0)
+        if sel is None
+        else torch.nn.functional.pad(sel.indices[0], (0, width - sel.indices.shape[1]))
+        for sel, n in zip(selections, cached)
+    ]
     counts = [n if sel is None else sel.counts[0] for sel, n in zip(selections, cached)]
     return Selection(torch.stack(rows), device_tensor(counts, device, torch.int32), counts)
 
@@ -442,9 +507,14 @@ def _verify(model: ModelRunner, group: list[_Method], verify_in, at, gamma, back
     first, rows = group[0].row, len(group)
     reads = _stacked([run.selection for run in group], [at] * rows)
     plan_kwargs = dict(
-        rows=slice(first, first + rows), cache_seqlens=[at] * rows, q_len=gamma + 1, backend=backend,
-        indices=None if reads is None else reads.indices, num_indices=None if reads is None else reads.num_indices,
-        capture=capture, dense_layers=_dense_layers(group[0].config),
+        rows=slice(first, first + rows),
+        cache_seqlens=[at] * rows,
+        q_len=gamma + 1,
+        backend=backend,
+        indices=None if reads is None else reads.indices,
+        num_indices=None if reads is None else reads.num_indices,
+        capture=capture,
+        dense_layers=_dense_layers(group[0].config),
     )
     spec = select_spec(group[0].config)
     if spec is not None:
@@ -470,7 +540,9 @@ def _dense_recovery(model, row, queries, at, scale, recovery_configs, dense_hist
     for name, cfg in recovery_configs.items():
         keys = model.cache.layer_buffers(cfg.target_layer)[0][row : row + 1]
         sel = _select_from(cfg, dense_history[cfg.target_layer], keys, s_draft, base, group, scale, at)
-        signals[name].append(1.0 if sel is None else float(selection_recovery(weights, sel.indices[0], sel.counts[0]).mean()))
+        signals[name].append(
+            1.0 if sel is None else float(selection_recovery(weights, sel.indices[0], sel.counts[0]).mean())
+        )
     return weights
 
 
@@ -490,13 +562,21 @@ def _draft_step(draft_model, selections, tokens, at, gamma, backend, d_capture, 
     ``L .. L+γ-1``."""
     rows = len(selections)
     reads = _stacked(selections, [at - 1] * rows)
-    plan = ForwardPlan(rows=slice(0, rows), cache_seqlens=[at - 1] * rows, q_len=gamma + 1, backend=backend,
-                       capture=d_capture, indices=None if reads is None else reads.indices,
-                       num_indices=None if reads is None else reads.num_indices)
+    plan = ForwardPlan(
+        rows=slice(0, rows),
+        cache_seqlens=[at - 1] * rows,
+        q_len=gamma + 1,
+        backend=backend,
+        capture=d_capture,
+        indices=None if reads is None else reads.indices,
+        num_indices=None if reads is None else reads.num_indices,
+    )
     logits = draft_model.forward(plan, tokens[at - 1 : at + gamma][None].expand(rows, -1), keep=gamma + 1)
     queries = {layer: q[:, 1:] for layer, q in plan.captured.items()}  # (rows, γ, H, D)
-    scores = [_DraftScores(draft_model, r, {layer: q[r : r + 1] for layer, q in queries.items()}, base, d_group,
-                           d_scale, at) for r in range(rows)]
+    scores = [
+        _DraftScores(draft_model, r, {layer: q[r : r + 1] for layer, q in queries.items()}, base, d_group, d_scale, at)
+        for r in range(rows)
+    ]
     return logits.argmax(dim=-1), scores
 
 
@@ -504,8 +584,9 @@ def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at) -> tuple[Se
     """A method's selection at ``L`` (the knob's with ``min_recovery``): ``S_target`` from its ``history (1, heads,
     D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery (:func:`~dustin_hf.selection.fill.estimated_mass`
     summed over the set)."""
-    s_target = target_history_scores(history.to(keys.device), keys, base.to(keys.device), cfg.target_heads,
-                                     t_group, t_scale, at).to(base.device)
+    s_target = target_history_scores(
+        history.to(keys.device), keys, base.to(keys.device), cfg.target_heads, t_group, t_scale, at
+    ).to(base.device)
     if cfg.min_recovery is not None:
         selection = select_by_recovery([at], s_draft(cfg), s_target, [True], cfg)
         return selection, selection.recovery[0]

@@ -4,18 +4,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_fixtures import tiny_qwen, tiny_tokenizer
+from tiny_models import noisy_copy, one_thread  # noqa: F401  (one_thread: the fixture below)
 
 from dustin_hf import DustinConfig
-from dustin_lab.calibrate import CalibrationSettings, calibrate, collect_features
 from dustin_hf.calibration.search import Choice, StepFeatures, recovery_of
 from dustin_hf.config import resolve
+from dustin_lab.calibrate import CalibrationSettings, calibrate, collect_features
 from dustin_lab.pair import ModelPair
 from dustin_lab.prefilled import prefill_pair
 from dustin_lab.texts import token_window
 from dustin_lab.walk import teacher_forced_walk
-
-from cli_fixtures import tiny_qwen, tiny_tokenizer
-from tiny_models import noisy_copy, one_thread  # noqa: F401  (one_thread: the fixture below)
 
 GAMMA = 3
 
@@ -32,8 +31,16 @@ def pair():
 
 
 def _settings(**kw):
-    base = dict(books=("alice",), context=140, steps_per_book=3, min_position=100, gamma=GAMMA, budgets=(24, 48),
-                profile_budget=48, time_limit=60)
+    base = dict(
+        books=("alice",),
+        context=140,
+        steps_per_book=3,
+        min_position=100,
+        gamma=GAMMA,
+        budgets=(24, 48),
+        profile_budget=48,
+        time_limit=60,
+    )
     return CalibrationSettings(**{**base, **kw})
 
 
@@ -43,8 +50,12 @@ def test_features_are_attention_distributions(pair):
     for row, n in enumerate(features.seqlens):
         torch.testing.assert_close(features.weights[row, :, :n].sum(-1), torch.ones(3))  # renormalised over [0, L)
         assert features.weights[row, :, n:].abs().sum() == 0
-        torch.testing.assert_close(features.target[row, :, :, :n].sum(-1), torch.ones(3, 4))  # history sees exactly [0, L)
-        assert (features.draft[row, :, :, :n].sum(-1) <= GAMMA + 1e-5).all()  # γ queries, part of their mass on new tokens
+        torch.testing.assert_close(
+            features.target[row, :, :, :n].sum(-1), torch.ones(3, 4)
+        )  # history sees exactly [0, L)
+        assert (
+            features.draft[row, :, :, :n].sum(-1) <= GAMMA + 1e-5
+        ).all()  # γ queries, part of their mass on new tokens
 
 
 def test_recovery_of_matches_the_walk_on_the_same_step(pair):
@@ -57,8 +68,17 @@ def test_recovery_of_matches_the_walk_on_the_same_step(pair):
     config = resolve(choice.config(base, 48), pair.target.config, pair.draft.config)
     tokens = token_window(pair.tokenizer, "alice", at + 2 * (GAMMA + 1))
     state = prefill_pair(pair.target, pair.draft, tokens[:at], (1,))
-    walk = teacher_forced_walk(pair.target, pair.draft, state, tokens[at:], GAMMA, {"dense": None},
-                               recovery_configs={"c": config}, recovery_every=1000, progress=False)
+    walk = teacher_forced_walk(
+        pair.target,
+        pair.draft,
+        state,
+        tokens[at:],
+        GAMMA,
+        {"dense": None},
+        recovery_configs={"c": config},
+        recovery_every=1000,
+        progress=False,
+    )
     assert walk.recovery_dense_signals["c"] == pytest.approx(recovery_of(features, choice, [48], base)[48], abs=1e-5)
 
 

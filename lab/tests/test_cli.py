@@ -7,15 +7,13 @@ import sys
 import textwrap
 
 import pytest
+from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
+from tiny_models import one_thread  # noqa: F401  (the fixture below)
 
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_lab import cli
 from dustin_lab.traces import TRACE_FORMAT, load_trace
-
-from cli_fixtures import save_pair, tiny_qwen, tiny_tokenizer
-from tiny_models import one_thread  # noqa: F401  (the fixture below)
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,16 +36,48 @@ def _models(dirs):
 @pytest.fixture(scope="module")
 def profile(dirs, tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    assert cli.main(["calibrate", *_models(dirs), "--books", "alice", "--context", "160", "--steps-per-book", "3",
-                     "--min-position", "100", "--budgets", "24,48", "--profile-budget", "48", "--time-limit", "30",
-                     "--out", str(path), "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                *_models(dirs),
+                "--books",
+                "alice",
+                "--context",
+                "160",
+                "--steps-per-book",
+                "3",
+                "--min-position",
+                "100",
+                "--budgets",
+                "24,48",
+                "--profile-budget",
+                "48",
+                "--time-limit",
+                "30",
+                "--out",
+                str(path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return path
 
 
 def test_calibrate_writes_a_loadable_profile(profile, dirs):
     data = json.loads(profile.read_text())
-    for key in ("config", "draft_share_fraction", "recovery", "default_recovery", "model_pair", "texts", "seconds",
-                "command", "machine"):
+    for key in (
+        "config",
+        "draft_share_fraction",
+        "recovery",
+        "default_recovery",
+        "model_pair",
+        "texts",
+        "seconds",
+        "command",
+        "machine",
+    ):
         assert key in data
     assert data["recovery"]["mean"] >= data["default_recovery"]["mean"] - 1e-6  # the search starts from a superset
     config = DustinConfig.from_profile(profile)
@@ -61,14 +91,44 @@ def test_calibrate_writes_a_loadable_profile(profile, dirs):
 
 def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp_path):
     out = tmp_path / "fidelity.json"
-    code, stdout, stderr = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice",
-                           "--contexts", "120", "--budgets", "24,512", "--ppl-tokens", "17", "--new-tokens", "8",
-                           "--needle-contexts", "120", "--needle-depths", "0.5", "--needle-books", "alice",
-                           "--needle-new-tokens", "4", "--min-context", "32", "--out", str(out),
-                           "--traces-dir", str(tmp_path / "traces"), "--no-plot", "--json")
+    code, stdout, stderr = _run(
+        capsys,
+        "eval",
+        *_models(dirs),
+        "--profile",
+        str(profile),
+        "--books",
+        "alice",
+        "--contexts",
+        "120",
+        "--budgets",
+        "24,512",
+        "--ppl-tokens",
+        "17",
+        "--new-tokens",
+        "8",
+        "--needle-contexts",
+        "120",
+        "--needle-depths",
+        "0.5",
+        "--needle-books",
+        "alice",
+        "--needle-new-tokens",
+        "4",
+        "--min-context",
+        "32",
+        "--out",
+        str(out),
+        "--traces-dir",
+        str(tmp_path / "traces"),
+        "--no-plot",
+        "--json",
+    )
     assert code == 0
     report = json.loads(stdout)
-    assert report["command"].startswith("dustin-hf eval") and json.loads(out.read_text())["summary"] == report["summary"]
+    assert (
+        report["command"].startswith("dustin-hf eval") and json.loads(out.read_text())["summary"] == report["summary"]
+    )
     assert {"command", "machine", "perplexity", "continuations", "needles", "summary", "trace_files"} <= set(report)
     row = report["summary"]["per_context"]["120"]
     assert row["512"]["ppl_ratio"] == 1.0  # the budget covers the context: dense verification, bit for bit
@@ -86,16 +146,44 @@ def test_eval_reports_every_section_and_writes_traces(capsys, dirs, profile, tmp
     assert len(seq["accepted"]) == len(seq["gammas"]) and all(0 <= a <= 4 for a in seq["accepted"])
 
 
-
 def test_eval_sweeps_the_knob_beside_the_budgets(capsys, dirs, profile, tmp_path):
     """--targets: per target the perplexity and acceptance against dense and the positions read (a target of 1.0
     reads every step in full, so it is dense verification); the estimate against the truth; the plot."""
     out = tmp_path / "knob.json"
-    code, stdout, stderr = _run(capsys, "eval", *_models(dirs), "--profile", str(profile), "--books", "alice,stdlib:typing",
-                           "--contexts", "120", "--budgets", "24,48", "--targets", "0.6,1.0", "--target-budget", "24",
-                           "--max-budget", "64", "--ppl-tokens", "41", "--new-tokens", "6", "--needle-contexts", "",
-                           "--min-context", "32", "--out", str(out), "--traces-dir", str(tmp_path / "traces"),
-                           "--plot", str(tmp_path / "knob.png"), "--json")
+    code, stdout, stderr = _run(
+        capsys,
+        "eval",
+        *_models(dirs),
+        "--profile",
+        str(profile),
+        "--books",
+        "alice,stdlib:typing",
+        "--contexts",
+        "120",
+        "--budgets",
+        "24,48",
+        "--targets",
+        "0.6,1.0",
+        "--target-budget",
+        "24",
+        "--max-budget",
+        "64",
+        "--ppl-tokens",
+        "41",
+        "--new-tokens",
+        "6",
+        "--needle-contexts",
+        "",
+        "--min-context",
+        "32",
+        "--out",
+        str(out),
+        "--traces-dir",
+        str(tmp_path / "traces"),
+        "--plot",
+        str(tmp_path / "knob.png"),
+        "--json",
+    )
     assert code == 0
     report = json.loads(stdout)
     knob, criteria = report["summary"]["knob"]["120"], report["summary"]["knob_criteria"]["120"]
@@ -107,7 +195,10 @@ def test_eval_sweeps_the_knob_beside_the_budgets(capsys, dirs, profile, tmp_path
     walk = report["perplexity"][0]["targets"]["0.6"]
     assert len(walk["steps_read"]) == len(walk["steps_estimated_recovery"]) == len(walk["accepted_trace"]) == 8
     assert report["summary"]["estimate_vs_truth"]["120"]["budget 24"]["n"] == 16
-    assert "stats" not in report["continuations"][0]["targets"]["0.6"] and report["continuations"][0]["targets"]["0.6"]["knob"]
+    assert (
+        "stats" not in report["continuations"][0]["targets"]["0.6"]
+        and report["continuations"][0]["targets"]["0.6"]["knob"]
+    )
     if importlib.util.find_spec("matplotlib") is not None:  # an optional dependency (the lab's [models] extra)
         assert (tmp_path / "knob.png").stat().st_size > 0 and report["plot"] == str(tmp_path / "knob.png")
     else:
@@ -116,8 +207,21 @@ def test_eval_sweeps_the_knob_beside_the_budgets(capsys, dirs, profile, tmp_path
 
 
 def test_demo_prints_what_was_measured(capsys, dirs):
-    code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "8", "--budget", "24",
-                           "--min-context", "32", "--book", "alice")
+    code, stdout, _ = _run(
+        capsys,
+        "demo",
+        *_models(dirs),
+        "--context",
+        "120",
+        "--new-tokens",
+        "8",
+        "--budget",
+        "24",
+        "--min-context",
+        "32",
+        "--book",
+        "alice",
+    )
     assert code == 0
     assert "Measured on cpu" in stdout and "classic speculative decoding" in stdout and "Dustin (budget 24" in stdout
     assert "sparse_steps" in stdout and "agreement with the dense text" in stdout and "tokens/s" in stdout
@@ -125,11 +229,27 @@ def test_demo_prints_what_was_measured(capsys, dirs):
 
 
 def test_demo_json(capsys, dirs):
-    code, stdout, stderr = _run(capsys, "demo", *_models(dirs), "--context", "100", "--new-tokens", "6", "--budget",
-                                "24", "--min-context", "32", "--book", "alice", "--json")
+    code, stdout, stderr = _run(
+        capsys,
+        "demo",
+        *_models(dirs),
+        "--context",
+        "100",
+        "--new-tokens",
+        "6",
+        "--budget",
+        "24",
+        "--min-context",
+        "32",
+        "--book",
+        "alice",
+        "--json",
+    )
     assert code == 0
     result = json.loads(stdout)
-    assert set(result["runs"]) == {"dense", "dustin", "exact"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
+    assert (
+        set(result["runs"]) == {"dense", "dustin", "exact"} and result["runs"]["dustin"]["stats"]["sparse_steps"] > 0
+    )
     assert "Measured on" in stderr
     dense, dustin = result["runs"]["dense"], result["runs"]["dustin"]
     assert "stats" not in dense  # transformers' own assisted decoding: a DynamicCache
@@ -145,7 +265,9 @@ def test_demo_json(capsys, dirs):
     assert 0 <= dustin["agreement_with_dense"]["prefix"] <= 6
     exact = result["runs"]["exact"]
     assert exact["agreement_with_dense"]["identical"] and exact["stats"]["sparse_steps"] > 0
-    assert exact["stats"]["exact"]["sparse_row_steps"] > 0 and exact["generate_kwargs"]["cache_config"] == {"mode": "exact"}
+    assert exact["stats"]["exact"]["sparse_row_steps"] > 0 and exact["generate_kwargs"]["cache_config"] == {
+        "mode": "exact"
+    }
     # its confirming steps forward more than γ + 1 tokens, and are steps, not prompt reading (the streamer sees
     # confirmed tokens only: a sparse step commits nothing)
     assert exact["stats"]["exact"]["confirm_steps"] > 0 and 1 <= exact["decode_steps"] <= exact["stats"]["steps"]
@@ -153,8 +275,23 @@ def test_demo_json(capsys, dirs):
 
 
 def test_demo_calibrates_on_the_prompt(capsys, dirs, profile):
-    code, stdout, _ = _run(capsys, "demo", *_models(dirs), "--context", "120", "--new-tokens", "6", "--budget", "24",
-                           "--min-context", "32", "--book", "alice", "--calibration", "prompt")
+    code, stdout, _ = _run(
+        capsys,
+        "demo",
+        *_models(dirs),
+        "--context",
+        "120",
+        "--new-tokens",
+        "6",
+        "--budget",
+        "24",
+        "--min-context",
+        "32",
+        "--book",
+        "alice",
+        "--calibration",
+        "prompt",
+    )
     assert code == 0 and "calibrated on the prompt in" in stdout and "default heads" in stdout
     code, _, err = _run(capsys, "demo", *_models(dirs), "--profile", str(profile), "--calibration", "prompt")
     assert code == 2 and "one or the other" in err

@@ -2,20 +2,22 @@
 
 import pytest
 import torch
+from tiny_models import PAD, left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
 from dustin_hf.selection.fill import estimated_mass, select_by_recovery
 
-from tiny_models import PAD, left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 
 
 def _config(**fields):
-    return resolve(DustinConfig(**{"budget": 8, "sink_tokens": 2, "recent_tokens": 2, "min_context": 0, **fields}),
-                   tiny_model("qwen2").config, tiny_model("qwen2", layers=2).config)
+    return resolve(
+        DustinConfig(**{"budget": 8, "sink_tokens": 2, "recent_tokens": 2, "min_context": 0, **fields}),
+        tiny_model("qwen2").config,
+        tiny_model("qwen2", layers=2).config,
+    )
 
 
 def _scores(lengths, sharpness, seed=0):
@@ -73,8 +75,13 @@ def test_the_ceiling_counts_the_forced_positions(seed):
     sink, recent = int(torch.randint(4, 17, (1,), generator=rng)), int(torch.randint(20, 49, (1,), generator=rng))
     budget = sink + recent + int(torch.randint(0, 9, (1,), generator=rng))
     ceiling = budget + int(torch.randint(0, 25, (1,), generator=rng))
-    config = _config(budget=budget, max_budget=ceiling, sink_tokens=sink, recent_tokens=recent,
-                     min_recovery=float(torch.empty(1).uniform_(0.2, 0.9, generator=rng)))
+    config = _config(
+        budget=budget,
+        max_budget=ceiling,
+        sink_tokens=sink,
+        recent_tokens=recent,
+        min_recovery=float(torch.empty(1).uniform_(0.2, 0.9, generator=rng)),
+    )
     lengths = [400, 300, 250, ceiling + 3]
     draft, target = _scores(lengths, sharpness=[1.0, 8.0, 30.0, 4.0], seed=seed)
     selection = select_by_recovery(lengths, draft, target, [True] * 4, config)
@@ -109,10 +116,10 @@ def test_full_rows_name_fallbacks_by_their_count_and_list_the_rest():
     assert listed.fallback[1] and listed.counts[1] == 300 and listed.indices.shape[1] == 300
     assert named.full_rows and named.indices.shape[1] == config.max_budget and named.counts == listed.counts
     indices, counts = full_rows_written(named.indices, named.num_indices, torch.tensor(lengths), None, 1)
-    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == \
-        [listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)]
-    replayed = select_by_recovery(lengths, draft, target, [True] * 4, config, counts=[150, 300, 40, 6],
-                                  full_rows=True)
+    assert [indices[b, :c].tolist() for b, c in enumerate(counts.tolist())] == [
+        listed.indices[b, :c].tolist() for b, c in enumerate(listed.counts)
+    ]
+    replayed = select_by_recovery(lengths, draft, target, [True] * 4, config, counts=[150, 300, 40, 6], full_rows=True)
     assert replayed.counts == [124, 300, 40, 6]  # the sinks and recent ones, then the ceiling's top entries
     assert replayed.indices.shape[1] == 124 and replayed.full_rows  # row 0 is listed past the ceiling
     assert int(replayed.indices[0, :124].max()) < 300 and len(set(replayed.indices[0, :124].tolist())) == 124
@@ -134,25 +141,39 @@ def test_a_target_of_one_reproduces_dense_verification():
     with dustin_hf.patch(target):
         outs = {}
         for goal in (1.0, 0.5):
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=20,
-                                  pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True,
-                                  cache_config={**fields, "min_recovery": goal, "max_budget": 4096})
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=20,
+                pad_token_id=PAD,
+                cache_implementation="dustin",
+                return_dict_in_generate=True,
+                cache_config={**fields, "min_recovery": goal, "max_budget": 4096},
+            )
             outs[goal] = out
     assert torch.equal(outs[1.0].sequences, greedy)
     knob = outs[0.5].past_key_values.stats["knob"]
     assert outs[0.5].past_key_values.stats["sparse_steps"] > 0
     assert 16 <= knob["budget_p50"] <= knob["budget_p95"] <= knob["budget_max"] < 700  # varied, below the contexts
     assert knob["estimated_recovery"] >= 0.5 and knob["row_steps"] > 0
-    assert outs[1.0].past_key_values.stats["knob"]["dense_fallbacks"] == outs[1.0].past_key_values.stats["knob"]["row_steps"]
+    assert (
+        outs[1.0].past_key_values.stats["knob"]["dense_fallbacks"]
+        == outs[1.0].past_key_values.stats["knob"]["row_steps"]
+    )
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"min_recovery": 0.0}, "min_recovery must be a share in"),
-    ({"min_recovery": 1.5}, "min_recovery must be a share in"),
-    ({"min_recovery": "high"}, "min_recovery must be a share in"),
-    ({"min_recovery": 0.9, "max_budget": 100}, "max_budget must be an int >= budget"),
-    ({"max_budget": 2048}, "set min_recovery too"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"min_recovery": 0.0}, "min_recovery must be a share in"),
+        ({"min_recovery": 1.5}, "min_recovery must be a share in"),
+        ({"min_recovery": "high"}, "min_recovery must be a share in"),
+        ({"min_recovery": 0.9, "max_budget": 100}, "max_budget must be an int >= budget"),
+        ({"max_budget": 2048}, "set min_recovery too"),
+    ],
+)
 def test_invalid_knob_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         DustinConfig(budget=512, **fields)
@@ -179,11 +200,27 @@ def test_a_window_longer_than_the_ceiling_with_the_sparse_draft(selection):
     draft = set_gamma(noisy_copy(target), 3)
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (130, 95)])
     greedy = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD)
-    config = DustinConfig(budget=8, max_budget=16, min_recovery=1.0, min_context=0, sink_tokens=2,
-                          recent_tokens=4, sparse_draft=True, selection=selection)
+    config = DustinConfig(
+        budget=8,
+        max_budget=16,
+        min_recovery=1.0,
+        min_context=0,
+        sink_tokens=2,
+        recent_tokens=4,
+        sparse_draft=True,
+        selection=selection,
+    )
     with dustin_hf.patch(target, config):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
-                              pad_token_id=PAD, cache_implementation="dustin", return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=16,
+            pad_token_id=PAD,
+            cache_implementation="dustin",
+            return_dict_in_generate=True,
+        )
     stats = out.past_key_values.stats
     assert torch.equal(out.sequences, greedy)
     assert stats["sparse_steps"] > 0 and stats["draft_sparse_forwards"] > 0 and stats["knob"]["budget_max"] > 16

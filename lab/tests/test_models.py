@@ -233,8 +233,11 @@ def test_convert_silences_transformers_bars_only_while_quiet(monkeypatch, tmp_pa
         with pytest.raises(_Stop):
             models._convert(tmp_path / "m.gguf", tmp_path / "out", progress=progress, desc="m")
         printed = capsys.readouterr().err
-        assert ("de-quantizing" in printed and "Loading weights" in printed) if progress else (
-            "de-quantizing" not in printed and "Loading weights" not in printed), printed
+        assert (
+            ("de-quantizing" in printed and "Loading weights" in printed)
+            if progress
+            else ("de-quantizing" not in printed and "Loading weights" not in printed)
+        ), printed
         assert hf_logging.is_progress_bar_enabled() and hub_utils.are_progress_bars_disabled()
     finally:
         hub_utils.enable_progress_bars()

@@ -6,14 +6,32 @@ import pytest
 
 from dustin_hf import DustinConfig
 from dustin_hf.profiles import config_for_budget, read_profile, write_profile
-from dustin_lab.traces import (KNOB_TRACE_FORMAT, PREDICTION_FORMAT, TRACE_FORMAT, knob_trace_record,
-                                      load_knob_trace, load_predictions, load_trace, prediction_record, trace_filename,
-                                      trace_record, write_knob_trace, write_predictions, write_trace)
+from dustin_lab.traces import (
+    KNOB_TRACE_FORMAT,
+    PREDICTION_FORMAT,
+    TRACE_FORMAT,
+    knob_trace_record,
+    load_knob_trace,
+    load_predictions,
+    load_trace,
+    prediction_record,
+    trace_filename,
+    trace_record,
+    write_knob_trace,
+    write_predictions,
+    write_trace,
+)
 
 
 def test_profile_round_trip_and_budget_rescaling(tmp_path):
-    config = DustinConfig(budget=512, draft_share=123, target_layer=5, target_heads=(0, 2),
-                          draft_layers=(3, 9), draft_heads=((0, 1), (4,)))
+    config = DustinConfig(
+        budget=512,
+        draft_share=123,
+        target_layer=5,
+        target_heads=(0, 2),
+        draft_layers=(3, 9),
+        draft_heads=((0, 1), (4,)),
+    )
     path = write_profile(tmp_path / "p.json", config, 0.25, recovery={"mean": 0.9})
     loaded, fraction, data = read_profile(path)
     assert loaded == config and fraction == 0.25 and data["recovery"] == {"mean": 0.9}
@@ -33,12 +51,16 @@ def test_missing_or_broken_profile_says_so(tmp_path):
 
 def test_trace_file_round_trip(tmp_path):
     pair = {"target": "t/1.5b", "draft": "d"}
-    seqs = [{"source": {"book": "emma"}, "prompt_tokens": 10, "generated_tokens": 7, "gammas": [4, 4], "accepted": [4, 1]}]
+    seqs = [
+        {"source": {"book": "emma"}, "prompt_tokens": 10, "generated_tokens": 7, "gammas": [4, 4], "accepted": [4, 1]}
+    ]
     record = trace_record(pair, "continuation", 10, 4, "dustin", 512, {"budget": 512}, 7, "float32", "cpu", seqs)
     assert record["summary"] == {"steps": 2, "mean_accepted_per_step": 2.5, "mean_tokens_per_step": 3.5}
     path = write_trace(tmp_path, record)
     assert path.name == "t_1.5b+d_continuation_ctx10_g4_dustin_b512.json"
-    assert load_trace(path) == record and trace_filename(pair, "needle", 8, 2, "dense", None).endswith("_g2_dense.json")
+    assert load_trace(path) == record and trace_filename(pair, "needle", 8, 2, "dense", None).endswith(
+        "_g2_dense.json"
+    )
     path.write_text(json.dumps({**record, "format": "other"}))
     with pytest.raises(ValueError, match=TRACE_FORMAT):
         load_trace(path)
@@ -46,11 +68,25 @@ def test_trace_file_round_trip(tmp_path):
 
 def test_prediction_trace_round_trip(tmp_path):
     """The prediction trace keeps its five lists, summarises their agreement, and is found by the replay's glob."""
-    lists = {"truth": [1, 2, 3, 4], "dense": [1, 2, 9, 4], "sparse": [1, 2, 9, 5], "draft": [1, 7, 9, 4],
-             "draft_sparse": [1, 7, 9, 5]}
+    lists = {
+        "truth": [1, 2, 3, 4],
+        "dense": [1, 2, 9, 4],
+        "sparse": [1, 2, 9, 5],
+        "draft": [1, 7, 9, 4],
+        "draft_sparse": [1, 7, 9, 5],
+    }
     pair = {"target": "t/1.5b", "draft": "d"}
-    record = prediction_record(pair, {"kind": "python-source", "name": "stdlib:typing"}, 4096, 4, 512, {"budget": 512},
-                               lists, "float32", "cpu")
+    record = prediction_record(
+        pair,
+        {"kind": "python-source", "name": "stdlib:typing"},
+        4096,
+        4,
+        512,
+        {"budget": 512},
+        lists,
+        "float32",
+        "cpu",
+    )
     assert record["format"] == PREDICTION_FORMAT and record["positions"] == 4
     assert record["agreement"]["sparse_vs_dense"] == 0.75 and record["agreement"]["dense_vs_truth"] == 0.75
     path = write_predictions(tmp_path, record)
@@ -67,8 +103,18 @@ def test_prediction_trace_round_trip(tmp_path):
 def test_knob_trace_round_trip(tmp_path):
     pair = {"target": "t-1.5b", "draft": "d"}
     config = {"min_recovery": 0.9, "budget": 512, "max_budget": 2048}
-    record = knob_trace_record(pair, {"name": "stdlib:typing", "offset": 0}, 4096, 4, config, [[4096], [4101], [4106]],
-                               [[600], [4101], [512]], [[2], [0], [4]], "float32", "cpu")
+    record = knob_trace_record(
+        pair,
+        {"name": "stdlib:typing", "offset": 0},
+        4096,
+        4,
+        config,
+        [[4096], [4101], [4106]],
+        [[600], [4101], [512]],
+        [[2], [0], [4]],
+        "float32",
+        "cpu",
+    )
     assert record["format"] == KNOB_TRACE_FORMAT and (record["min_recovery"], record["max_budget"]) == (0.9, 2048)
     assert record["summary"]["read_in_full"] == 1 and record["summary"]["max"] == 4101
     assert record["summary"]["mean_accepted_per_step"] == 2.0

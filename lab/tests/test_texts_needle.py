@@ -1,11 +1,10 @@
 """Bundled books and the needle task, with a tiny word-level tokenizer (no downloads)."""
 
 import pytest
+from cli_fixtures import tiny_tokenizer
 
 from dustin_lab import texts
 from dustin_lab.needle import make_needle, make_needles, needle_found
-
-from cli_fixtures import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -110,11 +110,18 @@ def test_receive_runs_as_a_plain_script_without_torch(tmp_path):
     """On the GPU machine ``receive`` runs as ``python lab/dustin_lab/transfer.py``: no package install, no torch."""
     transfer.split(_sources(tmp_path), tmp_path / "chunks", 1000)
     script = Path(transfer.__file__)
-    code = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as done:\n    assert not done.code, done.code\nassert 'torch' not in sys.modules, 'torch'")
-    done = subprocess.run([sys.executable, "-c", code, str(script), "receive", str(tmp_path / "chunks" / "00"),
-                           str(tmp_path / "store")], capture_output=True, text=True)
+    code = (
+        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as done:\n    assert not done.code, done.code\nassert 'torch' not in sys.modules, 'torch'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(script), "receive", str(tmp_path / "chunks" / "00"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "chunk 00 ok: 1/4" in done.stdout
-    bad = subprocess.run([sys.executable, str(script), "join", str(tmp_path / "store")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(script), "join", str(tmp_path / "store")], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "3 of 4 chunks missing" in bad.stderr

@@ -2,19 +2,18 @@
 
 import pytest
 import torch
+from tiny_models import left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 from dustin_hf import DustinConfig
 from dustin_hf.config import resolve
+from dustin_hf.selection.fill import estimated_mass
+from dustin_hf.selection.recovery import head_probabilities, position_weights, selection_recovery
+from dustin_hf.selection.scoring import attention_mass
 from dustin_lab.continuations import speculative_continuation, token_agreement
 from dustin_lab.estimators import Estimator, library_estimator, order_study, study
 from dustin_lab.knob import EstimatorFeatures, load_features
 from dustin_lab.prefilled import PrefillStore, clone_cache, prefill_pair
-from dustin_hf.selection.recovery import head_probabilities, position_weights, selection_recovery
-from dustin_hf.selection.scoring import attention_mass
-from dustin_hf.selection.fill import estimated_mass
 from dustin_lab.walk import teacher_forced_walk
-
-from tiny_models import left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 CONTEXT, GAMMA = 80, 3
 
@@ -68,9 +67,15 @@ def test_prefill_shows_its_progress_only_when_asked(pair, capsys, monkeypatch):
 def test_budget_covering_the_context_equals_the_dense_walk_exactly(pair, state):
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24)},
-                               progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24)},
+        progress=False,
+    )
     assert walk.steps == (continuation.numel() - 1) // (GAMMA + 1) and walk.tokens == walk.steps * (GAMMA + 1)
     assert walk.nll["full"] == walk.nll["dense"]  # bit for bit: the same dense forwards
     assert walk.sparse_steps == {"dense": 0, "full": 0, "small": walk.steps}
@@ -87,10 +92,21 @@ def test_walk_keeps_every_prediction_per_position(pair, state):
     agreeing prefix of the lists from the step's first draft."""
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"dense": None, "full": _cfg(target, draft, 4096), "small": _cfg(target, draft, 24),
-                                "small_sd": _cfg(target, draft, 24, sparse_draft=True)}, recovery_every=0,
-                               progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {
+            "dense": None,
+            "full": _cfg(target, draft, 4096),
+            "small": _cfg(target, draft, 24),
+            "small_sd": _cfg(target, draft, 24, sparse_draft=True),
+        },
+        recovery_every=0,
+        progress=False,
+    )
     n = walk.tokens
     tokens = torch.cat([prefilled.tokens, continuation])
     assert walk.truth == continuation[:n].tolist()
@@ -116,13 +132,20 @@ def test_a_method_does_not_depend_on_the_others_in_its_forward(pair, state):
     target, draft = pair
     prefilled, continuation = state
     small, small_sd = _cfg(target, draft, 24), _cfg(target, draft, 24, sparse_draft=True)
-    together = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                                   {"dense": None, "small": small, "small_sd": small_sd,
-                                    "wide_sd": _cfg(target, draft, 40, sparse_draft=True)}, recovery_every=0,
-                                   progress=False)
+    together = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {"dense": None, "small": small, "small_sd": small_sd, "wide_sd": _cfg(target, draft, 40, sparse_draft=True)},
+        recovery_every=0,
+        progress=False,
+    )
     for name, cfg in (("small", small), ("small_sd", small_sd)):
-        alone = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, name: cfg},
-                                    recovery_every=0, progress=False)
+        alone = teacher_forced_walk(
+            target, draft, prefilled, continuation, GAMMA, {"dense": None, name: cfg}, recovery_every=0, progress=False
+        )
         assert alone.predictions[name] == together.predictions[name]
         assert alone.draft_predictions[name] == together.draft_predictions[name]
         assert alone.nll[name] == pytest.approx(together.nll[name], rel=1e-5)
@@ -132,10 +155,21 @@ def test_dense_layers_in_the_walk(pair, state):
     """All target layers dense: a sparse step (selection made) scores exactly like the dense walk."""
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"dense": None, "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
-                                "last": _cfg(target, draft, 24, dense_layers=(-1,)), "none": _cfg(target, draft, 24)},
-                               recovery_every=0, progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {
+            "dense": None,
+            "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
+            "last": _cfg(target, draft, 24, dense_layers=(-1,)),
+            "none": _cfg(target, draft, 24),
+        },
+        recovery_every=0,
+        progress=False,
+    )
     assert walk.sparse_steps["all"] == walk.steps
     assert walk.nll["all"] == walk.nll["dense"]
     assert len({walk.nll["dense"], walk.nll["last"], walk.nll["none"]}) == 3
@@ -146,10 +180,20 @@ def test_sparse_draft_in_the_walk(pair, state):
     like dense, its drafts differ; the per-step accepted counts add up to the mean."""
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"dense": None, "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
-                                "all_sd": _cfg(target, draft, 24, dense_layers=(0, 1, 2), sparse_draft=True)},
-                               recovery_every=0, progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {
+            "dense": None,
+            "all": _cfg(target, draft, 24, dense_layers=(0, 1, 2)),
+            "all_sd": _cfg(target, draft, 24, dense_layers=(0, 1, 2), sparse_draft=True),
+        },
+        recovery_every=0,
+        progress=False,
+    )
     assert walk.nll["all_sd"] == walk.nll["all"] == walk.nll["dense"]
     assert walk.accepted_trace["all"] == walk.accepted_trace["dense"]  # the same dense draft
     assert walk.accepted_trace["all_sd"] != walk.accepted_trace["all"]
@@ -160,8 +204,9 @@ def test_sparse_draft_in_the_walk(pair, state):
 def test_dense_walk_equals_the_plain_forward_nll(pair, state):
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, recovery_every=0,
-                               progress=False)
+    walk = teacher_forced_walk(
+        target, draft, prefilled, continuation, GAMMA, {"dense": None}, recovery_every=0, progress=False
+    )
     tokens = torch.cat([prefilled.tokens, continuation])
     with torch.no_grad():
         logits = target(tokens[None]).logits[0].float()  # the model's own attention, one forward
@@ -174,8 +219,16 @@ def test_recovery_of_the_dense_signals_uses_the_given_configs(pair, state):
     target, draft = pair
     prefilled, continuation = state
     cfg = _cfg(target, draft, 24)
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None},
-                               recovery_configs={"a": cfg, "everything": _cfg(target, draft, 4096)}, progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {"dense": None},
+        recovery_configs={"a": cfg, "everything": _cfg(target, draft, 4096)},
+        progress=False,
+    )
     assert walk.recovery_dense_signals["everything"] == 1.0
     assert 0.0 < walk.recovery_dense_signals["a"] <= walk.recovery_dense_signals["oracle@24"] < 1.0
 
@@ -191,9 +244,13 @@ def test_reused_prefill_decodes_exactly_like_a_fresh_one(pair, state):
         reused = speculative_continuation(target, draft, prefilled.tokens, store=store, **kwargs)
         assert reused["tokens"] == fresh["tokens"] and reused["accepted"] == fresh["accepted"]
     greedy = target.generate(prefilled.tokens[None], max_new_tokens=12, do_sample=False)[0, CONTEXT:].tolist()
-    assert fresh["tokens"] != [] and speculative_continuation(
-        target, draft, prefilled.tokens, config=None, gamma=GAMMA, max_new_tokens=12, eos_token_ids=[], store=store
-    )["tokens"] == greedy
+    assert (
+        fresh["tokens"] != []
+        and speculative_continuation(
+            target, draft, prefilled.tokens, config=None, gamma=GAMMA, max_new_tokens=12, eos_token_ids=[], store=store
+        )["tokens"]
+        == greedy
+    )
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -232,8 +289,14 @@ def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sam
     called = []
     with dustin_hf.patch(target, hooks=DecodeHooks(prefill=lambda *a: called.append(1) or store.hook()(*a))):
         unknown = random_prompt(50, seed=3)
-        assert target.generate(unknown, attention_mask=torch.ones_like(unknown), assistant_model=draft,
-                               max_new_tokens=4, do_sample=False, **modes[1]).shape == (1, 54)  # prefilled as usual
+        assert target.generate(
+            unknown,
+            attention_mask=torch.ones_like(unknown),
+            assistant_model=draft,
+            max_new_tokens=4,
+            do_sample=False,
+            **modes[1],
+        ).shape == (1, 54)  # prefilled as usual
     assert called == [1, 1]
 
 
@@ -246,14 +309,14 @@ def test_the_walk_in_bfloat16_predicts_as_in_float32(pair, state):
     target, draft = pair
     prefilled, continuation = state
     cfg = _cfg(target, draft, 24)
-    methods = {"dense": None, "sparse": cfg, "sparse_draft": _cfg(target, draft, 24, sparse_draft=True),
-               "oracle": cfg}
+    methods = {"dense": None, "sparse": cfg, "sparse_draft": _cfg(target, draft, 24, sparse_draft=True), "oracle": cfg}
     walks = {}
     for dtype in (torch.float32, torch.bfloat16):
         t, d = (copy.deepcopy(m).to(dtype) for m in (target, draft))
         start = prefill_pair(t, d, prefilled.tokens, (cfg.target_layer,))
-        walks[dtype] = teacher_forced_walk(t, d, start, continuation, GAMMA, methods, oracle={"oracle": "shared"},
-                                           progress=False)
+        walks[dtype] = teacher_forced_walk(
+            t, d, start, continuation, GAMMA, methods, oracle={"oracle": "shared"}, progress=False
+        )
     full, half = walks[torch.float32], walks[torch.bfloat16]
     assert full.predictions.keys() == half.predictions.keys() == methods.keys()
     for name in methods:
@@ -294,7 +357,12 @@ def test_position_weights_are_distributions_and_recovery_is_linear():
 
 
 def test_token_agreement():
-    assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == {"prefix": 2, "agreement": 0.75, "compared": 4, "identical": False}
+    assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == {
+        "prefix": 2,
+        "agreement": 0.75,
+        "compared": 4,
+        "identical": False,
+    }
     assert token_agreement([1, 2], [1, 2])["identical"]
 
 
@@ -309,15 +377,22 @@ def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     prefilled, continuation = state
     tokens = torch.cat([prefilled.tokens, continuation])
     q = GAMMA + 1
-    runners = {name: ModelRunner(target, clone_cache(prefilled.target_cache, CONTEXT + q + 1), "reference")
-               for name in ("dense", "sparse")}
+    runners = {
+        name: ModelRunner(target, clone_cache(prefilled.target_cache, CONTEXT + q + 1), "reference")
+        for name in ("dense", "sparse")
+    }
     indices = torch.tensor([[0, 5, 40, 79]], dtype=torch.int32)
     with torch.no_grad(), dustin_attention_on(target, draft):
         for name, runner in runners.items():
             sparse = name == "sparse"
-            plan = ForwardPlan(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=q, backend="reference",
-                               indices=indices if sparse else None,
-                               num_indices=torch.tensor([4], dtype=torch.int32) if sparse else None)
+            plan = ForwardPlan(
+                rows=slice(0, 1),
+                cache_seqlens=[CONTEXT],
+                q_len=q,
+                backend="reference",
+                indices=indices if sparse else None,
+                num_indices=torch.tensor([4], dtype=torch.int32) if sparse else None,
+            )
             runner.forward(plan, tokens[CONTEXT : CONTEXT + q][None], keep=1)
         written = [runners["sparse"].cache.layer_buffers(layer)[0][0, : CONTEXT + q].clone() for layer in range(3)]
         _refresh(runners["sparse"], 0, tokens, CONTEXT, CONTEXT + q, "reference")
@@ -325,19 +400,37 @@ def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     for layer in range(3):
         dense_k = runners["dense"].cache.layer_buffers(layer)[0][0, : CONTEXT + q]
         assert torch.equal(runners["sparse"].cache.layer_buffers(layer)[0][0, : CONTEXT + q], dense_k)
-    assert any(not torch.equal(w, runners["dense"].cache.layer_buffers(l)[0][0, : CONTEXT + q])
-               for l, w in enumerate(written))  # the sparse step had written other values above layer 0
+    assert any(
+        not torch.equal(w, runners["dense"].cache.layer_buffers(l)[0][0, : CONTEXT + q]) for l, w in enumerate(written)
+    )  # the sparse step had written other values above layer 0
 
 
 def test_refresh_every_names_sparse_methods(pair, state):
     target, draft = pair
     prefilled, continuation = state
     with pytest.raises(ValueError, match="not sparse methods"):
-        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, recovery_every=0,
-                            progress=False, refresh_every={"dense": 2})
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"small": _cfg(target, draft, 24), "refreshed": _cfg(target, draft, 24)},
-                               recovery_every=0, progress=False, refresh_every={"refreshed": 2})
+        teacher_forced_walk(
+            target,
+            draft,
+            prefilled,
+            continuation,
+            GAMMA,
+            {"dense": None},
+            recovery_every=0,
+            progress=False,
+            refresh_every={"dense": 2},
+        )
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {"small": _cfg(target, draft, 24), "refreshed": _cfg(target, draft, 24)},
+        recovery_every=0,
+        progress=False,
+        refresh_every={"refreshed": 2},
+    )
     assert walk.nll["refreshed"] != walk.nll["small"]  # the same steps, read from rewritten keys and values
 
 
@@ -354,8 +447,8 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     """Layer 0 reading every cached position through its own indices, the others a small set S, equals a plain
     plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
     layer's set changes the output."""
-    from dustin_lab.oracle import LayerwisePlan
     from dustin_hf.runtime.plan import ForwardPlan
+    from dustin_lab.oracle import LayerwisePlan
 
     target, draft = pair
     prefilled, continuation = state
@@ -365,20 +458,34 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     everything = torch.arange(CONTEXT, dtype=torch.int32)[None]
 
     def plan(cls=ForwardPlan, **kw):
-        return cls(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=GAMMA + 1, backend="reference", indices=small,
-                   num_indices=torch.tensor([small.shape[1]], dtype=torch.int32), **kw)
+        return cls(
+            rows=slice(0, 1),
+            cache_seqlens=[CONTEXT],
+            q_len=GAMMA + 1,
+            backend="reference",
+            indices=small,
+            num_indices=torch.tensor([small.shape[1]], dtype=torch.int32),
+            **kw,
+        )
 
     def run(p):
         return _logits(prefilled.target_cache, target, draft, tokens, p)
 
     plain = run(plan())
-    torch.testing.assert_close(run(plan(LayerwisePlan, layer_indices={0: everything})), run(plan(dense_layers=(0,))),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run(plan(LayerwisePlan, layer_indices={0: everything})), run(plan(dense_layers=(0,))), rtol=1e-5, atol=1e-5
+    )
     assert torch.equal(run(plan(LayerwisePlan, layer_indices={l: small for l in range(3)})), plain)
     assert not torch.allclose(run(plan(LayerwisePlan, layer_indices={1: other})), plain)
     with pytest.raises(ValueError, match="reference"):
-        LayerwisePlan(rows=slice(0, 1), cache_seqlens=[CONTEXT], q_len=1, backend="triton", indices=small,
-                      num_indices=torch.tensor([6], dtype=torch.int32))
+        LayerwisePlan(
+            rows=slice(0, 1),
+            cache_seqlens=[CONTEXT],
+            q_len=1,
+            backend="triton",
+            indices=small,
+            num_indices=torch.tensor([6], dtype=torch.int32),
+        )
 
 
 def test_oracle_indices_are_the_top_positions_of_the_true_attention():
@@ -405,12 +512,36 @@ def test_oracle_methods_in_the_walk(pair, state):
     prefilled, continuation = state
     small, full = _cfg(target, draft, 24), _cfg(target, draft, 4096)
     all_dense = _cfg(target, draft, 24, dense_layers=(0, 1, 2))
-    methods = {"dense": None, "small": small, "shared": small, "per-layer": small, "shared-full": full,
-               "per-layer-full": full, "shared-all-dense": all_dense, "per-layer-all-dense": all_dense}
-    oracle = {"shared": "shared", "per-layer": "per-layer", "shared-full": "shared", "per-layer-full": "per-layer",
-              "shared-all-dense": "shared", "per-layer-all-dense": "per-layer"}
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, methods, recovery_configs={"small": small},
-                               recovery_every=0, progress=False, oracle=oracle)
+    methods = {
+        "dense": None,
+        "small": small,
+        "shared": small,
+        "per-layer": small,
+        "shared-full": full,
+        "per-layer-full": full,
+        "shared-all-dense": all_dense,
+        "per-layer-all-dense": all_dense,
+    }
+    oracle = {
+        "shared": "shared",
+        "per-layer": "per-layer",
+        "shared-full": "shared",
+        "per-layer-full": "per-layer",
+        "shared-all-dense": "shared",
+        "per-layer-all-dense": "per-layer",
+    }
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        methods,
+        recovery_configs={"small": small},
+        recovery_every=0,
+        progress=False,
+        oracle=oracle,
+    )
     assert walk.sparse_steps["shared"] == walk.sparse_steps["per-layer"] == walk.steps
     assert walk.recovery["shared"] == pytest.approx(walk.recovery_dense_signals["oracle@24"], rel=1e-5)
     assert walk.recovery["shared"] >= walk.recovery["small"] and walk.recovery["shared"] < 1.0
@@ -420,15 +551,31 @@ def test_oracle_methods_in_the_walk(pair, state):
     for name in ("shared-full", "per-layer-full", "shared-all-dense", "per-layer-all-dense"):
         assert walk.nll[name] == walk.nll["dense"], name
     with pytest.raises(ValueError, match="not sparse methods"):
-        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None}, progress=False,
-                            oracle={"dense": "shared"})
+        teacher_forced_walk(
+            target, draft, prefilled, continuation, GAMMA, {"dense": None}, progress=False, oracle={"dense": "shared"}
+        )
     with pytest.raises(ValueError, match="unknown oracle"):
-        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, {"dense": None, "s": small}, progress=False,
-                            oracle={"s": "per-head"})
+        teacher_forced_walk(
+            target,
+            draft,
+            prefilled,
+            continuation,
+            GAMMA,
+            {"dense": None, "s": small},
+            progress=False,
+            oracle={"s": "per-head"},
+        )
     with pytest.raises(ValueError, match="have selection layers"):  # they would replace the oracle's sets
-        teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                            {"dense": None, "s": _cfg(target, draft, 24, selection="verify")}, progress=False,
-                            oracle={"s": "shared"})
+        teacher_forced_walk(
+            target,
+            draft,
+            prefilled,
+            continuation,
+            GAMMA,
+            {"dense": None, "s": _cfg(target, draft, 24, selection="verify")},
+            progress=False,
+            oracle={"s": "shared"},
+        )
 
 
 def test_knob_methods_in_the_walk(pair, state):
@@ -437,10 +584,20 @@ def test_knob_methods_in_the_walk(pair, state):
     records each step's read count, estimated and true recovery."""
     target, draft = pair
     prefilled, continuation = state
-    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA,
-                               {"dense": None, "knob": _cfg(target, draft, 24, min_recovery=0.6, max_budget=60),
-                                "all": _cfg(target, draft, 24, min_recovery=1.0), "fixed": _cfg(target, draft, 24)},
-                               progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        prefilled,
+        continuation,
+        GAMMA,
+        {
+            "dense": None,
+            "knob": _cfg(target, draft, 24, min_recovery=0.6, max_budget=60),
+            "all": _cfg(target, draft, 24, min_recovery=1.0),
+            "fixed": _cfg(target, draft, 24),
+        },
+        progress=False,
+    )
     contexts = [CONTEXT + step * (GAMMA + 1) for step in range(walk.steps)]
     assert walk.read_counts["all"] == contexts and walk.nll["all"] == walk.nll["dense"]
     assert walk.read_counts["fixed"] == [24] * walk.steps
@@ -463,20 +620,36 @@ def test_the_probe_sees_what_the_scores_and_the_recovery_are_made_of(pair, state
     everything = prefill_pair(target, draft, tokens[:CONTEXT], tuple(range(target.config.num_hidden_layers)))
     cfg = _cfg(target, draft, 24, min_recovery=0.5, max_budget=48)
     fixed = _cfg(target, draft, 24)
-    walk = teacher_forced_walk(target, draft, everything, continuation, GAMMA, {"dense": None},
-                               recovery_configs={"fixed": fixed}, probe=EstimatorFeatures(tmp_path), progress=False)
+    walk = teacher_forced_walk(
+        target,
+        draft,
+        everything,
+        continuation,
+        GAMMA,
+        {"dense": None},
+        recovery_configs={"fixed": fixed},
+        probe=EstimatorFeatures(tmp_path),
+        progress=False,
+    )
     steps = load_features(tmp_path)
     assert [s["at"] for s in steps] == [CONTEXT + step * (GAMMA + 1) for step in range(walk.steps)]
     library = library_estimator(cfg)
     for s in steps:
         assert s["truth"].sum() == pytest.approx(1.0, abs=1e-4)
         assert torch.allclose(s["history"].float().sum(-1), torch.ones(s["history"].shape[:2]), atol=1e-2)
-        s_draft = sum(s["draft"][layer, list(heads)].float().sum(0) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads))
+        s_draft = sum(
+            s["draft"][layer, list(heads)].float().sum(0) for layer, heads in zip(cfg.draft_layers, cfg.draft_heads)
+        )
         s_target = s["history"][cfg.target_layer, list(cfg.target_heads)].float().sum(0)
         expected = estimated_mass(s_draft[None], s_target[None], [True], torch.tensor([s["at"]]))[0]
         assert torch.allclose(library.mass(s), expected, atol=1e-6)
-    report = study({"text": steps}, cfg, {"library": library, "flat": Estimator(library.target, library.draft, power=0.5)},
-                   targets=[0.5, 0.9], budgets=[24])
+    report = study(
+        {"text": steps},
+        cfg,
+        {"library": library, "flat": Estimator(library.target, library.draft, power=0.5)},
+        targets=[0.5, 0.9],
+        budgets=[24],
+    )
     assert report["fixed_fill"]["24"]["mean_truth"] == pytest.approx(walk.recovery_dense_signals["fixed"], abs=5e-3)
     for name in ("library", "flat"):
         knob = report["estimators"][name]["knob"]
@@ -484,14 +657,20 @@ def test_the_probe_sees_what_the_scores_and_the_recovery_are_made_of(pair, state
         assert knob["0.5"]["pooled"]["mean_truth"] <= knob["0.9"]["pooled"]["mean_truth"] <= 1
         assert report["estimators"][name]["proxy"]["24"]["pooled"]["n"] == len(steps)
     orders = order_study({"text": steps}, cfg, targets=[0.5, 0.9], ladder=[24, 32, 48], reads=(24, 32))
-    assert orders["by_count"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    assert orders["by_count"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(
+        report["fixed_fill"]["24"]["mean_truth"]
+    )
     assert orders["library_knob"] == report["estimators"]["library"]["knob"]
-    assert orders["at_read"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    assert orders["at_read"]["24"]["fixed_fill"]["mean_truth"] == pytest.approx(
+        report["fixed_fill"]["24"]["mean_truth"]
+    )
     for t in (0.5, 0.9):  # the oracle splits reach the target on every step (reading everything, 1.0, at worst)
         for name in ("oracle_ladder", "oracle_library"):
             assert orders[name][str(t)]["pooled"]["p10_truth"] >= t - 1e-4
         ladder = orders["ladder_knob"][str(t)]["pooled"]
         assert 24 <= ladder["mean_read"] and orders["ladder_knob_no_fallback"][str(t)]["pooled"]["mean_read"] <= 48
     best = orders["best_mean_ladder"]
-    assert best[0]["mean_read"] == 24 and best[0]["mean_truth"] == pytest.approx(report["fixed_fill"]["24"]["mean_truth"])
+    assert best[0]["mean_read"] == 24 and best[0]["mean_truth"] == pytest.approx(
+        report["fixed_fill"]["24"]["mean_truth"]
+    )
     assert [p["mean_read"] for p in best] == sorted(p["mean_read"] for p in best)
