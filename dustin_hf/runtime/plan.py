@@ -9,6 +9,7 @@ split across GPUs by accelerate reads the copy on its own device).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,11 @@ class ForwardPlan:
             (:class:`SelectLayers`); ``None``: every sparse layer reads ``indices``.
         query_counts: per covered row, its own leading queries (host ints): a row that drafted fewer tokens than
             the longest one scores with its own queries only, never with the tokens after them. ``None``: all.
+        read_hook: ``(layer_idx, tensors) -> tensors``: what each layer reads instead of what the plan gives it (an
+            experiment's per-layer read sets, :mod:`dustin_hf.experimental`; the cache slots must stay); ``None``:
+            the plan's.
+        selection_hook: ``(layer_idx, tensors)``: told what each selection layer chose (an experiment's record of
+            it, :mod:`dustin_hf.experimental`); ``None``: nobody is.
     """
 
     rows: slice
@@ -115,6 +121,8 @@ class ForwardPlan:
     tuning: KernelTuning | None = None
     select: SelectLayers | None = None
     query_counts: list[int] | None = None
+    read_hook: Callable[[int, DeviceTensors], DeviceTensors] | None = None
+    selection_hook: Callable[[int, DeviceTensors], None] | None = None
     captured: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
     # the read set a selection layer chose in this forward, per device; later layers read it instead of indices
     _selected: dict[torch.device, DeviceTensors] = field(default_factory=dict, init=False, repr=False)
@@ -122,6 +130,8 @@ class ForwardPlan:
     _slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _window_slots: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # the layer the attention function is on (it keeps a layer's queries first), for the hooks
+    _layer: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.cache_seqlens) != self.rows.stop - self.rows.start:
@@ -170,10 +180,16 @@ class ForwardPlan:
         """What a selection layer chose: the layers after it read ``tensors`` (on any device) until the next one."""
         self._selected.clear()
         self._selected[tensors.cache_seqlens.device] = tensors
+        if self.selection_hook is not None:
+            self.selection_hook(self._layer, tensors)
 
     def on(self, device: torch.device) -> DeviceTensors:
         """The plan's tensors on ``device``, built on first use and reused by every later layer (after a selection
-        layer: the set it chose)."""
+        layer: the set it chose; with a :attr:`read_hook`: what it gives the current layer)."""
+        tensors = self._tensors_on(device)
+        return tensors if self.read_hook is None else self.read_hook(self._layer, tensors)
+
+    def _tensors_on(self, device: torch.device) -> DeviceTensors:
         if self._selected:
             tensors = self._selected.get(device)
             if tensors is None:
@@ -224,6 +240,7 @@ class ForwardPlan:
         ``query``: ``(B', Q, nheads, headdim)``; stored as ``(B', Qc, len(heads), headdim)`` with
         ``Qc`` = 1 (``capture_last``) or ``Q``.
         """
+        self._layer = layer_idx
         heads = self.capture.get(layer_idx)
         if heads is None:
             return
