@@ -20,6 +20,7 @@ from ..config import ResolvedConfig
 from ..kernels.tuning import KernelTuning
 from ..runtime.graphs import GraphedCall
 from .fill import Selection, dense_rows, select_by_recovery, select_positions
+from .history import History
 from .scoring import draft_lookahead_scores, target_history_scores
 
 __all__ = ["Selector"]
@@ -72,20 +73,28 @@ class Selector:
         kept_queries: dict,
         gamma: int,
         row_gamma: list[int] | None = None,
+        *,
+        history: History | None = None,
     ) -> Selection:
         """The read sets of a step at ``seqlens`` (``base``: the same on the device) from the draft's kept
-        queries (``{layer: [(B, heads, D)] * γ}``) and the target cache's history queries; ``row_gamma``: the
-        drafts each row proposed, when some row proposed fewer than γ (it scores with its own queries only)."""
+        queries (``{layer: [(B, heads, D)] * γ}``) and the target's ``history``; ``row_gamma``: the drafts each
+        row proposed, when some row proposed fewer than γ (it scores with its own queries only).
+
+        ``history=None`` reads the history the target cache still keeps, until the decode loop holds a
+        :class:`History` of its own and passes it (then this bridge goes)."""
         cfg, t_cache = self.config, target.cache
+        if history is None:
+            history = History(len(seqlens))
+            history.keep(t_cache.history_queries, t_cache.history_pos)
         d_queries = [torch.stack(kept_queries[layer], dim=1) for layer in cfg.draft_layers]  # (B, γ, h, D)
-        has_history = [pos == n - 1 for pos, n in zip(t_cache.history_pos, seqlens)]
+        has_history = history.rows_at(seqlens)
         triton = self.backend == "triton"
         # every row's L is below capacity - γ - 2 (the loop sizes the caches so), and the draft queries see up
         # to L + γ - 1
         span = t_cache.capacity - gamma if triton else max(seqlens)
         d_keys = [draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers]
         t_keys = t_cache.layer_buffers(cfg.target_layer)[0]
-        history = t_cache.history_queries if any(has_history) else None
+        history_queries = history.queries if any(has_history) else None
         counts = None
         if row_gamma is not None and any(g != gamma for g in row_gamma):
             counts = torch.tensor(row_gamma).to(base.device, non_blocking=True)
@@ -108,7 +117,7 @@ class Selector:
             and cfg.min_recovery is None
             and not any(dense_rows(seqlens, cfg))
         ):
-            return score_select(*d_queries, base, history)
+            return score_select(*d_queries, base, history_queries)
         # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
         key = (gamma, tuple(k.data_ptr() for k in (*d_keys, t_keys)))
         call = self._graphs.get(key)
@@ -119,7 +128,7 @@ class Selector:
                 return selection.indices, selection.num_indices
 
             call = self._graphs[key] = GraphedCall(read_set, base.device, target.graph_pools[base.device][0])
-        indices, num_indices = call(*d_queries, base, history)
+        indices, num_indices = call(*d_queries, base, history_queries)
         return Selection(indices.clone(), num_indices.clone(), [cfg.budget] * len(seqlens))
 
     def _row_windows(self, seqlens: list[int]) -> int | list[int] | None:
