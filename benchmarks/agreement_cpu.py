@@ -36,8 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.config import resolve
-from dustin_hf.profiles import config_for_budget, read_profile
+from dustin_hf.experimental import config_for_budget, read_profile, resolve
 from dustin_lab.knob import budget_summary, correlation
 from dustin_lab.models import fetch_pair
 from dustin_lab.pair import add_device_options, describe_machine, load_pair

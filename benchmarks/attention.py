@@ -13,7 +13,7 @@ This script times, for each (model layout, batch, context):
   installed, and the Triton split-K kernel in dense mode;
 * sparse kernels per budget: the fused Triton kernel over random sorted unique indices, and
   gather + varlen;
-* :func:`selection_cost_ms`: scoring + selection from ``dustin_hf.selection.scoring``/``dustin_hf.selection.fill``
+* :func:`selection_cost_ms`: scoring + selection from ``dustin_hf.experimental`` (the library's scoring and fill)
   (recorded as "not measured" when those cannot be called; never estimated).
 
 Inputs are random (never zeros) in caches sized exactly to ``context + Q``; when one input set fits
@@ -197,7 +197,7 @@ def _scale(layout: Layout) -> float:
 
 def dense_kernels(layout: Layout, device: torch.device, sweep: bool) -> dict[str, Callable[[Inputs], torch.Tensor]]:
     """Dense baselines, name -> call(inputs) -> (B, Q, Hq, D); each may raise."""
-    from dustin_hf.kernels.reference import verify_attention_reference
+    from dustin_hf.experimental import verify_attention_reference
 
     scale = _scale(layout)
     kernels = {}
@@ -259,16 +259,16 @@ def _sdpa_flash_expanded(scale: float) -> Callable[[Inputs], torch.Tensor]:
 
 
 def _varlen(x: Inputs, scale: float, budget: int | None, use_flash_attn: bool) -> torch.Tensor:
-    from dustin_hf.kernels import varlen
+    from dustin_hf.experimental import torch_varlen_available, verify_attention_varlen
 
     if not x.q.is_cuda:
         raise Unavailable("needs CUDA")
     if use_flash_attn and not _has_flash_attn():
         raise Unavailable("flash-attn not installed")
-    if not use_flash_attn and not varlen.torch_varlen_available():
+    if not use_flash_attn and not torch_varlen_available():
         raise Unavailable("torch.nn.attention.varlen.varlen_attn missing")
     sparse = {} if budget is None else {"indices": x.indices[budget], "num_indices": x.counts[budget]}
-    return varlen.verify_attention_varlen(
+    return verify_attention_varlen(
         *x.args(), softmax_scale=scale, max_seqlen_k=x.k_cache.shape[1], use_flash_attn=use_flash_attn, **sparse
     )
 
@@ -283,9 +283,8 @@ def _flash_with_kvcache(x: Inputs, scale: float) -> torch.Tensor:
 
 
 def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None = None) -> torch.Tensor:
-    """The Triton kernel; ``overrides`` (launch keywords of ``triton_verify.launch_config``) replace heuristic
-    choices."""
-    from dustin_hf.kernels import triton_verify
+    """The Triton kernel; ``overrides`` (launch keywords of its ``launch_config``) replace heuristic choices."""
+    from dustin_hf.experimental import launch_config, sparse_loop_keys, verify_attention_triton
 
     sparse = {} if budget is None else {"indices": x.indices[budget], "num_indices": x.counts[budget]}
     max_seqlen_k = x.k_cache.shape[1]
@@ -293,10 +292,8 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
     if overrides:
         batch, n_queries, n_heads, head_dim = x.q.shape
         n_kv_heads = x.k_cache.shape[2]
-        n_keys = (
-            max_seqlen_k if budget is None else triton_verify.sparse_loop_keys(x.indices[budget].shape[1], n_queries)
-        )
-        config = triton_verify.launch_config(
+        n_keys = max_seqlen_k if budget is None else sparse_loop_keys(x.indices[budget].shape[1], n_queries)
+        config = launch_config(
             batch,
             n_kv_heads,
             n_heads // n_kv_heads,
@@ -308,9 +305,7 @@ def _triton(x: Inputs, scale: float, budget: int | None, overrides: dict | None 
             elem_bytes=x.q.element_size(),
             **overrides,
         )
-    return triton_verify.verify_attention_triton(
-        *x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k, config=config, **sparse
-    )
+    return verify_attention_triton(*x.args(), softmax_scale=scale, max_seqlen_k=max_seqlen_k, config=config, **sparse)
 
 
 def sm_count(device: torch.device) -> int:
@@ -320,9 +315,9 @@ def sm_count(device: torch.device) -> int:
 
 def _varlen_flavour() -> str:
     """How the ``varlen`` backend runs dense mode with this torch: over the cache, or gathered first."""
-    from dustin_hf.kernels import varlen
+    from dustin_hf.experimental import torch_varlen_flavour
 
-    return varlen.torch_varlen_flavour()
+    return torch_varlen_flavour()
 
 
 def _has_flash_attn() -> bool:
@@ -333,7 +328,7 @@ def _has_flash_attn() -> bool:
 
 def _reference_row0(x: Inputs, layout: Layout, budget: int | None) -> torch.Tensor:
     """``kernels/reference.py`` on batch row 0 only (its GQA path expands K/V heads: keep that small)."""
-    from dustin_hf.kernels.reference import verify_attention_reference
+    from dustin_hf.experimental import verify_attention_reference
 
     row0 = [t[:1] for t in x.args()]
     sparse = {} if budget is None else {"indices": x.indices[budget][:1], "num_indices": x.counts[budget][:1]}
@@ -354,18 +349,22 @@ def selection_cost_ms(
     dtype: torch.dtype = DTYPE,
     timer: str = "do_bench",
 ) -> dict:
-    """Per-step cost of Dustin's scoring and selection, timed from ``dustin_hf.selection.scoring`` and ``.fill``.
+    """Per-step cost of Dustin's scoring and selection, timed from the scoring and fill of ``dustin_hf.experimental``.
 
     Times nothing else: the target-history scores (one target layer, its default scoring heads), the
     draft-lookahead scores (the default draft layers/heads of ``draft``, gamma = Q - 1 queries) and
-    ``select_positions`` over them, all with the Triton kernels on CUDA (PyTorch on CPU). If those modules or the APIs this hook was written against are
-    missing, returns ``{"status": "not measured: <why>"}`` with ``None`` times: no estimate is made.
+    ``select_positions`` over them, all with the Triton kernels on CUDA (PyTorch on CPU). If those names or the APIs
+    this hook was written against are missing, returns ``{"status": "not measured: <why>"}`` with ``None`` times: no
+    estimate is made.
     """
     device = device or torch.device("cuda")
     try:
-        from dustin_hf import config  # noqa: F401
-        from dustin_hf.selection import fill as selection  # noqa: F401
-        from dustin_hf.selection import scoring  # noqa: F401
+        from dustin_hf.experimental import (  # noqa: F401
+            draft_lookahead_scores,
+            resolve,
+            select_positions,
+            target_history_scores,
+        )
     except ImportError as error:
         return {"scoring_ms": None, "selection_ms": None, "status": f"not measured: {error}"}
     try:
@@ -394,7 +393,7 @@ class ScoringStep:
 
     layout: Layout
     draft: Layout
-    cfg: object  # dustin_hf.config.ResolvedConfig
+    cfg: object  # dustin_hf.experimental.ResolvedConfig
     seqlens_host: list[int]
     seqlens: torch.Tensor  # (B,) int32, = context
     target_keys: torch.Tensor  # (B, context + Q, Hkv, D)
@@ -406,16 +405,15 @@ class ScoringStep:
     def build(cls, layout, draft, batch, context, budget, device, dtype) -> ScoringStep:
         from types import SimpleNamespace
 
-        from dustin_hf import config
+        from dustin_hf import DustinConfig
+        from dustin_hf.experimental import resolve
 
         def model(lay):
             return SimpleNamespace(
                 num_hidden_layers=lay.n_layers, num_attention_heads=lay.n_heads, num_key_value_heads=lay.n_kv_heads
             )
 
-        cfg = config.resolve(
-            config.DustinConfig(budget=budget, min_context=min(2048, context)), model(layout), model(draft)
-        )
+        cfg = resolve(DustinConfig(budget=budget, min_context=min(2048, context)), model(layout), model(draft))
         capacity = context + N_QUERIES
 
         def randn(*shape):
@@ -434,10 +432,10 @@ class ScoringStep:
         )
 
     def score_target(self, backend: str) -> torch.Tensor:
-        from dustin_hf.selection import scoring
+        from dustin_hf.experimental import target_history_scores
 
         lay = self.layout
-        return scoring.target_history_scores(
+        return target_history_scores(
             self.history_q,
             self.target_keys,
             self.seqlens,
@@ -449,10 +447,10 @@ class ScoringStep:
         )
 
     def score_draft(self, backend: str) -> torch.Tensor:
-        from dustin_hf.selection import scoring
+        from dustin_hf.experimental import draft_lookahead_scores
 
         lay = self.draft
-        return scoring.draft_lookahead_scores(
+        return draft_lookahead_scores(
             self.draft_q,
             self.draft_keys,
             self.seqlens,
@@ -464,9 +462,9 @@ class ScoringStep:
         )
 
     def select(self, target: torch.Tensor, drafted: torch.Tensor, backend: str):
-        from dustin_hf.selection import fill as selection
+        from dustin_hf.experimental import select_positions
 
-        return selection.select_positions(
+        return select_positions(
             self.seqlens_host,
             drafted,
             target,

@@ -75,8 +75,7 @@ from replay import (
 from transformers import StoppingCriteria
 
 from dustin_hf import DustinConfig
-from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.decode.hooks import DecodeHooks
+from dustin_hf.experimental import CACHE_KWARG, DecodeHooks
 
 # ----------------------------------------------------------------------------- sweep constants
 CONTEXTS = (8192, 16384, 32768)
@@ -498,10 +497,7 @@ def run_speculative(
 ) -> dict:
     from transformers import GenerationConfig
 
-    from dustin_hf.adapter.assisted import attention_routed
-    from dustin_hf.config import resolve
-    from dustin_hf.decode.decoder import SpeculativeDecoder
-    from dustin_hf.decode.settings import Drafting, RuntimeOptions
+    from dustin_hf.experimental import Drafting, RuntimeOptions, SpeculativeDecoder, attention_routed, resolve
 
     _release_memory()  # an earlier run's cache (in reference cycles with its CUDA graphs) must not linger
     config = GenerationConfig(do_sample=False, max_length=context + new_tokens, pad_token_id=0)

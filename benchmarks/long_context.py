@@ -54,8 +54,7 @@ from transformers.utils import logging as hf_logging
 
 import dustin_hf
 from dustin_hf import DustinConfig
-from dustin_hf.config import resolve
-from dustin_hf.decode.hooks import DecodeHooks
+from dustin_hf.experimental import DecodeHooks, resolve
 from dustin_lab.models import fetch_pair
 from dustin_lab.needle import make_needles, needle_found
 from dustin_lab.pair import describe_machine, load_pair
@@ -505,7 +504,7 @@ class _Scorer:
     positions stay as they were: only the row's length moves, and it is set back)."""
 
     def __init__(self, study: Study, batch):
-        from dustin_hf.decode.runner import ModelRunner
+        from dustin_hf.experimental import ModelRunner
         from dustin_hf.kernels import resolve_backend
 
         self.study = study
@@ -517,7 +516,7 @@ class _Scorer:
         ]
 
     def nll(self, tokens: list[list[int]]) -> list[float]:
-        from dustin_hf.runtime.plan import ForwardPlan
+        from dustin_hf.experimental import ForwardPlan
 
         out = []
         with torch.no_grad(), dustin_attention_on(self.study.target, self.study.draft):

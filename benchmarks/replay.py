@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.runtime.plan import device_tensor
+from dustin_hf.experimental import device_tensor
 from dustin_lab import traces  # the trace formats and their readers, written by the lab
 from dustin_lab.traces import PREDICTION_FORMAT, PREDICTION_KEYS
 

@@ -89,8 +89,7 @@ def main(argv=None) -> dict:
     add_device_options(parser)
     args = parser.parse_args(argv)
 
-    from dustin_hf.config import resolve
-    from dustin_hf.profiles import config_for_budget, read_profile
+    from dustin_hf.experimental import config_for_budget, read_profile, resolve
     from dustin_lab.models import fetch_pair
     from dustin_lab.pair import describe_machine, load_pair
     from dustin_lab.prefilled import prefill_pair
@@ -180,7 +179,7 @@ def main(argv=None) -> dict:
 def _exact(args, pair, config, fraction, selects, describe_machine) -> dict:
     """``--exact``: per text, context and budget, exact mode's continuation with each selection; the confirmed
     fraction is the share of tentative (sparse-verified) tokens the dense confirmation kept."""
-    from dustin_hf.profiles import config_for_budget
+    from dustin_hf.experimental import config_for_budget
     from dustin_lab.demo import DemoRun, run_demo
     from dustin_lab.texts import token_window
 

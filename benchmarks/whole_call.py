@@ -53,8 +53,7 @@ from replay import load_predictions, synthetic_predictions
 
 import dustin_hf
 from dustin_hf import DustinConfig
-from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.decode.hooks import DecodeHooks
+from dustin_hf.experimental import CACHE_KWARG, DecodeHooks
 
 # ----------------------------------------------------------------------------- sweep constants
 SHAPES_RUN = ((32768, 16), (8192, 16), (8192, 4), (32768, 1))  # (context, batch)

@@ -35,7 +35,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from dustin_hf.calibration.search import (
+from dustin_hf import DustinConfig
+from dustin_hf.experimental import (
+    ModelRunner,
     StepFeatures,
     default_choice,
     oracle_recovery,
@@ -44,8 +46,6 @@ from dustin_hf.calibration.search import (
     stack_features,
     step_features,
 )
-from dustin_hf.config import DustinConfig
-from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.kernels import resolve_backend
 
 from .prefilled import dustin_attention_on, prefill_pair

@@ -229,8 +229,8 @@ def _demo_args(parser):
     _demo_args,
 )
 def demo(args, out: Output) -> dict:
-    from dustin_hf.config import DustinConfig
-    from dustin_hf.profiles import config_for_budget, read_profile
+    from dustin_hf import DustinConfig
+    from dustin_hf.experimental import config_for_budget, read_profile
 
     from .demo import demo_runs, print_runs, run_demo
     from .pair import describe_machine
@@ -352,9 +352,8 @@ def _calibrate_args(parser):
     _calibrate_args,
 )
 def calibrate_command(args, out: Output) -> dict:
-    from dustin_hf.calibration.search import StepFeatures
-    from dustin_hf.config import DustinConfig
-    from dustin_hf.profiles import write_profile
+    from dustin_hf import DustinConfig
+    from dustin_hf.experimental import StepFeatures, write_profile
 
     from .calibrate import calibrate
     from .pair import describe_machine
@@ -525,8 +524,8 @@ def _eval_args(parser):
     _eval_args,
 )
 def eval_command(args, out: Output) -> dict:
-    from dustin_hf.config import DustinConfig
-    from dustin_hf.profiles import read_profile
+    from dustin_hf import DustinConfig
+    from dustin_hf.experimental import read_profile
 
     from .evaluation import evaluate
     from .needle import make_needles

@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from dustin_hf.config import ResolvedConfig
+from dustin_hf.experimental import ResolvedConfig
 
 from .prefilled import PrefillStore, dustin_attention_on, speculative_decoder
 

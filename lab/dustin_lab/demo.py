@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from dustin_hf.adapter.patching import patch
-from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.decode.hooks import synchronize
+from dustin_hf import patch
+from dustin_hf.experimental import CACHE_KWARG, synchronize
 
 from .continuations import token_agreement
 

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dustin_hf.config import ResolvedConfig
-from dustin_hf.selection.fill import select_by_recovery, select_positions
+from dustin_hf.experimental import ResolvedConfig, select_by_recovery, select_positions
 
 from .knob import correlation
 

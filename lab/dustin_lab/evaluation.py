@@ -34,8 +34,8 @@ from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
-from dustin_hf.config import DustinConfig, resolve
-from dustin_hf.profiles import config_for_budget
+from dustin_hf import DustinConfig
+from dustin_hf.experimental import config_for_budget, resolve
 
 from .continuations import eos_ids, speculative_continuation, token_agreement
 from .knob import budget_summary, correlation

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.selection.recovery import head_probabilities
+from dustin_hf.experimental import head_probabilities
 
 __all__ = ["EstimatorFeatures", "budget_summary", "correlation", "load_features"]
 

@@ -12,22 +12,18 @@ method's queries and keys at the same step, see :func:`dustin_hf.selection.recov
 * ``"per-layer"``: each layer's own top ``budget`` positions of its attention averaged over its
   heads and queries.
 
-Per-layer sets need a read set per layer, which the kernels do not take: :class:`LayerwisePlan`
-hands each layer its own indices on the plain-PyTorch path. It relies on the attention function
-calling :meth:`ForwardPlan.keep_queries` for a layer before :meth:`ForwardPlan.on` (as
-:func:`dustin_hf.adapter.attention.dustin_attention` does); the tests check the routing against
-``dense_layers``.
+Per-layer sets need a read set per layer, which the kernels do not take: :func:`layerwise_plan`
+hands each layer its own indices on the plain-PyTorch path, through the plan's declared ``read_hook``
+(:mod:`dustin_hf.experimental`); the tests check the routing against ``dense_layers``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from dustin_hf.runtime.plan import DeviceTensors, ForwardPlan
+from dustin_hf.experimental import DeviceTensors, ForwardPlan
 
-__all__ = ["ORACLES", "LayerwisePlan", "oracle_indices"]
+__all__ = ["ORACLES", "layerwise_plan", "oracle_indices"]
 
 ORACLES = ("shared", "per-layer")
 
@@ -49,32 +45,24 @@ def oracle_recovery(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tenso
     return weights.gather(1, indices.long().expand(weights.shape[0], -1)).sum(dim=1)  # (n_layers,)
 
 
-@dataclass
-class LayerwisePlan(ForwardPlan):
-    """A one-row sparse :class:`ForwardPlan` whose layer ``l`` reads ``layer_indices[l] (1, W)`` int32
-    (layers not in it, or in ``dense_layers``, read as the base plan says). Plain-PyTorch path only."""
+def layerwise_plan(layer_indices: dict[int, torch.Tensor], **plan_kwargs) -> ForwardPlan:
+    """A one-row sparse :class:`ForwardPlan` (``plan_kwargs``) whose layer ``l`` reads ``layer_indices[l] (1, W)``
+    int32 (layers not in it, or in ``dense_layers``, read as the base plan says). Plain-PyTorch path only."""
+    if plan_kwargs.get("indices") is None or plan_kwargs["rows"].stop - plan_kwargs["rows"].start != 1:
+        raise ValueError(
+            "a layerwise plan is sparse (give indices for the layers it does not override) and has one row"
+        )
+    backend = plan_kwargs.get("backend", "reference")
+    if backend != "reference":
+        raise ValueError(f"per-layer read sets run on the 'reference' backend only, not {backend!r}")
 
-    layer_indices: dict[int, torch.Tensor] = field(default_factory=dict)
-    _layer: int | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.indices is None or self.batch_size != 1:
-            raise ValueError(
-                "a LayerwisePlan is sparse (give indices for the layers it does not override) and has one row"
-            )
-        if self.backend != "reference":
-            raise ValueError(f"per-layer read sets run on the 'reference' backend only, not {self.backend!r}")
-
-    def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
-        self._layer = layer_idx  # the attention function asks for this layer's tensors next
-        super().keep_queries(layer_idx, query)
-
-    def on(self, device: torch.device) -> DeviceTensors:
-        tensors = super().on(device)
-        own = self.layer_indices.get(self._layer)
+    def read_hook(layer: int, tensors: DeviceTensors) -> DeviceTensors:
+        own = layer_indices.get(layer)
         if own is None:
             return tensors
+        device = tensors.cache_seqlens.device
         return DeviceTensors(
             tensors.cache_seqlens, own.to(device, torch.int32), torch.full_like(tensors.num_indices, own.shape[1])
         )
+
+    return ForwardPlan(**plan_kwargs, read_hook=read_hook)

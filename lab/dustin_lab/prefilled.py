@@ -20,17 +20,18 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from dustin_hf.adapter.assisted import attention_routed
-from dustin_hf.adapter.patching import is_patched, patch
-from dustin_hf.calibration.prompt import calibrate_on_prompts
-from dustin_hf.compat import model_device
-from dustin_hf.decode import decoder as decoding
-from dustin_hf.decode.cache import DustinCache
-from dustin_hf.decode.hooks import DecodeHooks
-from dustin_hf.decode.runner import ModelRunner
-from dustin_hf.decode.settings import Drafting
+from dustin_hf import DustinCache, is_patched, patch
+from dustin_hf.experimental import (
+    DecodeHooks,
+    Drafting,
+    ModelRunner,
+    SpeculativeDecoder,
+    attention_routed,
+    calibrate_on_prompts,
+    model_device,
+    select_heads,
+)
 from dustin_hf.kernels import resolve_backend
-from dustin_hf.runtime.plan import select_heads
 
 __all__ = [
     "Prefilled",
@@ -206,7 +207,7 @@ def speculative_decoder(
 ):
     """A :class:`~dustin_hf.decode.decoder.SpeculativeDecoder` with a fixed γ (no early stop) that takes prompts
     found in ``store`` from there instead of prefilling them."""
-    return decoding.SpeculativeDecoder(
+    return SpeculativeDecoder(
         target,
         draft,
         generation_config,

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dustin_hf.config import DustinConfig, resolve
+from dustin_hf import DustinConfig
+from dustin_hf.experimental import resolve
 
 from .pair import add_device_options
 from .prefilled import prefill_pair
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
     add_device_options(parser)
     args = parser.parse_args(argv)
 
-    from dustin_hf.profiles import read_profile
+    from dustin_hf.experimental import read_profile
 
     from .models import fetch_pair
     from .pair import describe_machine, load_pair

@@ -55,18 +55,30 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from dustin_hf.compat import attention_scale, group_size, model_device
-from dustin_hf.config import ResolvedConfig
-from dustin_hf.decode.runner import ModelRunner
+from dustin_hf.experimental import (
+    DraftReads,
+    ForwardPlan,
+    ModelRunner,
+    ResolvedConfig,
+    Selection,
+    attention_scale,
+    dense_rows,
+    device_tensor,
+    draft_lookahead_scores,
+    estimated_mass,
+    group_size,
+    model_device,
+    position_weights,
+    select_by_recovery,
+    select_heads,
+    select_positions,
+    select_spec,
+    selection_recovery,
+    target_history_scores,
+)
 from dustin_hf.kernels import resolve_backend
-from dustin_hf.runtime.plan import ForwardPlan, device_tensor, select_heads
-from dustin_hf.selection.draft_reads import DraftReads
-from dustin_hf.selection.fill import Selection, dense_rows, estimated_mass, select_by_recovery, select_positions
-from dustin_hf.selection.layers import select_spec
-from dustin_hf.selection.recovery import position_weights, selection_recovery
-from dustin_hf.selection.scoring import draft_lookahead_scores, target_history_scores
 
-from .oracle import ORACLES, LayerwisePlan, oracle_indices, oracle_recovery
+from .oracle import ORACLES, layerwise_plan, oracle_indices, oracle_recovery
 from .prefilled import Prefilled, clone_cache, dustin_attention_on
 
 __all__ = ["DenseStep", "WalkResult", "teacher_forced_walk"]
@@ -366,7 +378,8 @@ def teacher_forced_walk(
                     run.truths.append(
                         float(run.recovery[-1].mean()) if weights is not None and run.selection is not None else None
                     )
-            # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the next step
+            # teacher forcing keeps everything: the draft holds [0, L+γ), the targets [0, L+γ+1) = [0, L' ) of the
+            # next step
 
     runs = [by_name[name] for name in methods]
     evaluated = steps * (gamma + 1)
@@ -425,23 +438,6 @@ def _dense_layers(cfg: ResolvedConfig | None) -> tuple[int, ...]:
 def _layer_roles(cfg: ResolvedConfig | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What a forward's layers do besides reading the selection: its dense layers and its selection layers."""
     return ((), ()) if cfg is None else (cfg.dense_layers, cfg.selection_layers)
-
-
-@dataclass
-class _SelectingPlan(ForwardPlan):
-    """A :class:`ForwardPlan` with selection layers that keeps what each one chose, ``{layer: (B', W) int32}``, so
-    that the walk can measure the recovery of what the layers after it read."""
-
-    chosen: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
-    _layer: int | None = field(default=None, init=False, repr=False)
-
-    def keep_queries(self, layer_idx: int, query: torch.Tensor) -> None:
-        self._layer = layer_idx  # the attention function keeps this layer's queries before it selects
-        super().keep_queries(layer_idx, query)
-
-    def keep_selection(self, tensors) -> None:
-        self.chosen[self._layer] = tensors.indices
-        super().keep_selection(tensors)
 
 
 def _read_recovery(
@@ -517,14 +513,19 @@ def _verify(model: ModelRunner, group: list[_Method], verify_in, at, gamma, back
         dense_layers=_dense_layers(group[0].config),
     )
     spec = select_spec(group[0].config)
+    chosen = {}  # {selection layer: (B', W) int32}: what each chose, for the recovery of what the layers after read
+
+    def keep_choice(layer: int, tensors) -> None:
+        chosen[layer] = tensors.indices
+
     if spec is not None:
-        plan = _SelectingPlan(**plan_kwargs, select=spec)
+        plan = ForwardPlan(**plan_kwargs, select=spec, selection_hook=keep_choice)
     elif group[0].layer_indices is None:
         plan = ForwardPlan(**plan_kwargs)
     else:  # an oracle's per-layer read sets (a group of its own): the plain-PyTorch path
-        plan = LayerwisePlan(**{**plan_kwargs, "backend": "reference"}, layer_indices=group[0].layer_indices)
+        plan = layerwise_plan(group[0].layer_indices, **{**plan_kwargs, "backend": "reference"})
     logits = model.forward(plan, verify_in.expand(rows, -1), keep=gamma + 1)
-    return logits, plan.captured, getattr(plan, "chosen", {})
+    return logits, plan.captured, chosen
 
 
 def _dense_recovery(model, row, queries, at, scale, recovery_configs, dense_history, s_draft, base, group, signals):
@@ -582,8 +583,8 @@ def _draft_step(draft_model, selections, tokens, at, gamma, backend, d_capture, 
 
 def _select(history, cfg, keys, s_draft, base, t_group, t_scale, at) -> tuple[Selection, float]:
     """A method's selection at ``L`` (the knob's with ``min_recovery``): ``S_target`` from its ``history (1, heads,
-    D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery (:func:`~dustin_hf.selection.fill.estimated_mass`
-    summed over the set)."""
+    D)`` over ``keys (1, cap, H, D)``; and the set's estimated recovery
+    (:func:`~dustin_hf.selection.fill.estimated_mass` summed over the set)."""
     s_target = target_history_scores(
         history.to(keys.device), keys, base.to(keys.device), cfg.target_heads, t_group, t_scale, at
     ).to(base.device)

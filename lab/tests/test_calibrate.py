@@ -8,8 +8,7 @@ from cli_fixtures import tiny_qwen, tiny_tokenizer
 from tiny_models import noisy_copy, one_thread  # noqa: F401  (one_thread: the fixture below)
 
 from dustin_hf import DustinConfig
-from dustin_hf.calibration.search import Choice, StepFeatures, recovery_of
-from dustin_hf.config import resolve
+from dustin_hf.experimental import Choice, StepFeatures, recovery_of, resolve
 from dustin_lab.calibrate import CalibrationSettings, calibrate, collect_features
 from dustin_lab.pair import ModelPair
 from dustin_lab.prefilled import prefill_pair

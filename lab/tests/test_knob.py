@@ -6,8 +6,7 @@ from tiny_models import PAD, left_pad, noisy_copy, one_thread, random_prompt, se
 
 import dustin_hf
 from dustin_hf import DustinConfig
-from dustin_hf.config import resolve
-from dustin_hf.selection.fill import estimated_mass, select_by_recovery
+from dustin_hf.experimental import estimated_mass, resolve, select_by_recovery
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dustin_hf import DustinConfig
-from dustin_hf.profiles import config_for_budget, read_profile, write_profile
+from dustin_hf.experimental import config_for_budget, read_profile, write_profile
 from dustin_lab.traces import (
     KNOB_TRACE_FORMAT,
     PREDICTION_FORMAT,

@@ -5,10 +5,14 @@ import torch
 from tiny_models import left_pad, noisy_copy, one_thread, random_prompt, set_gamma, tiny_model  # noqa: F401
 
 from dustin_hf import DustinConfig
-from dustin_hf.config import resolve
-from dustin_hf.selection.fill import estimated_mass
-from dustin_hf.selection.recovery import head_probabilities, position_weights, selection_recovery
-from dustin_hf.selection.scoring import attention_mass
+from dustin_hf.experimental import (
+    attention_mass,
+    estimated_mass,
+    head_probabilities,
+    position_weights,
+    resolve,
+    selection_recovery,
+)
 from dustin_lab.continuations import speculative_continuation, token_agreement
 from dustin_lab.estimators import Estimator, library_estimator, order_study, study
 from dustin_lab.knob import EstimatorFeatures, load_features
@@ -258,7 +262,7 @@ def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sam
     """Each row of a left-padded batch found in the store is copied into its row of the run's caches: generate()
     returns the tokens of the same call prefilled by the loop, dense and sparse, greedy and sampling."""
     import dustin_hf
-    from dustin_hf.decode.hooks import DecodeHooks
+    from dustin_hf.experimental import DecodeHooks
 
     target, draft = pair
     rows = [random_prompt(n, seed=20 + n)[0] for n in (70, 90, 64)]
@@ -368,8 +372,7 @@ def test_token_agreement():
 
 def test_refresh_rewrites_sparse_keys_and_values_as_dense_ones(pair, state):
     """After a sparse step, one dense forward over its positions leaves the cache as a dense step would."""
-    from dustin_hf.decode.runner import ModelRunner
-    from dustin_hf.runtime.plan import ForwardPlan
+    from dustin_hf.experimental import ForwardPlan, ModelRunner
     from dustin_lab.prefilled import dustin_attention_on
     from dustin_lab.walk import _refresh
 
@@ -435,7 +438,7 @@ def test_refresh_every_names_sparse_methods(pair, state):
 
 
 def _logits(runner_cache, target, draft, tokens, plan):
-    from dustin_hf.decode.runner import ModelRunner
+    from dustin_hf.experimental import ModelRunner
     from dustin_lab.prefilled import dustin_attention_on
 
     runner = ModelRunner(target, clone_cache(runner_cache, CONTEXT + GAMMA + 2), "reference")
@@ -443,12 +446,12 @@ def _logits(runner_cache, target, draft, tokens, plan):
         return runner.forward(plan, tokens[CONTEXT : CONTEXT + GAMMA + 1][None], keep=GAMMA + 1)
 
 
-def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
+def test_a_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     """Layer 0 reading every cached position through its own indices, the others a small set S, equals a plain
     plan reading S with layer 0 dense; every layer given S equals the plain plan bit for bit; moving one
     layer's set changes the output."""
-    from dustin_hf.runtime.plan import ForwardPlan
-    from dustin_lab.oracle import LayerwisePlan
+    from dustin_hf.experimental import ForwardPlan
+    from dustin_lab.oracle import layerwise_plan
 
     target, draft = pair
     prefilled, continuation = state
@@ -457,35 +460,32 @@ def test_layerwise_plan_gives_each_layer_its_own_read_set(pair, state):
     other = torch.tensor([[1, 2, 30, 50, 70, 78]], dtype=torch.int32)
     everything = torch.arange(CONTEXT, dtype=torch.int32)[None]
 
-    def plan(cls=ForwardPlan, **kw):
-        return cls(
-            rows=slice(0, 1),
-            cache_seqlens=[CONTEXT],
-            q_len=GAMMA + 1,
-            backend="reference",
-            indices=small,
-            num_indices=torch.tensor([small.shape[1]], dtype=torch.int32),
-            **kw,
-        )
+    base = dict(
+        rows=slice(0, 1),
+        cache_seqlens=[CONTEXT],
+        q_len=GAMMA + 1,
+        backend="reference",
+        indices=small,
+        num_indices=torch.tensor([small.shape[1]], dtype=torch.int32),
+    )
+
+    def plan(**kw):
+        return ForwardPlan(**base, **kw)
+
+    def layerwise(layer_indices):
+        return layerwise_plan(layer_indices, **base)
 
     def run(p):
         return _logits(prefilled.target_cache, target, draft, tokens, p)
 
     plain = run(plan())
-    torch.testing.assert_close(
-        run(plan(LayerwisePlan, layer_indices={0: everything})), run(plan(dense_layers=(0,))), rtol=1e-5, atol=1e-5
-    )
-    assert torch.equal(run(plan(LayerwisePlan, layer_indices={l: small for l in range(3)})), plain)
-    assert not torch.allclose(run(plan(LayerwisePlan, layer_indices={1: other})), plain)
+    torch.testing.assert_close(run(layerwise({0: everything})), run(plan(dense_layers=(0,))), rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(layerwise({l: small for l in range(3)})), plain)
+    assert not torch.allclose(run(layerwise({1: other})), plain)
     with pytest.raises(ValueError, match="reference"):
-        LayerwisePlan(
-            rows=slice(0, 1),
-            cache_seqlens=[CONTEXT],
-            q_len=1,
-            backend="triton",
-            indices=small,
-            num_indices=torch.tensor([6], dtype=torch.int32),
-        )
+        layerwise_plan({}, **{**base, "backend": "triton"})
+    with pytest.raises(ValueError, match="one row"):
+        layerwise_plan({}, **{**base, "indices": None, "num_indices": None})
 
 
 def test_oracle_indices_are_the_top_positions_of_the_true_attention():

@@ -1,0 +1,158 @@
+"""The lab (``lab/``, its tests too) and the benchmarks (``benchmarks/``) use the library through its declared
+surface only (read from the source with ``ast``; nothing of theirs is imported):
+
+- ``dustin_hf``: the names in its ``__all__`` (and ``__version__``);
+- ``dustin_hf.experimental``: the names in its ``__all__``, declared for them (unstable, but declared);
+- ``dustin_hf.kernels``: the dispatcher, the names in its ``__all__``.
+
+Every other library module is private to the library, imported or read as an attribute, also inside a function. They
+subclass none of the library's classes (a plan takes its hooks instead), and nothing in the library imports
+``dustin_hf.experimental``: it is the surface for code outside the library, never a layer inside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+from test_layers import _module_files, import_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+SURFACE = {"dustin_hf": {"__version__"}, "dustin_hf.experimental": set(), "dustin_hf.kernels": set()}
+SURFACE_FILES = {
+    "dustin_hf": ROOT / "dustin_hf" / "__init__.py",
+    "dustin_hf.experimental": ROOT / "dustin_hf" / "experimental.py",
+    "dustin_hf.kernels": ROOT / "dustin_hf" / "kernels" / "__init__.py",
+}
+
+
+def _outside_files() -> list[Path]:
+    """The lab's and the benchmarks' Python files."""
+    return (
+        sorted((ROOT / "lab" / "dustin_lab").rglob("*.py"))
+        + sorted((ROOT / "lab" / "tests").glob("*.py"))
+        + sorted((ROOT / "benchmarks").glob("*.py"))
+    )
+
+
+@functools.cache
+def _library_modules() -> frozenset[str]:
+    return frozenset(_module_files())
+
+
+@functools.cache
+def _declared(module: str) -> frozenset[str]:
+    """The names ``module`` declares: its ``__all__`` (read from its source) and the extras of :data:`SURFACE`."""
+    for node in ast.parse(SURFACE_FILES[module].read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return frozenset(ast.literal_eval(node.value)) | SURFACE[module]
+    raise AssertionError(f"{module} has no literal __all__")
+
+
+def _check(where: str, module: str, name: str | None, bad: list[str]) -> None:
+    """``module`` (a dustin_hf module) imported at ``where``, and its attribute ``name`` read if given."""
+    if module not in SURFACE:
+        bad.append(f"{where}: {module} is private to the library (use dustin_hf.experimental)")
+    elif name is not None and name not in _declared(module):
+        bad.append(f"{where}: {module}.{name} is not declared (declare it in dustin_hf.experimental, documented)")
+
+
+def surface_violations(path: Path, source: str | None = None) -> list[str]:
+    """Every use of the library in ``path`` (or in ``source`` read as that file) outside its declared surface."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    bad: list[str] = []
+    modules = {}  # a local name bound to a library module -> that module
+    classes = set()  # local names bound to a library name, which a class must not derive from
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "dustin_hf":
+                    _check(where, alias.name, None, bad)
+                    local = alias.asname or "dustin_hf"  # `import a.b` binds `a`
+                    modules[local] = alias.name if alias.asname else "dustin_hf"
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "dustin_hf":
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                if submodule in _library_modules():
+                    _check(where, submodule, None, bad)
+                    modules[alias.asname or alias.name] = submodule
+                else:
+                    _check(where, node.module, alias.name, bad)
+                    classes.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            module, dotted = modules[node.value.id], f"{modules[node.value.id]}.{node.attr}"
+            if dotted in _library_modules():  # a submodule read as an attribute
+                _check(where, dotted, None, bad)
+            else:
+                _check(where, module, node.attr, bad)
+        elif isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                named = base.id if isinstance(base, ast.Name) else None
+                via_module = isinstance(base, ast.Attribute) and getattr(base.value, "id", None) in modules
+                if named in classes or via_module:
+                    bad.append(f"{where}: class {node.name} subclasses the library's {ast.unparse(base)} (use a hook)")
+    return list(dict.fromkeys(bad))  # `from m import a, b` of a private m: once
+
+
+def test_the_lab_and_the_benchmarks_use_only_the_declared_surface():
+    assert [v for path in _outside_files() for v in surface_violations(path)] == []
+
+
+def test_the_check_reads_the_lab_and_the_benchmarks():
+    """The files are there and do import the surface (no files would pass vacuously)."""
+    names = {path.relative_to(ROOT).as_posix() for path in _outside_files()}
+    assert {
+        "lab/dustin_lab/walk.py",
+        "lab/tests/test_walk.py",
+        "benchmarks/e2e.py",
+        "benchmarks/attention.py",
+    } <= names
+    assert any("dustin_hf.experimental" in path.read_text() for path in _outside_files())
+
+
+def test_nothing_in_the_library_imports_the_surface():
+    graph = import_graph()
+    library = [name for name in graph if name.startswith("dustin_hf")]
+    assert [name for name in library if "dustin_hf.experimental" in graph[name]] == []
+    assert any("dustin_hf.experimental" in targets for targets in graph.values())  # the graph does see its users
+
+
+def test_every_declared_name_loads():
+    """Each name of ``dustin_hf.experimental.__all__`` is there (a name moved inside the library moves here too)."""
+    import dustin_hf.experimental as surface
+
+    for name in _declared("dustin_hf.experimental"):
+        if name in surface._TRITON:
+            pytest.importorskip("triton")
+        assert getattr(surface, name) is not None, name
+
+
+@pytest.mark.parametrize(
+    "file, line, expected",
+    [
+        ("lab/dustin_lab/walk.py", "from dustin_hf.selection.fill import select_positions", "private to the library"),
+        ("lab/dustin_lab/walk.py", "from dustin_hf.runtime import plan", "private to the library"),
+        ("lab/tests/test_walk.py", "import dustin_hf.decode.runner", "private to the library"),
+        ("benchmarks/e2e.py", "x = dustin_hf.config", "private to the library"),
+        ("benchmarks/e2e.py", "x = dustin_hf.profiles.read_profile", "private to the library"),
+        ("benchmarks/replay.py", "from dustin_hf.experimental import Undeclared", "is not declared"),
+        ("benchmarks/replay.py", "from dustin_hf import experimental as ex\nx = ex.Undeclared", "is not declared"),
+        ("benchmarks/attention.py", "from dustin_hf.kernels import varlen", "private to the library"),
+        ("benchmarks/attention.py", "from dustin_hf.kernels import _device", "private to the library"),
+        ("lab/dustin_lab/oracle.py", "class P(ForwardPlan):\n    pass", "subclasses the library's ForwardPlan"),
+        (
+            "lab/dustin_lab/oracle.py",
+            "import dustin_hf.experimental as ex\nclass P(ex.ForwardPlan):\n    pass",
+            "subclasses the library's ex.ForwardPlan",
+        ),
+    ],
+)
+def test_a_use_outside_the_surface_is_caught(file, line, expected):
+    """The check fails on what it forbids: the same source with one wrong line added."""
+    path = ROOT / file
+    assert any(expected in v for v in surface_violations(path, path.read_text() + f"\n{line}\n"))
