@@ -15,8 +15,8 @@ import dustin_hf
 from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.config import resolve
 from dustin_hf.decode import decoder as decoding
-from dustin_hf.decode import exact_step
-from dustin_hf.decode.exact import ConfirmSchedule, blocks
+from dustin_hf.decode import exact as exact_mode
+from dustin_hf.decode.confirm import ConfirmSchedule, blocks
 from dustin_hf.decode.hooks import DecodeHooks
 from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.settings import Drafting
@@ -210,7 +210,7 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
     assert _pvalue(target, draft, prompt, law, "sparse") < P_VALUE
     assert _pvalue(target, draft, prompt, law, "exact") > P_VALUE
 
-    right = exact_step.block_proposals
+    right = exact_mode.block_proposals
 
     def wrong(draft_probs, tentative_probs, tentative, vocab, width):
         """The tentative tokens' proposal replaced by the uniform law: not what they were drawn from."""
@@ -219,7 +219,7 @@ def test_exact_sampling_follows_the_targets_law(monkeypatch):
             out[b, :n] = 1.0 / vocab
         return out
 
-    monkeypatch.setattr(exact_step, "block_proposals", wrong)  # the loop's own reference
+    monkeypatch.setattr(exact_mode, "block_proposals", wrong)  # the loop's own reference
     assert _pvalue(target, draft, prompt, law, "exact") < P_VALUE
 
 
@@ -327,9 +327,9 @@ def test_sampled_exact_scores_with_the_prefix_alone(monkeypatch):
     seen = []
     real = Selector.select
 
-    def recording(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma=None):
+    def recording(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma=None, **kwargs):
         seen.append((gamma, {len(queries) for queries in kept_queries.values()}))
-        return real(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma)
+        return real(self, target, draft, seqlens, base, kept_queries, gamma, row_gamma, **kwargs)
 
     monkeypatch.setattr(Selector, "select", recording)
     target = tiny_model("qwen2", layers=2, hidden=32)

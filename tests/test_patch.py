@@ -190,7 +190,7 @@ def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog
     nothing reaches stderr unless a user asks for it."""
     import logging
 
-    from dustin_hf.decode import run
+    from dustin_hf.decode import sparse as sparse_mode
 
     target = tiny_model("qwen2", layers=2)
     draft = set_gamma(tiny_model("qwen2", layers=2, seed=1), 3)
@@ -207,11 +207,11 @@ def test_what_a_user_may_want_to_see_goes_to_the_dustin_hf_logger_at_info(caplog
     def stats(out):
         return (getattr(out, "cache", None) or out.past_key_values).stats
 
-    run._LOGGED.clear()
+    sparse_mode._LOGGED.clear()
     with dustin_hf.patch(target):
         target.generate(short, **call)  # the default levels: nothing shown
         assert capsys.readouterr().err == ""
-    run._LOGGED.clear()
+    sparse_mode._LOGGED.clear()
     with dustin_hf.patch(target), caplog.at_level(logging.INFO, logger="dustin_hf"):
         dense = target.generate(short, **call)  # 40 positions, within the budget (2048)
         target.generate(short, **call)

@@ -27,8 +27,8 @@ import torch
 from tiny_models import PAD, left_pad, noisy_copy, random_prompt, tiny_model
 
 import dustin_hf
-from dustin_hf.decode.exact import ConfirmSchedule
-from dustin_hf.decode.run import DecodeRun
+from dustin_hf.decode.confirm import ConfirmSchedule
+from dustin_hf.decode.drafter import Drafter
 from dustin_hf.decode.sampling import RowGenerators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,18 +102,18 @@ def _subject_runs(monkeypatch, schedule: str, threshold: float, sample: bool, ca
     did not, or the reverse (``differs``)."""
     target, draft = _pair()
     steps = []  # per step of the current run and row: [drafts proposed, confirmed (exact mode)]; None: finished
-    real_draft, real_confirm = DecodeRun.draft_tokens, ConfirmSchedule.after_confirm
+    real_draft, real_confirm = Drafter.draft, ConfirmSchedule.after_confirm
 
-    def drafting(self, *args, **kwargs):
-        drafts = real_draft(self, *args, **kwargs)
-        steps.append([None if done else [g, False] for g, done in zip(drafts.row_gamma, self.rows.finished)])
+    def drafting(self, run, *args, **kwargs):
+        drafts = real_draft(self, run, *args, **kwargs)
+        steps.append([None if done else [g, False] for g, done in zip(drafts.row_gamma, run.rows.finished)])
         return drafts
 
     def confirming(self, b, *args, **kwargs):
         steps[-1][b][1] = True
         return real_confirm(self, b, *args, **kwargs)
 
-    monkeypatch.setattr(DecodeRun, "draft_tokens", drafting)
+    monkeypatch.setattr(Drafter, "draft", drafting)
     monkeypatch.setattr(ConfirmSchedule, "after_confirm", confirming)
     runs = []
     with dustin_hf.patch(target):

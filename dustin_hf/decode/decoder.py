@@ -25,20 +25,23 @@ from ..config import ResolvedConfig
 from ..kernels import resolve_backend
 from ..runtime.fused import FusedWeights, fused_ops, fused_ops_available
 from ..runtime.launch import all_on_cuda
-from ..selection.draft_reads import DraftReads
-from ..selection.layers import select_spec
 from .cache import DustinCache
-from .exact_step import exact_step
+from .dense import DenseVerifier, Footprint
+from .drafter import Drafter
+from .exact import ExactVerifier
 from .hooks import DecodeHooks, PhaseClock
 from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
-from .run import DecodeResult, DecodeRun
+from .run import CallSettings, DecodeResult, DecodeRun
 from .runner import ModelRunner
 from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
+from .sparse import SparseVerifier
 from .workspace import Shape, Workspace, capacity_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
 
 logger = logging.getLogger(__name__)
+
+VERIFIERS = {None: DenseVerifier, "sparse": SparseVerifier, "exact": ExactVerifier}  # DustinConfig.mode -> its own
 
 
 class SpeculativeDecoder:
@@ -84,6 +87,7 @@ class SpeculativeDecoder:
             )
         self.target, self.draft = target, draft
         self.generation, self.dustin_config, self.calibrate = generation, dustin_config, calibrate
+        self.mode = VERIFIERS[dustin_config.mode if dustin_config is not None else None]
         self.drafting = drafting or Drafting()
         self.runtime = runtime or RuntimeOptions()
         self.hooks = hooks or DecodeHooks()
@@ -119,12 +123,19 @@ class SpeculativeDecoder:
         )
 
     def decode_step(self, run: DecodeRun) -> None:
-        """One step of ``run``: exact mode's (:func:`~dustin_hf.decode.exact_step.exact_step`) or the plain one
-        (:meth:`DecodeRun.step <dustin_hf.decode.run.DecodeRun.step>`). A profiler may wrap it on an instance."""
-        if run.confirm is not None:
-            exact_step(run)
-        else:
-            run.step()
+        """One step of ``run`` (:meth:`DecodeRun.step <dustin_hf.decode.run.DecodeRun.step>`). A profiler may wrap
+        it on an instance."""
+        run.step()
+
+    def _run(self, workspace: Workspace, prompts: list[Prompt], padded_len: int, max_new: int,
+             window_slots: torch.Tensor | None) -> DecodeRun:  # fmt: skip
+        """A run of this call: its settings, drafter and the verifier of the mode."""
+        t_vocab = self.target.config.get_text_config().vocab_size
+        d_vocab = self.draft.config.get_text_config().vocab_size
+        settings = CallSettings(self.generation, self.hooks, self.tokens_only, d_vocab)
+        drafter = Drafter(self.drafting, len(prompts), (d_vocab, t_vocab), self.tokens_only, self.generation.do_sample)
+        verifier = self.mode(self.dustin_config, self.calibrate, self.drafting.max_gamma, window_slots)
+        return DecodeRun(settings, workspace, drafter, verifier, prompts, padded_len, max_new, self.profile)
 
     # ------------------------------------------------------------------------------------------ a run
     def generate(
@@ -142,18 +153,12 @@ class SpeculativeDecoder:
         if self.generation.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
         check_token_ids(prompts, self.target.config.get_text_config().vocab_size)
-        needed = max(p.length for p in prompts) + max_new + self.drafting.max_gamma + 2
-        if (
-            self.dustin_config is not None and self.dustin_config.mode == "exact"
-        ):  # tentative tokens past max_new, wider blocks
-            needed += self.dustin_config.confirm_tokens + 2 * self.drafting.max_gamma + 2
+        footprint = self.mode.footprint(self.dustin_config, self.drafting.max_gamma, self.generation.do_sample)
+        needed = max(p.length for p in prompts) + max_new + self.drafting.max_gamma + 2 + footprint.extra_slots
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
-        calibrating = (
-            self.dustin_config is not None and self.dustin_config.calibration == "prompt"
-        )  # each run picks its heads
         workspace = None
         try:
-            workspace, window_slots = self._workspace(prompts, padded_len, needed)
+            workspace, window_slots = self._workspace(prompts, padded_len, needed, footprint)
             generation = workspace.fused.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
             with fused_ops(
@@ -166,15 +171,13 @@ class SpeculativeDecoder:
                     workspace.seal()
                 elif workspace.fused.generation != generation:  # fits() compared the addresses the graphs read
                     raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
-                run = DecodeRun(self, workspace, prompts, padded_len, max_new, window_slots)
+                run = self._run(workspace, prompts, padded_len, max_new, window_slots)
                 result = run.decode(input_ids, prompts, self.decode_step)
         except BaseException:
             if workspace is not None:
                 workspace.release()  # a run that failed part-way may have left a graph or the caches half made
             raise
-        # prompt calibration picks other scoring heads each call, and every pick captures graphs of its own: such
-        # runs keep nothing
-        if self.runtime.workspaces is not None and not calibrating:
+        if self.runtime.workspaces is not None and footprint.keeps_workspace:
             self.runtime.workspaces.keep(workspace)
         else:
             workspace.release()
@@ -189,7 +192,9 @@ class SpeculativeDecoder:
         result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
         return result
 
-    def _workspace(self, prompts: list[Prompt], padded_len: int, needed: int) -> tuple[Workspace, torch.Tensor | None]:
+    def _workspace(
+        self, prompts: list[Prompt], padded_len: int, needed: int, footprint: Footprint
+    ) -> tuple[Workspace, torch.Tensor | None]:
         """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`); its
         runners get this run's position and window tables. Also what sliding windows count where rows have holes
         (``None``: the slots), which the selector reads."""
@@ -206,13 +211,7 @@ class SpeculativeDecoder:
             self.graphs[role] and positions is None and not recording and not windowed[role]
             for role in ("target", "draft")
         )
-        cfg = self.dustin_config
-        read_width = 0 if cfg is None else max(cfg.budget, cfg.max_budget)  # a sparse verification's read set
-        sparse_draft = cfg is not None and cfg.sparse_draft
-        draft_width = read_width + DraftReads.extra_for(cfg, self.drafting.max_gamma) if sparse_draft else 0
-        # exact mode's sampling needs p~ to be a function of the prefix: only the first query (x's) scores there
-        exact_sampling = self.generation.do_sample and cfg is not None and cfg.mode == "exact"
-        select = select_spec(cfg, queries=1 if exact_sampling else None) if cfg is not None else None
+        read_width, draft_width, select = footprint.read_width, footprint.draft_width, footprint.select
         shape = Shape(
             batch=len(prompts),
             backend=self.backend,
@@ -220,7 +219,7 @@ class SpeculativeDecoder:
             fused=(self.fused["target"], self.fused["draft"]),
             tokens_only=self.tokens_only,
             widths=(read_width, draft_width),
-            dustin_config=cfg,
+            dustin_config=self.dustin_config,
             tuning=self.runtime.tuning,
             select=select,
         )
@@ -246,7 +245,7 @@ class SpeculativeDecoder:
                 self.backend,
                 graphs[0],
                 graph_width=read_width,
-                dense_layers=cfg.dense_layers if cfg is not None else (),
+                dense_layers=footprint.dense_layers,
                 tokens_only=self.tokens_only,
                 tuning=self.runtime.tuning.kernels,
                 select=select,
