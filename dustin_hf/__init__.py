@@ -11,6 +11,7 @@ torch or transformers.
 """
 
 import logging as _logging
+import os as _os
 
 __all__ = ["DustinCache", "DustinConfig", "DustinPatch", "is_patched", "patch"]
 __version__ = "0.1.0"
@@ -19,6 +20,17 @@ __version__ = "0.1.0"
 # the "dustin_hf" logger at INFO: silent unless asked for, e.g. logging.getLogger("dustin_hf").setLevel("INFO") with
 # a handler (logging.basicConfig())
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+# `patches/` sits beside this folder in a checkout and installs as `dustin_hf.patches` (pyproject's package-dir). An
+# editable install maps that name to the checkout it was made from, which Python asks only after the package's own
+# path: a second checkout or a git worktree imported from its own folder (PYTHONPATH) would run the first one's
+# patches. So in a checkout the package's path also holds the checkout's top folder, after its own: its
+# `patches/` is found there. A wheel holds `dustin_hf/patches/` itself and has no `patches/` beside it.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "patches")) and _os.path.isfile(
+    _os.path.join(_checkout, "patches", "__init__.py")
+):
+    __path__.append(_checkout)
 
 
 def __getattr__(name: str):
