@@ -45,15 +45,15 @@ def test_the_defaults_past_their_budget_keep_exact_mode_exact(monkeypatch):
     """``dustin_hf.patch(model)`` as it comes (the selection layers, 2048 positions): a prompt past the budget and
     ``min_context`` verifies sparsely with the selection layers choosing, and exact mode at those defaults still
     returns plain greedy decoding's tokens."""
-    from dustin_hf.adapter import attention
+    from dustin_hf.selection import layers
 
     target = tiny_model("qwen2", layers=3, hidden=32, heads=4, kv_heads=2, seed=2)
     draft = set_gamma(noisy_copy(target), 4)
     ids = random_prompt(4000, seed=13)  # this model and prompt: reading 2048 of 4000 positions changes the answer
     greedy = target.generate(ids, max_new_tokens=16, do_sample=False)
     chose = []
-    real = attention.choose_read_set
-    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
+    real = layers.choose_read_set
+    monkeypatch.setattr(layers, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
     with dustin_hf.patch(target):
         sparse = target.generate(
             ids,

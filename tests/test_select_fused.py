@@ -226,6 +226,7 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
     from dustin_hf.decode.cache import DustinCache
     from dustin_hf.decode.runner import ModelRunner
     from dustin_hf.runtime.plan import ForwardPlan
+    from dustin_hf.selection import layers as select_layers
     from dustin_hf.selection.recovery import position_weights
 
     layers, selector, prompt, width, sink, recent = 4, 1, 160, 24, 2, 4
@@ -235,8 +236,8 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
     reads, fused, chosen = [], [], []
     real_verify, real_fused, real_choose = (
         attention.verify_attention,
-        attention.selection_attention,
-        attention.choose_read_set,
+        select_layers.selection_attention,
+        select_layers.choose_read_set,
     )
 
     def verify(q, k, v, seqlens, *, indices=None, num_indices=None, **kwargs):
@@ -244,8 +245,13 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
         return real_verify(q, k, v, seqlens, indices=indices, num_indices=num_indices, **kwargs)
 
     monkeypatch.setattr(attention, "verify_attention", verify)
-    monkeypatch.setattr(attention, "selection_attention", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
-    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **kw: chosen.append(1) or real_choose(*a, **kw))
+    monkeypatch.setattr(select_layers, "selection_attention", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
+    # a choice that scores the keys itself (the fused path hands it the weights its attention kernel wrote)
+    monkeypatch.setattr(
+        select_layers,
+        "choose_read_set",
+        lambda *a, **kw: chosen.append(kw.get("weights") is None) or real_choose(*a, **kw),
+    )
     for weights_out in (False, True):
         runner = ModelRunner(model, DustinCache(layers, 1, prompt + Q + 1), "triton")
         reads.clear(), fused.clear(), chosen.clear()
@@ -264,7 +270,7 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
             )
             runner.forward(plan, tokens[prompt:][None], keep=1)
         if weights_out:  # the masked path: every layer there, the choice through choose_read_set
-            assert (fused, chosen, reads) == ([], [1], [])
+            assert (fused, chosen, reads) == ([], [True], [])
             continue
         keys = runner.cache.layer_buffers(selector)[0][0]
         weights = position_weights(
@@ -277,5 +283,5 @@ def test_a_triton_forward_takes_the_fused_path_and_a_masked_one_does_not(monkeyp
             + list(range(prompt - recent, prompt))
             + candidates.topk(width - sink - recent).indices.tolist()
         )
-        assert (fused, chosen) == ([1], [])
+        assert (fused, chosen) == ([1], [False])
         assert reads == [given.tolist()] * selector + [expected] * (layers - selector - 1)

@@ -1,10 +1,11 @@
-"""Selection layers (``DustinConfig(selection="verify")``): the verification forward chooses what its later layers read.
+"""Selection layers (``DustinConfig(selection="verify")``): the verification forward chooses what its later layers
+read.
 
 The read sets of a real forward are recorded at the attention kernel: the layers before the selection layer read the
 set chosen before the forward, the selection layer reads every cached position, and the layers after it read the
 set that this forward's own queries at the selection layer attend to most (checked against an independent
-computation, :func:`dustin_hf.selection.recovery.position_weights`, not against the code under test). A stale choice (the
-previous forward's queries) is caught by the same check. Then the decoder: a budget covering the context is greedy
+computation, :func:`dustin_hf.selection.recovery.position_weights`, not against the code under test). A stale choice
+(the previous forward's queries) is caught by the same check. Then the decoder: a budget covering the context is greedy
 and stock assisted decoding; exact mode stays exact, greedy and sampled; rows stay independent
 (``test_row_independence.py`` walks the mode too).
 """
@@ -202,7 +203,7 @@ def test_a_choice_from_the_previous_forwards_queries_is_caught(monkeypatch):
         previous.append(q.clone())
         return real(previous[-2] if len(previous) > 1 else q, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "choose_read_set", stale)
+    monkeypatch.setattr(select_layers, "choose_read_set", stale)
     assert not _check_reads(monkeypatch)
 
 
@@ -323,7 +324,7 @@ def test_selection_calibration_walks_each_candidate_and_picks_the_best_agreement
     assert report["chosen"] == list(names[best]) and report["tokens"] == 2 * 40
 
 
-# ---- the decoder -----------------------------------------------------------------------------------------------------
+# ---- the decoder ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_full_budget_equals_greedy_and_stock_assisted(family):
     target = tiny_model(family, layers=3)
@@ -347,8 +348,8 @@ def test_a_row_its_budget_covers_equals_greedy_beside_a_sparse_row(monkeypatch):
     prompts = [random_prompt(n, seed=n)[0] for n in (600, 40)]
     ids, mask = left_pad(prompts)
     chose = []
-    real = attention.choose_read_set
-    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
+    real = select_layers.choose_read_set
+    monkeypatch.setattr(select_layers, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
     new = dict(do_sample=False, max_new_tokens=20, pad_token_id=PAD)
     alone = [target.generate(p[None], **new)[0, p.shape[0] :] for p in prompts]
     config = dict(
@@ -385,8 +386,8 @@ def test_sparse_steps_select_in_the_forward_and_exact_mode_stays_greedy(monkeypa
     differs from Dustin's own selection's, and exact mode's equals plain greedy decoding."""
     target, draft, ids, mask = _ragged_case()
     chose = []
-    real = attention.choose_read_set
-    monkeypatch.setattr(attention, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
+    real = select_layers.choose_read_set
+    monkeypatch.setattr(select_layers, "choose_read_set", lambda *a, **k: chose.append(1) or real(*a, **k))
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
     greedy = target.generate(ids, **kwargs)
     config = dict(budget=32, min_context=64, sink_tokens=SINK, recent_tokens=RECENT)
@@ -459,13 +460,13 @@ def test_exact_sampling_with_selection_layers_follows_the_targets_law(monkeypatc
 
     target, draft, prompt, law = _joint_law_case()
     scored_with = set()
-    real = attention.choose_read_set
+    real = select_layers.choose_read_set
 
     def recording(q, k_cache, tensors, span, spec, scale, **kwargs):
         scored_with.add(spec.queries)
         return real(q, k_cache, tensors, span, spec, scale, **kwargs)
 
-    monkeypatch.setattr(attention, "choose_read_set", recording)
+    monkeypatch.setattr(select_layers, "choose_read_set", recording)
 
     def pvalue(mode: str) -> float:
         scored_with.clear()

@@ -16,9 +16,10 @@ its window; on a sparse step the layer reads its whole window when the window fi
 covering the window is exact), else the selection within it. The same path serves the hidden query of a masked
 last input slot (``ForwardPlan.hide_new``) and ``output_attentions`` (``ForwardPlan.attention_weights``).
 
-A selection layer of a sparse forward (``ForwardPlan.select``) reads every cached position and chooses the read set
-of the layers after it (:mod:`dustin_hf.selection.layers`); on the Triton backend its attention kernel writes the
-scores the choice needs (:func:`~dustin_hf.selection.layers.selection_attention`), so its keys are read once.
+A selection layer of a sparse forward (``ForwardPlan.select``) reads every cached position and hands the choice of
+the read set of the layers after it to the selection layers' policy
+(:func:`~dustin_hf.selection.layers.choose_in_forward`), which on the Triton backend may compute the layer's attention
+with it (its keys read once).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..kernels import full_rows_written, verify_attention
 from ..kernels.masked import masked_attention
 from ..kernels.reference import prefill_attention
 from ..runtime.plan import ForwardPlan
-from ..selection.layers import choose_read_set, selection_attention
+from ..selection.layers import choose_in_forward
 
 __all__ = ["ATTENTION_NAME", "dustin_attention"]
 
@@ -55,7 +56,46 @@ def dustin_attention(
 ) -> tuple[torch.Tensor, None]:
     """``query (B, Hq, Q, D)``, ``key/value (B, Hkv, capacity, D)`` -> ``(B, Q, Hq, D)`` and, only when the plan asks
     for them, the weights ``(B, Hq, Q, max cached + Q)`` over cache slots."""
-    if dustin_plan is None:
+    _check_supported(module, dropout, softcap, dustin_plan)
+    plan = dustin_plan
+    q = query.transpose(1, 2)  # (B, Q, Hq, D)
+    k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)  # (B, capacity, Hkv, D): the cache's own layout
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    plan.keep_queries(module.layer_idx, q)
+    tensors = plan.on(q.device)
+    sparse = tensors.indices is not None and module.layer_idx not in plan.dense_layers
+    window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
+    if sliding_window is not None and (sliding_window < plan.max_seqlen_k or plan.window_slots is not None):
+        window = sliding_window
+    masked = window is not None or plan.hide_new or plan.attention_weights
+    if plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
+        sparse = False
+        out = choose_in_forward(plan, q, k_cache, v_cache, tensors, scale, window, masked)
+        if out is not None:
+            return out, None
+    if masked:
+        return _masked(plan, q, k_cache, v_cache, tensors, scale, window, sparse)
+    prompt = not plan.is_sparse and plan.q_len > _MAX_DECODE_QUERIES
+    if prompt and plan.uniform_start is not None:  # a prompt chunk of rows that all hold as many positions
+        return prefill_attention(q, k_cache, v_cache, plan.uniform_start, softmax_scale=scale), None
+    out = verify_attention(
+        q,
+        k_cache,
+        v_cache,
+        tensors.cache_seqlens,
+        softmax_scale=scale,
+        indices=tensors.indices if sparse else None,
+        num_indices=tensors.num_indices if sparse else None,
+        max_seqlen_k=plan.max_seqlen_k,
+        full_rows=sparse and plan.full_rows,
+        backend="reference" if prompt else plan.backend,
+        tuning=None if plan.tuning is None else plan.tuning.verify,
+    )
+    return out, None
+
+
+def _check_supported(module: torch.nn.Module, dropout: float, softcap: float | None, plan: ForwardPlan | None) -> None:
+    if plan is None:
         raise RuntimeError(
             "the 'dustin' attention runs only inside dustin_hf's decoding loop; call "
             "model.generate(..., assistant_model=draft, cache_implementation='dustin'), or restore the model's "
@@ -68,95 +108,27 @@ def dustin_attention(
         )
     if module.training and dropout:
         raise NotImplementedError("Dustin attention is for inference; call model.eval() first")
-    q = query.transpose(1, 2)  # (B, Q, Hq, D)
-    dustin_plan.keep_queries(module.layer_idx, q)
-    tensors = dustin_plan.on(q.device)
-    backend = dustin_plan.backend
-    prompt = not dustin_plan.is_sparse and dustin_plan.q_len > _MAX_DECODE_QUERIES
-    if prompt:
-        backend = "reference"
-    sparse = tensors.indices is not None and module.layer_idx not in dustin_plan.dense_layers
-    window = None  # a window that cuts this forward's keys, or one that counts masked input slots too
-    if sliding_window is not None and (
-        sliding_window < dustin_plan.max_seqlen_k or dustin_plan.window_slots is not None
-    ):
-        window = sliding_window
-    masked = window is not None or dustin_plan.hide_new or dustin_plan.attention_weights
-    if dustin_plan.selects_at(module.layer_idx):  # reads everything and chooses what the layers after it read
-        sparse = False
-        tuning = dustin_plan.tuning
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        if dustin_plan.backend == "triton" and not masked:  # one read of the keys for the attention and the choice
-            out, chosen = selection_attention(
-                q,
-                key.transpose(1, 2),
-                value.transpose(1, 2),
-                tensors,
-                dustin_plan.key_span,
-                dustin_plan.max_seqlen_k,
-                dustin_plan.select,
-                scale,
-                tuning=tuning,
-            )
-            dustin_plan.keep_selection(chosen)
-            return out, None
-        dustin_plan.keep_selection(
-            choose_read_set(
-                q,
-                key.transpose(1, 2),
-                tensors,
-                dustin_plan.key_span,
-                dustin_plan.select,
-                scale,
-                backend="triton" if dustin_plan.backend == "triton" else "reference",  # as Dustin's own scoring
-                score_tuning=None if tuning is None else tuning.score,
-                select_tuning=None if tuning is None else tuning.select,
-                window=window,
-                key_slots=dustin_plan.window_slots_on(q.device) if window is not None else None,
-            )
+
+
+def _masked(plan: ForwardPlan, q, k_cache, v_cache, tensors, scale: float, window: int | None, sparse: bool):
+    """The general masked path (module docstring): a sparse layer reads its whole window where the window fits the
+    read budget, else the selection within it."""
+    sparse = sparse and not (window is not None and window <= plan.read_budget)
+    indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
+    if sparse and plan.full_rows:  # the masked path reads listed positions only
+        indices, num_indices = full_rows_written(
+            indices, num_indices, tensors.cache_seqlens, plan.max_seqlen_k, plan.q_len
         )
-    if masked:
-        sparse = sparse and not (window is not None and window <= dustin_plan.read_budget)
-        indices, num_indices = (tensors.indices, tensors.num_indices) if sparse else (None, None)
-        if sparse and dustin_plan.full_rows:  # the masked path reads listed positions only
-            indices, num_indices = full_rows_written(
-                indices, num_indices, tensors.cache_seqlens, dustin_plan.max_seqlen_k, dustin_plan.q_len
-            )
-        out, weights = masked_attention(
-            q,
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            tensors.cache_seqlens,
-            softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-            indices=indices,
-            num_indices=num_indices,
-            window=window,
-            key_slots=dustin_plan.window_slots_on(q.device),
-            hide_new=dustin_plan.hide_new,
-            return_weights=dustin_plan.attention_weights,
-        )
-        return out, weights
-    start = dustin_plan.uniform_start
-    if prompt and start is not None:  # a prompt chunk of rows that all hold `start` positions: one causal call
-        out = prefill_attention(
-            q,
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            start,
-            softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-        )
-        return out, None
-    out = verify_attention(
+    return masked_attention(
         q,
-        key.transpose(1, 2),  # (B, capacity, Hkv, D): the cache's physical layout again
-        value.transpose(1, 2),
+        k_cache,
+        v_cache,
         tensors.cache_seqlens,
-        softmax_scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-        indices=tensors.indices if sparse else None,
-        num_indices=tensors.num_indices if sparse else None,
-        max_seqlen_k=dustin_plan.max_seqlen_k,
-        full_rows=sparse and dustin_plan.full_rows,
-        backend=backend,
-        tuning=None if dustin_plan.tuning is None else dustin_plan.tuning.verify,
+        softmax_scale=scale,
+        indices=indices,
+        num_indices=num_indices,
+        window=window,
+        key_slots=plan.window_slots_on(q.device),
+        hide_new=plan.hide_new,
+        return_weights=plan.attention_weights,
     )
-    return out, None

@@ -1,4 +1,4 @@
-"""Selection layers: the verification forward chooses the read set of the layers after them.
+"""The selection layers' policy (``selection="verify"``): the forward chooses the read set of the layers after them.
 
 Dustin chooses a step's read set before the verification forward, from signals that only approximate its
 queries (the last committed token's attention, the draft's). The forward itself computes the queries of the
@@ -37,10 +37,57 @@ from __future__ import annotations
 import torch
 
 from ..kernels.tuning import ScoreTuning, SelectTuning
-from ..runtime.plan import DeviceTensors, SelectLayers
+from ..runtime.plan import DeviceTensors, ForwardPlan, SelectLayers
 from .scoring import attention_mass
 
-__all__ = ["choose_read_set", "layer_position_weights", "select_spec", "selection_attention"]
+__all__ = ["choose_in_forward", "choose_read_set", "layer_position_weights", "select_spec", "selection_attention"]
+
+
+def choose_in_forward(
+    plan: ForwardPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tensors: DeviceTensors,
+    softmax_scale: float,
+    window: int | None,
+    masked: bool,
+) -> torch.Tensor | None:
+    """A selection layer of ``plan`` (:meth:`~dustin_hf.runtime.plan.ForwardPlan.selects_at`) in the attention
+    function: chooses the read set of the layers after it and keeps it on the plan.
+
+    Args:
+        q: ``(B, Q, nheads, headdim)``; ``k_cache``, ``v_cache``: ``(B, capacity, nheads_k, headdim)``.
+        tensors: the plan's tensors on the layer's device (the read set so far).
+        window: the layer's sliding window where it cuts the keys or counts masked input slots (``None``: none).
+        masked: the layer attends through the general masked path (a window, hidden new tokens, weights returned).
+
+    Returns the layer's attention output where the Triton path computed it with the choice
+    (:func:`selection_attention`: one read of the keys), else ``None``: the layer then attends to everything as a
+    dense layer does.
+    """
+    tuning = plan.tuning
+    if plan.backend == "triton" and not masked:
+        out, chosen = selection_attention(
+            q, k_cache, v_cache, tensors, plan.key_span, plan.max_seqlen_k, plan.select, softmax_scale, tuning=tuning
+        )
+        plan.keep_selection(chosen)
+        return out
+    chosen = choose_read_set(
+        q,
+        k_cache,
+        tensors,
+        plan.key_span,
+        plan.select,
+        softmax_scale,
+        backend="triton" if plan.backend == "triton" else "reference",  # as Dustin's own scoring
+        score_tuning=None if tuning is None else tuning.score,
+        select_tuning=None if tuning is None else tuning.select,
+        window=window,
+        key_slots=plan.window_slots_on(q.device) if window is not None else None,
+    )
+    plan.keep_selection(chosen)
+    return None
 
 
 def layer_position_weights(
@@ -185,28 +232,38 @@ def choose_read_set(
     low = torch.zeros_like(seqlens) if window is None else _window_start(seqlens, window, key_slots)
     full = (counts >= seqlens - low)[:, None]  # the whole window (or cache) fits the row's count: kept
     if window is None and backend == "triton" and _fills_in_kernel(span, width, sink, recent, select_tuning):
-        from ..kernels import launch_device
-        from ..kernels.triton_select import select_sparse_triton
-
-        with launch_device(weights):  # the history score alone: a draft share of 0
-            chosen = select_sparse_triton(
-                weights,
-                weights,
-                seqlens,
-                sink=sink,
-                recent=recent,
-                share=0,
-                fill=width - sink - recent,
-                counts=counts,
-                tuning=select_tuning,
-            )
-        return DeviceTensors(
-            tensors.cache_seqlens,
-            torch.where(full, tensors.indices, chosen),
-            tensors.num_indices,
-            tensors.query_counts,
-        )
+        return _fill_in_kernel(weights, tensors, sink, recent, full, select_tuning)
     return _fill(weights, tensors, span, sink, recent, low, full)
+
+
+def _fill_in_kernel(
+    weights: torch.Tensor,
+    tensors: DeviceTensors,
+    sink: int,
+    recent: int,
+    full: torch.Tensor,
+    tuning: SelectTuning | None,
+) -> DeviceTensors:
+    """:func:`choose_read_set`'s fill in the selection kernel, with the history score alone (a draft share of 0) and
+    each row's count; a ``full`` row keeps its index row."""
+    from ..kernels import launch_device
+    from ..kernels.triton_select import select_sparse_triton
+
+    with launch_device(weights):
+        chosen = select_sparse_triton(
+            weights,
+            weights,
+            tensors.cache_seqlens.long(),
+            sink=sink,
+            recent=recent,
+            share=0,
+            fill=tensors.indices.shape[1] - sink - recent,
+            counts=tensors.num_indices.long(),
+            tuning=tuning,
+        )
+    return DeviceTensors(
+        tensors.cache_seqlens, torch.where(full, tensors.indices, chosen), tensors.num_indices, tensors.query_counts
+    )
 
 
 def _window_start(seqlens: torch.Tensor, window: int, key_slots: torch.Tensor | None) -> torch.Tensor:
@@ -288,8 +345,7 @@ def selection_attention(
     from ..kernels.triton_score import attention_mass_from_scores
     from ..kernels.triton_verify import verify_attention_scores_triton
 
-    n_q = _score_queries(q, spec)
-    n_heads = q.shape[2]
+    n_q, n_heads = _score_queries(q, spec), q.shape[2]
     counts = _counted(tensors.query_counts, n_q, q.device)
     with launch_device(q):
         out, buffers = verify_attention_scores_triton(
