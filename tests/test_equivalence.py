@@ -10,8 +10,8 @@ from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tin
 
 import dustin_hf
 from dustin_hf.compat import CACHE_KWARG
-from dustin_hf.decode import run as decode_run
-from dustin_hf.selection import selector
+from dustin_hf.decode import sparse as sparse_mode
+from dustin_hf.selection import dustin_set
 from dustin_hf.selection.draft_reads import DraftReads
 from dustin_hf.selection.fill import Selection
 
@@ -89,9 +89,9 @@ def test_sparse_path_with_every_position_selected_is_exact(monkeypatch, family):
     draft = set_gamma(noisy_copy(target), 3)
     ids = random_prompt(40, seed=3)
     greedy = target.generate(ids, max_new_tokens=20, do_sample=False)
-    monkeypatch.setattr(decode_run, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
-    monkeypatch.setattr(selector, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
-    monkeypatch.setattr(selector, "select_positions", _select_everything)
+    monkeypatch.setattr(sparse_mode, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
+    monkeypatch.setattr(dustin_set, "dense_rows", lambda seqlens, cfg: [False] * len(seqlens))
+    monkeypatch.setattr(dustin_set, "select_positions", _select_everything)
     with dustin_hf.patch(target):
         out = target.generate(
             ids,

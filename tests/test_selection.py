@@ -128,7 +128,8 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
     read in full give the counts on the host, without reading the device, equal to counting the entries below the
     cut, for the paper's fill, a sliding window (one shorter than the recent window too) and the knob's sets; a cut
     below a recent window falls back to counting on the device."""
-    from dustin_hf.selection.fill import select_by_recovery, truncated
+    from dustin_hf.selection.fill import truncated
+    from dustin_hf.selection.knob import select_by_recovery
 
     generator = torch.Generator().manual_seed(seed)
     fields = dict(budget=32, sink_tokens=4, recent_tokens=8, draft_share=7, min_context=100)
@@ -164,3 +165,54 @@ def test_truncated_counts_on_the_host_are_the_devices(seed, kind, monkeypatch):
         limits[3] if sel.counts[3] >= seqlens[3] else int((sel.indices[3, : sel.counts[3]] < limits[3]).sum())
     )
     assert truncated(sel, limits, seqlens, recent=8).counts == expected
+
+
+def test_the_registry_serves_min_recovery_with_the_knob_and_every_other_config_with_dustins_set():
+    from dustin_hf.selection.dustin_set import DustinSet
+    from dustin_hf.selection.knob import RecoveryKnob
+    from dustin_hf.selection.selector import Selector
+
+    def policy(**fields):
+        config = _config(budget=32, sink_tokens=2, recent_tokens=2, **fields)
+        return Selector(config, "reference", 2, 2, 0.25, 0.25, graphs=False).policy
+
+    assert isinstance(policy(min_recovery=0.9), RecoveryKnob)
+    assert isinstance(policy(), DustinSet) and isinstance(policy(selection="verify"), DustinSet)
+
+
+@pytest.mark.parametrize("min_recovery", [None, 0.8])
+def test_the_front_scores_with_the_history_it_is_handed(min_recovery):
+    """``Selector.select(..., history=...)`` reads the history queries it is handed, for the rows whose history is
+    their last cached position's query; row 1's is older (rolled back past it), so it fills by the draft's scores:
+    the read sets equal the fill over the two signals computed directly."""
+    from types import SimpleNamespace
+
+    from dustin_hf.selection.history import History
+    from dustin_hf.selection.knob import select_by_recovery
+    from dustin_hf.selection.scoring import draft_lookahead_scores, target_history_scores
+    from dustin_hf.selection.selector import Selector
+
+    cfg = _config(budget=12, sink_tokens=1, recent_tokens=2, min_context=0, min_recovery=min_recovery)
+    generator = torch.Generator().manual_seed(0)
+    gamma, seqlens, capacity, dim = 3, [40, 33], 48, 16
+    buffers = {layer: torch.randn(2, capacity, 2, dim, generator=generator) for layer in (0, 1)}
+    cache = SimpleNamespace(capacity=capacity, layer_buffers=lambda layer: (buffers[layer], None))
+    runner = SimpleNamespace(cache=cache)
+    kept = {layer: [torch.randn(2, 2, dim, generator=generator) for _ in range(gamma)] for layer in cfg.draft_layers}
+    history = History(2)
+    history.keep(torch.randn(2, 2, dim, generator=generator), [seqlens[0] - 1, seqlens[1] - 5])
+    base = torch.tensor(seqlens)
+    selector = Selector(cfg, "reference", 2, 2, 0.25, 0.25, graphs=False)
+    got = selector.select(runner, runner, seqlens, base, kept, gamma, history=history)
+
+    queries = [torch.stack(kept[layer], dim=1) for layer in cfg.draft_layers]
+    keys = [buffers[layer] for layer in cfg.draft_layers]
+    s_draft = draft_lookahead_scores(queries, keys, base, cfg.draft_heads, 2, 0.25, max(seqlens))
+    s_target = target_history_scores(
+        history.queries, buffers[cfg.target_layer], base, cfg.target_heads, 2, 0.25, max(seqlens)
+    )
+    fill = select_positions if min_recovery is None else select_by_recovery
+    expected = fill(seqlens, s_draft, s_target, [True, False], cfg, lengths=base, full_rows=True)
+    assert got.counts == expected.counts
+    for row, count in enumerate(got.counts):
+        assert torch.equal(got.indices[row, :count], expected.indices[row, :count])

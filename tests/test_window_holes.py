@@ -18,7 +18,8 @@ import dustin_hf
 from dustin_hf.config import DustinConfig, resolve
 from dustin_hf.decode.masks import prompts_from_mask, stock_slots
 from dustin_hf.kernels.masked import masked_attention
-from dustin_hf.selection.fill import select_by_recovery, select_positions
+from dustin_hf.selection.fill import select_positions
+from dustin_hf.selection.knob import select_by_recovery
 from dustin_hf.selection.selector import Selector
 
 pytestmark = pytest.mark.usefixtures("one_thread")

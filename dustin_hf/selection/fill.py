@@ -33,8 +33,7 @@ from ..runtime.plan import device_tensor
 __all__ = [
     "Selection",
     "dense_rows",
-    "estimated_mass",
-    "select_by_recovery",
+    "per_row",
     "select_positions",
     "truncated",
     "with_dense_rows",
@@ -86,46 +85,24 @@ def select_positions(
         window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
             window the budget covers is read whole); one per row where rows differ (masked input slots take
-            places in stock's windows, :meth:`dustin_hf.selection.selector.Selector._row_windows`). ``None``: the whole
+            places in stock's windows, :func:`dustin_hf.selection.step.row_windows`). ``None``: the whole
             context.
         tuning: the Triton selection's launch heuristic (``None``: the default).
         full_rows: name rows read in full by their counts (outside sliding windows, as above).
     """
-    windows = _per_row(window, len(seqlens))
+    windows = per_row(window, len(seqlens))
     if windows is not None and any(n - w + 1 > 0 for n, w in zip(seqlens, windows)):
         return _select_in_window(seqlens, draft_scores, target_scores, has_history, config, backend, windows, tuning)
     device = draft_scores.device
-    batch, span = draft_scores.shape
+    batch = draft_scores.shape[0]
     dense = dense_rows(seqlens, config)
     counts = [n if d else config.budget for n, d in zip(seqlens, dense)]
     width = max(counts)
     if all(dense):
         indices = torch.arange(width, device=device, dtype=torch.int32).expand(batch, width).contiguous()
         return Selection(indices, device_tensor(counts, device, torch.int32), counts)
-    if lengths is None:
-        lengths = device_tensor(seqlens, device)
-    lengths = lengths.to(device)
-
-    sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
-    fill = config.budget - sink - recent - share
-    history = _history_scores(draft_scores, target_scores, has_history)
-    if _resolve_backend(backend, draft_scores, share, fill, tuning) == "triton":
-        from ..kernels import launch_device
-        from ..kernels.triton_select import select_sparse_triton
-
-        with launch_device(draft_scores):
-            indices = select_sparse_triton(
-                draft_scores.contiguous(),
-                history.contiguous(),
-                lengths,
-                sink=sink,
-                recent=recent,
-                share=share,
-                fill=fill,
-                tuning=tuning,
-            )  # (B, budget)
-    else:
-        indices = _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
+    lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
+    indices = _sparse_fill(draft_scores, target_scores, has_history, config, lengths, backend, tuning)  # (B, budget)
     if any(dense) and full_rows:  # named by their counts, their index rows never read
         return Selection(indices, device_tensor(counts, device, torch.int32), counts, full_rows=True)
     if any(dense):  # rows read in full: positions 0..L-1 (valid entries first, as counts say)
@@ -139,7 +116,30 @@ def select_positions(
     return Selection(indices=indices, num_indices=num_indices, counts=counts)
 
 
-def _per_row(window: int | list[int] | None, batch: int) -> list[int] | None:
+def _sparse_fill(draft_scores, target_scores, has_history, config, lengths, backend, tuning) -> torch.Tensor:
+    """Every row's sparse read set, ``(B, budget)`` int32 sorted: the Triton fill or the PyTorch one."""
+    sink, recent, share = config.sink_tokens, config.recent_tokens, config.draft_share
+    fill = config.budget - sink - recent - share
+    history = _history_scores(draft_scores, target_scores, has_history)
+    if _resolve_backend(backend, draft_scores, share, fill, tuning) != "triton":
+        return _select_sparse_reference(draft_scores, history, lengths, sink, recent, share, fill)
+    from ..kernels import launch_device
+    from ..kernels.triton_select import select_sparse_triton
+
+    with launch_device(draft_scores):
+        return select_sparse_triton(
+            draft_scores.contiguous(),
+            history.contiguous(),
+            lengths,
+            sink=sink,
+            recent=recent,
+            share=share,
+            fill=fill,
+            tuning=tuning,
+        )
+
+
+def per_row(window: int | list[int] | None, batch: int) -> list[int] | None:
     return None if window is None else [window] * batch if isinstance(window, int) else list(window)
 
 
@@ -221,108 +221,6 @@ def _select_sparse_reference(draft_scores, history, lengths, sink, recent, share
         by_history = history.float().masked_fill(taken, neg_inf).scatter_(1, top_draft, neg_inf)
         parts.append(by_history.topk(fill, dim=1, sorted=False).indices)  # (B, budget - s - r - m)
     return torch.cat(parts, dim=1).sort(dim=1).values.to(torch.int32)  # (B, budget)
-
-
-def estimated_mass(
-    draft_scores: torch.Tensor, target_scores: torch.Tensor | None, has_history: list[bool], lengths: torch.Tensor
-) -> torch.Tensor:
-    """``(B, span)`` float32: each cached position's share of the scoring heads' attention, the mean of the target
-    history's and the draft lookahead's masses, each normalised over the row's ``[0, L)`` (the draft's alone for
-    a row without a history). It sums to 1 over a row, so a set's sum is its estimated recovery."""
-    valid = torch.arange(draft_scores.shape[1], device=draft_scores.device)[None, :] < lengths[:, None]
-
-    def normalised(scores):
-        scores = scores.float() * valid
-        return scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-
-    mass = normalised(draft_scores)
-    if target_scores is not None and any(has_history):
-        both = 0.5 * (mass + normalised(target_scores))
-        mass = torch.where(device_tensor(has_history, mass.device)[:, None], both, mass)
-    return mass
-
-
-def select_by_recovery(
-    seqlens: list[int],
-    draft_scores: torch.Tensor,
-    target_scores: torch.Tensor | None,
-    has_history: list[bool],
-    config: ResolvedConfig,
-    lengths: torch.Tensor | None = None,
-    counts: list[int] | None = None,
-    window: int | list[int] | None = None,
-    full_rows: bool = False,
-) -> Selection:
-    """The quality knob's read sets (``config.min_recovery``): per row, the sinks and the recent window, then
-    positions by :func:`estimated_mass` until the set's estimated recovery reaches the target; at least
-    ``budget`` positions, at most ``max_budget``, else (the target out of reach) every position. Rows that
-    :func:`dense_rows` reads in full are read in full. Indices come out sorted, ``(B, W)`` int32 with ``W`` the
-    ceiling, or more when a row read in full is listed (without ``full_rows``) or a replayed count passes it.
-    ``counts`` (benchmarks replaying recorded budgets): each row's size instead of the one the target asks for (a
-    count reaching the row's context reads it in full; one past the ceiling short of it, the forced positions and
-    the ceiling's top entries).
-    ``window``: a sliding window every layer has (or each row's, as for :func:`select_positions`): only
-    ``[L - window + 1, L)`` holds candidates (and mass), and the sinks are the window's first positions.
-    ``full_rows``: a row read in full is named by its count alone (:attr:`Selection.full_rows`), so ``W`` stays
-    the ceiling."""
-    device = draft_scores.device
-    batch, span = draft_scores.shape
-    lengths = device_tensor(seqlens, device) if lengths is None else lengths.to(device)
-    target, floor, ceiling = config.min_recovery, config.budget, config.max_budget
-    positions = torch.arange(span, device=device)[None, :]
-    windows = _per_row(window, batch)
-    low = torch.zeros_like(lengths) if windows is None else (lengths - device_tensor(windows, device) + 1).clamp_min(0)
-    outside = positions < low[:, None]  # before the window: no query of the step can see it
-    if window is not None:
-        draft_scores = draft_scores.float().masked_fill(outside, 0.0)
-        target_scores = None if target_scores is None else target_scores.float().masked_fill(outside, 0.0)
-    mass = estimated_mass(draft_scores, target_scores, has_history, lengths)  # (B, span)
-    inside = ~outside & (positions < lengths[:, None])
-    forced = inside & (
-        (positions < low[:, None] + config.sink_tokens) | (positions >= lengths[:, None] - config.recent_tokens)
-    )
-    n_forced = forced.sum(dim=1)  # (B,)
-    others = mass.masked_fill(forced | ~inside, -1.0)
-    depth = min(span, ceiling)
-    top = others.topk(depth, dim=1)  # by estimated mass, largest first
-    forced_mass = (mass * forced).sum(dim=1, keepdim=True)
-    reached = forced_mass + top.values.clamp_min(0).cumsum(dim=1)  # (B, depth)
-    # entries needed past the forced positions: none where they reach the target alone, else up to the first count
-    # whose estimate reaches it (never below the floor, above the ceiling)
-    needed = torch.where(forced_mass[:, 0] >= target, 0, (reached < target).sum(dim=1) + 1)
-    room = torch.minimum(ceiling - n_forced, inside.sum(dim=1) - n_forced).clamp_min(0)  # candidates it may add
-    out_of_reach = (needed > room) | (target >= 1.0)  # the ceiling (or the context) falls short: read everything
-    take = torch.minimum(needed, room).clamp_min(floor - n_forced)  # top entries to add
-    if counts is not None:  # replayed sizes: the same order, the given count
-        given = device_tensor(counts, device)
-        out_of_reach = given >= lengths
-        take = (torch.minimum(given, lengths) - n_forced).clamp(0, depth)  # the ranked entries there are
-    rank = torch.full_like(others, depth, dtype=torch.long).scatter_(
-        1, top.indices, torch.arange(depth, device=device).expand(batch, depth)
-    )  # each position's place in `top`
-    dense = dense_rows(seqlens, config)
-    whole = out_of_reach | device_tensor(dense, device)
-    chosen = forced | ((rank < take[:, None]) & inside)
-    chosen = torch.where(whole[:, None], inside if window is not None else positions < lengths[:, None], chosen)
-    counts_t = chosen.sum(dim=1)
-    estimate = torch.where(whole, torch.ones_like(reached[:, 0]), (mass * chosen).sum(dim=1))
-    host = torch.stack([counts_t.float(), estimate, out_of_reach.float()]).tolist()  # one sync: counts size the sets
-    counts = [int(c) for c in host[0]]
-    # rows read in full through their counts alone (full_rows, no window: a window's row is listed)
-    unlisted = [full_rows and window is None and (bool(o) or d) for o, d in zip(host[2], dense)]
-    width = max([ceiling] + [c for c, u in zip(counts, unlisted) if not u])  # the ceiling while every row fits it
-    order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]  # chosen first, in order
-    order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
-    indices = torch.where(torch.arange(width, device=device)[None, :] < counts_t[:, None], order, 0)
-    fallback = [bool(f) and not d for f, d in zip(host[2], dense)]
-    return Selection(
-        indices.to(torch.int32).contiguous(),
-        counts_t.to(torch.int32),
-        counts,
-        recovery=host[1],
-        fallback=fallback,
-        full_rows=any(u and c > ceiling for u, c in zip(unlisted, counts)),
-    )
 
 
 def truncated(selection: Selection, limits: list[int], seqlens: list[int], recent: int) -> Selection:
