@@ -73,9 +73,11 @@ from .selection.draft_reads import DraftReads  # the draft's read sets, from the
 from .selection.fill import (
     Selection,  # a read set per row: indices, counts
     dense_rows,  # the rows verification reads in full (context within the budget or below min_context)
+    select_positions,  # the budget fill: sinks, recent tokens, then the best-scored positions
+)
+from .selection.knob import (
     estimated_mass,  # the scoring heads' estimate of the attention each position gets
     select_by_recovery,  # the quality knob's selection: positions until the estimate reaches its target
-    select_positions,  # the budget fill: sinks, recent tokens, then the best-scored positions
 )
 from .selection.layers import select_spec  # a config's selection layers as the plan takes them
 from .selection.recovery import (
