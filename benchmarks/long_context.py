@@ -32,8 +32,8 @@ prefill (:func:`dustin_lab.prefilled.prefill_pair`) and every setting starts fro
 by the loop. Records go to ``--out`` after every batch; a phase run again with the same ``--out`` skips what is
 there (a GPU call cut at its time limit resumes).
 
-    python benchmarks/long_context.py --phases free --contexts 32768 --out DIR     # one GPU, the real pair
-    python benchmarks/long_context.py --smoke --out /tmp/lc                        # tiny models, CPU: checks the script
+    python benchmarks/long_context.py --phases free --contexts 32768 --out DIR  # one GPU, the real pair
+    python benchmarks/long_context.py --smoke --out /tmp/lc                     # tiny models, CPU: checks the script
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class Study:
         """The stats of the last call's decode loop, read from the caches the patch keeps for the next call (a
         returned cache would be a stock-layout copy of the whole KV cache); ``None`` for stock's own calls."""
         held = self.handle.workspaces.held
-        return held.target.cache.stats if looped and held is not None else None
+        return held.last_stats.as_dict() if looped and held is not None else None
 
     @property
     def pad(self) -> int:

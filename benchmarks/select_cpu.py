@@ -1,12 +1,13 @@
-"""Selection layers on the real pair, teacher-forced: the verification forward's own choice beside Dustin's and the oracle's.
+"""Selection layers on the real pair, teacher-forced: the verification forward's own choice beside Dustin's and the
+oracle's.
 
 For each text and context, one teacher-forced walk (:mod:`dustin_lab.walk`) on one prefill, every method on
 the same tokens: dense verification; Dustin's set (the profile's scoring heads) at each budget; the selection mode
 (``DustinConfig(selection="verify")``: at the selection layers the γ+1 verification queries attend to every cached
 position and choose the set the layers after them read; the layers before read Dustin's set, or everything with
-``--select dense:LAYERS``) at each budget; and the shared oracle (the top positions of the dense method's attention over
-every layer) at each budget. Per method: perplexity against dense, top-1 agreement with dense, teacher-forced drafts
-kept per step against dense, attention recovery (of what each layer actually read).
+``--select dense:LAYERS``) at each budget; and the shared oracle (the top positions of the dense method's attention
+over every layer) at each budget. Per method: perplexity against dense, top-1 agreement with dense, teacher-forced
+drafts kept per step against dense, attention recovery (of what each layer actually read).
 
 Each unit (text, context) is written to ``--scratch`` when done, so an interrupted run resumes; the merged report
 (``records``: one per method, text, context and budget) goes to ``--out`` after every unit.

@@ -120,7 +120,8 @@ class DustinConfig:
             ``"triton"``, ``"flash_attn"`` or ``"varlen"``.
         prefill_chunk: prompt tokens per forward during prefill (bounds activation memory). ``None``: on CUDA
             as many as half the free device memory holds (a whole prompt, as a rule: its attention is then one
-            square causal call, the fastest kernel SDPA has), elsewhere 4096 (:func:`dustin_hf.decode.runner.prefill_chunk`).
+            square causal call, the fastest kernel SDPA has), elsewhere 4096
+            (:func:`dustin_hf.decode.runner.prefill_chunk`).
     """
 
     budget: int | None = None
@@ -160,14 +161,15 @@ class DustinConfig:
         fixed = self.sink_tokens + self.recent_tokens
         if fixed > self.budget:
             raise ValueError(
-                f"sink_tokens + recent_tokens ({fixed}) exceeds budget ({self.budget}); raise budget or shrink the windows"
+                f"sink_tokens + recent_tokens ({fixed}) exceeds budget ({self.budget}); raise budget or shrink the "
+                "windows"
             )
         if self.draft_share is not None and not (
             isinstance(self.draft_share, int) and 0 <= self.draft_share <= self.budget - fixed
         ):
             raise ValueError(
-                f"draft_share must be an int in [0, budget - sink_tokens - recent_tokens] = [0, {self.budget - fixed}], "
-                f"got {self.draft_share!r}"
+                "draft_share must be an int in [0, budget - sink_tokens - recent_tokens] = "
+                f"[0, {self.budget - fixed}], got {self.draft_share!r}"
             )
         if self.target_layer is not None and (not isinstance(self.target_layer, int) or self.target_layer < 0):
             raise ValueError(f"target_layer must be a non-negative int or None, got {self.target_layer!r}")
@@ -202,8 +204,8 @@ class DustinConfig:
         if self.calibration == "prompt" and fixed == self.budget:
             raise ValueError(
                 f"calibration='prompt' searches the scoring heads and draft_share that fill budget - sink_tokens - "
-                f"recent_tokens positions; with budget == sink_tokens + recent_tokens ({self.budget}) nothing is left to "
-                "fill: raise budget, shrink the windows, or use calibration='none'"
+                f"recent_tokens positions; with budget == sink_tokens + recent_tokens ({self.budget}) nothing is left "
+                "to fill: raise budget, shrink the windows, or use calibration='none'"
             )
         if self.calibration == "prompt" and any(getattr(self, name) is not None for name in SEARCHED_FIELDS):
             given = [name for name in SEARCHED_FIELDS if getattr(self, name) is not None]

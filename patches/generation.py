@@ -40,8 +40,9 @@ class DustinGenerationMixin:
             )
         if generation_config.num_beams > 1:
             raise ValueError(
-                f"cache_implementation='dustin' does not support beam search (num_beams={generation_config.num_beams}):"
-                " speculative decoding keeps one sequence per row; use num_beams=1 (greedy or do_sample=True)"
+                "cache_implementation='dustin' does not support beam search "
+                f"(num_beams={generation_config.num_beams}): speculative decoding keeps one sequence per row; use "
+                "num_beams=1 (greedy or do_sample=True)"
             )
         if generation_mode != GenerationMode.ASSISTED_GENERATION:
             raise ValueError(

@@ -69,8 +69,8 @@ def eager_step_ahead(
 
 
 def tiled_prefill(prompts: int):
-    """A prefill with :meth:`~dustin_hf.decode.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat its
-    first ``prompts`` rows in turn (row ``b`` is row ``b % prompts``): it prefills those and copies each to the
+    """A prefill with :meth:`~dustin_hf.decode.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat
+    its first ``prompts`` rows in turn (row ``b`` is row ``b % prompts``): it prefills those and copies each to the
     rows that repeat it. Law tests sample thousands of rows of one or two prompts; use it as a decoder's
     ``DecodeHooks(prefill=...)`` or in place of ``ModelRunner.prefill`` (it calls the one defined now)."""
     from dustin_hf.decode.runner import ModelRunner

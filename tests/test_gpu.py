@@ -410,8 +410,8 @@ def test_quality_knob_and_masked_rows_on_cuda():
 
 @pytest.mark.parametrize("sparse_draft", [False, True])
 def test_a_second_call_replays_the_first_calls_graphs(sparse_draft):
-    """The workspace a call leaves (caches, CUDA graphs, fused weights: dustin_hf.decode.workspace) serves the next call of
-    its shape, and that call returns what a call after ``release()`` (everything built afresh) returns."""
+    """The workspace a call leaves (caches, CUDA graphs, fused weights: dustin_hf.decode.workspace) serves the next
+    call of its shape, and that call returns what a call after ``release()`` (everything built afresh) returns."""
     target, draft = _pair(dtype=torch.bfloat16)
     config = DustinConfig(selection="dustin", budget=128, min_context=512, backend="triton", sparse_draft=sparse_draft)
     batches = []

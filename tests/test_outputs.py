@@ -1,4 +1,5 @@
-"""output_attentions / output_hidden_states: stock's tuples, with stock's values where the budget covers the context."""
+"""output_attentions / output_hidden_states: stock's tuples, with stock's values where the budget covers the
+context."""
 
 import pytest
 import torch

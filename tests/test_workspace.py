@@ -1,10 +1,10 @@
 """What a patched model keeps between generate() calls, and the prompt's forwards.
 
-A call leaves its caches, CUDA graphs and fused weights (:mod:`dustin_hf.decode.workspace`) for the next call of the same
-shape: that call must give exactly what a fresh one gives, and a call of another shape, another model, or after
+A call leaves its caches, CUDA graphs and fused weights (:mod:`dustin_hf.decode.workspace`) for the next call of the
+same shape: that call must give exactly what a fresh one gives, and a call of another shape, another model, or after
 the weights moved must never read them. ``release()`` frees them. The prompt is read in as few forwards as memory
-allows (:meth:`~dustin_hf.decode.runner.ModelRunner.prefill`): one per row, or neighbouring rows of one length together,
-or a long row in chunks that attend to the chunks before; each way gives the same logits and cache.
+allows (:meth:`~dustin_hf.decode.runner.ModelRunner.prefill`): one per row, or neighbouring rows of one length
+together, or a long row in chunks that attend to the chunks before; each way gives the same logits and cache.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def test_a_second_call_reuses_the_workspace_and_equals_a_fresh_one(do_sample):
 
 
 def test_a_call_of_another_shape_or_model_builds_its_own():
-    """Batch size, a longer prompt than the caches hold, the draft model, the Dustin settings and a moved weight each make the
-    next call build a new workspace (the held one is released first, never used)."""
+    """Batch size, a longer prompt than the caches hold, the draft model, the Dustin settings and a moved weight each
+    make the next call build a new workspace (the held one is released first, never used)."""
     target, draft = _pair()
     ids = random_prompt(48, batch=2, seed=1)
     with dustin_hf.patch(target) as handle:

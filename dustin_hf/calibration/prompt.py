@@ -61,8 +61,8 @@ def calibrate_on_prompts(
     target, draft, tokens: torch.Tensor, config: ResolvedConfig, gamma: int, lengths: list[int]
 ) -> tuple[ResolvedConfig, dict]:
     """The scoring heads and ``m`` searched on the prompts (the first ``lengths[b]`` of ``tokens[b]``, ``(B, T)``)
-    held by ``target``/``draft`` (:class:`~dustin_hf.decode.runner.ModelRunner` s right after prefill: the target caches
-    each prompt, the draft all but its last token); returns the new resolved config and a report
+    held by ``target``/``draft`` (:class:`~dustin_hf.decode.runner.ModelRunner` s right after prefill: the target
+    caches each prompt, the draft all but its last token); returns the new resolved config and a report
     (``stats["calibration"]``)."""
     started = time.perf_counter()
     rows = sorted(range(len(lengths)), key=lambda b: -lengths[b])[:ROWS]

@@ -242,7 +242,8 @@ def _rotate_heads(
     SIN_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
 ):
-    """``x * cos + rotate_half(x) * sin`` for the heads of one (batch row, position); ``rotate_half(x) = cat(-x2, x1)``.
+    """``x * cos + rotate_half(x) * sin`` for the heads of one (batch row, position), with
+    ``rotate_half(x) = cat(-x2, x1)``.
 
     Each product is rounded to its PyTorch dtype (``COS_DTYPE = promote(x, cos)``, ``SIN_DTYPE =
     promote(x, sin)``), then the sum to ``OUT_DTYPE``. ``round(-a * s) = -round(a * s)``: the negation

@@ -234,7 +234,8 @@ def _fit_shared(
 def _workspace(
     device: torch.device, n_tiles: int, split_k: int, block_m: int, block_n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials and zeroed tickets of a split-K launch shape (:func:`~dustin_hf.kernels._device.workspace`)."""
+    """The fp32 partials and zeroed tickets of a split-K launch shape
+    (:func:`~dustin_hf.kernels._device.workspace`)."""
     return workspace(
         ("gemm", device, n_tiles, split_k, block_m, block_n),
         lambda: (

@@ -404,7 +404,8 @@ def calibrate_command(args, out: Output) -> dict:
         )
     c = config
     out.say(
-        f"profile: target layer {c.target_layer} heads {list(c.target_heads)}; draft layers {list(c.draft_layers or [])} "
+        f"profile: target layer {c.target_layer} heads {list(c.target_heads)}; "
+        f"draft layers {list(c.draft_layers or [])} "
         f"heads {[list(h) for h in (c.draft_heads or [])]}; draft_share {c.draft_share} of budget {c.budget}; "
         f"sink_tokens {c.sink_tokens}, recent_tokens {c.recent_tokens}",
         f"written to {path} ({result['seconds']['total']:.0f} s)",

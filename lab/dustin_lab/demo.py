@@ -182,7 +182,8 @@ def print_runs(results: dict, gamma: int, say) -> None:
             "",
             f"  acceptance {r['mean_accepted_per_step']:.2f} drafts kept per step (of γ={gamma}), "
             f"{r['decode_steps']} steps after the prompt",
-            f"  decode {r['decode_tokens_per_s']:.2f} tokens/s ({r['decode_tokens']} tokens in {r['decode_seconds']:.1f} s); "
+            f"  decode {r['decode_tokens_per_s']:.2f} tokens/s "
+            f"({r['decode_tokens']} tokens in {r['decode_seconds']:.1f} s); "
             f"prompt read in {r['prefill_seconds']:.1f} s; generate() took {r['generate_seconds']:.1f} s in all",
         )
         for key, agreement in r.items():
@@ -201,8 +202,8 @@ def print_runs(results: dict, gamma: int, say) -> None:
             if "exact" in s:
                 e = s["exact"]
                 say(
-                    f"  exact: {e['confirmations']} confirmations kept {e['tentative_confirmed']} tentative tokens and "
-                    f"rejected {e['tentative_rejected']} (confirmed fraction {e['confirmed_fraction']:.2f}), "
+                    f"  exact: {e['confirmations']} confirmations kept {e['tentative_confirmed']} tentative tokens "
+                    f"and rejected {e['tentative_rejected']} (confirmed fraction {e['confirmed_fraction']:.2f}), "
                     f"{e['tokens_per_confirmation']:.1f} tokens committed per confirmation; "
                     f"{e['sparse_row_steps']} sparse and {e['dense_row_steps']} dense steps without tentative tokens"
                 )
@@ -232,10 +233,10 @@ def print_runs(results: dict, gamma: int, say) -> None:
         "is the dense one at any budget; it is fast when most tentative tokens survive.",
         "decode tokens/s: tokens committed after both models read the prompt, over the time since.",
         "what this run can show: correctness, not speed. Exact mode's text equals the dense one token for token, and "
-        "sparse mode's parts from it where a near-tie flipped: sparse mode is lossy at a small budget (a larger budget, "
-        "dense_layers or exact mode narrow or remove the gap). What it cannot show: where Dustin pays. On a CPU at a "
-        "few thousand tokens a step's time is the models' weights, not the reads of the cache, so sparse reads save "
-        "little and exact mode's dense checks cost more than they save; Dustin pays on a GPU at long contexts (tens "
-        "of thousands of tokens) and large batches, where reading the KV cache dominates the decode. The measured "
-        "whole generate() calls are in benchmarks/results/README.md.",
+        "sparse mode's parts from it where a near-tie flipped: sparse mode is lossy at a small budget (a larger "
+        "budget, dense_layers or exact mode narrow or remove the gap). What it cannot show: where Dustin pays. On a "
+        "CPU at a few thousand tokens a step's time is the models' weights, not the reads of the cache, so sparse "
+        "reads save little and exact mode's dense checks cost more than they save; Dustin pays on a GPU at long "
+        "contexts (tens of thousands of tokens) and large batches, where reading the KV cache dominates the decode. "
+        "The measured whole generate() calls are in benchmarks/results/README.md.",
     )

@@ -1,7 +1,8 @@
 """Estimators of a read set's recovery, tried offline on the features a walk's probe wrote.
 
 The quality knob needs, per step, a mass over the cached positions whose sum over a set tracks that set's
-true recovery (every layer, head and query of the target). The library's (:func:`~dustin_hf.selection.fill.estimated_mass`)
+true recovery (every layer, head and query of the target). The library's
+(:func:`~dustin_hf.experimental.estimated_mass`)
 is the mean of the scoring heads' two signals, each normalised over ``[0, L)``. An :class:`Estimator` here is
 the same recipe with any heads of any layer for either signal, any mix and a power (``power < 1`` flattens
 the mass, for signals sharper than the truth), computed from :class:`~dustin_lab.knob.EstimatorFeatures`.

@@ -225,7 +225,8 @@ def _install(out_dir: Path, dest: Path) -> None:
 def _require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
-            "Converting the offline GGUF models needs the `gguf` package: pip install -e './lab[models]' in the repository"
+            "Converting the offline GGUF models needs the `gguf` package: pip install -e './lab[models]' in the "
+            "repository"
         )
 
 

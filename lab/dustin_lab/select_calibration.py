@@ -1,6 +1,7 @@
 """Calibration of ``selection="verify"``: which selection layers keep the sparse target closest to the dense one.
 
-The scoring heads are calibrated by attention recovery (:mod:`dustin_hf.calibration.search`), a quantity linear in the read set
+The scoring heads are calibrated by attention recovery (:func:`dustin_hf.experimental.search`), a quantity linear in
+the read set
 and cheap to score for thousands of candidates. For selection layers it misleads: on the Qwen2.5-Coder 1.5B/0.5B
 pair the layer whose own choice added the most recovery over Dustin's set on the layers after it gave the
 *lowest* top-1 agreement with dense verification of every layer set tried on held-out texts, and early selection
@@ -123,7 +124,8 @@ def _name(layers: tuple[int, ...]) -> str:
     return "select-L" + ",".join(map(str, layers))
 
 
-_MAIN_DOC = """The selection layers of ``selection="verify"`` for a calibrated profile, by teacher-forced agreement with dense.
+_MAIN_DOC = """The selection layers of ``selection="verify"`` for a calibrated profile, by teacher-forced agreement
+with dense.
 
 Walks the profile's calibration books (not the held-out texts) teacher-forced with every candidate layer set of
 :func:`dustin_lab.select_calibration.selection_candidates` (or ``--candidates``) beside dense verification
@@ -131,7 +133,8 @@ and Dustin's own set, at the profile's budget; prints each candidate's pooled to
 perplexity ratio, then one JSON line; with ``--write`` records the best in the profile (``config.selection_layers``
 and a ``selection_layers`` section with every candidate's figures and this command).
 
-    python -m dustin_lab.select_calibration --profile profiles/qwen2.5-coder-1.5b+0.5b.json --books mobydick paradise_lost --tokens 151 --write
+    python -m dustin_lab.select_calibration --profile profiles/qwen2.5-coder-1.5b+0.5b.json \
+        --books mobydick paradise_lost --tokens 151 --write
 """
 
 

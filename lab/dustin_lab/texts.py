@@ -87,7 +87,8 @@ def load_text(name: str) -> str:
 
 
 def describe_text(name: str) -> dict:
-    """Where text ``name`` comes from, for reports: a bundled book, or a standard-library file (path, Python, sha256)."""
+    """Where text ``name`` comes from, for reports: a bundled book, or a standard-library file (path, Python,
+    sha256)."""
     if not name.startswith(_STDLIB):
         load_text(name)  # checks the name and the file
         return {"kind": "book", "name": name, "sha256": _checksums()[name][0]}

@@ -38,7 +38,7 @@ prefix, so that a replay derives any method's acceptance:
       "context": 4096, "gamma": 4, "budget": 512,
       "config": {...},                  # the resolved settings of the sparse methods (sparse_draft=True)
       "positions": 400,
-      "predictions": {                  # entry j: the token at position context + j, predicted on tokens [0, context + j)
+      "predictions": {                  # entry j: the token at position context + j, predicted on [0, context + j)
         "truth": [...],                 # the text's own token
         "dense": [...],                 # the target's argmax, reading every cached position
         "sparse": [...],                # the target's argmax, reading Dustin's selection of `budget` positions
