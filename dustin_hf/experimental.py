@@ -60,6 +60,9 @@ from .kernels.varlen import (
 # profiles: a calibrated config stored as a file
 from .profiles import config_for_budget, read_profile, write_profile
 
+# the fused decode ops as a context, each path switched by RuntimeOptions.tuning.fused (the surgery benchmark's A/B)
+from .runtime.fused import fused_ops
+
 # the per-forward plan: what one forward over the cache reads
 from .runtime.plan import (
     DeviceTensors,  # the plan's tensors on one device, what a read_hook receives and returns
@@ -117,6 +120,7 @@ __all__ = [
     "device_tensor",
     "draft_lookahead_scores",
     "estimated_mass",
+    "fused_ops",
     "group_size",
     "head_probabilities",
     "launch_config",  # noqa: F822 (__getattr__ loads it)

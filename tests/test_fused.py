@@ -39,7 +39,7 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
 
 from dustin_hf.compat import VERIFIED_RANGE  # noqa: E402
-from dustin_hf.runtime import _transformers_reference, fused, ops, recognise  # noqa: E402
+from dustin_hf.runtime import _transformers_reference, fused, ops, recognise, rotary  # noqa: E402
 from dustin_hf.runtime.fused import FusedTuning, add_rms_norm, apply_rotary, fused_ops, fused_ops_available, rms_norm  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -275,11 +275,11 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
         with fused_ops(model) as done:
             if expect_fused(model):
                 assert done.norms == norms_per_layer * 2 + 1
-                assert done.rotary_modules == (modeling.__name__,)
+                assert done.rotary_modules == ((modeling.__name__,) if _rotary_hook(model) else ())
                 assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
                 assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
                 assert fused.static_rotary(model.model.rotary_emb)
-                assert modeling.apply_rotary_pos_emb is not original_rotary
+            assert modeling.apply_rotary_pos_emb is original_rotary  # no module global is replaced
             out = model(prompt).logits.float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(out, expected, **tolerance)
@@ -296,13 +296,15 @@ def test_fused_ops_calls_the_kernels():
     if not expect_fused(model):
         pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
     prompt = random_prompt(3).to(DEVICE)
+    # the rotary through each attention's own kernels wrapper, where transformers' kernels package gives one
+    expected = {"_rms_norm_kernel": 5} | ({"_rotary_kernel": 2} if _rotary_hook(model) else {})
     with on_launch(package_kernels(triton_fused), lambda name, args, kwargs: launched.update([name])):
         with torch.no_grad(), fused_ops(model):
             model(prompt)
-        assert launched == {"_rms_norm_kernel": 5, "_rotary_kernel": 2}
+        assert launched == expected
         with torch.no_grad():
             model(prompt)
-        assert launched == {"_rms_norm_kernel": 5, "_rotary_kernel": 2}
+        assert launched == expected
 
 
 def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows():
@@ -342,6 +344,27 @@ def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows():
     assert fused_calls(weight_bytes - 1, weight_bytes + 1) == dict.fromkeys(rows, "cuBLAS")  # between
 
 
+# what else a switch turns off: the fused layers need the fused norms, the fused attentions run inside fused layers
+_DEPENDENTS = {"norms": ("layers", "attentions"), "layers": ("attentions",)}
+
+
+@pytest.mark.parametrize("switch", FusedTuning.switches())
+def test_each_fused_path_turns_off_on_its_own(switch):
+    """A switch of FusedTuning leaves its path (and the paths that need it) to transformers' code, the rest fused."""
+    model = tiny_model("qwen2", layers=2, hidden=64, heads=4, kv_heads=2).to(DEVICE)
+    if not expect_fused(model):
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
+    with fused_ops(model) as every:
+        pass
+    with fused_ops(model, tuning=FusedTuning(**{switch: False})) as done:
+        pass
+    field = {"rotary": "rotary_modules"}.get(switch, switch)
+    off = {field, *_DEPENDENTS.get(switch, ())}
+    for name, value in vars(every).items():
+        assert getattr(done, name) == (type(value)() if name in off else value), name
+    assert every.norms and every.layers and every.attentions and every.rotary_tables
+
+
 def test_fused_tuning_names_a_bad_value():
     with pytest.raises(ValueError, match="FusedTuning.skinny_rows must be an int >= 0"):
         FusedTuning(skinny_rows=-1)
@@ -357,10 +380,11 @@ def test_fused_ops_restores_after_an_exception_and_nests():
             raise RuntimeError("boom")
     _assert_restored(model, modeling_llama, original_rotary)
     with fused_ops(model, model) as outer:  # a model given twice is patched once
-        patched_rotary = modeling_llama.apply_rotary_pos_emb
         with fused_ops(model) as inner:
             assert (inner.norms, inner.rotary_modules, inner.layers, inner.rotary_tables) == (0, (), 0, 0)
-        assert outer.norms == 5 and modeling_llama.apply_rotary_pos_emb is patched_rotary
+        assert outer.norms == 5 and outer.rotary_modules == inner.rotary_modules + outer.rotary_modules
+        wrappers = [w for w in map(rotary.rotary_wrapper, model.modules()) if w is not None]
+        assert all("forward" in vars(w) for w in wrappers)  # the inner exit kept the outer's
         assert outer.layers == 2 and fused.fused_decoder_layer(model.model.layers[0])  # the inner exit kept it
         assert model.model.norm.forward.func is ops._fused_rms_norm_forward
     _assert_restored(model, modeling_llama, original_rotary)
@@ -404,8 +428,14 @@ def test_fused_projections_share_storage_inside_and_own_it_after():
     _assert_restored(model, sys.modules[type(model).__module__], HF_ROTARY)
 
 
+def _rotary_hook(model) -> bool:
+    """Whether ``model``'s attentions have their own rotary wrappers (transformers with ``kernels`` from 0.19)."""
+    return any(rotary.rotary_wrapper(m) is not None for m in model.modules())
+
+
 def _assert_restored(model, modeling, original_rotary):
     assert modeling.apply_rotary_pos_emb is original_rotary
+    assert not any("forward" in vars(w) for w in map(rotary.rotary_wrapper, model.modules()) if w is not None)
     assert not any(fused.fused_decoder_layer(m) or fused.static_rotary(m) for m in model.modules())
     for module in model.modules():
         assert "forward" not in module.__dict__, type(module).__name__
@@ -435,8 +465,8 @@ def test_accelerate_hooks_keep_wrapping_the_fused_forward():
 
 
 def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
-    """Gemma's ``(1 + weight)`` norm is not listed; a listed name with another forward, or a modeling module
-    whose ``apply_rotary_pos_emb`` is not the standard one (e.g. interleaved), is left alone (the listed name with
+    """Gemma's ``(1 + weight)`` norm is not listed; a listed name with another forward, or an attention whose rotary
+    wrapper calls another function than the standard one (e.g. interleaved), is left alone (the listed name with
     its warning, ``test_unrecognised_code_keeps_transformers_code_with_one_warning``)."""
     monkeypatch.setattr(recognise, "_WARNED", set())
 
@@ -452,47 +482,49 @@ def test_only_standard_norms_and_rotaries_are_replaced(monkeypatch):
         return q, k
 
     fake = types.ModuleType("fake_modeling")
-    fake.rotate_half, fake.apply_rotary_pos_emb = modeling_qwen2.rotate_half, interleaved
+    fake.rotate_half, fake.apply_rotary_pos_emb = modeling_qwen2.rotate_half, _hub_wrapped(interleaved)
     monkeypatch.setitem(sys.modules, "fake_modeling", fake)
-    FakeAttention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
-    model = torch.nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(), FakeAttention()).to(DEVICE)
+    attention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})()
+    attention._kernel_funcs = {"rotary_pos_emb": _hub_wrapped(interleaved)}
+    model = torch.nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(), attention).to(DEVICE)
     with pytest.warns(UserWarning, match="Qwen2RMSNorm.forward in transformers"), fused_ops(model) as done:
         assert (done.norms, done.rotary_modules) == (0, ())
-        assert fake.apply_rotary_pos_emb is interleaved
-    fake.apply_rotary_pos_emb = HF_ROTARY  # the standard function is recognised in any module
+    standard = recognise._wrapped_function(HF_ROTARY)  # recognised in any module
+    fake.apply_rotary_pos_emb = _hub_wrapped(standard)
+    attention._kernel_funcs = {"rotary_pos_emb": _hub_wrapped(standard)}
     with fused_ops(model) as done:
         assert done.rotary_modules == ("fake_modeling",)
-    assert fake.apply_rotary_pos_emb is HF_ROTARY
 
 
-def test_rotary_behind_a_kernels_wrapper_is_fused(monkeypatch):
-    """With the ``kernels`` package installed (a dependency of transformers from 5.25) the modeling module's
-    ``apply_rotary_pos_emb`` is an ``nn.Module`` whose forward calls the function: the standard function behind it
-    is recognised and the global replaced (and restored); a wrapper whose forward was replaced (a hub kernel) is
-    not, and neither is the rotary of a module where an attention of the models was ``kernelize()``-d."""
+def test_rotary_goes_through_each_attentions_own_wrapper(monkeypatch):
+    """With the ``kernels`` package from 0.19 (a dependency of transformers from 5.25) each attention holds its own
+    wrapper module of ``apply_rotary_pos_emb``, whose forward ``kernelize()`` replaces: the context sets it to the
+    Triton kernel and removes it on exit, and the module global stays. A wrapper with a kernel of the user's is left
+    alone; so is an attention without a wrapper of its own (no ``kernels``, or one before 0.19 whose wrapper is
+    the global itself, shared by every model: replacing it would change them all)."""
     standard = recognise._wrapped_function(HF_ROTARY)
     assert recognise._same_code(standard, _transformers_reference.apply_rotary_pos_emb)
     fake = types.ModuleType("fake_modeling")
-    fake.rotate_half = modeling_qwen2.rotate_half
+    fake.rotate_half, fake.apply_rotary_pos_emb = modeling_qwen2.rotate_half, _hub_wrapped(standard)
+    shared = fake.apply_rotary_pos_emb
     monkeypatch.setitem(sys.modules, "fake_modeling", fake)
-    FakeAttention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})
-    attention = FakeAttention()
+    attention = type("FakeAttention", (torch.nn.Module,), {"__module__": "fake_modeling"})()
+    attention._kernel_funcs = {"rotary_pos_emb": (own := _hub_wrapped(standard))}
     q, k, cos, sin = _rotary_inputs(dtype=torch.float32)
     expected = standard(q, k, cos, sin)
+    with fused_ops(attention) as done:
+        assert done.rotary_modules == ("fake_modeling",) and "forward" in vars(own)
+        assert all(torch.equal(a, b) for a, b in zip(own(q, k, cos, sin), expected))
+        assert fake.apply_rotary_pos_emb is shared and "forward" not in vars(shared)
+    assert "forward" not in vars(own)
 
-    fake.apply_rotary_pos_emb = wrapper = _hub_wrapped(standard)
+    own.forward = kernel = types.MethodType(lambda self, *args: args[:2], own)  # what kernelize() does
     with fused_ops(attention) as done:
-        assert done.rotary_modules == ("fake_modeling",) and fake.apply_rotary_pos_emb._fused_original is wrapper
-        assert all(torch.equal(a, b) for a, b in zip(fake.apply_rotary_pos_emb(q, k, cos, sin), expected))
-    assert fake.apply_rotary_pos_emb is wrapper
-
-    wrapper.forward = types.MethodType(lambda self, *args: args[:2], wrapper)  # what kernelize() does
-    with fused_ops(attention) as done:
-        assert done.rotary_modules == () and fake.apply_rotary_pos_emb is wrapper
-    fake.apply_rotary_pos_emb = _hub_wrapped(standard)
-    attention._kernel_funcs = {"apply_rotary_pos_emb": wrapper}  # the attention's own copy, kernelized
-    with fused_ops(attention) as done:
-        assert done.rotary_modules == ()
+        assert done.rotary_modules == () and own.forward == kernel
+    for wrappers in ({"rotary_pos_emb": shared}, {}):
+        attention._kernel_funcs = wrappers
+        with fused_ops(attention) as done:
+            assert done.rotary_modules == () and "forward" not in vars(shared)
 
 
 @pytest.mark.skipif(
@@ -704,7 +736,7 @@ def test_decoder_with_fused_ops_decodes_like_without():
             )
             result = decoder.generate(ids)
             outputs.append(result.sequences)
-            report = result.cache.stats["fused_ops"]
+            report = result.stats.as_dict()["fused_ops"]
             # 2 norms per layer and a final one, in both models; one modeling module's rotary
             assert report == (
                 {

@@ -76,7 +76,8 @@ class RuntimeOptions:
         fused_ops: run the models' RMSNorms, rotary embeddings and SiLU·mul through one-launch Triton kernels
             and their q/k/v and gate/up projections as one GEMM each (:mod:`dustin_hf.runtime.fused`; rotary
             bit-exact, RMSNorm within 2 ulps, fused GEMMs may round differently); ``None``: for each model
-            whose parameters are all on CUDA, when the backend is ``"triton"``.
+            whose parameters are all on CUDA, when the backend is ``"triton"``. ``tuning.fused`` turns each fused
+            path off on its own (:class:`~dustin_hf.runtime.projections.FusedTuning`).
         tuning: the GPU path's launch heuristics and fused projections (:class:`~dustin_hf.runtime.tuning.Tuning`);
             ``None``: the measured defaults. Benchmarks compare variants by passing their own.
         workspaces: where a run takes the caches, CUDA graphs and fused weights of an earlier run of the same

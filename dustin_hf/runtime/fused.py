@@ -12,17 +12,16 @@ is transformers' own (:mod:`~dustin_hf.runtime.recognise` checks it against the 
 * **RMSNorm**: ``forward`` of every recognised module instance (Gemma's ``(1 + weight)`` norm is another function
   and is not listed). Where accelerate's device hook wraps the forward (``device_map``), the hook's
   ``_old_forward`` is replaced instead, so inputs still move.
-* **Rotary**: the attention forwards of these families call the *module global* ``apply_rotary_pos_emb`` by name.
-  Without the ``kernels`` package the decorators around it do nothing; with it (a dependency of transformers from
-  5.25) the global is an ``nn.Module`` whose forward calls the function unless a model was ``kernelize()``-d, and
-  the attention routes the call to a per-model copy of that module. Either way the global in
-  ``sys.modules[type(attention).__module__]`` is what runs, and what is replaced, unless a model given was
-  ``kernelize()``-d (a hub kernel the user chose is left alone). That global is shared by every model of the
-  family in the process; tensors on a device the kernel cannot run on go to the original global.
+* **Rotary**: the attentions' own ``apply_rotary_pos_emb`` wrappers, the extension point of transformers' models for
+  it (:mod:`~dustin_hf.runtime.rotary`; without the ``kernels`` package from 0.19 there is none, and the rotary stays
+  transformers' outside the Qwen2 attention path below). No module global is replaced.
 * **Projections**: MLPs as one ``[gate; up]`` GEMM, an attention's q/k/v as one GEMM, small ones as Triton GEMMs
   (:mod:`~dustin_hf.runtime.projections`).
 * **Decoder layers, rotary tables, Qwen2 attentions**: nothing is replaced; the context registers them for
   :class:`dustin_hf.runtime.graphs.Pipeline`'s fused paths (:mod:`~dustin_hf.runtime.registry`).
+
+Each path can be turned off on its own (:class:`FusedTuning`'s switches), which ``benchmarks/surgery.py`` uses to
+measure what each buys against transformers' own code.
 
 Everything is restored on exit, also on an exception (the fused weights only when the context made them: a
 :class:`FusedWeights` given to it keeps them for the next context). Nested and repeated contexts are safe: what an
@@ -36,8 +35,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import sys
-import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -55,10 +52,9 @@ from .ops import (
     rotary_write_kv,
     silu_mul,
     skinny_linear,
-    triton_runs_on,
 )
 from .projections import FusedTuning, FusedWeights, _fuse_mlp, _fuse_output, _fuse_qkv
-from .recognise import _RMS_NORM_CLASSES, _standard_norm_code, _standard_rotary, _warn_unrecognised
+from .recognise import _RMS_NORM_CLASSES, _standard_norm_code, _warn_unrecognised
 from .registry import (
     _register,
     _replace_forward,
@@ -70,6 +66,7 @@ from .registry import (
     fused_norm,
     static_rotary,
 )
+from .rotary import fuse_rotary
 
 __all__ = [
     "FusedOps",
@@ -98,7 +95,8 @@ class FusedOps:
 
     Attributes:
         norms: RMSNorm modules whose forward now calls :func:`rms_norm`.
-        rotary_modules: modeling modules whose ``apply_rotary_pos_emb`` now calls :func:`apply_rotary`.
+        rotary_modules: modeling modules of the attentions whose ``apply_rotary_pos_emb`` now calls
+            :func:`apply_rotary` (:mod:`~dustin_hf.runtime.rotary`).
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
         outputs: attentions whose ``o_proj`` runs as :func:`skinny_linear` at decode sizes.
@@ -129,7 +127,8 @@ def fused_ops(
 ) -> Iterator[FusedOps]:
     """Run ``models``' RMSNorms and rotary embeddings through the fused kernels while the context is open.
 
-    ``tuning``: which projections run as Triton GEMMs (``None``: the defaults); ``gemm``: those GEMMs' launch
+    ``tuning``: which fused paths to take and which projections run as Triton GEMMs (``None``: the defaults, every
+    path); ``gemm``: those GEMMs' launch
     heuristic; ``weights``: where the concatenated projection weights come from and stay after the context
     (``None``: made for this context, every layer's own storage given back on exit). Raises ``ValueError`` for a
     model the kernels cannot run on (see :func:`fused_ops_available`; on CPU the Triton interpreter,
@@ -148,29 +147,39 @@ def fused_ops(
         weights = FusedWeights()
         undo.append(weights.release)
     try:
-        modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
-        _warn_unrecognised(modules)
-        norms = sum(_fuse_norm(m, undo) for m in modules)
-        rotary = tuple(name for name in _attention_modules(models) if _fuse_rotary(sys.modules[name], undo))
-        mlps = sum(_fuse_mlp(m, undo, weights, tuning, gemm) for m in modules)
-        qkv = sum(_fuse_qkv(m, undo, weights, tuning, gemm) for m in modules)
-        outputs = sum(_fuse_output(m, undo, tuning, gemm) for m in modules)
-        layers = sum(_register(m, _standard_layer, undo) for m in modules)
-        tables = sum(_register(m, _static_rotary, undo) for m in modules)
-        attentions = sum(_register(m, _standard_attention, undo) for m in modules)
-        yield FusedOps(
-            norms=norms,
-            rotary_modules=rotary,
-            mlps=mlps,
-            qkv=qkv,
-            outputs=outputs,
-            layers=layers,
-            rotary_tables=tables,
-            attentions=attentions,
-        )
+        yield _fuse(models, tuning, gemm, weights, undo)
     finally:
         for restore in reversed(undo):
             restore()
+
+
+def _fuse(models, tuning: FusedTuning, gemm: GemmTuning | None, weights: FusedWeights, undo: list) -> FusedOps:
+    """Take every fused path ``tuning`` leaves on for ``models``' modules, each change's undo added to ``undo``."""
+    modules = list(dict.fromkeys(m for model in models for m in model.modules()))  # a model given twice: once
+    _warn_unrecognised(modules)
+
+    def count(switch: bool, fuse) -> int:
+        return sum(fuse(m) for m in modules) if switch else 0
+
+    norms = count(tuning.norms, lambda m: _fuse_norm(m, undo))
+    rotary = [m for m in modules if tuning.rotary and fuse_rotary(m, undo)]
+    mlps = count(tuning.mlps, lambda m: _fuse_mlp(m, undo, weights, tuning, gemm))
+    qkv = count(tuning.qkv, lambda m: _fuse_qkv(m, undo, weights, tuning, gemm))
+    outputs = count(tuning.outputs, lambda m: _fuse_output(m, undo, tuning, gemm))
+    layers = count(tuning.layers, lambda m: _register(m, _standard_layer, undo))  # only with fused norms
+    tables = count(tuning.rotary_tables, lambda m: _register(m, _static_rotary, undo))
+    # the pipeline runs a registered attention only inside a fused layer
+    attentions = count(tuning.attentions and layers > 0, lambda m: _register(m, _standard_attention, undo))
+    return FusedOps(
+        norms=norms,
+        rotary_modules=tuple(dict.fromkeys(type(m).__module__ for m in rotary)),
+        mlps=mlps,
+        qkv=qkv,
+        outputs=outputs,
+        layers=layers,
+        rotary_tables=tables,
+        attentions=attentions,
+    )
 
 
 def _fuse_norm(module: torch.nn.Module, undo: list) -> bool:
@@ -180,49 +189,3 @@ def _fuse_norm(module: torch.nn.Module, undo: list) -> bool:
         return False
     # a partial, not a bound method: it can carry the _dustin_fused tag
     return _replace_forward(module, functools.partial(_fused_rms_norm_forward, module), undo)
-
-
-def _attention_modules(models) -> list[str]:
-    """Names of the modules defining the models' attention classes, in first-seen order, but none where an
-    attention of the models was ``kernelize()``-d (its rotary call then goes to the hub kernel the user chose)."""
-    attentions = [m for model in models for m in model.modules() if type(m).__name__.endswith("Attention")]
-    kernelized = {type(m).__module__ for m in attentions if _kernelized(m)}
-    names = (type(m).__module__ for m in attentions)
-    return [name for name in dict.fromkeys(names) if name in sys.modules and name not in kernelized]
-
-
-def _kernelized(attention: torch.nn.Module) -> bool:
-    """Whether ``kernels.kernelize`` gave ``attention`` a kernel of its own for a function it calls (the ``kernels``
-    package keeps one wrapper module per model in ``_kernel_funcs``; ``kernelize`` sets that wrapper's forward)."""
-    return any(
-        "forward" in vars(f)
-        for f in getattr(attention, "_kernel_funcs", {}).values()
-        if isinstance(f, torch.nn.Module)
-    )
-
-
-def _fuse_rotary(module: types.ModuleType, undo: list) -> bool:
-    """Replace ``module.apply_rotary_pos_emb`` with a call to :func:`apply_rotary` if it is the standard one."""
-    original = getattr(module, "apply_rotary_pos_emb", None)
-    if original is None or hasattr(original, "_fused_original"):
-        return False  # none, or an enclosing context did it
-    function = _standard_rotary(module)
-    if function is None:
-        return False
-    module.apply_rotary_pos_emb = _fused_rotary(original, function)
-    undo.append(functools.partial(setattr, module, "apply_rotary_pos_emb", original))
-    return True
-
-
-def _fused_rotary(original: Callable, function: Callable) -> Callable:
-    """``apply_rotary_pos_emb`` through :func:`apply_rotary`; ``original`` (the global it replaces: the standard
-    ``function``, or the ``kernels`` wrapper calling it) where the kernel cannot run."""
-
-    @functools.wraps(function)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if not triton_runs_on(q.device):  # another model of the family, e.g. on CPU
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return apply_rotary(q, k, cos, sin, unsqueeze_dim)
-
-    apply_rotary_pos_emb._fused_original = original
-    return apply_rotary_pos_emb

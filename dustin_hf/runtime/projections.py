@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from ..kernels.tuning import Checked, GemmTuning
+from ..kernels.tuning import GemmTuning
 from .ops import gated_linear, silu_mul, skinny_linear, triton_runs_on
 from .recognise import _ATTENTION_CLASSES, _MLP_CLASSES, _standard_mlp_code
 from .registry import _replace_forward
@@ -33,11 +33,21 @@ __all__ = ["FusedTuning", "FusedWeights"]
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedTuning(Checked):
-    """Which projections :func:`~.fused.fused_ops` runs through the Triton GEMMs, by rows and weight bytes (0 turns a
-    path off).
+class FusedTuning:
+    """Which fused paths :func:`~.fused.fused_ops` takes (each switch turns one off on its own, for an A/B against
+    transformers' own code: ``benchmarks/surgery.py``), and which projections run through the Triton GEMMs, by rows
+    and weight bytes (0 turns a GEMM path off).
 
     Attributes:
+        norms: RMSNorms run :func:`~.ops.rms_norm` (off: ``layers`` too, whose residual adds run inside the norms).
+        rotary: attentions run ``apply_rotary_pos_emb`` as :func:`~.ops.apply_rotary` (:mod:`~.rotary`).
+        mlps: MLPs run one ``[gate; up]`` GEMM and :func:`~.ops.silu_mul` (and the GEMM paths below).
+        qkv: an attention's q/k/v projections run as one GEMM.
+        outputs: an attention's ``o_proj`` runs as :func:`~.ops.skinny_linear` at decode sizes.
+        layers: :class:`~dustin_hf.runtime.graphs.Pipeline` runs a standard decoder layer submodule by submodule, each
+            residual add inside the next norm's launch (off: the layer's own forward; ``attentions`` then unused).
+        attentions: ... and a Qwen2 attention from its pieces, rotary and K/V write in one launch.
+        rotary_tables: the pipeline gathers cos/sin rows from a table of every cache position.
         skinny_rows: an MLP's down projection of at most this many rows (a draft's decode step: 16 rows at batch
             16, 32 in its first forward of a step) runs as :func:`skinny_linear`: cuBLAS runs the 0.5B draft's
             (K = 4864) as a split-K GEMM plus a reduction launch.
@@ -54,17 +64,37 @@ class FusedTuning(Checked):
             keep cuBLAS.
     """
 
-    minimum = 0
-
+    norms: bool = True
+    rotary: bool = True
+    mlps: bool = True
+    qkv: bool = True
+    outputs: bool = True
+    layers: bool = True
+    attentions: bool = True
+    rotary_tables: bool = True
     skinny_rows: int = 32
     gated_max_bytes: int = 32 * 2**20
     gated_min_large_bytes: int = 512 * 2**20
     gated_rows: int = 64
     skinny_projection_max_bytes: int = 8 * 2**20
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(field.default, bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"FusedTuning.{field.name} must be True or False; got {value!r}")
+            elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"FusedTuning.{field.name} must be an int >= 0; got {value!r}")
+
+    @classmethod
+    def switches(cls) -> tuple[str, ...]:
+        """The fields that turn a fused path off on its own (``norms`` ... ``rotary_tables``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool))
+
 
 def _plain_linears(*linears) -> bool:
-    """Plain ``nn.Linear`` layers (not quantized or hooked) sharing one dtype and device, the Triton kernels' dtypes."""
+    """Plain ``nn.Linear`` layers (not quantized or hooked) of one dtype and device, the Triton kernels' dtypes."""
     if not all(type(m) is torch.nn.Linear and not hasattr(m, "_hf_hook") for m in linears):
         return False
     weights = [m.weight for m in linears]

@@ -119,10 +119,10 @@ def _wrapped_function(fn) -> Callable | None:
     return inner if inspect.isfunction(inner) else None
 
 
-def _standard_rotary(module: types.ModuleType) -> Callable | None:
-    """The function behind ``module.apply_rotary_pos_emb`` if it and ``module.rotate_half`` are transformers'
-    standard ones (the copies in :mod:`~dustin_hf.runtime._transformers_reference`), else ``None``."""
-    function = _wrapped_function(getattr(module, "apply_rotary_pos_emb", None))
+def _standard_rotary(module: types.ModuleType, rotary=None) -> Callable | None:
+    """The function behind ``rotary`` (default ``module.apply_rotary_pos_emb``) if it and ``module.rotate_half`` are
+    transformers' standard ones (the copies in :mod:`~dustin_hf.runtime._transformers_reference`), else ``None``."""
+    function = _wrapped_function(getattr(module, "apply_rotary_pos_emb", None) if rotary is None else rotary)
     if function is None or not _same_code(function, copies.apply_rotary_pos_emb):
         return None
     if not _same_code(getattr(module, "rotate_half", None), copies.rotate_half):
@@ -146,8 +146,7 @@ def _unrecognised(modules) -> list[str]:
             found.append(f"{cls.__module__}.{cls.__qualname__}.forward")
         if name in _ATTENTION_CLASSES and cls.__module__ in sys.modules:
             modeling = sys.modules[cls.__module__]
-            rotary = getattr(modeling, "apply_rotary_pos_emb", None)
-            if not hasattr(rotary, "_fused_original") and _standard_rotary(modeling) is None:
+            if _standard_rotary(modeling) is None:
                 found.append(f"{cls.__module__}.apply_rotary_pos_emb")
     return list(dict.fromkeys(found))
 
