@@ -107,7 +107,7 @@ def test_generate_samples_the_targets_joint_law():
     assert out.past_key_values.stats["steps"] >= 1
 
 
-def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
+def test_generate_samples_the_processed_law_over_several_steps():
     """With a budget covering the context, ``do_sample=True, temperature=0.5, top_p=0.8`` through the patched
     generate(): the joint law of the first 5 tokens is the target's as those processors shape it (stock
     sampling's), over 2 steps of 2 drafts each. The test above stops at the first draft of the first step, at
@@ -120,7 +120,7 @@ def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
     p ~ 1e-42; a bonus drawn from the last draft's p draws sequences top-p excludes (p = 0)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    from dustin_hf.decode.runner import ModelRunner
+    from dustin_hf.decode.hooks import DecodeHooks
 
     vocab, tokens, draws, temperature, top_p = 4, 5, 3000, 0.5, 0.8
     target = tiny_model("qwen2", layers=2, hidden=32, vocab=vocab)
@@ -132,9 +132,9 @@ def test_generate_samples_the_processed_law_over_several_steps(monkeypatch):
         target, prompt, tokens, LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
     )
     assert (law == 0).any()  # top-p excludes some sequences
-    monkeypatch.setattr(ModelRunner, "prefill", tiled_prefill(1))  # one prompt: prefill it once, not per row
     torch.manual_seed(0)
-    with dustin_hf.patch(target):
+    hooks = DecodeHooks(prefill=tiled_prefill(1))  # one prompt: prefill it once, not per row
+    with dustin_hf.patch(target, hooks=hooks):
         out = target.generate(
             prompt.expand(draws, -1),
             attention_mask=torch.ones(draws, 3, dtype=torch.long),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,11 +175,12 @@ class PrefillStore:
     def clear(self) -> None:
         self._states.clear()
 
-    def hook(self):
+    def hook(self, missing: Callable | None = None):
         """A function with ``ModelRunner.prefill``'s signature (plus the model wrapper) for the decoder's hook: a batch
         whose every row is in the store (each row looked up on its own, so a left-padded batch of stored prompts
-        qualifies) has each row's state copied into its row of the run's cache; any other batch is prefilled
-        normally."""
+        qualifies) has each row's state copied into its row of the run's cache; any other batch is prefilled by
+        ``missing`` (the same signature; ``None``: ``ModelRunner.prefill``)."""
+        missing = missing or ModelRunner.prefill
 
         def prefill(model, rows: list[torch.Tensor], chunk: int, capture: dict):
             if model.model is self.target:
@@ -197,7 +199,7 @@ class PrefillStore:
                     for b, state in enumerate(states):
                         copy_row_into(state.draft_cache, model.cache, b)
                     return [s.last_logits for s in states], [{} for _ in states]
-            return ModelRunner.prefill(model, rows, chunk, capture)
+            return missing(model, rows, chunk, capture)
 
         return prefill
 

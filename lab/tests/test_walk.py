@@ -258,7 +258,7 @@ def test_reused_prefill_decodes_exactly_like_a_fresh_one(pair, state):
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sample, monkeypatch):
+def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sample):
     """Each row of a left-padded batch found in the store is copied into its row of the run's caches: generate()
     returns the tokens of the same call prefilled by the loop, dense and sparse, greedy and sampling."""
     import dustin_hf
@@ -275,19 +275,16 @@ def test_stored_prefills_serve_a_left_padded_batch_through_generate(pair, do_sam
     kwargs = dict(attention_mask=mask, assistant_model=draft, max_new_tokens=10, **sampling)
     modes = [{}, dict(cache_implementation="dustin", cache_config={"budget": 24, "min_context": 16})]
     outputs = {}
-    for hooks in (None, DecodeHooks(prefill=store.hook())):
-        if hooks is not None:  # every row comes from the store: the loop's own prefill must not run
-            from dustin_lab import prefilled
 
-            def refuse(*args, **kw):
-                raise AssertionError("a stored row was prefilled again")
+    def refuse(*args, **kw):
+        raise AssertionError("a stored row was prefilled again")
 
-            monkeypatch.setattr(prefilled.ModelRunner, "prefill", refuse)
+    # every row comes from the store: a batch prefilled by the model instead fails
+    for hooks in (None, DecodeHooks(prefill=store.hook(missing=refuse))):
         with dustin_hf.patch(target, hooks=hooks):
             for i, mode in enumerate(modes):
                 torch.manual_seed(0)
                 outputs.setdefault(hooks is None, []).append(target.generate(ids, **kwargs, **mode))
-    monkeypatch.undo()
     for fresh, reused in zip(outputs[True], outputs[False]):
         assert torch.equal(fresh, reused)
     called = []
