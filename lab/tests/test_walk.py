@@ -671,3 +671,19 @@ def test_the_probe_sees_what_the_scores_and_the_recovery_are_made_of(pair, state
         report["fixed_fill"]["24"]["mean_truth"]
     )
     assert [p["mean_read"] for p in best] == sorted(p["mean_read"] for p in best)
+
+
+def test_the_walk_measures_what_each_layer_after_a_selection_layer_read(pair, state):
+    """With selection layers, the walk's recovery is that of what each layer read (the plan's selection_hook tells it
+    what each selection layer chose): a selection layer reads everything, so its recovery is 1, and the layers after
+    it read its choice, not the method's own set."""
+    target, draft = pair
+    prefilled, continuation = state
+    cfg = _cfg(target, draft, 24, selection="verify")
+    assert cfg.selection_layers
+    methods = {"dense": None, "verify": cfg, "dustin": _cfg(target, draft, 24)}
+    walk = teacher_forced_walk(target, draft, prefilled, continuation, GAMMA, methods, progress=False)
+    per_layer = walk.recovery_per_layer
+    assert walk.sparse_steps["verify"] > 0
+    assert all(per_layer["verify"][layer] == 1.0 for layer in cfg.selection_layers)
+    assert all(per_layer["dustin"][layer] < 1.0 for layer in cfg.selection_layers)  # the same set, without its choice
