@@ -265,7 +265,7 @@ def test_profile_records_each_steps_phases():
             runtime=RuntimeOptions(backend="reference"),
             hooks=DecodeHooks(profile=True),
         )
-        stats = decoder.generate(ids).cache.stats
+        stats = decoder.generate(ids).stats.as_dict()
     phases = ["draft", "score_select", "verify", "accept", "commit", "bookkeeping"]
     steps = stats["dense_steps"] + stats["sparse_steps"]
     for key in ("phase_seconds", "phase_host_seconds"):

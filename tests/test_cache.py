@@ -5,6 +5,7 @@ import torch
 
 from dustin_hf.decode.cache import DustinCache
 from dustin_hf.runtime.plan import ForwardPlan
+from dustin_hf.selection.history import History
 
 HEADS, DIM = 2, 4
 
@@ -70,14 +71,12 @@ def test_plan_must_agree_with_cache_lengths():
         cache.update(torch.zeros(2, HEADS, 1, DIM), torch.zeros(2, HEADS, 1, DIM), 0)
 
 
-def test_crop_follows_the_transformers_contract_and_drops_stale_history():
+def test_crop_follows_the_transformers_contract():
     cache = DustinCache(num_layers=1, batch_size=2, capacity=32)
     _write(cache, 0, slice(0, 2), [0, 0], torch.randn(2, HEADS, 10, DIM))
     cache.rollback([10, 6])
-    cache.set_history(torch.zeros(2, 1, DIM), [9, 5])
     cache.crop(-3)
     assert cache.seq_lengths == [7, 3]
-    assert cache.history_pos == [-1, -1]  # their positions were rolled back
     cache.crop(5)
     assert cache.seq_lengths == [5, 3]
     assert cache.get_seq_length() == 5
@@ -95,3 +94,24 @@ def test_growth_keeps_contents():
     assert cache.capacity >= 303
     torch.testing.assert_close(k_buf[0, :3], keys[0].transpose(0, 1))
     torch.testing.assert_close(k_buf[0, 3:303], more[0].transpose(0, 1))
+
+
+def test_update_writes_at_the_plan_it_is_handed():
+    """transformers 5.2x attention layers pass their keyword arguments (the runner's ``dustin_plan``) to ``update``:
+    the cache writes at that plan's slots with no plan made active, as it writes at the active one on 5.17."""
+    cache = DustinCache(num_layers=1, batch_size=2, capacity=16)
+    _write(cache, 0, slice(0, 2), [0, 0], torch.randn(2, HEADS, 4, DIM))
+    cache.rollback([4, 2])
+    plan = ForwardPlan(rows=slice(0, 2), cache_seqlens=[4, 2], q_len=1)
+    new = torch.randn(2, HEADS, 1, DIM)
+    cache.update(new, new, 0, kwargs={"dustin_plan": plan})
+    keys, _ = cache.layer_buffers(0)
+    assert torch.equal(keys[0, 4], new[0, :, 0]) and torch.equal(keys[1, 2], new[1, :, 0])
+
+
+def test_history_keeps_only_queries_of_positions_still_held():
+    history = History(batch=2)
+    history.keep(torch.zeros(2, 1, DIM), [9, 5])
+    assert history.rows_at([10, 6]) == [True, True]
+    history.rollback([7, 6])
+    assert history.positions == [-1, 5] and history.rows_at([10, 6]) == [False, True]

@@ -96,14 +96,14 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
-            assert (result.cache.stats["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
-            assert result.cache.stats["cuda_graphs"]["select"] == {
+            assert (result.stats.as_dict()["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
+            assert result.stats.as_dict()["cuda_graphs"]["select"] == {
                 "captured": int(graphs and bool(dustin)),
                 "failed": [],
             }
             if dustin:
-                assert result.cache.stats["sparse_steps"] > 0
-                assert (result.cache.stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
+                assert result.stats.as_dict()["sparse_steps"] > 0
+                assert (result.stats.as_dict()["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
     assert torch.equal(outputs[0], outputs[1])
 
 
@@ -216,7 +216,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[name] = result.sequences
             assert decoder.graphs["target"] == graphs
-            report = result.cache.stats["cuda_graphs"]["target"]
+            report = result.stats.as_dict()["cuda_graphs"]["target"]
             assert report["failed"] == [] and (report["captured"] > 0) == graphs
     assert torch.equal(outputs["eager"], outputs["graphed"])
     for b, row in enumerate(rows):  # the whole context in budget: plain greedy decoding of the split model
@@ -352,7 +352,7 @@ def test_a_row_below_min_context_beside_long_rows_stays_in_the_graphs(sparse_dra
             )
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs[graphs] = result.sequences
-            stats = result.cache.stats
+            stats = result.stats.as_dict()
             assert stats["sparse_steps"] > 0
     report = stats["cuda_graphs"]
     assert report["target"]["full_rows"] >= 1 and not report["target"]["failed"]
@@ -566,7 +566,7 @@ def test_selection_layers_replay_inside_the_cuda_graphs(mode):
                     result = decoder.generate(ids.cuda(), mask.cuda())
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
-            stats = result.cache.stats
+            stats = result.stats.as_dict()
             steps = stats["sparse_steps"] + stats["dense_steps"]
             assert stats["sparse_steps"] > 0 and not stats["cuda_graphs"]["target"]["failed"]
             if graphs:

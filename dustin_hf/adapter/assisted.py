@@ -164,5 +164,6 @@ def run_assisted(
         [p.slots for p in prompts],
         input_ids.shape[1],
         [p.length + n - 1 for p, n in zip(prompts, result.generated)],
+        result.stats,
     )
     return dataclasses.replace(result, cache=returned, draft_cache=None)

@@ -69,9 +69,8 @@ class DustinLayer(CacheLayerMixin):
         self._k, self._v = new_k, new_v
         self._sync_views()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens of the active plan; return ``(B', H, capacity, D)`` views of the covered rows."""
-        plan = self._owner.active_plan
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: ForwardPlan):
+        """Write the new tokens at the plan's slots; return ``(B', H, capacity, D)`` views of the covered rows."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows = plan.rows
@@ -125,8 +124,8 @@ class DustinCache(Cache):
         batch_size: rows (sequences); fixed for the cache's life.
         capacity: initial slots per row; grows in chunks of 256 when a forward needs more.
 
-    ``seq_lengths`` holds each row's cached positions. ``stats`` (target caches) says how many
-    verification steps were sparse and how many positions they read.
+    ``seq_lengths`` holds each row's cached positions; nothing else of a run is kept here (its statistics are on
+    its result, the history queries with the sparse verifier).
     """
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int = _GROW_CHUNK):
@@ -134,21 +133,19 @@ class DustinCache(Cache):
         self._batch_size = batch_size
         self.capacity = max(1, capacity)
         self.seq_lengths: list[int] = [0] * batch_size
+        # transformers releases whose attention layers pass their keyword arguments to ``update`` (5.2x) hand it
+        # the forward's plan there; older ones pass nothing, and ``update`` reads the plan the runner made active
         self.active_plan: ForwardPlan | None = None
-        self.run_stats = RunStats()  # the decode run's (the loop hands its own in)
-        # Target only: query of each row's last committed token on the scoring heads, for the next
-        # step's history score; `history_pos[b]` is its position (-1: none).
-        self.history_queries: torch.Tensor | None = None  # (B, heads, D)
-        self.history_pos: list[int] = [-1] * batch_size
 
     # -- what transformers calls -------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.active_plan is None:
+        plan = (kwargs.get("kwargs") or {}).get("dustin_plan") or self.active_plan
+        if plan is None:
             raise RuntimeError(
                 "DustinCache is written only inside dustin_hf's decoding loop (a ForwardPlan must be active); "
                 "use model.generate(..., assistant_model=draft, cache_implementation='dustin')"
             )
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, plan)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The longest row's cached positions (rows differ; see ``seq_lengths``)."""
@@ -170,24 +167,17 @@ class DustinCache(Cache):
         for layer in self.layers:
             layer.reset()
         self.seq_lengths = [0] * self.batch_size
-        self.history_pos = [-1] * self.batch_size
 
     def clear(self) -> None:
         """Hold nothing, keeping the buffers (a new run over the same buffers: slots are written before read)."""
         self.seq_lengths = [0] * self.batch_size
-        self.history_pos = [-1] * self.batch_size
-        self.history_queries = None
         self.active_plan = None
-        self.run_stats = RunStats()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         keep = indices.tolist()
         for layer in self.layers:
             layer.select_rows(indices)
         self.seq_lengths = [self.seq_lengths[i] for i in keep]
-        self.history_pos = [self.history_pos[i] for i in keep]
-        if self.history_queries is not None:
-            self.history_queries = self.history_queries[indices.to(self.history_queries.device)]
         self._batch_size = len(keep)
 
     @property
@@ -227,26 +217,17 @@ class DustinCache(Cache):
             self.seq_lengths[row] += n
 
     def rollback(self, lengths: list[int]) -> None:
-        """Set every row's length (only ever shorter or equal); later slots are overwritten by later writes.
-
-        The per-position side state follows: a row's history query is dropped when its position is
-        rolled back.
-        """
+        """Set every row's length (only ever shorter or equal); later slots are overwritten by later writes."""
         if len(lengths) != self.batch_size:
             raise ValueError(f"rollback needs {self.batch_size} lengths, got {len(lengths)}")
         for row, (old, new) in enumerate(zip(self.seq_lengths, lengths)):
             if new > old or new < 0:
                 raise ValueError(f"row {row}: cannot roll back from {old} to {new} positions")
-            if self.history_pos[row] >= new:
-                self.history_pos[row] = -1
         self.seq_lengths = list(lengths)
 
-    def set_history(self, queries: torch.Tensor, positions: list[int]) -> None:
-        """Keep ``queries`` ``(B, heads, D)``: each row's last committed token's scoring-head queries."""
-        self.history_queries = queries
-        self.history_pos = list(positions)
-
-    def to_dynamic(self, config, slots: list[torch.Tensor], padded_len: int, lengths: list[int]) -> "GeneratedCache":
+    def to_dynamic(
+        self, config, slots: list[torch.Tensor], padded_len: int, lengths: list[int], stats: RunStats
+    ) -> "GeneratedCache":
         """The cached positions in stock ``generate()``'s layout, a copy: what stock returns after the same call.
 
         Args:
@@ -255,6 +236,7 @@ class DustinCache(Cache):
                 keeps every input slot, masked ones included, where this cache keeps the unmasked tokens only.
             padded_len: the input's width; a row's generated tokens follow it.
             lengths: per row, the positions to return (its prompt and every generated token but the last).
+            stats: what the run did, which the returned cache's :attr:`~GeneratedCache.stats` reads.
 
         Stock's ``(B, kv_heads, padded_len + longest generated - 1, D)`` keys and values per layer; a masked input
         slot and the slots past a row's end hold zeros (stock: the keys of the tokens there, which no query
@@ -275,19 +257,11 @@ class DustinCache(Cache):
                 k_out[b, where] = keys[b, :n]
                 v_out[b, where] = values[b, :n]
             out.update(k_out.transpose(1, 2), v_out.transpose(1, 2), layer_idx)
-        out.run_stats = self.run_stats
+        out.run_stats = stats
         return out
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer_idx].buffers()
-
-    @property
-    def stats(self) -> dict:
-        """What the decode run that used this cache did (:meth:`dustin_hf.decode.stats.RunStats.as_dict`):
-        ``sparse_steps``, ``dense_steps``, ``mean_attended`` (mean cached positions a sparse step read per
-        row and layer, rows read in full included) and ``mean_attended_sparse`` (the rows verified sparsely
-        only), acceptance counters, timings and reports."""
-        return self.run_stats.as_dict()
 
     def __repr__(self):
         return (
@@ -305,5 +279,5 @@ class GeneratedCache(DynamicCache):
 
     @property
     def stats(self) -> dict:
-        """:meth:`dustin_hf.decode.stats.RunStats.as_dict` of the run that made it (see :attr:`DustinCache.stats`)."""
+        """:meth:`dustin_hf.decode.stats.RunStats.as_dict` of the run that made it (``sparse_steps``, ``mean_attended``, acceptance counters, timings and reports: ``docs/usage.md``)."""
         return self.run_stats.as_dict()

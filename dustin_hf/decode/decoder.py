@@ -190,6 +190,7 @@ class SpeculativeDecoder:
             "attentions": report.attentions,
         }
         result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
+        workspace.last_stats = result.stats
         return result
 
     def _workspace(

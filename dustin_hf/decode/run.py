@@ -54,7 +54,7 @@ class DecodeResult:
     logits: tuple[torch.Tensor, ...] | None  # per generated index: (B, V) raw target logits
     attentions: tuple | None  # per generated index, per layer: stock's layout (see dustin_hf.decode.outputs)
     hidden_states: tuple | None
-    stats: RunStats  # what the run did (also ``cache.stats``, as a dict)
+    stats: RunStats  # what the run did (``stats.as_dict()``; a returned cache's ``stats``)
     cache: DustinCache  # the target's cache (a workspace's: the next run of that workspace empties it)
     draft_cache: DustinCache
     generated: list[int]  # tokens each row generated
@@ -95,7 +95,7 @@ class DecodeRun:
         if gen.recording:
             slots = [p.slots for p in prompts]
             self.recorder = OutputRecorder(slots, padded_len, gen.output_attentions, gen.output_hidden_states)
-        self.stats = workspace.target.cache.run_stats = RunStats()
+        self.stats = RunStats()
         self.rows = Rows(
             prompts, workspace.target.cache.capacity + 1, gen.pad, device, max_new, gen.eos, list(gen.row_criteria),
             gen.streamer, gen.output_scores, gen.output_logits,

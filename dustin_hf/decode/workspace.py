@@ -76,6 +76,7 @@ class Workspace:
         self.selector: Selector | None = None  # made by the first run that selects
         self.fingerprint: tuple | None = None  # set once the fused weights are in place (:meth:`seal`)
         self.runs = 0  # runs served, the first one included
+        self.last_stats = None  # what the last run did (RunStats): a call that returns no cache still tells it
 
     @property
     def capacity(self) -> int:

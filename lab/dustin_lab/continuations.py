@@ -59,7 +59,7 @@ def speculative_continuation(
     with torch.no_grad(), dustin_attention_on(target, draft):
         result = decoder.generate(prompt.to(device)[None])
     seconds = time.perf_counter() - start
-    stats = {k: v for k, v in result.cache.stats.items() if k not in ("step_end_times", "phase_seconds")}
+    stats = {k: v for k, v in result.stats.as_dict().items() if k not in ("step_end_times", "phase_seconds")}
     trace = result.stats.trace
     generated = result.sequences[0, prompt.numel() :].tolist()
     decode_seconds = float(stats.get("decode_seconds", seconds))
