@@ -97,7 +97,7 @@ def test_growth_keeps_contents():
 
 
 def test_update_writes_at_the_plan_it_is_handed():
-    """transformers 5.2x attention layers pass their keyword arguments (the runner's ``dustin_plan``) to ``update``:
+    """transformers 5.24+ attention layers pass their keyword arguments (the runner's ``dustin_plan``) to ``update``:
     the cache writes at that plan's slots with no plan made active, as it writes at the active one on 5.17."""
     cache = DustinCache(num_layers=1, batch_size=2, capacity=16)
     _write(cache, 0, slice(0, 2), [0, 0], torch.randn(2, HEADS, 4, DIM))

@@ -133,7 +133,7 @@ class DustinCache(Cache):
         self._batch_size = batch_size
         self.capacity = max(1, capacity)
         self.seq_lengths: list[int] = [0] * batch_size
-        # transformers releases whose attention layers pass their keyword arguments to ``update`` (5.2x) hand it
+        # transformers releases whose attention layers pass their keyword arguments to ``update`` (from 5.24) hand it
         # the forward's plan there; older ones pass nothing, and ``update`` reads the plan the runner made active
         self.active_plan: ForwardPlan | None = None
 
