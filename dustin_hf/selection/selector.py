@@ -108,17 +108,11 @@ class Selector:
         gamma: int,
         row_gamma: list[int] | None = None,
         *,
-        history: History | None = None,
+        history: History,
     ) -> Selection:
         """The read sets of a step at ``seqlens`` (``base``: the same on the device) from the draft's kept
         queries (``{layer: [(B, heads, D)] * γ}``) and the target's ``history``; ``row_gamma``: the drafts each
-        row proposed, when some row proposed fewer than γ (it scores with its own queries only).
-
-        ``history=None`` reads the history the target cache still keeps, until the decode loop holds a
-        :class:`History` of its own and passes it (then this bridge goes)."""
-        if history is None:
-            history = History(len(seqlens))
-            history.keep(target.cache.history_queries, target.cache.history_pos)
+        row proposed, when some row proposed fewer than γ (it scores with its own queries only)."""
         window = self._row_windows(seqlens)
         step = Step(target, draft, seqlens, base, kept_queries, gamma, row_gamma, history, window, self.budgets)
         return self.policy.select(step)
