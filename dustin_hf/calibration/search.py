@@ -279,11 +279,39 @@ def search(
 ) -> tuple[Choice, dict]:
     """The greedy search of the module docstring (recovery averaged over ``budgets``); returns the best
     choice and a log of each stage."""
-    t_heads, t_group = t_cfg.num_attention_heads, group_size(t_cfg)
-    d_heads, d_group = d_cfg.num_attention_heads, group_size(d_cfg)
     s = _Search(features, budgets, base, deadline, progress)
     log = {}
-    # Stage 1: target layer and heads, m = 0 (the whole free budget by S_target).
+    value, target_choice = _search_target(s, t_cfg)
+    log["target"] = {"recovery": value, "layer": target_choice.target_layer, "heads": list(target_choice.target_heads)}
+    share = 0.5
+    chosen_value, chosen = _search_draft(s, d_cfg, target_choice, share, max_draft_layers)
+    log["draft"] = {"recovery": chosen_value, "layers": [[l, list(h)] for l, h in chosen.draft], "share": share}
+
+    # Stage 3: m on a grid.
+    final_value, final = s.best([chosen.replace(share=f) for f in _SHARE_GRID], (chosen_value, chosen))
+    log["share"] = {"recovery": final_value, "share": final.share}
+
+    # Stage 4 (optional): the sink and recent windows, then m again.
+    if search_windows:
+        limit = min(budgets) // 2
+        windows = [(sink, recent) for sink in _SINK_GRID for recent in _RECENT_GRID if sink + recent <= limit]
+        final_value, final = s.best([final.replace(sink=a, recent=b) for a, b in windows], (final_value, final))
+        final_value, final = s.best([final.replace(share=f) for f in _SHARE_GRID], (final_value, final))
+        log["windows"] = {
+            "recovery": final_value,
+            "sink_tokens": final.sink,
+            "recent_tokens": final.recent,
+            "share": final.share,
+        }
+    log["candidates_evaluated"] = s.evaluated
+    log["stopped_early"] = s.stopped_early
+    s.bar.close()
+    return final, log
+
+
+def _search_target(s: _Search, t_cfg) -> tuple[float, Choice]:
+    """Stage 1: the target's layer and heads, m = 0 (the whole free budget by S_target)."""
+    t_heads, t_group = t_cfg.num_attention_heads, group_size(t_cfg)
     singles = {}
     for layer in range(t_cfg.num_hidden_layers):
         for head in range(t_heads):
@@ -311,11 +339,13 @@ def search(
             value, heads = scored[0], scored[1].target_heads
             if value > best[0]:
                 best = (value, scored[1])
-    log["target"] = {"recovery": best[0], "layer": best[1].target_layer, "heads": list(best[1].target_heads)}
-    target_choice = best[1]
+    return best
 
-    # Stage 2: draft layers, one GQA group's heads (or its best few) each, m at half the free budget.
-    share = 0.5
+
+def _search_draft(s: _Search, d_cfg, target_choice: Choice, share: float, max_layers: int) -> tuple[float, Choice]:
+    """Stage 2: the draft's layers, one GQA group's heads (or its best few) each, m at ``share`` of the free
+    budget."""
+    d_heads, d_group = d_cfg.num_attention_heads, group_size(d_cfg)
     with_target = lambda draft: Choice(target_choice.target_layer, target_choice.target_heads, draft, share)  # noqa: E731
     d_singles = {}
     for layer in range(d_cfg.num_hidden_layers):
@@ -335,35 +365,14 @@ def search(
         if scored is not None:
             candidates[layer] = scored
     chosen_value, chosen = max(candidates.values(), key=lambda x: x[0]) if candidates else s.best([with_target(())])
-    while len(chosen.draft) < max_draft_layers and not s.out_of_time():
+    while len(chosen.draft) < max_layers and not s.out_of_time():
         used = {l for l, _ in chosen.draft}
         options = [with_target(chosen.draft + c.draft) for l, (_, c) in candidates.items() if l not in used]
         scored = s.best(options)
         if scored is None or scored[0] <= chosen_value:
             break
         chosen_value, chosen = scored
-    log["draft"] = {"recovery": chosen_value, "layers": [[l, list(h)] for l, h in chosen.draft], "share": share}
-
-    # Stage 3: m on a grid.
-    final_value, final = s.best([chosen.replace(share=f) for f in _SHARE_GRID], (chosen_value, chosen))
-    log["share"] = {"recovery": final_value, "share": final.share}
-
-    # Stage 4 (optional): the sink and recent windows, then m again.
-    if search_windows:
-        limit = min(budgets) // 2
-        windows = [(sink, recent) for sink in _SINK_GRID for recent in _RECENT_GRID if sink + recent <= limit]
-        final_value, final = s.best([final.replace(sink=a, recent=b) for a, b in windows], (final_value, final))
-        final_value, final = s.best([final.replace(share=f) for f in _SHARE_GRID], (final_value, final))
-        log["windows"] = {
-            "recovery": final_value,
-            "sink_tokens": final.sink,
-            "recent_tokens": final.recent,
-            "share": final.share,
-        }
-    log["candidates_evaluated"] = s.evaluated
-    log["stopped_early"] = s.stopped_early
-    s.bar.close()
-    return final, log
+    return chosen_value, chosen
 
 
 def default_choice(base: DustinConfig, t_cfg, d_cfg, budget: int) -> Choice:

@@ -63,28 +63,42 @@ def attention_mass(
         ``(B, num_positions)`` float32: per position, the probability mass it receives summed over
         queries and heads (positions a query cannot see get nothing from it).
     """
+    args = (queries, keys, query_pos, heads, group_size, softmax_scale, num_positions, key_span)
     if backend == "triton":
-        from ..kernels import launch_device
-        from ..kernels.triton_score import attention_mass_triton
-
-        with launch_device(queries):
-            return attention_mass_triton(
-                queries,
-                keys,
-                query_pos.to(keys.device),
-                heads,
-                group_size,
-                softmax_scale,
-                num_positions,
-                key_span,
-                query_offset=query_offset,
-                query_step=query_step,
-                query_counts=None if query_counts is None else query_counts.to(keys.device),
-                tuning=tuning,
-            )
+        return _attention_mass_triton(*args, query_offset, query_step, query_counts, tuning)
     _check_backend(backend)
+    return _attention_mass_reference(*args, query_offset, query_step, query_counts)
+
+
+def _attention_mass_triton(
+    queries, keys, query_pos, heads, group_size, softmax_scale, num_positions, key_span, offset, step, counts, tuning
+) -> torch.Tensor:
+    from ..kernels import launch_device
+    from ..kernels.triton_score import attention_mass_triton
+
+    with launch_device(queries):
+        return attention_mass_triton(
+            queries,
+            keys,
+            query_pos.to(keys.device),
+            heads,
+            group_size,
+            softmax_scale,
+            num_positions,
+            key_span,
+            query_offset=offset,
+            query_step=step,
+            query_counts=None if counts is None else counts.to(keys.device),
+            tuning=tuning,
+        )
+
+
+def _attention_mass_reference(
+    queries, keys, query_pos, heads, group_size, softmax_scale, num_positions, key_span, offset, step, counts
+) -> torch.Tensor:
+    """:func:`attention_mass` in PyTorch, one matmul per KV head over the query heads that read it."""
     batch, n_q = queries.shape[:2]
-    query_pos = query_pos.long() + query_offset + query_step * torch.arange(n_q, device=query_pos.device)
+    query_pos = query_pos.long() + offset + step * torch.arange(n_q, device=query_pos.device)
     span = max(key_span, num_positions)
     total = torch.zeros(batch, num_positions, dtype=torch.float32, device=queries.device)
     # each query's softmax runs over everything it sees, which can reach past `num_positions`
@@ -97,8 +111,8 @@ def attention_mass(
         logits = torch.matmul(q, k.transpose(1, 2)).float().mul_(softmax_scale)  # (B, n_q*n_h, span)
         logits = logits.view(batch, n_q, len(members), span).masked_fill_(hidden, float("-inf"))
         probs = logits.softmax(dim=-1)  # (B, n_q, n_h, span)
-        if query_counts is not None:  # a row's queries past its own count contribute nothing
-            counted = torch.arange(n_q, device=probs.device)[None, :] < query_counts.to(probs.device)[:, None]
+        if counts is not None:  # a row's queries past its own count contribute nothing
+            counted = torch.arange(n_q, device=probs.device)[None, :] < counts.to(probs.device)[:, None]
             probs = probs * counted[:, :, None, None]
         total += probs[..., :num_positions].sum(dim=(1, 2))
     return total
