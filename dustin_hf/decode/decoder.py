@@ -23,19 +23,17 @@ from transformers import GenerationConfig
 from ..compat import model_device, window_cuts
 from ..config import ResolvedConfig
 from ..kernels import resolve_backend
-from ..runtime.fused import FusedWeights, fused_ops, fused_ops_available
+from ..runtime.fused import fused_ops, fused_ops_available
 from ..runtime.launch import all_on_cuda
-from .cache import DustinCache
 from .dense import DenseVerifier, Footprint
 from .drafter import Drafter
 from .exact import ExactVerifier
 from .hooks import DecodeHooks, PhaseClock
 from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
 from .run import CallSettings, DecodeResult, DecodeRun
-from .runner import ModelRunner
 from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
 from .sparse import SparseVerifier
-from .workspace import Shape, Workspace, capacity_for
+from .workspace import Shape, Workspace, capacity_for, workspace_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
 
@@ -196,76 +194,28 @@ class SpeculativeDecoder:
     def _workspace(
         self, prompts: list[Prompt], padded_len: int, needed: int, footprint: Footprint
     ) -> tuple[Workspace, torch.Tensor | None]:
-        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`); its
-        runners get this run's position and window tables. Also what sliding windows count where rows have holes
-        (``None``: the slots), which the selector reads."""
-        recording = self.generation.recording
-        capacity = capacity_for(needed)
-        positions = position_table(prompts, needed)  # where position ids are not the cache slots
-        slots = stock_slots(prompts, padded_len, needed)  # what sliding windows count where rows have holes
-        span = needed if slots is None else int(slots.max()) + 1  # the longest distance a window may see
-        windowed = {role: window_cuts(model, span) for role, model in (("target", self.target), ("draft", self.draft))}
+        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`), its
+        runners given this run's position and window tables; and what the target's sliding windows count where rows
+        have holes (``None``: the slots), which the read-set policy reads."""
+        workspaces, capacity = self.runtime.workspaces, capacity_for(needed)
+        if workspaces is not None and workspaces.held is not None:  # the tables span the caches a run reads
+            capacity = max(capacity, workspaces.held.capacity)
+        positions = position_table(prompts, capacity)  # where position ids are not the cache slots
+        slots = stock_slots(prompts, padded_len, capacity)  # what sliding windows count where rows have holes
+        span = needed if slots is None else int(slots[:, :needed].max()) + 1  # the longest distance a window sees
+        windowed = [window_cuts(model, span) for model in (self.target, self.draft)]
         # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
         # not the slots (a masked last input slot, the caller's position_ids), a sliding window that can cut, or
         # attentions and hidden states to return run eagerly
-        graphs = tuple(
-            self.graphs[role] and positions is None and not recording and not windowed[role]
-            for role in ("target", "draft")
-        )
-        read_width, draft_width, select = footprint.read_width, footprint.draft_width, footprint.select
+        eager = positions is not None or self.generation.recording
+        graphs = tuple(self.graphs[role] and not eager and not cut for role, cut in zip(("target", "draft"), windowed))
         shape = Shape(
-            batch=len(prompts),
-            backend=self.backend,
-            graphs=graphs,
-            fused=(self.fused["target"], self.fused["draft"]),
-            tokens_only=self.tokens_only,
-            widths=(read_width, draft_width),
-            dustin_config=self.dustin_config,
-            tuning=self.runtime.tuning,
-            select=select,
-        )
-        workspaces = self.runtime.workspaces
-        held = workspaces is not None and workspaces.held is not None
-        workspace = None if workspaces is None else workspaces.take(self.target, self.draft, shape, needed)
-        if workspace is not None:
-            logger.info(
-                "reusing the held decode workspace (batch %d, %d slots a row)", len(prompts), workspace.capacity
-            )
-        else:
-            logger.info(
-                "building a decode workspace (batch %d, %d slots a row)%s: caches, and CUDA graphs as "
-                "each decode shape first runs",
-                len(prompts),
-                capacity,
-                "; the held one was of another shape and is released" if held else "",
-            )
-            t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-            target = ModelRunner(
-                self.target,
-                DustinCache(t_cfg.num_hidden_layers, len(prompts), capacity),
-                self.backend,
-                graphs[0],
-                graph_width=read_width,
-                dense_layers=footprint.dense_layers,
-                tokens_only=self.tokens_only,
-                tuning=self.runtime.tuning.kernels,
-                select=select,
-            )
-            draft = ModelRunner(
-                self.draft,
-                DustinCache(d_cfg.num_hidden_layers, len(prompts), capacity),
-                self.backend,
-                graphs[1],
-                graph_width=draft_width,
-                tokens_only=self.tokens_only,
-                tuning=self.runtime.tuning.kernels,
-            )
-            workspace = Workspace(shape, target, draft, FusedWeights())
-        workspace.start_run()
-        held_slots = workspace.capacity  # the tables span the caches, which may hold more than this run needs
-        positions = position_table(prompts, held_slots)
-        slots = stock_slots(prompts, padded_len, held_slots)
-        for role, runner in (("target", workspace.target), ("draft", workspace.draft)):  # to each device once
-            runner.positions = None if positions is None else positions.to(runner.device)
-            runner.window_slots = slots.to(runner.device) if slots is not None and windowed[role] else None
-        return workspace, (slots if windowed["target"] else None)
+            batch=len(prompts), backend=self.backend, graphs=graphs, fused=(self.fused["target"], self.fused["draft"]),
+            tokens_only=self.tokens_only, widths=(footprint.read_width, footprint.draft_width),
+            dustin_config=self.dustin_config, tuning=self.runtime.tuning, select=footprint.select,
+            dense_layers=footprint.dense_layers,
+        )  # fmt: skip
+        workspace = workspace_for(workspaces, self.target, self.draft, shape, needed)
+        window_slots = tuple(slots if cut else None for cut in windowed)
+        workspace.start_run(positions, window_slots)  # tables at least as wide as its caches
+        return workspace, window_slots[0]

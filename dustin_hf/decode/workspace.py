@@ -22,6 +22,7 @@ holds (both caches, the graphs' memory pools, the fused weights) stays allocated
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,12 @@ from ..runtime.fused import FusedWeights
 from ..runtime.plan import SelectLayers
 from ..runtime.tuning import Tuning
 from ..selection.selector import Selector
+from .cache import DustinCache
 from .runner import ModelRunner
 
-__all__ = ["SLACK", "Shape", "Workspace", "Workspaces", "capacity_for"]
+__all__ = ["SLACK", "Shape", "Workspace", "Workspaces", "capacity_for", "workspace_for"]
+
+logger = logging.getLogger(__name__)
 
 # A held workspace serves a run that needs up to this many slots fewer than it holds (and at most 1/8 fewer):
 # prompts of a server's traffic vary in length, and a capacity rounded up to 256 slots absorbs the rest.
@@ -54,6 +58,7 @@ class Shape:
     dustin_config: ResolvedConfig | None
     tuning: Tuning
     select: SelectLayers | None = None  # the target's selection layers (their scoring queries differ by mode)
+    dense_layers: tuple[int, ...] = ()  # target layers that read everything on sparse steps too
 
 
 def capacity_for(needed: int) -> int:
@@ -70,6 +75,29 @@ def _fingerprint(*models) -> tuple:
 
 class Workspace:
     """Both models' runners (caches, graphs), the selector and the fused weights of one shape and capacity."""
+
+    @classmethod
+    def build(cls, target, draft, shape: Shape, capacity: int) -> "Workspace":
+        """Empty caches of ``capacity`` slots a row and runners for both models; graphs are captured as each
+        decode shape first runs."""
+        runners = []
+        for model, graphs, width in zip((target, draft), shape.graphs, shape.widths):
+            layers = model.config.get_text_config().num_hidden_layers
+            is_target = model is target
+            runners.append(
+                ModelRunner(
+                    model,
+                    DustinCache(layers, shape.batch, capacity),
+                    shape.backend,
+                    graphs,
+                    graph_width=width,
+                    dense_layers=shape.dense_layers if is_target else (),
+                    tokens_only=shape.tokens_only,
+                    tuning=shape.tuning.kernels,
+                    select=shape.select if is_target else None,
+                )  # fmt: skip
+            )
+        return cls(shape, *runners, FusedWeights())
 
     def __init__(self, shape: Shape, target: ModelRunner, draft: ModelRunner, fused: FusedWeights):
         self.shape, self.target, self.draft, self.fused = shape, target, draft, fused
@@ -95,10 +123,14 @@ class Workspace:
             and self.fingerprint == _fingerprint(target, draft)
         )
 
-    def start_run(self) -> None:
-        """Empty both caches and forget the last run's per-run state (the buffers and graphs stay)."""
-        for runner in (self.target, self.draft):
+    def start_run(self, positions: torch.Tensor | None, window_slots: tuple) -> None:
+        """Empty both caches and forget the last run's per-run state (the buffers and graphs stay); the runners take
+        this run's tables: ``positions`` (``(B, capacity)``: position ids where they are not the slots) and, per
+        runner, ``window_slots`` (what its sliding windows count where rows have holes; ``None``: the slots)."""
+        for runner, slots in zip((self.target, self.draft), window_slots):
             runner.reset()
+            runner.positions = None if positions is None else positions.to(runner.device)  # to each device once
+            runner.window_slots = None if slots is None else slots.to(runner.device)
         self.runs += 1
 
     def release(self) -> None:
@@ -121,6 +153,7 @@ class Workspaces:
         after releasing it."""
         if self.held is not None and self.held.fits(target, draft, shape, needed):
             held, self.held = self.held, None
+            logger.info("reusing the held decode workspace (batch %d, %d slots a row)", shape.batch, held.capacity)
             return held
         self.release()
         return None
@@ -143,6 +176,20 @@ class Workspaces:
         # a copied model (copy.deepcopy of a patched one) starts with nothing held: the caches, graphs and the draft
         # are this model's, and CUDA graphs cannot be copied
         return Workspaces()
+
+
+def workspace_for(workspaces: Workspaces | None, target, draft, shape: Shape, needed: int) -> Workspace:
+    """The held workspace when it fits a run that needs ``needed`` slots a row, else a new one."""
+    held = workspaces is not None and workspaces.held is not None
+    workspace = None if workspaces is None else workspaces.take(target, draft, shape, needed)
+    if workspace is None:
+        logger.info(
+            "building a decode workspace (batch %d, %d slots a row)%s: caches, and CUDA graphs as each decode shape "
+            "first runs", shape.batch, capacity_for(needed),
+            "; the held one was of another shape and is released" if held else "",
+        )  # fmt: skip
+        workspace = Workspace.build(target, draft, shape, capacity_for(needed))
+    return workspace
 
 
 def _free_cached_memory(device: torch.device) -> None:
