@@ -1,9 +1,10 @@
 """The lab (``lab/``, its tests too) and the benchmarks (``benchmarks/``) use the library through its declared
 surface only (read from the source with ``ast``; nothing of theirs is imported):
 
-- ``dustin_hf``: the names in its ``__all__`` (and ``__version__``);
+- ``dustin_hf``: the names in its ``__all__`` (and ``__version__``, ``__file__``);
 - ``dustin_hf.experimental``: the names in its ``__all__``, declared for them (unstable, but declared);
-- ``dustin_hf.kernels``: the dispatcher, the names in its ``__all__``.
+- ``dustin_hf.kernels``: the dispatcher, the names in its ``__all__``;
+- ``dustin_hf.patches``: its ``__file__`` only, which a benchmark records to say which patches ran.
 
 Every other library module is private to the library, imported or read as an attribute, also inside a function. They
 subclass none of the library's classes (a plan takes its hooks instead), and nothing in the library imports
@@ -20,7 +21,13 @@ import pytest
 from test_layers import _module_files, import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
-SURFACE = {"dustin_hf": {"__version__"}, "dustin_hf.experimental": set(), "dustin_hf.kernels": set()}
+# each module outside the library may import, and the names it may read there besides the module's __all__
+SURFACE = {
+    "dustin_hf": {"__version__", "__file__"},
+    "dustin_hf.experimental": set(),
+    "dustin_hf.kernels": set(),
+    "dustin_hf.patches": {"__file__"},
+}
 SURFACE_FILES = {
     "dustin_hf": ROOT / "dustin_hf" / "__init__.py",
     "dustin_hf.experimental": ROOT / "dustin_hf" / "experimental.py",
@@ -45,6 +52,8 @@ def _library_modules() -> frozenset[str]:
 @functools.cache
 def _declared(module: str) -> frozenset[str]:
     """The names ``module`` declares: its ``__all__`` (read from its source) and the extras of :data:`SURFACE`."""
+    if module not in SURFACE_FILES:
+        return frozenset(SURFACE[module])
     for node in ast.parse(SURFACE_FILES[module].read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return frozenset(ast.literal_eval(node.value)) | SURFACE[module]
@@ -57,6 +66,17 @@ def _check(where: str, module: str, name: str | None, bad: list[str]) -> None:
         bad.append(f"{where}: {module} is private to the library (use dustin_hf.experimental)")
     elif name is not None and name not in _declared(module):
         bad.append(f"{where}: {module}.{name} is not declared (declare it in dustin_hf.experimental, documented)")
+
+
+def _dotted(node: ast.Attribute, modules: dict[str, str]) -> list[str] | None:
+    """``a.b.c`` as ``[module parts..., "b", "c"]`` when ``a`` is bound to a library module, else ``None``."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in modules:
+        return None
+    return modules[node.id].split(".") + names[::-1]
 
 
 def surface_violations(path: Path, source: str | None = None) -> list[str]:
@@ -84,12 +104,10 @@ def surface_violations(path: Path, source: str | None = None) -> list[str]:
                     classes.add(alias.asname or alias.name)
     for node in ast.walk(tree):
         where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
-            module, dotted = modules[node.value.id], f"{modules[node.value.id]}.{node.attr}"
-            if dotted in _library_modules():  # a submodule read as an attribute
-                _check(where, dotted, None, bad)
-            else:
-                _check(where, module, node.attr, bad)
+        if isinstance(node, ast.Attribute) and (parts := _dotted(node, modules)):
+            # the longest library module the chain names, then what it reads there (`a.b.c.d`: module a.b, name c)
+            cut = max(i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in _library_modules())
+            _check(where, ".".join(parts[:cut]), parts[cut] if cut < len(parts) else None, bad)
         elif isinstance(node, ast.ClassDef):
             for base in node.bases:
                 named = base.id if isinstance(base, ast.Name) else None
@@ -144,6 +162,9 @@ def test_every_declared_name_loads():
         ("benchmarks/replay.py", "from dustin_hf import experimental as ex\nx = ex.Undeclared", "is not declared"),
         ("benchmarks/attention.py", "from dustin_hf.kernels import varlen", "private to the library"),
         ("benchmarks/attention.py", "from dustin_hf.kernels import _device", "private to the library"),
+        ("benchmarks/e2e.py", "from dustin_hf.patches import generation", "private to the library"),
+        ("benchmarks/e2e.py", "from dustin_hf.patches import patched_class", "is not declared"),
+        ("benchmarks/e2e.py", "import dustin_hf.patches\nx = dustin_hf.patches.patched_class", "is not declared"),
         ("lab/dustin_lab/oracle.py", "class P(ForwardPlan):\n    pass", "subclasses the library's ForwardPlan"),
         (
             "lab/dustin_lab/oracle.py",
