@@ -18,7 +18,6 @@ from ..calibration import prompt as prompt_calibration
 from ..compat import CACHE_KWARG, check_pair
 from ..config import resolve
 from ..decode.decoder import DecodeResult, SpeculativeDecoder
-from ..decode.masks import prompts_from_mask
 from ..decode.settings import Drafting, GenerateSettings, RuntimeOptions
 from .attention import ATTENTION_NAME
 
@@ -92,6 +91,39 @@ def run_assisted(
     (:mod:`dustin_hf.decode.workspace`); with ``return_dict_in_generate`` the result's ``cache`` is a copy in stock's
     layout (:class:`~dustin_hf.decode.cache.GeneratedCache`), else ``None``."""
     model_kwargs = model_kwargs or {}
+    _check_call(target, draft, logits_processor, model_kwargs, synced_gpus, tokenizer, assistant_tokenizer)
+    handle, drafting = target._dustin_patch, draft_settings(draft)
+    decoder = SpeculativeDecoder(
+        target, draft,
+        GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
+        dustin_config=_dustin_config(target, draft, generation_config) if use_dustin else None,
+        drafting=Drafting(
+            int(drafting["num_assistant_tokens"]), drafting["assistant_confidence_threshold"] or None,
+            drafting["num_assistant_tokens_schedule"],
+        ),
+        runtime=RuntimeOptions(workspaces=handle.workspaces), hooks=handle.hooks,
+        # the loop sits below the calibration search: it runs the search it is handed
+        calibrate=prompt_calibration.calibrate_on_prompts,
+    )  # fmt: skip
+    with attention_routed(target, draft):
+        result = decoder.generate(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+    if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
+        lengths = result.draft_tokens
+        draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
+    if not generation_config.return_dict_in_generate:
+        return dataclasses.replace(result, cache=None, draft_cache=None)
+    # the loop's own cache stays with the model for its next call: the caller gets stock's layout, a copy
+    prompts = result.prompts
+    returned = result.cache.to_dynamic(
+        target.config, [p.slots for p in prompts], input_ids.shape[1],
+        [p.length + n - 1 for p, n in zip(prompts, result.generated)], result.stats,
+    )  # fmt: skip
+    return dataclasses.replace(result, cache=returned, draft_cache=None)
+
+
+def _check_call(target, draft, logits_processor, model_kwargs: dict, synced_gpus: bool, tokenizer,
+                assistant_tokenizer) -> None:  # fmt: skip
+    """What the loop does not support, refused with an error that says so."""
     if draft is None:
         raise ValueError(
             "batched assisted generation and cache_implementation='dustin' need a draft model: pass "
@@ -119,51 +151,16 @@ def run_assisted(
         )
     check_pair(target, draft, tokenizer, assistant_tokenizer)
 
-    dustin = None
-    if use_dustin:
-        config = target._dustin_patch.config
-        overrides = generation_config.cache_config
-        if overrides is not None and not isinstance(overrides, Mapping):
-            raise ValueError(
-                "cache_config must be a mapping of DustinConfig fields to values for this call, e.g. "
-                f"cache_config={{'budget': 256}}; got {type(overrides).__name__} {overrides!r}"
-            )
-        if overrides:
-            config = config.replace(**dict(overrides))
-        dustin = resolve(config, target.config.get_text_config(), draft.config.get_text_config())
 
-    handle = target._dustin_patch
-    drafting = draft_settings(draft)
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
-        dustin_config=dustin,
-        drafting=Drafting(
-            int(drafting["num_assistant_tokens"]),
-            drafting["assistant_confidence_threshold"] or None,
-            drafting["num_assistant_tokens_schedule"],
-        ),
-        runtime=RuntimeOptions(workspaces=handle.workspaces),
-        hooks=handle.hooks,
-        # the loop sits below the calibration search: it runs the search it is handed
-        calibrate=prompt_calibration.calibrate_on_prompts,
-    )
-    mask = model_kwargs.get("attention_mask")
-    with attention_routed(target, draft):
-        result = decoder.generate(input_ids, mask, model_kwargs.get("position_ids"))
-    if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
-        lengths = result.draft_tokens
-        draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
-    if not generation_config.return_dict_in_generate:
-        return dataclasses.replace(result, cache=None, draft_cache=None)
-    # the loop's own cache stays with the model for its next call: the caller gets stock's layout, a copy
-    prompts = prompts_from_mask(input_ids, mask)
-    returned = result.cache.to_dynamic(
-        target.config,
-        [p.slots for p in prompts],
-        input_ids.shape[1],
-        [p.length + n - 1 for p, n in zip(prompts, result.generated)],
-        result.stats,
-    )
-    return dataclasses.replace(result, cache=returned, draft_cache=None)
+def _dustin_config(target, draft, generation_config):
+    """The patch's Dustin settings, overridden by this call's ``cache_config``, resolved for the pair."""
+    config = target._dustin_patch.config
+    overrides = generation_config.cache_config
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ValueError(
+            "cache_config must be a mapping of DustinConfig fields to values for this call, e.g. "
+            f"cache_config={{'budget': 256}}; got {type(overrides).__name__} {overrides!r}"
+        )
+    if overrides:
+        config = config.replace(**dict(overrides))
+    return resolve(config, target.config.get_text_config(), draft.config.get_text_config())

@@ -59,6 +59,7 @@ class DecodeResult:
     draft_cache: DustinCache
     generated: list[int]  # tokens each row generated
     draft_tokens: list[int] | None = None  # each row's draft length after the run (the draft schedule's state)
+    prompts: list[Prompt] | None = None  # each row's prompt as the loop read it (where its slots were, its length)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class DecodeRun:
                     break
             if self.settings.gen.streamer is not None:
                 self.settings.gen.streamer.end()
-            return self._result(input_ids, started, decoding, step_ends, step_tokens)
+            return self._result(input_ids, prompts, started, decoding, step_ends, step_tokens)
 
     def prefill(self, prompts: list[Prompt]) -> list:
         """The target reads each prompt and names the first new token; the draft reads all but the last prompt
@@ -186,8 +187,8 @@ class DecodeRun:
             for b in active:
                 self.recorder.keep_step(b, counts[b], hidden, attentions)
 
-    def _result(self, input_ids: torch.Tensor, started: float, decoding: float, step_ends: list[float],
-                step_tokens: list[int]) -> DecodeResult:  # fmt: skip
+    def _result(self, input_ids: torch.Tensor, prompts: list[Prompt], started: float, decoding: float,
+                step_ends: list[float], step_tokens: list[int]) -> DecodeResult:  # fmt: skip
         rows, stats, target, draft = self.rows, self.stats, self.target, self.draft
         stats.prefill_seconds = decoding - started
         stats.decode_seconds = (step_ends[-1] if step_ends else decoding) - decoding
@@ -202,5 +203,5 @@ class DecodeRun:
         attentions, hidden = self.recorder.tuples(rows.generated) if self.recorder is not None else (None, None)
         return DecodeResult(
             rows.sequences(input_ids), rows.per_position(rows.scores), rows.per_position(rows.raw), attentions,
-            hidden, stats, target.cache, draft.cache, list(rows.generated), draft_tokens=list(self.drafter.row_gamma),
+            hidden, stats, target.cache, draft.cache, list(rows.generated), list(self.drafter.row_gamma), prompts,
         )  # fmt: skip
