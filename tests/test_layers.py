@@ -165,7 +165,7 @@ def test_the_lab_is_checked():
             "from ..calibration.prompt import calibrate_on_prompts",
             "below the calibration search",
         ),
-        ("dustin_hf.decode.exact_step", "from ..calibration.search import search", "below the calibration search"),
+        ("dustin_hf.decode.exact", "from ..calibration.search import search", "below the calibration search"),
         ("dustin_hf.selection.selector", "from ..calibration import search", "below the calibration search"),
         ("dustin_hf.runtime.graphs", "from ..selection import Selection", "the runtime reads only"),
     ],
