@@ -96,14 +96,12 @@ def test_cuda_graphs_replay_the_eager_steps_exactly(dustin):
             result = decoder.generate(ids.cuda(), mask.cuda())
             outputs.append(result.sequences)
             assert decoder.graphs == {"target": graphs, "draft": graphs}
-            assert (result.stats.as_dict()["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
-            assert result.stats.as_dict()["cuda_graphs"]["select"] == {
-                "captured": int(graphs and bool(dustin)),
-                "failed": [],
-            }
+            stats = result.stats.as_dict()
+            assert (stats["draft_forwards_ahead"] > 0) == graphs  # queued before the sync: replays only
+            assert stats["cuda_graphs"]["select"] == {"captured": int(graphs and bool(dustin)), "failed": []}
             if dustin:
-                assert result.stats.as_dict()["sparse_steps"] > 0
-                assert (result.stats.as_dict()["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
+                assert stats["sparse_steps"] > 0
+                assert (stats["draft_sparse_forwards"] > 0) == (dustin == "sparse_draft")
     assert torch.equal(outputs[0], outputs[1])
 
 
@@ -188,7 +186,7 @@ def test_target_split_over_two_gpus_equals_greedy_and_replays_its_graphs_exactly
     from dustin_hf.config import resolve
     from dustin_hf.decode.decoder import SpeculativeDecoder
     from dustin_hf.decode.settings import Drafting, RuntimeOptions
-    from dustin_hf.runtime.graphs import Pipeline
+    from dustin_hf.runtime.pipeline import Pipeline
 
     torch.cuda.set_device(0)
     target = tiny_model("qwen2", layers=4, hidden=128, heads=8, kv_heads=2)

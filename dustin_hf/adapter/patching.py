@@ -89,7 +89,8 @@ class DustinPatch:
 
         Runs ``generate()`` on random token ids of ``batch_size`` rows with ``assistant_model=draft`` and
         ``cache_implementation="dustin"`` (plus ``generate_kwargs``: pass what the real calls pass, e.g.
-        ``do_sample``, ``cache_config``, logits processors: they decide the graphs' shapes), for ``steps`` decode steps.
+        ``do_sample``, ``cache_config``, logits processors: they decide the graphs' shapes), for ``steps`` decode
+        steps.
         Its prompts are short (past ``min_context`` and the budget, so the sparse steps run too) and its length
         budget is ``max_length`` (the real calls' prompt plus ``max_new_tokens``), so its caches and graphs are those
         a real call of that length reuses (:mod:`dustin_hf.decode.workspace`). Returns the run's ``stats``; its prompt

@@ -279,5 +279,6 @@ class GeneratedCache(DynamicCache):
 
     @property
     def stats(self) -> dict:
-        """:meth:`dustin_hf.decode.stats.RunStats.as_dict` of the run that made it (``sparse_steps``, ``mean_attended``, acceptance counters, timings and reports: ``docs/usage.md``)."""
+        """:meth:`dustin_hf.decode.stats.RunStats.as_dict` of the run that made it (``sparse_steps``,
+        ``mean_attended``, acceptance counters, timings and reports: ``docs/usage.md``)."""
         return self.run_stats.as_dict()

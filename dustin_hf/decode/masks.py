@@ -1,4 +1,5 @@
-"""From ``generate()``'s ``input_ids`` and ``attention_mask`` to each row's prompt, read as stock transformers reads it.
+"""From ``generate()``'s ``input_ids`` and ``attention_mask`` to each row's prompt, read as stock transformers reads
+it.
 
 Stock ``generate()`` (decoder-only, transformers 5.17-5.25) keeps every input slot: a slot whose mask is 0 is
 never attended to by any query, its position id is 0, and every other slot's position id is the number of
@@ -74,7 +75,8 @@ def prompts_from_mask(
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape "
+            f"{tuple(input_ids.shape)}"
         )
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if position_ids is None:
@@ -107,8 +109,8 @@ def _checked_positions(position_ids: torch.Tensor, input_ids: torch.Tensor) -> t
         raise ValueError(
             f"position_ids of shape {tuple(position_ids.shape)} do not fit input_ids {tuple(input_ids.shape)}: "
             f"dustin_hf's decoding loop takes one position id per input slot, ({batch}, {width}) or (1, {width}) "
-            "(multimodal 3-D position ids are not supported); leave position_ids unset for the positions stock derives "
-            "from the attention mask"
+            "(multimodal 3-D position ids are not supported); leave position_ids unset for the positions stock "
+            "derives from the attention mask"
         )
     return position_ids.long()
 

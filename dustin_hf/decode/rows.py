@@ -25,7 +25,8 @@ class Rows:
     """Committed tokens, lengths and stop state of every row, plus the scores/logits kept for the output.
 
     Args:
-        prompts: each row's prompt (:class:`~dustin_hf.decode.masks.Prompt`: its tokens, and what processors see of it).
+        prompts: each row's prompt (:class:`~dustin_hf.decode.masks.Prompt`: its tokens, and what processors see of
+            it).
         width: token slots per row (the longest prompt + ``max_new`` + room for a step's candidates).
         pad: id written in unused slots and after a row's end in the returned sequences.
         max_new: tokens each row may generate.
@@ -154,7 +155,8 @@ class Rows:
         return k
 
     def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``(B, padded_len + longest)``: the input layout, then each row's generated tokens (``pad`` after its end)."""
+        """``(B, padded_len + longest)``: the input layout, then each row's generated tokens (``pad`` after its
+        end)."""
         batch, padded_len = input_ids.shape
         longest = max(self.generated)
         out = torch.full((batch, padded_len + longest), self.pad, dtype=torch.long, device=input_ids.device)

@@ -9,7 +9,8 @@ import torch
 
 from ..compat import CACHE_KWARG, model_device, window_cuts
 from ..kernels.tuning import KernelTuning
-from ..runtime.graphs import GraphedForward, Pipeline
+from ..runtime.graphs import GraphedForward
+from ..runtime.pipeline import Pipeline
 from ..runtime.plan import ForwardPlan, SelectLayers
 from .cache import DustinCache
 
@@ -25,10 +26,10 @@ class ModelRunner:
 
     ``step`` runs the decode loop's fixed-shape forwards; with ``cuda_graphs`` they are captured once
     per shape and replayed (see :mod:`dustin_hf.runtime.graphs`). :attr:`positions` (``(B, capacity)``,
-    :func:`dustin_hf.decode.masks.position_table`) gives the position id of each cache slot where they are not the slots;
-    :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.decode.masks.stock_slots`) is what the sliding windows count
-    in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids from the
-    slots and runs the fast kernels only).
+    :func:`dustin_hf.decode.masks.position_table`) gives the position id of each cache slot where they are not the
+    slots; :attr:`window_slots` (``(B, capacity)``, :func:`dustin_hf.decode.masks.stock_slots`) is what the sliding
+    windows count in rows with masked input slots. Such forwards run eagerly (the captured forward takes position ids
+    from the slots and runs the fast kernels only).
     """
 
     def __init__(

@@ -71,7 +71,7 @@ class RuntimeOptions:
     Args:
         backend: attention backend for dense verification (Dustin uses its config's ``backend``).
         cuda_graphs: capture the fixed-shape forwards in CUDA graphs (a model split over GPUs: one graph per
-            device, see :class:`~dustin_hf.runtime.graphs.Pipeline`); ``None``: for each model whose parameters
+            device, see :class:`~dustin_hf.runtime.pipeline.Pipeline`); ``None``: for each model whose parameters
             are all on CUDA, when the backend is graph-safe (``"triton"``).
         fused_ops: run the models' RMSNorms, rotary embeddings and SiLU·mul through one-launch Triton kernels
             and their q/k/v and gate/up projections as one GEMM each (:mod:`dustin_hf.runtime.fused`; rotary

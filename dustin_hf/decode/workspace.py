@@ -1,8 +1,8 @@
 """What a decode run builds that the next run of the same shape reuses, instead of building it again.
 
-A run's two :class:`~dustin_hf.decode.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and the
-CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selection.selector.Selector` owns the scoring
-step's graph; the graphs read the concatenated projection weights of
+A run's two :class:`~dustin_hf.decode.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and
+the CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selection.selector.Selector` owns the
+scoring step's graph; the graphs read the concatenated projection weights of
 :class:`~dustin_hf.runtime.fused.FusedWeights`. Capturing a shape costs an eager forward and the capture itself,
 about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
 (:class:`Workspaces`, on its :class:`~dustin_hf.adapter.patching.DustinPatch`) and the next call takes it when it fits:
