@@ -2,7 +2,7 @@
 
 ``DustinConfig`` holds what the user chooses (budget, window sizes, scoring heads, backend). Values
 that depend on the model pair (the default scoring heads, ``draft_share`` when unset) are resolved
-separately by :func:`resolve`, never by mutating the config.
+separately by :func:`~dustin_hf.resolved.resolve` (re-exported here), never by mutating the config.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 __all__ = ["DustinConfig", "ResolvedConfig", "resolve"]
 
+from .resolved import ResolvedConfig, resolve  # noqa: E402  the pair-dependent half, re-exported where it was
+
 _BACKENDS = ("auto", "reference", "triton", "flash_attn", "varlen")
 _MODES = ("sparse", "exact")
 # budget=None's value, in both modes. On the real Qwen2.5-Coder pair at 32k (benchmarks/results/real_pair_*.json)
@@ -25,12 +27,12 @@ _MODES = ("sparse", "exact")
 DEFAULT_BUDGET = 2048
 _CALIBRATIONS = ("none", "prompt")
 _SELECTIONS = ("dustin", "verify")
-# selection="verify"'s first layer when neither the config nor a profile names the layers (a second one at half the
-# depth re-selects): an early layer's choice serves the layers after it better than a middle one's, although
-# attention recovery ranks early layers last; calibration picks the layers per pair by agreement with dense
-_SELECTION_FIRST = 2
 # what prompt calibration searches, and all it replaces in the user's config
 SEARCHED_FIELDS = ("target_layer", "target_heads", "draft_layers", "draft_heads", "draft_share")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_int_tuple(value: Any, name: str) -> tuple[int, ...] | None:
@@ -149,14 +151,24 @@ class DustinConfig:
     def __post_init__(self):
         if self.budget is None:  # kept as an int: every reader of budget sees one
             object.__setattr__(self, "budget", DEFAULT_BUDGET)
+        self._check_sizes()
+        self._check_layers()
+        self._check_choices()
+        self._check_knob()
+
+    def _check_sizes(self) -> None:
         for name in ("budget", "sink_tokens", "recent_tokens", "min_context", "confirm_tokens", "confirm_every"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.confirm_every < 1:
+            raise ValueError(
+                f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}"
+            )
         chunk = self.prefill_chunk
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        if chunk is not None and (not _is_int(chunk) or chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None (chosen from free memory), got {chunk!r}")
         fixed = self.sink_tokens + self.recent_tokens
         if fixed > self.budget:
@@ -165,80 +177,71 @@ class DustinConfig:
                 "windows"
             )
         if self.draft_share is not None and not (
-            isinstance(self.draft_share, int) and 0 <= self.draft_share <= self.budget - fixed
+            _is_int(self.draft_share) and 0 <= self.draft_share <= self.budget - fixed
         ):
             raise ValueError(
                 "draft_share must be an int in [0, budget - sink_tokens - recent_tokens] = "
                 f"[0, {self.budget - fixed}], got {self.draft_share!r}"
             )
+
+    def _check_layers(self) -> None:
         if self.target_layer is not None and (not isinstance(self.target_layer, int) or self.target_layer < 0):
             raise ValueError(f"target_layer must be a non-negative int or None, got {self.target_layer!r}")
         object.__setattr__(self, "target_heads", _as_int_tuple(self.target_heads, "target_heads"))
         object.__setattr__(self, "draft_layers", _as_int_tuple(self.draft_layers, "draft_layers"))
         object.__setattr__(self, "draft_heads", self._normalized_draft_heads())
         layers = self.dense_layers
-        if (
-            isinstance(layers, int)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
-            or len(set(layers)) != len(tuple(layers))
-        ):
+        if isinstance(layers, int) or not all(map(_is_int, layers)) or len(set(layers)) != len(tuple(layers)):
             raise ValueError(f"dense_layers must be a sequence of distinct ints (e.g. (0, -1)), got {layers!r}")
         object.__setattr__(self, "dense_layers", tuple(layers))
-        if self.selection not in _SELECTIONS:
-            raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
         chosen = self.selection_layers
         if chosen is not None:
             if (
                 isinstance(chosen, int)
                 or not chosen
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in chosen)
+                or not all(map(_is_int, chosen))
                 or len(set(chosen)) != len(chosen)
             ):
                 raise ValueError(
-                    f"selection_layers must be a non-empty sequence of distinct ints (e.g. (2,)) or None, "
+                    "selection_layers must be a non-empty sequence of distinct ints (e.g. (2,)) or None, "
                     f"got {chosen!r}"
                 )
             object.__setattr__(self, "selection_layers", tuple(chosen))
-        if self.calibration not in _CALIBRATIONS:
-            raise ValueError(f"calibration must be one of {_CALIBRATIONS}, got {self.calibration!r}")
-        if self.calibration == "prompt" and fixed == self.budget:
+
+    def _check_choices(self) -> None:
+        for name, allowed in (("selection", _SELECTIONS), ("calibration", _CALIBRATIONS), ("backend", _BACKENDS),
+                              ("mode", _MODES)):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.sparse_draft, bool):
+            raise ValueError(f"sparse_draft must be True or False, got {self.sparse_draft!r}")
+        if self.calibration == "prompt" and self.sink_tokens + self.recent_tokens == self.budget:
             raise ValueError(
                 f"calibration='prompt' searches the scoring heads and draft_share that fill budget - sink_tokens - "
                 f"recent_tokens positions; with budget == sink_tokens + recent_tokens ({self.budget}) nothing is left "
                 "to fill: raise budget, shrink the windows, or use calibration='none'"
             )
-        if self.calibration == "prompt" and any(getattr(self, name) is not None for name in SEARCHED_FIELDS):
-            given = [name for name in SEARCHED_FIELDS if getattr(self, name) is not None]
+        given = [name for name in SEARCHED_FIELDS if getattr(self, name) is not None]
+        if self.calibration == "prompt" and given:
             raise ValueError(
                 f"calibration='prompt' searches {', '.join(SEARCHED_FIELDS)}; leave them None "
                 f"(got {given}), or use calibration='none' to keep them"
             )
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.sparse_draft, bool):
-            raise ValueError(f"sparse_draft must be True or False, got {self.sparse_draft!r}")
-        if self.mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
-        if self.confirm_every < 1:
-            raise ValueError(
-                f"confirm_every must be >= 1 (sparse steps between confirmations), got {self.confirm_every}"
-            )
-        if self.min_recovery is not None and not (
-            isinstance(self.min_recovery, (int, float))
-            and not isinstance(self.min_recovery, bool)
-            and 0 < self.min_recovery <= 1
+
+    def _check_knob(self) -> None:
+        share = self.min_recovery
+        if share is not None and not (
+            isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1
         ):
             raise ValueError(
-                f"min_recovery must be a share in (0, 1] (e.g. 0.9) or None for the fixed budget, "
-                f"got {self.min_recovery!r}"
+                f"min_recovery must be a share in (0, 1] (e.g. 0.9) or None for the fixed budget, got {share!r}"
             )
-        if self.max_budget is not None and (
-            not isinstance(self.max_budget, int) or isinstance(self.max_budget, bool) or self.max_budget < self.budget
-        ):
+        ceiling = self.max_budget
+        if ceiling is not None and (not _is_int(ceiling) or ceiling < self.budget):
             raise ValueError(
-                f"max_budget must be an int >= budget ({self.budget}) or None (4 x budget), got {self.max_budget!r}"
+                f"max_budget must be an int >= budget ({self.budget}) or None (4 x budget), got {ceiling!r}"
             )
-        if self.max_budget is not None and self.min_recovery is None:
+        if ceiling is not None and share is None:
             raise ValueError(
                 "max_budget is the ceiling of the quality knob: set min_recovery too (or leave "
                 "max_budget None for the fixed budget)"
@@ -293,118 +296,3 @@ def _lists_to_tuples(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_lists_to_tuples(v) for v in value)
     return value
-
-
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """``DustinConfig`` with every model-dependent choice made concrete for one target/draft pair."""
-
-    budget: int
-    sink_tokens: int
-    recent_tokens: int
-    draft_share: int
-    min_context: int
-    backend: str
-    prefill_chunk: int | None
-    target_layer: int
-    target_heads: tuple[int, ...]
-    draft_layers: tuple[int, ...]
-    draft_heads: tuple[tuple[int, ...], ...]
-    dense_layers: tuple[int, ...] = ()  # non-negative, sorted
-    selection_layers: tuple[int, ...] = ()  # selection="verify": non-negative, sorted (): the paper's selection
-    calibration: str = "none"  # "prompt": the decoder searches the heads above after prefill
-    sparse_draft: bool = False  # the draft reads the previous selection + what was written since
-    mode: str = "sparse"  # "exact": sparse steps accept tentatively, dense verifications confirm
-    confirm_tokens: int = 4
-    confirm_every: int = 4
-    min_recovery: float | None = None  # the quality knob's target (None: the fixed budget)
-    max_budget: int = 0  # its ceiling (0 without the knob)
-
-
-def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
-    return tuple(range(num_heads // num_kv_heads))
-
-
-def _check_heads(heads: tuple[int, ...], num_heads: int, what: str) -> None:
-    if max(heads) >= num_heads:
-        raise ValueError(f"{what} {heads} out of range: the model has {num_heads} attention heads")
-
-
-def _default_selection_layers(num_layers: int) -> tuple[int, ...]:
-    """The selection layers of ``selection="verify"`` when neither the config nor a profile names them: an early
-    one, and one at half the depth when that is between it and the last layer (which chooses for nobody)."""
-    first, second = min(_SELECTION_FIRST, max(num_layers - 2, 0)), num_layers // 2
-    return (first, second) if first < second < num_layers - 1 else (first,)
-
-
-def resolve(config: DustinConfig, target_config: Any, draft_config: Any) -> ResolvedConfig:
-    """Fill the model-dependent defaults of ``config`` for a target/draft pair and check ranges.
-
-    ``target_config``/``draft_config`` are transformers text configs (``num_hidden_layers``,
-    ``num_attention_heads``, ``num_key_value_heads``).
-    """
-    t_layers, t_heads = target_config.num_hidden_layers, target_config.num_attention_heads
-    t_kv = getattr(target_config, "num_key_value_heads", None) or t_heads
-    d_layers, d_heads = draft_config.num_hidden_layers, draft_config.num_attention_heads
-    d_kv = getattr(draft_config, "num_key_value_heads", None) or d_heads
-
-    target_layer = t_layers // 2 if config.target_layer is None else config.target_layer
-    if target_layer >= t_layers:
-        raise ValueError(f"target_layer {target_layer} out of range: the target has {t_layers} layers")
-    target_heads = config.target_heads or _first_group_heads(t_heads, t_kv)
-    _check_heads(target_heads, t_heads, "target_heads")
-
-    draft_layers = config.draft_layers or tuple(sorted({d_layers // 4, d_layers // 2, (3 * d_layers) // 4}))
-    if max(draft_layers) >= d_layers:
-        raise ValueError(f"draft_layers {draft_layers} out of range: the draft has {d_layers} layers")
-    heads = config.draft_heads or _first_group_heads(d_heads, d_kv)
-    per_layer = heads if isinstance(heads[0], tuple) else tuple(heads for _ in draft_layers)
-    if len(per_layer) != len(draft_layers):
-        raise ValueError(f"draft_heads has {len(per_layer)} entries for {len(draft_layers)} draft_layers")
-    for layer_heads in per_layer:
-        _check_heads(layer_heads, d_heads, "draft_heads")
-
-    dense_layers = tuple(sorted({layer % t_layers for layer in config.dense_layers}))
-    if any(not -t_layers <= layer < t_layers for layer in config.dense_layers) or len(dense_layers) != len(
-        config.dense_layers
-    ):
-        raise ValueError(
-            f"dense_layers {config.dense_layers} out of range or repeated: the target has {t_layers} layers"
-        )
-
-    selection_layers = ()
-    if config.selection == "verify":
-        given = config.selection_layers or _default_selection_layers(t_layers)
-        selection_layers = tuple(sorted({layer % t_layers for layer in given}))
-        if any(not -t_layers <= layer < t_layers for layer in given) or len(selection_layers) != len(given):
-            raise ValueError(f"selection_layers {given} out of range or repeated: the target has {t_layers} layers")
-        if config.selection_layers and t_layers > 1 and selection_layers[-1] == t_layers - 1:
-            raise ValueError(
-                f"selection_layers {given}: the last layer ({t_layers - 1}) has no layer after it to choose "
-                f"for; the latest useful one is {t_layers - 2}"
-            )
-
-    free = config.budget - config.sink_tokens - config.recent_tokens
-    draft_share = free // 2 if config.draft_share is None else config.draft_share
-    return ResolvedConfig(
-        budget=config.budget,
-        sink_tokens=config.sink_tokens,
-        recent_tokens=config.recent_tokens,
-        draft_share=draft_share,
-        min_context=config.min_context,
-        backend=config.backend,
-        prefill_chunk=config.prefill_chunk,
-        target_layer=target_layer,
-        target_heads=tuple(target_heads),
-        draft_layers=tuple(draft_layers),
-        draft_heads=tuple(tuple(h) for h in per_layer),
-        dense_layers=dense_layers,
-        selection_layers=selection_layers,
-        calibration=config.calibration,
-        sparse_draft=config.sparse_draft,
-        mode=config.mode,
-        confirm_tokens=config.confirm_tokens,
-        confirm_every=config.confirm_every,
-        min_recovery=None if config.min_recovery is None else float(config.min_recovery),
-        max_budget=0 if config.min_recovery is None else (config.max_budget or 4 * config.budget),
-    )
