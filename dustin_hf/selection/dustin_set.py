@@ -2,7 +2,7 @@
 
 Each row reads ``budget`` positions (:func:`~dustin_hf.selection.fill.select_positions`): the sinks and the recent
 window, the top ``draft_share`` positions by the draft's lookahead attention, the rest by the target's history
-attention (:class:`~dustin_hf.selection.step.Scorer`). One sorted index set per row, shared by every layer and head
+attention (:class:`~dustin_hf.selection.request.Scorer`). One sorted index set per row, shared by every layer and head
 of the target; with ``selection="verify"`` it is what the layers before the first selection layer read
 (:mod:`dustin_hf.selection.layers`).
 
@@ -20,7 +20,7 @@ import torch
 from ..config import ResolvedConfig
 from ..runtime.graphs import GraphedCall
 from .fill import Selection, dense_rows, select_positions
-from .step import ScoreInputs, Scorer, Step
+from .request import ReadRequest, ScoreInputs, Scorer
 
 __all__ = ["DustinSet"]
 
@@ -45,30 +45,30 @@ class DustinSet:
     def config(self) -> ResolvedConfig:
         return self.scorer.config
 
-    def select(self, step: Step) -> Selection:
-        inputs = self.scorer.inputs(step)
+    def select(self, request: ReadRequest) -> Selection:
+        inputs = self.scorer.inputs(request)
 
         def read_set(*tensors) -> Selection:
             *queries, lengths, history_queries = tensors
             s_draft, s_target = self.scorer.scores(inputs, queries, lengths, history_queries)
             # the Triton selection with the Triton backend (unless the span outgrows its pools), else PyTorch
             return select_positions(
-                step.seqlens,
+                request.seqlens,
                 s_draft,
                 s_target,
                 inputs.has_history,
                 self.config,
                 lengths=lengths,
                 backend="auto" if self.scorer.triton else "reference",
-                window=step.window,
+                window=request.window,
                 tuning=self.scorer.tuning.select,
                 full_rows=True,
             )
 
-        if not self._steady(step, inputs):
-            return read_set(*inputs.draft_queries, step.base, inputs.history_queries)
+        if not self._steady(request, inputs):
+            return read_set(*inputs.draft_queries, request.base, inputs.history_queries)
         # the steady step: what the graph replays is fixed by the step's shapes (γ) and the cache buffers
-        key = (step.gamma, tuple(k.data_ptr() for k in (*inputs.draft_keys, inputs.target_keys)))
+        key = (request.gamma, tuple(k.data_ptr() for k in (*inputs.draft_keys, inputs.target_keys)))
         call = self._graphs.get(key)
         if call is None:
 
@@ -76,21 +76,21 @@ class DustinSet:
                 selection = read_set(*tensors)
                 return selection.indices, selection.num_indices
 
-            device = step.base.device
-            call = self._graphs[key] = GraphedCall(graphed, device, step.target.graph_pools[device][0])
-        indices, num_indices = call(*inputs.draft_queries, step.base, inputs.history_queries)
-        return Selection(indices.clone(), num_indices.clone(), [self.config.budget] * len(step.seqlens))
+            device = request.base.device
+            call = self._graphs[key] = GraphedCall(graphed, device, request.target.graph_pools[device][0])
+        indices, num_indices = call(*inputs.draft_queries, request.base, inputs.history_queries)
+        return Selection(indices.clone(), num_indices.clone(), [self.config.budget] * len(request.seqlens))
 
-    def _steady(self, step: Step, inputs: ScoreInputs) -> bool:
+    def _steady(self, request: ReadRequest, inputs: ScoreInputs) -> bool:
         """Whether the step is the one the graph replays: every row sparse and with a history, every draft
         counted, the scores on one device."""
         return (
             self.scorer.triton
             and self.graphs
             and all(inputs.has_history)
-            and len(inputs.devices | {step.base.device}) == 1
+            and len(inputs.devices | {request.base.device}) == 1
             and inputs.query_counts is None
-            and not any(dense_rows(step.seqlens, self.config))
+            and not any(dense_rows(request.seqlens, self.config))
         )
 
     @property

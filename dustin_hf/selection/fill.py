@@ -85,7 +85,7 @@ def select_positions(
         window: a sliding window every layer has: the step's first query (at position ``L``) sees cached positions
             ``[L - window + 1, L)`` only, and the read set is chosen there, sinks and recent ones included (a
             window the budget covers is read whole); one per row where rows differ (masked input slots take
-            places in stock's windows, :func:`dustin_hf.selection.step.row_windows`). ``None``: the whole
+            places in stock's windows, :func:`dustin_hf.selection.request.row_windows`). ``None``: the whole
             context.
         tuning: the Triton selection's launch heuristic (``None``: the default).
         full_rows: name rows read in full by their counts (outside sliding windows, as above).

@@ -2,7 +2,7 @@
 estimated recovery reaches the target.
 
 The estimate is the scoring heads' share of attention (:func:`estimated_mass`: the two signals of
-:class:`~dustin_hf.selection.step.Scorer`, each normalised over the row); the set takes the sinks and the recent
+:class:`~dustin_hf.selection.request.Scorer`, each normalised over the row); the set takes the sinks and the recent
 window, then positions by that mass until their sum reaches ``min_recovery``, at least ``budget`` positions and at
 most ``max_budget`` (:func:`select_by_recovery`). Each row's count is its own, so the choice is made in PyTorch
 and read back to the host once, and no CUDA graph replays it.
@@ -15,7 +15,7 @@ import torch
 from ..config import ResolvedConfig
 from ..runtime.plan import device_tensor
 from .fill import Selection, dense_rows, per_row
-from .step import Scorer, Step
+from .request import ReadRequest, Scorer
 
 __all__ = ["RecoveryKnob", "estimated_mass", "select_by_recovery"]
 
@@ -39,21 +39,21 @@ class RecoveryKnob:
     def config(self) -> ResolvedConfig:
         return self.scorer.config
 
-    def select(self, step: Step) -> Selection:
-        inputs = self.scorer.inputs(step)
-        s_draft, s_target = self.scorer.scores(inputs, inputs.draft_queries, step.base, inputs.history_queries)
+    def select(self, request: ReadRequest) -> Selection:
+        inputs = self.scorer.inputs(request)
+        s_draft, s_target = self.scorer.scores(inputs, inputs.draft_queries, request.base, inputs.history_queries)
         # a row read in full by its count (one width, so the target's CUDA graph); within a sliding window a row
         # reads its window, which only a listing says
         return select_by_recovery(
-            step.seqlens,
+            request.seqlens,
             s_draft,
             s_target,
             inputs.has_history,
             self.config,
-            lengths=step.base,
-            counts=None if step.budgets is None else step.budgets(step.seqlens),
-            window=step.window,
-            full_rows=step.window is None,
+            lengths=request.base,
+            counts=None if request.budgets is None else request.budgets(request.seqlens),
+            window=request.window,
+            full_rows=request.window is None,
         )
 
     @property

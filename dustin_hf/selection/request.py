@@ -1,10 +1,10 @@
 """What a read-set policy is handed at a verification step, and the two signals it scores cached positions with.
 
-A policy (:mod:`dustin_hf.selection.selector`'s registry) turns a :class:`Step` into each row's read set. The
+A policy (:mod:`dustin_hf.selection.selector`'s registry) turns a :class:`ReadRequest` into each row's read set. The
 policies before the forward score positions with the same two signals (:mod:`dustin_hf.selection.scoring`): the
 draft's lookahead attention (the queries that produced this step's drafts, on the draft's scoring heads) and the
 target's history attention (the query of each row's last committed token, kept in a :class:`History`). The
-:class:`Scorer` gathers their inputs from the step (:meth:`Scorer.inputs`) and scores them
+:class:`Scorer` gathers their inputs from the request (:meth:`Scorer.inputs`) and scores them
 (:meth:`Scorer.scores`), the latter a function of device tensors alone, so a policy may capture it in a CUDA graph.
 """
 
@@ -20,12 +20,12 @@ from ..kernels.tuning import KernelTuning
 from .history import History
 from .scoring import draft_lookahead_scores, target_history_scores
 
-__all__ = ["ScoreInputs", "Scorer", "Step", "row_windows"]
+__all__ = ["ReadRequest", "ScoreInputs", "Scorer", "row_windows"]
 
 
 @dataclass(frozen=True)
-class Step:
-    """One verification step as the decode loop sees it when it asks for the read sets.
+class ReadRequest:
+    """One verification step as the decode loop sees it when it asks a policy for the read sets.
 
     Args:
         target, draft: the models' runners (``.cache``: ``capacity`` and ``layer_buffers(layer)``; the target's
@@ -106,21 +106,21 @@ class Scorer:
     def triton(self) -> bool:
         return self.backend == "triton"
 
-    def inputs(self, step: Step) -> ScoreInputs:
-        cfg, t_cache = self.config, step.target.cache
-        has_history = step.history.rows_at(step.seqlens)
+    def inputs(self, request: ReadRequest) -> ScoreInputs:
+        cfg, t_cache = self.config, request.target.cache
+        has_history = request.history.rows_at(request.seqlens)
         counts = None
-        if step.row_gamma is not None and any(g != step.gamma for g in step.row_gamma):
-            counts = torch.tensor(step.row_gamma).to(step.base.device, non_blocking=True)
+        if request.row_gamma is not None and any(g != request.gamma for g in request.row_gamma):
+            counts = torch.tensor(request.row_gamma).to(request.base.device, non_blocking=True)
         # every row's L is below capacity - γ - 2 (the loop sizes the caches so), and the draft queries see up
         # to L + γ - 1: the Triton scores span the capacity less γ, a size fixed for the whole generation
         return ScoreInputs(
-            [torch.stack(step.kept_queries[layer], dim=1) for layer in cfg.draft_layers],  # (B, γ, h, D)
-            [step.draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers],
+            [torch.stack(request.kept_queries[layer], dim=1) for layer in cfg.draft_layers],  # (B, γ, h, D)
+            [request.draft.cache.layer_buffers(layer)[0] for layer in cfg.draft_layers],
             t_cache.layer_buffers(cfg.target_layer)[0],
-            step.history.queries if any(has_history) else None,
+            request.history.queries if any(has_history) else None,
             has_history,
-            t_cache.capacity - step.gamma if self.triton else max(step.seqlens),
+            t_cache.capacity - request.gamma if self.triton else max(request.seqlens),
             counts,
         )
 

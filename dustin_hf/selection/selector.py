@@ -1,6 +1,6 @@
 """Step 2 of a Dustin step: the read-set policy a config asks for, and the decode loop's front to it.
 
-A read-set policy turns a :class:`~dustin_hf.selection.step.Step` into each row's read set before the
+A read-set policy turns a :class:`~dustin_hf.selection.request.ReadRequest` into each row's read set before the
 verification forward (:meth:`ReadPolicy.select`). The registry :data:`POLICIES` lists them, asked in order; the
 first whose ``applies(config)`` holds serves the run:
 
@@ -26,7 +26,7 @@ from .dustin_set import DustinSet
 from .fill import Selection
 from .history import History
 from .knob import RecoveryKnob
-from .step import Scorer, Step, row_windows
+from .request import ReadRequest, Scorer, row_windows
 
 __all__ = ["POLICIES", "ReadPolicy", "Selector", "read_policy"]
 
@@ -40,7 +40,7 @@ class ReadPolicy(Protocol):
     def applies(config: ResolvedConfig) -> bool:
         """Whether the policy serves ``config``."""
 
-    def select(self, step: Step) -> Selection:
+    def select(self, request: ReadRequest) -> Selection:
         """Each row's read set of the step's verification."""
 
     @property
@@ -114,8 +114,9 @@ class Selector:
         queries (``{layer: [(B, heads, D)] * γ}``) and the target's ``history``; ``row_gamma``: the drafts each
         row proposed, when some row proposed fewer than γ (it scores with its own queries only)."""
         window = self._row_windows(seqlens)
-        step = Step(target, draft, seqlens, base, kept_queries, gamma, row_gamma, history, window, self.budgets)
-        return self.policy.select(step)
+        return self.policy.select(
+            ReadRequest(target, draft, seqlens, base, kept_queries, gamma, row_gamma, history, window, self.budgets)
+        )
 
     def _row_windows(self, seqlens: list[int]) -> int | list[int] | None:
         return row_windows(self.window, self.window_slots, seqlens)
