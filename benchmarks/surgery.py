@@ -21,7 +21,7 @@ A variant whose switch changes nothing on this install (the rotary without the `
 :mod:`dustin_hf.runtime.rotary`) is listed and not timed. The verdict: a path buying under ``KEEP_PERCENT`` of a step
 and of a call goes.
 
-    python benchmarks/surgery.py --out benchmarks/results/surgery_h100.json    # one GPU, 7B + 0.5B, 32k x 16
+    bash benchmarks/surgery.sh OUT                                             # one GPU, 7B + 0.5B, 32k x 16
     TRITON_INTERPRET=1 python benchmarks/surgery.py --smoke                    # tiny, CPU: checks the script
 """
 
@@ -54,6 +54,7 @@ CALL_NEW_TOKENS = 32  # per row, a whole call: mostly its prefill, which the pro
 VARIANTS = (*SWITCHES, "none")
 CALL_VARIANTS = ("norms", "rotary", "mlps", "qkv", "none")
 KEEP_PERCENT = 2.0
+DEPENDENTS = "norms off turns layers and attentions off too (they need the fused norms), layers off attentions"
 SMOKE = dict(shape=(160, 2), budget=32, new_tokens=24, call_new_tokens=12)
 
 
@@ -156,6 +157,7 @@ def _table(names, decode: dict, calls: dict, reports: dict) -> list[dict]:
         step = f"{d['step_ms']:>9.3f}{d['on_step_ms']:>8.3f}{d['delta_percent']:>+7.2f}%" if d else f"{'-':>25}"
         call = f"{c['seconds']:>9.2f}{c['on_seconds']:>8.2f}{c['delta_percent']:>+7.2f}%" if c else f"{'-':>25}"
         print(f"{name:<14}{step}{call}  {rows[-1]['verdict']}")
+    print(f"({DEPENDENTS}; Δ: the variant's time over its on runs', what turning the path off costs)")
     return rows
 
 
@@ -217,6 +219,7 @@ def main(argv=None) -> dict:
         pair=f"Qwen2.5-{sizes[0]} + {sizes[1]} shapes, random weights ({dtype})",
         method=f"{METHOD}, budget {budget}, gamma {e2e.GAMMA}",
         acceptance=f"REPLAYED: {counts.source}",
+        dependents=DEPENDENTS,
         context=context,
         batch=batch,
         new_tokens={"decode": new_tokens, "call": call_tokens},

@@ -20,7 +20,7 @@ from dustin_hf.adapter.assisted import attention_routed
 from dustin_hf.decode.cache import DustinCache
 from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.runtime import fused
-from dustin_hf.runtime.graphs import Pipeline, Stage
+from dustin_hf.runtime.pipeline import Pipeline, Stage
 from dustin_hf.runtime.plan import ForwardPlan
 
 # These tests run the pipeline on CPU (stages cut on the CPU device), so the fused kernels need Triton's
@@ -227,9 +227,9 @@ def test_fused_pipeline_falls_back_per_layer():
 def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
     """The bit-for-bit comparison above is sensitive to the order of add and norm: a pipeline that normalises
     the residual before adding, keeps the old residual, or drops the last MLP output, gets other logits."""
-    from dustin_hf.runtime import graphs
+    from dustin_hf.runtime import pipeline
 
-    real = graphs._add_norm
+    real = pipeline._add_norm
 
     def wrong(norm, x, residual):
         if mistake == "norm-before-add":
@@ -240,12 +240,12 @@ def test_fused_pipeline_catches_a_misordered_add(mistake, monkeypatch):
 
     if mistake == "final-add-skipped":
         monkeypatch.setattr(
-            graphs.Pipeline,
+            pipeline.Pipeline,
             "_final_norm",
             lambda self, state, keep: wrong(self.decoder.norm, state["mlp_out"][:, -keep:], state["h"][:, -keep:])[0],
         )
     else:
-        monkeypatch.setattr(graphs, "_add_norm", wrong)
+        monkeypatch.setattr(pipeline, "_add_norm", wrong)
     logits, expected, _, _ = _staged_and_expected(tiny_model("llama", layers=3), [])
     assert not torch.equal(logits, expected)
 

@@ -18,7 +18,7 @@ is transformers' own (:mod:`~dustin_hf.runtime.recognise` checks it against the 
 * **Projections**: MLPs as one ``[gate; up]`` GEMM, an attention's q/k/v as one GEMM, small ones as Triton GEMMs
   (:mod:`~dustin_hf.runtime.projections`).
 * **Decoder layers, rotary tables, Qwen2 attentions**: nothing is replaced; the context registers them for
-  :class:`dustin_hf.runtime.graphs.Pipeline`'s fused paths (:mod:`~dustin_hf.runtime.registry`).
+  :class:`dustin_hf.runtime.pipeline.Pipeline`'s fused paths (:mod:`~dustin_hf.runtime.registry`).
 
 Each path can be turned off on its own (:class:`FusedTuning`'s switches), which ``benchmarks/surgery.py`` uses to
 measure what each buys against transformers' own code.
@@ -100,11 +100,11 @@ class FusedOps:
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
         outputs: attentions whose ``o_proj`` runs as :func:`skinny_linear` at decode sizes.
-        layers: decoder layers :class:`~dustin_hf.runtime.graphs.Pipeline` runs submodule by submodule with each
+        layers: decoder layers :class:`~dustin_hf.runtime.pipeline.Pipeline` runs submodule by submodule with each
             residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
-        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.runtime.graphs.Pipeline` reads from a
+        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.runtime.pipeline.Pipeline` reads from a
             table of every cache position (:func:`static_rotary`).
-        attentions: attention modules :class:`~dustin_hf.runtime.graphs.Pipeline` runs from their projections, with
+        attentions: attention modules :class:`~dustin_hf.runtime.pipeline.Pipeline` runs from their projections, with
             the rotary embedding and the K/V write in one launch (:func:`fused_attention`).
     """
 

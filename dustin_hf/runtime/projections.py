@@ -44,7 +44,7 @@ class FusedTuning:
         mlps: MLPs run one ``[gate; up]`` GEMM and :func:`~.ops.silu_mul` (and the GEMM paths below).
         qkv: an attention's q/k/v projections run as one GEMM.
         outputs: an attention's ``o_proj`` runs as :func:`~.ops.skinny_linear` at decode sizes.
-        layers: :class:`~dustin_hf.runtime.graphs.Pipeline` runs a standard decoder layer submodule by submodule, each
+        layers: :class:`~.pipeline.Pipeline` runs a standard decoder layer submodule by submodule, each
             residual add inside the next norm's launch (off: the layer's own forward; ``attentions`` then unused).
         attentions: ... and a Qwen2 attention from its pieces, rotary and K/V write in one launch.
         rotary_tables: the pipeline gathers cos/sin rows from a table of every cache position.

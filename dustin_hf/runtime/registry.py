@@ -1,5 +1,5 @@
 """What an open :func:`~dustin_hf.runtime.fused.fused_ops` context changed, each change with its undo: forwards it
-replaced (:func:`_replace_forward`) and the modules it registered for :class:`dustin_hf.runtime.graphs.Pipeline`'s
+replaced (:func:`_replace_forward`) and the modules it registered for :class:`dustin_hf.runtime.pipeline.Pipeline`'s
 fused paths (:func:`_register`), which the pipeline reads back with :func:`fused_decoder_layer`,
 :func:`fused_attention`, :func:`static_rotary` and :func:`fused_norm`.
 
@@ -48,7 +48,7 @@ _ROTARY_CLASSES = frozenset(
 )
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _MISSING = object()
-# Decoder layers and rotary modules an open context registered for graphs.Pipeline's fused paths.
+# Decoder layers and rotary modules an open context registered for pipeline.Pipeline's fused paths.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -141,7 +141,7 @@ def _runs_as_its_class(module: torch.nn.Module) -> bool:
 
 
 def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool], undo: list) -> bool:
-    """Register ``module`` for graphs.Pipeline's fused paths if ``check`` passes (and no enclosing context did)."""
+    """Register ``module`` for pipeline.Pipeline's fused paths if ``check`` passes (and no enclosing context did)."""
     if module in _REGISTERED or not check(module):
         return False
     _REGISTERED.add(module)
