@@ -29,7 +29,7 @@ from .dense import DenseVerifier, Footprint
 from .drafter import Drafter
 from .exact import ExactVerifier
 from .hooks import DecodeHooks, PhaseClock
-from .masks import Prompt, check_token_ids, position_table, prompts_from_mask, stock_slots
+from .masks import Batch, Prompt, read_batch
 from .run import CallSettings, DecodeResult, DecodeRun
 from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
 from .sparse import SparseVerifier
@@ -142,7 +142,6 @@ class SpeculativeDecoder:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> DecodeResult:
-        prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
         batch, padded_len = input_ids.shape
         max_length = self.generation.config.max_length
         max_new = max_length - padded_len
@@ -150,13 +149,18 @@ class SpeculativeDecoder:
             raise ValueError(f"max_length {max_length} leaves no room after the {padded_len}-token input")
         if self.generation.streamer is not None and batch > 1:
             raise ValueError("streaming is supported for batch size 1 only")
-        check_token_ids(prompts, self.target.config.get_text_config().vocab_size)
         footprint = self.mode.footprint(self.dustin_config, self.drafting.max_gamma, self.generation.do_sample)
-        needed = max(p.length for p in prompts) + max_new + self.drafting.max_gamma + 2 + footprint.extra_slots
+        room = max_new + self.drafting.max_gamma + 2 + footprint.extra_slots  # slots a row needs past its prompt
+        workspaces, width = self.runtime.workspaces, capacity_for(padded_len + room)
+        if workspaces is not None and workspaces.held is not None:  # the tables span the caches a run may reuse
+            width = max(width, workspaces.held.capacity)
+        vocab = self.target.config.get_text_config().vocab_size
+        inputs = read_batch(input_ids, attention_mask, position_ids, vocab, width)
+        prompts, needed = inputs.prompts, max(p.length for p in inputs.prompts) + room
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         workspace = None
         try:
-            workspace, window_slots = self._workspace(prompts, padded_len, needed, footprint)
+            workspace, window_slots = self._workspace(inputs, needed, footprint)
             generation = workspace.fused.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
             with fused_ops(
@@ -191,17 +195,11 @@ class SpeculativeDecoder:
         workspace.last_stats = result.stats
         return result
 
-    def _workspace(
-        self, prompts: list[Prompt], padded_len: int, needed: int, footprint: Footprint
-    ) -> tuple[Workspace, torch.Tensor | None]:
+    def _workspace(self, inputs: Batch, needed: int, footprint: Footprint) -> tuple[Workspace, torch.Tensor | None]:
         """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`), its
         runners given this run's position and window tables; and what the target's sliding windows count where rows
         have holes (``None``: the slots), which the read-set policy reads."""
-        workspaces, capacity = self.runtime.workspaces, capacity_for(needed)
-        if workspaces is not None and workspaces.held is not None:  # the tables span the caches a run reads
-            capacity = max(capacity, workspaces.held.capacity)
-        positions = position_table(prompts, capacity)  # where position ids are not the cache slots
-        slots = stock_slots(prompts, padded_len, capacity)  # what sliding windows count where rows have holes
+        positions, slots = inputs.positions, inputs.slots
         span = needed if slots is None else int(slots[:, :needed].max()) + 1  # the longest distance a window sees
         windowed = [window_cuts(model, span) for model in (self.target, self.draft)]
         # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
@@ -210,12 +208,12 @@ class SpeculativeDecoder:
         eager = positions is not None or self.generation.recording
         graphs = tuple(self.graphs[role] and not eager and not cut for role, cut in zip(("target", "draft"), windowed))
         shape = Shape(
-            batch=len(prompts), backend=self.backend, graphs=graphs, fused=(self.fused["target"], self.fused["draft"]),
-            tokens_only=self.tokens_only, widths=(footprint.read_width, footprint.draft_width),
-            dustin_config=self.dustin_config, tuning=self.runtime.tuning, select=footprint.select,
+            batch=len(inputs.prompts), backend=self.backend, graphs=graphs,
+            fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
+            widths=(footprint.read_width, footprint.draft_width), dustin_config=self.dustin_config, tuning=self.runtime.tuning, select=footprint.select,
             dense_layers=footprint.dense_layers,
         )  # fmt: skip
-        workspace = workspace_for(workspaces, self.target, self.draft, shape, needed)
+        workspace = workspace_for(self.runtime.workspaces, self.target, self.draft, shape, needed)
         window_slots = tuple(slots if cut else None for cut in windowed)
         workspace.start_run(positions, window_slots)  # tables at least as wide as its caches
         return workspace, window_slots[0]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Prompt", "check_token_ids", "position_table", "prompts_from_mask", "stock_slots"]
+__all__ = ["Batch", "Prompt", "check_token_ids", "position_table", "prompts_from_mask", "read_batch", "stock_slots"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,25 @@ def check_token_ids(prompts: list[Prompt], vocab: int) -> None:
                 f"input_ids row {b} holds token id {low if low < 0 else high}, outside the target's "
                 f"vocabulary [0, {vocab})"
             )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A call's input as the loop reads it: each row's prompt, and its tables over ``width`` cache slots a row."""
+
+    prompts: list[Prompt]
+    padded_len: int  # the input's width
+    positions: torch.Tensor | None  # :func:`position_table`
+    slots: torch.Tensor | None  # :func:`stock_slots`
+
+
+def read_batch(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, vocab: int,
+    width: int,
+) -> Batch:  # fmt: skip
+    """Each row's prompt (ids checked against the target's ``vocab``) and the position and window tables of
+    ``width`` slots a row (at least the caches' capacity)."""
+    prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
+    check_token_ids(prompts, vocab)
+    padded_len = input_ids.shape[1]
+    return Batch(prompts, padded_len, position_table(prompts, width), stock_slots(prompts, padded_len, width))
