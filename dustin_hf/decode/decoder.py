@@ -210,8 +210,8 @@ class SpeculativeDecoder:
         shape = Shape(
             batch=len(inputs.prompts), backend=self.backend, graphs=graphs,
             fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
-            widths=(footprint.read_width, footprint.draft_width), dustin_config=self.dustin_config, tuning=self.runtime.tuning, select=footprint.select,
-            dense_layers=footprint.dense_layers,
+            widths=(footprint.read_width, footprint.draft_width), dustin_config=self.dustin_config,
+            tuning=self.runtime.tuning, select=footprint.select, dense_layers=footprint.dense_layers,
         )  # fmt: skip
         workspace = workspace_for(self.runtime.workspaces, self.target, self.draft, shape, needed)
         window_slots = tuple(slots if cut else None for cut in windowed)
