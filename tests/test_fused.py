@@ -14,7 +14,9 @@ Triton runs on CUDA when there is one, otherwise in the Triton interpreter on CP
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -275,7 +277,7 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
         with fused_ops(model) as done:
             if expect_fused(model):
                 assert done.norms == norms_per_layer * 2 + 1
-                assert done.rotary_modules == ((modeling.__name__,) if _rotary_hook(model) else ())
+                assert done.rotary_modules == ((modeling.__name__,) if _rotary_fusable(model) else ())
                 assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
                 assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
                 assert fused.static_rotary(model.model.rotary_emb)
@@ -296,8 +298,7 @@ def test_fused_ops_calls_the_kernels():
     if not expect_fused(model):
         pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
     prompt = random_prompt(3).to(DEVICE)
-    # the rotary through each attention's own kernels wrapper, where transformers' kernels package gives one
-    expected = {"_rms_norm_kernel": 5} | ({"_rotary_kernel": 2} if _rotary_hook(model) else {})
+    expected = {"_rms_norm_kernel": 5} | ({"_rotary_kernel": 2} if _rotary_fusable(model) else {})
     with on_launch(package_kernels(triton_fused), lambda name, args, kwargs: launched.update([name])):
         with torch.no_grad(), fused_ops(model):
             model(prompt)
@@ -428,9 +429,12 @@ def test_fused_projections_share_storage_inside_and_own_it_after():
     _assert_restored(model, sys.modules[type(model).__module__], HF_ROTARY)
 
 
-def _rotary_hook(model) -> bool:
-    """Whether ``model``'s attentions have their own rotary wrappers (transformers with ``kernels`` from 0.19)."""
-    return any(rotary.rotary_wrapper(m) is not None for m in model.modules())
+def _rotary_fusable(model) -> bool:
+    """Whether ``model``'s attentions have their own rotary wrappers (``kernels`` from 0.19) or a plain forward (no
+    ``kernels``: transformers 5.17 without it), which :mod:`dustin_hf.runtime.rotary` fuses; 5.24 without ``kernels``
+    wraps the forward in ``deprecate_kwarg`` and has neither."""
+    attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    return any(rotary.rotary_wrapper(m) is not None or not hasattr(type(m).forward, "__wrapped__") for m in attentions)
 
 
 def _assert_restored(model, modeling, original_rotary):
@@ -500,8 +504,8 @@ def test_rotary_goes_through_each_attentions_own_wrapper(monkeypatch):
     """With the ``kernels`` package from 0.19 (a dependency of transformers from 5.25) each attention holds its own
     wrapper module of ``apply_rotary_pos_emb``, whose forward ``kernelize()`` replaces: the context sets it to the
     Triton kernel and removes it on exit, and the module global stays. A wrapper with a kernel of the user's is left
-    alone; so is an attention without a wrapper of its own (no ``kernels``, or one before 0.19 whose wrapper is
-    the global itself, shared by every model: replacing it would change them all)."""
+    alone, and so is the global where it is the attention's only wrapper (``kernels`` before 0.19: shared by every
+    model, replacing it would change them all; this attention's forward is not one to copy either)."""
     standard = recognise._wrapped_function(HF_ROTARY)
     assert recognise._same_code(standard, _transformers_reference.apply_rotary_pos_emb)
     fake = types.ModuleType("fake_modeling")
@@ -525,6 +529,66 @@ def test_rotary_goes_through_each_attentions_own_wrapper(monkeypatch):
         attention._kernel_funcs = wrappers
         with fused_ops(attention) as done:
             assert done.rotary_modules == () and "forward" not in vars(shared)
+
+
+def test_rotary_without_a_wrapper_runs_in_a_copy_of_the_attentions_forward(monkeypatch):
+    """Without the attentions' own wrappers (transformers 5.17 without ``kernels``) an attention's forward becomes, for
+    that instance, a copy of its class's whose ``apply_rotary_pos_emb`` is the kernel: one launch, transformers'
+    outputs bit for bit, the module global and every other instance untouched. A forward that does not call the
+    name, or a wrapped one (5.24's ``deprecate_kwarg``), is left alone."""
+    from dustin_hf.kernels import triton_fused
+
+    standard = recognise._wrapped_function(HF_ROTARY)
+    fake = types.ModuleType("fake_modeling")
+    fake.torch, fake.rotate_half, fake.apply_rotary_pos_emb = torch, modeling_qwen2.rotate_half, standard
+    exec(  # classes defined in the fake modeling module, as transformers defines them in its own
+        "class FakeAttention(torch.nn.Module):\n"
+        "    def forward(self, q, k, cos, sin):\n"
+        "        return apply_rotary_pos_emb(q, k, cos, sin)\n\n"
+        "class FakeMLP(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x\n",
+        vars(fake),
+    )
+    monkeypatch.setitem(sys.modules, "fake_modeling", fake)
+    attention, other, mlp = fake.FakeAttention(), fake.FakeAttention(), fake.FakeMLP()
+    q, k, cos, sin = _rotary_inputs(dtype=torch.float32)
+    expected = standard(q, k, cos, sin)
+    launched = collections.Counter()
+    with on_launch(package_kernels(triton_fused), lambda name, args, kwargs: launched.update([name])):
+        with fused_ops(torch.nn.Sequential(attention, mlp)) as done:
+            out = attention(q, k, cos, sin)
+            assert done.rotary_modules == ("fake_modeling",) and "forward" not in vars(mlp)
+            assert fake.apply_rotary_pos_emb is standard and "forward" not in vars(other)
+            assert attention.forward.__func__.__code__ is fake.FakeAttention.forward.__code__
+        assert launched == {"_rotary_kernel": 1}
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+    assert "forward" not in vars(attention)
+    original = fake.FakeAttention.forward
+    monkeypatch.setattr(fake.FakeAttention, "forward", functools.wraps(original)(lambda self, *a: original(self, *a)))
+    with fused_ops(attention) as done:
+        assert done.rotary_modules == () and "forward" not in vars(attention)
+
+
+def test_a_model_without_rotary_wrappers_fuses_its_rotary_in_copies_of_the_attention_forwards(monkeypatch):
+    """transformers 5.17 without ``kernels``, simulated (the attention class's plain forward, no wrappers): every
+    attention runs a copy of that forward with the fused rotary, which still counts as its class's own (the Qwen2
+    attentions stay registered for the pipeline), and the logits are the model's."""
+    model = tiny_model("qwen2", layers=2, hidden=64, heads=4, kv_heads=2).to(DEVICE)
+    if not expect_fused(model):
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
+    Attention = modeling_qwen2.Qwen2Attention
+    monkeypatch.setattr(Attention, "forward", inspect.unwrap(Attention.forward))
+    for layer in model.model.layers:
+        vars(layer.self_attn).pop("_kernel_funcs", None)
+    prompt = random_prompt(9, batch=2).to(DEVICE)
+    with torch.no_grad():
+        expected = model(prompt).logits
+        with fused_ops(model) as done:
+            assert done.rotary_modules == (modeling_qwen2.__name__,) and done.attentions == 2
+            out = model(prompt).logits
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 @pytest.mark.skipif(

@@ -12,9 +12,9 @@ is transformers' own (:mod:`~dustin_hf.runtime.recognise` checks it against the 
 * **RMSNorm**: ``forward`` of every recognised module instance (Gemma's ``(1 + weight)`` norm is another function
   and is not listed). Where accelerate's device hook wraps the forward (``device_map``), the hook's
   ``_old_forward`` is replaced instead, so inputs still move.
-* **Rotary**: the attentions' own ``apply_rotary_pos_emb`` wrappers, the extension point of transformers' models for
-  it (:mod:`~dustin_hf.runtime.rotary`; without the ``kernels`` package from 0.19 there is none, and the rotary stays
-  transformers' outside the Qwen2 attention path below). No module global is replaced.
+* **Rotary**: each attention's own ``apply_rotary_pos_emb`` wrapper, the extension point transformers gives it (with
+  the ``kernels`` package from 0.19), else that attention's forward as a copy of its class's calling the kernel by
+  that name (:mod:`~dustin_hf.runtime.rotary`). No module global is replaced.
 * **Projections**: MLPs as one ``[gate; up]`` GEMM, an attention's q/k/v as one GEMM, small ones as Triton GEMMs
   (:mod:`~dustin_hf.runtime.projections`).
 * **Decoder layers, rotary tables, Qwen2 attentions**: nothing is replaced; the context registers them for

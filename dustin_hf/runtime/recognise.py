@@ -11,6 +11,11 @@ need no such check: their fusion (:mod:`dustin_hf.runtime.projections`) replaces
 ``nn.Linear`` modules of a listed attention class, and ``k_proj`` / ``v_proj`` take their slice of the fused GEMM
 only when called on the very tensor ``q_proj`` saw (else they run their own linear), whatever code calls them.
 
+transformers' extension points give two of these paths their place (per module instance, :mod:`~.rotary`), not their
+recognition: ``@use_kernel_forward_from_hub`` names a layer only when the ``kernels`` package is installed (5.17 does
+not require it), and the names are not semantics (``"rotary_pos_emb"`` also names gpt-oss's and ModernBERT's other
+rotaries), so the check stays by code for every path.
+
 Where a listed class (or a modeling module's rotary function) compiles to other code than the one checked (a
 transformers release newer than :data:`dustin_hf.compat.VERIFIED_RANGE`), that part keeps transformers' own code,
 with one warning per process naming what differs (:func:`_warn_unrecognised`): the outputs stay transformers', only

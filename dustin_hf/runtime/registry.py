@@ -128,16 +128,21 @@ def _static_rotary(module: torch.nn.Module) -> bool:
 
 def _runs_as_its_class(module: torch.nn.Module) -> bool:
     """Calling ``module`` runs its class's forward and nothing else: no torch hooks, no forward set on the
-    instance but accelerate's device hook (which only moves inputs) without weight offloading."""
+    instance but accelerate's device hook (which only moves inputs) without weight offloading, or the copy of the
+    class's forward with the fused rotary (:mod:`~.rotary`)."""
     if module._forward_hooks or module._forward_pre_hooks:
         return False
-    if "forward" not in module.__dict__:
+    if "forward" not in module.__dict__ or _rotary_copy(module.__dict__["forward"], module):
         return True
     hook, old = getattr(module, "_hf_hook", None), module.__dict__.get("_old_forward")
     hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
-    return getattr(old, "__func__", None) is type(module).forward and not any(
-        getattr(h, "offload", False) for h in hooks
-    )
+    class_forward = getattr(old, "__func__", None) is type(module).forward or _rotary_copy(old, module)
+    return class_forward and not any(getattr(h, "offload", False) for h in hooks)
+
+
+def _rotary_copy(forward, module: torch.nn.Module) -> bool:
+    """``forward`` is the rotary's copy of ``module``'s class's forward (:mod:`~.rotary`), bound to it."""
+    return getattr(getattr(forward, "__func__", None), "copy_of", None) is type(module).forward
 
 
 def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool], undo: list) -> bool:
@@ -157,7 +162,8 @@ def _replace_forward(module: torch.nn.Module, forward: Callable, undo: list) -> 
     current = module.__dict__.get(attr, _MISSING)
     if getattr(current, "_dustin_fused", False):
         return False  # an enclosing context did it
-    forward._dustin_fused = True
+    if not getattr(forward, "_dustin_fused", False):  # a bound method carries its function's tag
+        forward._dustin_fused = True
     setattr(module, attr, forward)
     undo.append(functools.partial(_restore_attr, module, attr, current))
     return True
