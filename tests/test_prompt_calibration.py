@@ -62,10 +62,21 @@ def test_calibration_leaves_both_caches_as_prefilled_and_decoding_exact(pair, mo
         assert torch.equal(out.sequences[b, width:], alone)
 
 
-def test_calibrated_heads_are_used_and_reported(pair):
+def test_calibrated_heads_are_used_and_reported(pair, monkeypatch):
+    """The steps score with the calibrated heads: the history each step hands the policy holds the calibrated
+    scoring heads' queries, the first one (the prompt's, kept from prefill on every head) included."""
+    from dustin_hf.selection.selector import Selector
+
     target, draft = pair
     ids = random_prompt(500, seed=3)
     config = dustin_hf.DustinConfig(budget=32, min_context=128, calibration="prompt")
+    real, histories = Selector.select, []
+
+    def recording(self, *args, history, **kwargs):
+        histories.append((tuple(history.queries.shape), self.config.target_heads))
+        return real(self, *args, history=history, **kwargs)
+
+    monkeypatch.setattr(Selector, "select", recording)
     with dustin_hf.patch(target, config):
         out = target.generate(
             ids,
@@ -81,6 +92,8 @@ def test_calibrated_heads_are_used_and_reported(pair):
     assert 0 < report["default_recovery"] <= report["recovery"] <= 1
     assert 0 <= report["target_layer"] < 3 and report["target_heads"] and report["draft_layers"]
     assert report["draft_share"] <= 32 - 4 - 16
+    assert histories and all(shape[1] == len(heads) for shape, heads in histories), histories
+    assert len(report["target_heads"]) < target.config.num_attention_heads  # the check above can fail
 
 
 def test_calibration_keeps_the_settings_it_does_not_search(pair):

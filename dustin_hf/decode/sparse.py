@@ -74,14 +74,15 @@ class SparseVerifier(DenseVerifier):
     def start(self, run, kept_queries: list) -> None:
         """Prompt calibration (when asked), the first history (each prompt's last query), the policy."""
         prompt_lens = run.rows.prompt_lens
-        if self.config.calibration == "prompt":
+        calibrating = self.config.calibration == "prompt"  # the calibrated config says "none"
+        if calibrating:
             self.config, report = self.calibrate(
                 run.target, run.draft, run.rows.tokens, self.config, run.drafter.drafting.num_draft_tokens, prompt_lens
             )
             run.stats.reports["calibration"] = report
         layer, heads = self.config.target_layer, self.config.target_heads
         queries = torch.cat([k[layer][:, 0] for k in kept_queries])  # (B, kept heads, D)
-        if self.config.calibration == "prompt":
+        if calibrating:  # prefill kept every head
             queries = select_heads(queries, heads, dim=1)
         self.history = History(len(prompt_lens))
         self.history.keep(queries, [n - 1 for n in prompt_lens])
