@@ -3,7 +3,8 @@ lines of ``ab_point.py`` runs in the order old, new, new, old; prints a table an
 
 Each ratio pools both orders (the sum of the new runs' values over the old runs'), so a drift across the process
 sequence (clocks, the allocator, the Triton cache) weighs on both trees alike; the ratio of each order is kept too.
-``decode``: tokens/s (above 1: new is faster); ``call`` and ``first_call``: seconds (below 1: new is faster).
+``decode``: tokens/s (above 1: new is faster); ``call`` and ``warmup`` (``DustinPatch.warmup()`` before it):
+seconds (below 1: new is faster).
 
     python benchmarks/ab_compare.py OUT/ab_*.txt --out OUT/ab_trees.json --command "..."
 """
@@ -15,7 +16,7 @@ import json
 import platform
 from pathlib import Path
 
-MEASURES = {"decode": "decode_tokens_per_s", "call": "call_seconds", "first_call": "first_call_seconds"}
+MEASURES = {"decode": "decode_tokens_per_s", "call": "call_seconds", "warmup": "warmup_seconds"}
 WITHIN = 0.01  # the acceptance: new within 1% of old
 
 

@@ -2,7 +2,8 @@
 # Old tree against new, in one device command (issue #50's speed acceptance: e2e decode and whole call at 32k x 16 and
 # 8k x 4, new within 1% of old, both orders). Each tree runs in its own process importing its own dustin_hf, in the
 # order old, new, new, old (benchmarks/ab_point.py, the same driver for both); benchmarks/ab_compare.py prints the
-# ratios. About 6 minutes of an H100 or H200 (the first process compiles the kernels; the others find them cached).
+# ratios. About 5-6 minutes of an H100 or H200 (the first process compiles the kernels; the others find them
+# cached).
 #
 #   bash benchmarks/ab_trees.sh prepare [OLD] [NEW]   here, in the git checkout: .ab/old and .ab/new, each holding
 #                                                      that commit's dustin_hf/ (its patches/ inside, as installed),
@@ -45,7 +46,7 @@ case $what in
       echo "== $i: $label ($(cat "$root/.ab/$label/COMMIT"))"
       (cd "$root/.ab/$label" && PYTHONPATH="$root/.ab/$label" timeout 170 "$python" benchmarks/ab_point.py --label "$label" "$@") \
         > "$file" 2>&1 || { echo "run $i ($label) failed:"; tail -20 "$file"; exit 1; }
-      grep "^$label: " "$file" | cut -c1-200
+      grep "^$label: " "$file" | cut -c1-200 || true
       files+=("$file")
     done
     "$python" "$root/benchmarks/ab_compare.py" "${files[@]}" --out "$out/ab_trees.json" \

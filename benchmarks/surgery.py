@@ -148,15 +148,27 @@ def _verdict(decode: dict | None, call: dict | None) -> str:
     return "keep" if max(buys) >= KEEP_PERCENT else f"goes (<{KEEP_PERCENT:g}%)"
 
 
+def _rows(names, decode: dict, calls: dict, reports: dict) -> list[dict]:
+    return [
+        dict(
+            variant=name,
+            decode=decode.get(name),
+            call=calls.get(name),
+            fused_ops=reports.get(name),
+            verdict=_verdict(decode.get(name), calls.get(name)),
+        )
+        for name in names
+    ]
+
+
 def _table(names, decode: dict, calls: dict, reports: dict) -> list[dict]:
-    rows = []
+    rows = _rows(names, decode, calls, reports)
     print(f"\n{'path off':<14}{'step ms':>9}{'on':>8}{'Δ step':>8}{'call s':>9}{'on':>8}{'Δ call':>8}  verdict")
-    for name in names:
-        d, c = decode.get(name), calls.get(name)
-        rows.append(dict(variant=name, decode=d, call=c, fused_ops=reports.get(name), verdict=_verdict(d, c)))
+    for row in rows:
+        d, c = row["decode"], row["call"]
         step = f"{d['step_ms']:>9.3f}{d['on_step_ms']:>8.3f}{d['delta_percent']:>+7.2f}%" if d else f"{'-':>25}"
         call = f"{c['seconds']:>9.2f}{c['on_seconds']:>8.2f}{c['delta_percent']:>+7.2f}%" if c else f"{'-':>25}"
-        print(f"{name:<14}{step}{call}  {rows[-1]['verdict']}")
+        print(f"{row['variant']:<14}{step}{call}  {row['verdict']}")
     print(f"({DEPENDENTS}; Δ: the variant's time over its on runs', what turning the path off costs)")
     return rows
 
@@ -206,14 +218,7 @@ def main(argv=None) -> dict:
         log("decode"),
         warmup=True,
     )
-    calls = interleaved(
-        [n for n in timed if n in args.call_variants],
-        lambda name: whole_call(target, draft, batch, context, method, call_tokens, variant_tuning(name)),
-        "seconds",
-        log("call"),
-    )
-    rows = _table(names, decode, calls, reports)
-    result = dict(
+    provenance = dict(
         benchmark="surgery",
         command=" ".join(["benchmarks/surgery.py", *(sys.argv[1:] if argv is None else argv)]),
         pair=f"Qwen2.5-{sizes[0]} + {sizes[1]} shapes, random weights ({dtype})",
@@ -226,17 +231,35 @@ def main(argv=None) -> dict:
         machine=platform.node(),
         gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else None,
         versions=e2e._versions() | {"kernels": _version("kernels")},
-        on={"decode": decode["on"], "call": calls.get("on")},
-        rows=rows,
     )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("benchmark", "gpu", "context", "batch", "versions")} | _summary(rows)))
+    _save(args.out, provenance, names, decode, {}, reports)  # a call phase cut short leaves the steps
+    call_names = [n for n in timed if n in args.call_variants]
+    if call_names:  # the prefill's kernels compiled at its shapes' specialisation, on a short prompt
+        short = min(context, 2048)
+        whole_call(target, draft, batch, short, sources.method(METHOD, short), call_tokens, variant_tuning("on"))
+    calls = interleaved(
+        call_names,
+        lambda name: whole_call(target, draft, batch, context, method, call_tokens, variant_tuning(name)),
+        "seconds",
+        log("call"),
+    )
+    result = _save(args.out, provenance, names, decode, calls, reports, table=True)
+    print(json.dumps({k: result[k] for k in ("benchmark", "gpu", "context", "batch", "versions")} | _summary(result)))
     return result
 
 
-def _summary(rows: list[dict]) -> dict:
+def _save(out, provenance: dict, names, decode: dict, calls: dict, reports: dict, table: bool = False) -> dict:
+    """The results so far (with the table printed if ``table``), written to ``out`` when given."""
+    rows = _table(names, decode, calls, reports) if table else _rows(names, decode, calls, reports)
+    result = provenance | dict(on={"decode": decode.get("on"), "call": calls.get("on")}, rows=rows)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _summary(result: dict) -> dict:
+    rows = result["rows"]
     return {
         "delta_percent": {
             r["variant"]: {k: r[k]["delta_percent"] for k in ("decode", "call") if r[k] is not None} for r in rows

@@ -14,7 +14,7 @@ import ab_compare  # noqa: E402
 
 
 def _run(label: str, decode: float, call: float) -> dict:
-    point = dict(context=8192, batch=4, decode_tokens_per_s=decode, call_seconds=call, first_call_seconds=2 * call)
+    point = dict(context=8192, batch=4, decode_tokens_per_s=decode, call_seconds=call, warmup_seconds=2 * call)
     tree = f"/{label}/dustin_hf/__init__.py"
     return dict(label=label, dustin_hf=tree, gpu="GPU", versions={}, decode_tokens=8, call_tokens=4, points=[point])
 
