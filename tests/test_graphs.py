@@ -158,15 +158,15 @@ def test_pipeline_names_what_a_model_lacks():
 # ----------------------------------------------------------------------------- inside fused_ops
 
 
-def _staged_and_expected(model, cuts, sparse=False, keep=2, caches=False):
+def _staged_and_expected(model, cuts, sparse=False, keep=2, caches=False, tuning=None):
     """Logits of the pipeline (cut after step indices ``cuts``) and of the model's own forward, both inside
-    ``fused_ops``; each from its own prefilled cache. Returns ``(logits, expected, pipeline, FusedOps)``, and
-    with ``caches`` also the two caches."""
+    ``fused_ops`` (with ``tuning``'s paths); each from its own prefilled cache. Returns ``(logits, expected, pipeline,
+    FusedOps)``, and with ``caches`` also the two caches."""
     prompt, step_ids, plan = _step_inputs(sparse)
 
     with dustin_hf.patch(model), attention_routed(model), torch.no_grad():
         reference, staged = _prefilled_runner(model, prompt), _prefilled_runner(model, prompt)  # unfused: faster
-        with fused.fused_ops(model) as done:
+        with fused.fused_ops(model, tuning=tuning) as done:
             expected = reference.forward(plan(), step_ids, keep=keep)
             pipeline = _split(Pipeline(model), cuts) if cuts else Pipeline(model)
             staged_plan = plan()
@@ -207,6 +207,19 @@ def test_fused_pipeline_matches_the_model_forward_bit_for_bit(family, cuts, spar
     assert added == [(6, 64)] * 5 + [(4, 64)]
     head_dim = getattr(model.config, "head_dim", None) or 64 // 4
     assert pipeline._rotary_tables[torch.device("cpu")].shape == (2, 64, head_dim)
+    assert torch.equal(logits, expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("switch", ["layers", "attentions", "rotary_tables"])
+def test_each_pipeline_path_switched_off_computes_the_same(switch):
+    """With one of the pipeline's own paths off (FusedTuning), the pipeline calls the module instead, under the same
+    context, and the logits stay the model's bit for bit (the surgery benchmark's A/B compares speed only)."""
+    model = tiny_model("qwen2", layers=3).to(torch.bfloat16)
+    logits, expected, _, done = _staged_and_expected(
+        model, [], sparse=True, tuning=fused.FusedTuning(**{switch: False})
+    )
+    assert getattr(done, switch) == 0 and done.norms
     assert torch.equal(logits, expected)
 
 
