@@ -161,17 +161,19 @@ class SpeculativeDecoder:
         workspace = None
         try:
             workspace, window_slots = self._workspace(inputs, needed, footprint)
-            generation = workspace.fused.generation
+            # without a holder the context makes the fused weights and gives the layers their storage back after
+            weights = None if self.runtime.workspaces is None else self.runtime.workspaces.fused
+            generation = None if weights is None else weights.generation
             # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
             with fused_ops(
                 *fused,
                 tuning=self.runtime.tuning.fused,
                 gemm=self.runtime.tuning.kernels.gemm,
-                weights=workspace.fused,
+                weights=weights,
             ) as report:
                 if workspace.fingerprint is None:
                     workspace.seal()
-                elif workspace.fused.generation != generation:  # fits() compared the addresses the graphs read
+                elif weights.generation != generation:  # fits() compared the addresses the graphs read
                     raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
                 run = self._run(workspace, prompts, padded_len, max_new, window_slots)
                 result = run.decode(input_ids, prompts, self.decode_step)

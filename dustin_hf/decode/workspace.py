@@ -1,10 +1,10 @@
 """What a decode run builds that the next run of the same shape reuses, instead of building it again.
 
 A run's two :class:`~dustin_hf.decode.runner.ModelRunner` s own the KV caches (preallocated for the longest row) and
-the CUDA graphs of every forward shape the loop replays; the :class:`~dustin_hf.selection.selector.Selector` owns the
-scoring step's graph; the graphs read the concatenated projection weights of
-:class:`~dustin_hf.runtime.fused.FusedWeights`. Capturing a shape costs an eager forward and the capture itself,
-about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
+the CUDA graphs of every forward shape the loop replays; the read-set policy (:mod:`dustin_hf.selection.selector`) owns
+the scoring step's graph; the graphs read the concatenated projection weights of
+:class:`~dustin_hf.runtime.fused.FusedWeights`, which the holder keeps for the models. Capturing a shape costs an
+eager forward and the capture itself, about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
 (:class:`Workspaces`, on its :class:`~dustin_hf.adapter.patching.DustinPatch`) and the next call takes it when it fits:
 
 * the same two model objects, their parameters and buffers where they were (a replaced parameter, a model moved
@@ -15,8 +15,8 @@ about a second a call at 7B / 32k / batch 16, so a patched model keeps one :clas
   grids by the capacity, and memory).
 
 Anything else releases the held workspace before the new one is built, so two never coexist. What a workspace
-holds (both caches, the graphs' memory pools, the fused weights) stays allocated between calls until
-:meth:`Workspaces.release` (``DustinPatch.release()``, or ``unpatch()``).
+holds (both caches, the graphs' memory pools) stays allocated between calls until :meth:`Workspaces.release`
+(``DustinPatch.release()``, or ``unpatch()``), which also gives the layers their own weights back.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _fingerprint(*models) -> tuple:
 
 
 class Workspace:
-    """Both models' runners (caches, graphs), the selector and the fused weights of one shape and capacity."""
+    """Both models' runners (caches, graphs) and the read-set policy of one shape and capacity."""
 
     @classmethod
     def build(cls, target, draft, shape: Shape, capacity: int) -> "Workspace":
@@ -97,10 +97,10 @@ class Workspace:
                     select=shape.select if is_target else None,
                 )  # fmt: skip
             )
-        return cls(shape, *runners, FusedWeights())
+        return cls(shape, *runners)
 
-    def __init__(self, shape: Shape, target: ModelRunner, draft: ModelRunner, fused: FusedWeights):
-        self.shape, self.target, self.draft, self.fused = shape, target, draft, fused
+    def __init__(self, shape: Shape, target: ModelRunner, draft: ModelRunner):
+        self.shape, self.target, self.draft = shape, target, draft
         self.selector: Selector | None = None  # made by the first run that selects
         self.fingerprint: tuple | None = None  # set once the fused weights are in place (:meth:`seal`)
         self.runs = 0  # runs served, the first one included
@@ -134,19 +134,24 @@ class Workspace:
         self.runs += 1
 
     def release(self) -> None:
-        """Give the fused layers their own weights back and drop the graphs (and their memory pools); the caches go
-        with the last reference (a run's result may still read its target cache's stats)."""
-        self.fused.release()
+        """Drop the graphs (and their memory pools); the caches go with the last reference (a run's result may still
+        read its target cache)."""
         self.selector = None
         for runner in (self.target, self.draft):
             runner.drop_graphs()
 
 
 class Workspaces:
-    """The one :class:`Workspace` a patched model keeps between ``generate()`` calls."""
+    """The one :class:`Workspace` a patched model keeps between ``generate()`` calls, and the models' fused weights.
+
+    The fused weights (:class:`~dustin_hf.runtime.fused.FusedWeights`: the concatenated q/k/v and gate/up
+    projections every held graph reads) belong to the models, not to one shape: the layers' parameters are views of
+    them, so keeping them costs no memory, and a workspace of another shape captures its graphs over the same ones.
+    """
 
     def __init__(self):
         self.held: Workspace | None = None
+        self.fused = FusedWeights()
 
     def take(self, target, draft, shape: Shape, needed: int) -> Workspace | None:
         """The held workspace if it fits this run (it is handed out: keep it back with :meth:`keep`), else ``None``
@@ -155,7 +160,7 @@ class Workspaces:
             held, self.held = self.held, None
             logger.info("reusing the held decode workspace (batch %d, %d slots a row)", shape.batch, held.capacity)
             return held
-        self.release()
+        self._drop()
         return None
 
     def keep(self, workspace: Workspace) -> None:
@@ -164,7 +169,11 @@ class Workspaces:
         self.held = workspace
 
     def release(self) -> None:
-        """Drop the held workspace: its caches, graphs and fused weights (the layers get their own back)."""
+        """Drop the held workspace (its caches and graphs) and the fused weights (the layers get their own back)."""
+        self._drop()
+        self.fused.release()
+
+    def _drop(self) -> None:
         held, self.held = self.held, None
         if held is not None:
             device = held.target.device
