@@ -7,8 +7,8 @@ own number of tokens per step), greedy or sampling.
 :class:`SpeculativeDecoder` holds what a decoder is set up with (the models, :class:`GenerateSettings`, the
 Dustin settings, :class:`Drafting`, :class:`RuntimeOptions`, hooks) and, per ``generate()`` call, finds the
 caches and CUDA graphs of the call (:mod:`dustin_hf.decode.workspace`) and runs a
-:class:`~dustin_hf.decode.run.DecodeRun`, which holds everything of that call and its decode step (exact mode's
-in :mod:`dustin_hf.decode.exact_step`). Prompt calibration is handed in (``calibrate``), so the loop stays below the
+:class:`~dustin_hf.decode.run.DecodeRun`, which holds everything of that call and its decode step, with the verifier
+of the mode (:data:`VERIFIERS`). Prompt calibration is handed in (``calibrate``), so the loop stays below the
 calibration search.
 """
 
@@ -25,15 +25,15 @@ from ..config import ResolvedConfig
 from ..kernels import resolve_backend
 from ..runtime.fused import fused_ops, fused_ops_available
 from ..runtime.launch import all_on_cuda
-from .dense import DenseVerifier, Footprint
+from .dense import DenseVerifier
 from .drafter import Drafter
 from .exact import ExactVerifier
 from .hooks import DecodeHooks, PhaseClock
-from .masks import Batch, Prompt, read_batch
+from .masks import read_batch
 from .run import CallSettings, DecodeResult, DecodeRun
 from .settings import DRAFT_SCHEDULES, Drafting, GenerateSettings, RuntimeOptions
 from .sparse import SparseVerifier
-from .workspace import Shape, Workspace, capacity_for, workspace_for
+from .workspace import Shape, capacity_for, workspace_for
 
 __all__ = ["DRAFT_SCHEDULES", "DecodeResult", "SpeculativeDecoder"]  # the settings live in .settings
 
@@ -125,16 +125,6 @@ class SpeculativeDecoder:
         it on an instance."""
         run.step()
 
-    def _run(self, workspace: Workspace, prompts: list[Prompt], padded_len: int, max_new: int,
-             window_slots: torch.Tensor | None) -> DecodeRun:  # fmt: skip
-        """A run of this call: its settings, drafter and the verifier of the mode."""
-        t_vocab = self.target.config.get_text_config().vocab_size
-        d_vocab = self.draft.config.get_text_config().vocab_size
-        settings = CallSettings(self.generation, self.hooks, self.tokens_only, d_vocab)
-        drafter = Drafter(self.drafting, len(prompts), (d_vocab, t_vocab), self.tokens_only, self.generation.do_sample)
-        verifier = self.mode(self.dustin_config, self.calibrate, self.drafting.max_gamma, window_slots)
-        return DecodeRun(settings, workspace, drafter, verifier, prompts, padded_len, max_new, self.profile)
-
     # ------------------------------------------------------------------------------------------ a run
     def generate(
         self,
@@ -142,6 +132,38 @@ class SpeculativeDecoder:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> DecodeResult:
+        run, keep = self._start(input_ids, attention_mask, position_ids)
+        workspace, workspaces = run.workspace, self.runtime.workspaces
+        fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
+        # without a holder the context makes the fused weights and gives the layers their storage back after
+        weights = None if workspaces is None else workspaces.fused
+        generation = None if weights is None else weights.generation
+        try:
+            # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
+            tuning = self.runtime.tuning
+            with fused_ops(*fused, tuning=tuning.fused, gemm=tuning.kernels.gemm, weights=weights) as report:
+                if workspace.fingerprint is None:
+                    workspace.seal()
+                elif weights.generation != generation:  # fits() compared the addresses the graphs read
+                    raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
+                result = run.decode(input_ids, self.decode_step)
+        except BaseException:
+            workspace.release()  # a run that failed part-way may have left a graph or the caches half made
+            raise
+        if workspaces is not None and keep:
+            workspaces.keep(workspace)
+        else:
+            workspace.release()
+        fused_report = {name: getattr(report, name) for name in ("norms", "mlps", "qkv", "outputs", "attentions")}
+        result.stats.reports["fused_ops"] = {**fused_report, "rotary": list(report.rotary_modules)}
+        result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
+        workspace.last_stats = result.stats
+        return result
+
+    def _start(self, input_ids: torch.Tensor, attention_mask, position_ids) -> tuple[DecodeRun, bool]:
+        """The call's run: its input read (:func:`~dustin_hf.decode.masks.read_batch`), the workspace it runs in
+        (the held one when it fits, emptied: :mod:`dustin_hf.decode.workspace`), its drafter and the mode's
+        verifier; and whether the workspace may be kept for the next call."""
         batch, padded_len = input_ids.shape
         max_length = self.generation.config.max_length
         max_new = max_length - padded_len
@@ -154,68 +176,28 @@ class SpeculativeDecoder:
         workspaces, width = self.runtime.workspaces, capacity_for(padded_len + room)
         if workspaces is not None and workspaces.held is not None:  # the tables span the caches a run may reuse
             width = max(width, workspaces.held.capacity)
-        vocab = self.target.config.get_text_config().vocab_size
-        inputs = read_batch(input_ids, attention_mask, position_ids, vocab, width)
-        prompts, needed = inputs.prompts, max(p.length for p in inputs.prompts) + room
-        fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
-        workspace = None
-        try:
-            workspace, window_slots = self._workspace(inputs, needed, footprint)
-            # without a holder the context makes the fused weights and gives the layers their storage back after
-            weights = None if self.runtime.workspaces is None else self.runtime.workspaces.fused
-            generation = None if weights is None else weights.generation
-            # entered before any graph is captured: graphs keep the fused kernels and read the fused weights
-            with fused_ops(
-                *fused,
-                tuning=self.runtime.tuning.fused,
-                gemm=self.runtime.tuning.kernels.gemm,
-                weights=weights,
-            ) as report:
-                if workspace.fingerprint is None:
-                    workspace.seal()
-                elif weights.generation != generation:  # fits() compared the addresses the graphs read
-                    raise RuntimeError("a reused workspace's fused weights were made anew; this is a bug in dustin_hf")
-                run = self._run(workspace, prompts, padded_len, max_new, window_slots)
-                result = run.decode(input_ids, prompts, self.decode_step)
-        except BaseException:
-            if workspace is not None:
-                workspace.release()  # a run that failed part-way may have left a graph or the caches half made
-            raise
-        if self.runtime.workspaces is not None and footprint.keeps_workspace:
-            self.runtime.workspaces.keep(workspace)
-        else:
-            workspace.release()
-        result.stats.reports["fused_ops"] = {
-            "norms": report.norms,
-            "rotary": list(report.rotary_modules),
-            "mlps": report.mlps,
-            "qkv": report.qkv,
-            "outputs": report.outputs,
-            "attentions": report.attentions,
-        }
-        result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
-        workspace.last_stats = result.stats
-        return result
-
-    def _workspace(self, inputs: Batch, needed: int, footprint: Footprint) -> tuple[Workspace, torch.Tensor | None]:
-        """The held workspace when it fits this run (emptied), else a new one (:mod:`dustin_hf.decode.workspace`), its
-        runners given this run's position and window tables; and what the target's sliding windows count where rows
-        have holes (``None``: the slots), which the read-set policy reads."""
-        positions, slots = inputs.positions, inputs.slots
+        t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
+        inputs = read_batch(input_ids, attention_mask, position_ids, t_cfg.vocab_size, width)
+        needed = max(p.length for p in inputs.prompts) + room
+        slots = inputs.slots
         span = needed if slots is None else int(slots[:, :needed].max()) + 1  # the longest distance a window sees
         windowed = [window_cuts(model, span) for model in (self.target, self.draft)]
         # captured forwards take position ids from the slots and run the fast kernels only: position ids that are
         # not the slots (a masked last input slot, the caller's position_ids), a sliding window that can cut, or
         # attentions and hidden states to return run eagerly
-        eager = positions is not None or self.generation.recording
+        eager = inputs.positions is not None or self.generation.recording
         graphs = tuple(self.graphs[role] and not eager and not cut for role, cut in zip(("target", "draft"), windowed))
         shape = Shape(
-            batch=len(inputs.prompts), backend=self.backend, graphs=graphs,
-            fused=(self.fused["target"], self.fused["draft"]), tokens_only=self.tokens_only,
-            widths=(footprint.read_width, footprint.draft_width), dustin_config=self.dustin_config,
-            tuning=self.runtime.tuning, select=footprint.select, dense_layers=footprint.dense_layers,
+            batch=batch, backend=self.backend, graphs=graphs, fused=(self.fused["target"], self.fused["draft"]),
+            tokens_only=self.tokens_only, widths=(footprint.read_width, footprint.draft_width),
+            dustin_config=self.dustin_config, tuning=self.runtime.tuning, select=footprint.select,
+            dense_layers=footprint.dense_layers,
         )  # fmt: skip
-        workspace = workspace_for(self.runtime.workspaces, self.target, self.draft, shape, needed)
+        workspace = workspace_for(workspaces, self.target, self.draft, shape, needed)
         window_slots = tuple(slots if cut else None for cut in windowed)
-        workspace.start_run(positions, window_slots)  # tables at least as wide as its caches
-        return workspace, window_slots[0]
+        workspace.start_run(inputs.positions, window_slots)  # tables at least as wide as its caches
+        settings = CallSettings(self.generation, self.hooks, self.tokens_only, d_cfg.vocab_size, self.profile)
+        vocab, do_sample = (d_cfg.vocab_size, t_cfg.vocab_size), self.generation.do_sample
+        drafter = Drafter(self.drafting, batch, vocab, self.tokens_only, do_sample)
+        verifier = self.mode(self.dustin_config, self.calibrate, self.drafting.max_gamma, window_slots[0])
+        return DecodeRun(settings, workspace, drafter, verifier, inputs, max_new), footprint.keeps_workspace

@@ -67,7 +67,7 @@ class PhaseClock:
         # a mark is (CUDA event or None, host time); per finished step: (phase, mark before, mark after) per phase
         self._steps: list[list[tuple[str, tuple, tuple]]] = []
         self._current: list[tuple[str, tuple, tuple]] = []
-        self._last: tuple[object, float] = (None, time.perf_counter())
+        self._last: tuple[object, float] = (self._stamp(), time.perf_counter())  # the clock starts when made
 
     @staticmethod
     def mode_of(profile, device: torch.device) -> str | None:
@@ -85,9 +85,6 @@ class PhaseClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
-
-    def restart(self) -> None:
-        self._last = (self._stamp(), time.perf_counter())
 
     def mark(self, phase: str) -> None:
         """Charge the time since the previous mark to ``phase`` of the current step."""

@@ -34,7 +34,7 @@ from ..runtime.launch import prefer_cublaslt
 from .cache import DustinCache
 from .drafter import Drafter
 from .hooks import DecodeHooks, PhaseClock, synchronize
-from .masks import Prompt
+from .masks import Batch, Prompt
 from .outputs import OutputRecorder
 from .processors import LogitsPipeline
 from .rows import Rows
@@ -70,6 +70,7 @@ class CallSettings:
     hooks: DecodeHooks
     tokens_only: bool  # the forwards hand out their argmax only (greedy, unprocessed, nothing but tokens returned)
     draft_vocab: int  # a draft may pad its embedding less than the target (same tokenizer)
+    profile: str | None = None  # the phase clock's mode (None, "sync" or "events": hooks.PhaseClock)
 
 
 class DecodeRun:
@@ -81,21 +82,21 @@ class DecodeRun:
         workspace: the caches and runners of this run (:mod:`dustin_hf.decode.workspace`).
         drafter: the draft's side (:class:`~dustin_hf.decode.drafter.Drafter`).
         verifier: the mode's verifier (:mod:`.dense`, :mod:`.sparse`, :mod:`.exact`).
-        prompts: each row's prompt (:func:`~dustin_hf.decode.masks.prompts_from_mask`); ``padded_len`` their width.
+        inputs: the call's input as the loop reads it (:func:`~dustin_hf.decode.masks.read_batch`).
         max_new: tokens each row may generate.
-        profile: the phase clock's mode (``None``, ``"sync"`` or ``"events"``).
     """
 
-    def __init__(self, settings: CallSettings, workspace: Workspace, drafter: Drafter, verifier,
-                 prompts: list[Prompt], padded_len: int, max_new: int, profile: str | None):  # fmt: skip
-        gen = settings.gen
+    def __init__(self, settings: CallSettings, workspace: Workspace, drafter: Drafter, verifier, inputs: Batch,
+                 max_new: int):  # fmt: skip
+        gen, prompts = settings.gen, inputs.prompts
         self.settings, self.workspace, self.drafter, self.verifier = settings, workspace, drafter, verifier
+        self.prompts = prompts
         device = workspace.target.device
         workspace.target.record = (gen.output_attentions, gen.output_hidden_states)
         self.recorder = None
         if gen.recording:
             slots = [p.slots for p in prompts]
-            self.recorder = OutputRecorder(slots, padded_len, gen.output_attentions, gen.output_hidden_states)
+            self.recorder = OutputRecorder(slots, inputs.padded_len, gen.output_attentions, gen.output_hidden_states)
         self.stats = RunStats()
         self.rows = Rows(
             prompts, workspace.target.cache.capacity + 1, gen.pad, device, max_new, gen.eos, list(gen.row_criteria),
@@ -104,7 +105,7 @@ class DecodeRun:
         pads = [p.pad for p in prompts]
         self.process = LogitsPipeline(gen.logits_processor, pads, min_length_from_new=gen.min_length_from_new)
         self.rng = RowGenerators(len(prompts), device) if gen.do_sample else None
-        self.clock = PhaseClock(device, profile)
+        self.clock: PhaseClock | None = None  # started with the decode steps
 
     @property
     def target(self) -> ModelRunner:
@@ -115,14 +116,14 @@ class DecodeRun:
         return self.workspace.draft
 
     # ------------------------------------------------------------------------------------------ the call
-    def decode(self, input_ids: torch.Tensor, prompts: list[Prompt], step) -> DecodeResult:
+    def decode(self, input_ids: torch.Tensor, step) -> DecodeResult:
         """Prefill, then ``step(self)`` until every row is done (or ``max_time`` is up); the call's result."""
-        started = time.perf_counter()
+        started, prompts = time.perf_counter(), self.prompts
         self.verifier.start(self, self.prefill(prompts))
         with prefer_cublaslt(self.target.device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's
             synchronize(self.target.device)
             decoding = time.perf_counter()
-            self.clock.restart()
+            self.clock = PhaseClock(self.target.device, self.settings.profile)
             step_ends, step_tokens = [], []
             rows, max_time = self.rows, self.settings.gen.max_time
             while not all(rows.finished):

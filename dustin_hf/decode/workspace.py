@@ -4,8 +4,9 @@ A run's two :class:`~dustin_hf.decode.runner.ModelRunner` s own the KV caches (p
 the CUDA graphs of every forward shape the loop replays; the read-set policy (:mod:`dustin_hf.selection.selector`) owns
 the scoring step's graph; the graphs read the concatenated projection weights of
 :class:`~dustin_hf.runtime.fused.FusedWeights`, which the holder keeps for the models. Capturing a shape costs an
-eager forward and the capture itself, about a second a call at 7B / 32k / batch 16, so a patched model keeps one :class:`Workspace` between calls
-(:class:`Workspaces`, on its :class:`~dustin_hf.adapter.patching.DustinPatch`) and the next call takes it when it fits:
+eager forward and the capture itself, about a second a call at 7B / 32k / batch 16, so a patched model keeps one
+:class:`Workspace` between calls (:class:`Workspaces`, on its :class:`~dustin_hf.adapter.patching.DustinPatch`) and
+the next call takes it when it fits:
 
 * the same two model objects, their parameters and buffers where they were (a replaced parameter, a model moved
   to another device or dtype never reuses graphs that read the old memory);
