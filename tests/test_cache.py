@@ -109,9 +109,8 @@ def test_update_writes_at_the_plan_it_is_handed():
     assert torch.equal(keys[0, 4], new[0, :, 0]) and torch.equal(keys[1, 2], new[1, :, 0])
 
 
-def test_history_keeps_only_queries_of_positions_still_held():
+def test_a_row_has_a_history_only_for_its_last_cached_position():
     history = History(batch=2)
     history.keep(torch.zeros(2, 1, DIM), [9, 5])
     assert history.rows_at([10, 6]) == [True, True]
-    history.rollback([7, 6])
-    assert history.positions == [-1, 5] and history.rows_at([10, 6]) == [False, True]
+    assert history.rows_at([12, 6]) == [False, True]  # row 0 moved on without a new query

@@ -341,3 +341,16 @@ def test_save_pretrained_takes_fused_weights_as_they_are(tmp_path):
     for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
     weights.release()
+
+
+def test_a_model_drafting_for_itself_gets_the_draft_runner_of_a_draft():
+    """``assistant_model=model``: the draft's runner reads what a draft reads (no selection layers, no dense
+    layers of the target's), although it holds the same model object as the target's."""
+    target, _ = _pair()
+    set_gamma(target, 3)
+    config = {**SPARSE, "selection": "verify", "dense_layers": (0,), "sparse_draft": True}
+    with dustin_hf.patch(target) as handle:
+        _generate(target, target, random_prompt(48, batch=2, seed=1), cache_config=config)
+        held = handle.workspaces.held
+        assert held.target.select is not None and held.target.dense_layers == (0,)
+        assert held.draft.select is None and held.draft.dense_layers == ()

@@ -59,8 +59,8 @@ class SpeculativeDecoder:
             ``calibrate(target runner, draft runner, tokens (B, T), config, γ, prompt lengths) -> (config, report)``
             (``generate()`` passes :func:`dustin_hf.calibration.prompt.calibrate_on_prompts`).
 
-    ``generate`` returns a :class:`~dustin_hf.decode.run.DecodeResult` whose ``stats`` (also the target cache's
-    ``stats``) say what the run did: step counts, acceptance, positions read, ``prefill_seconds``,
+    ``generate`` returns a :class:`~dustin_hf.decode.run.DecodeResult` whose ``stats`` (``stats.as_dict()``) say
+    what the run did: step counts, acceptance, positions read, ``prefill_seconds``,
     ``decode_seconds``, ``step_end_times`` (host clock, each after the step's device sync), ``step_tokens`` (tokens
     committed by all rows at each step) and reports (``cuda_graphs``, ``fused_ops``, ``calibration``, phase times).
     """
@@ -196,8 +196,7 @@ class SpeculativeDecoder:
         workspace = workspace_for(workspaces, self.target, self.draft, shape, needed)
         window_slots = tuple(slots if cut else None for cut in windowed)
         workspace.start_run(inputs.positions, window_slots)  # tables at least as wide as its caches
-        settings = CallSettings(self.generation, self.hooks, self.tokens_only, d_cfg.vocab_size, self.profile)
-        vocab, do_sample = (d_cfg.vocab_size, t_cfg.vocab_size), self.generation.do_sample
-        drafter = Drafter(self.drafting, batch, vocab, self.tokens_only, do_sample)
+        settings = CallSettings(self.generation, self.hooks, self.tokens_only, self.profile)
+        drafter = Drafter(self.drafting, batch, (d_cfg.vocab_size, t_cfg.vocab_size), self.tokens_only)
         verifier = self.mode(self.dustin_config, self.calibrate, self.drafting.max_gamma, window_slots[0])
         return DecodeRun(settings, workspace, drafter, verifier, inputs, max_new), footprint.keeps_workspace

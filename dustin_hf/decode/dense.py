@@ -1,10 +1,11 @@
 """Dense verification, and the protocol every verifier follows: steps 3 to 5 of the loop (:mod:`.run`).
 
-A verifier owns what a mode decides: where each row's block starts (:meth:`Verifier.positions`), what the
-verification reads (:meth:`Verifier.reads`), how the target's distributions judge the block (:meth:`Verifier.verify`)
-and what a row keeps (:meth:`Verifier.commit`). The dense verifier reads every cached position: with it the loop is
-stock assisted decoding, batched. :mod:`.sparse` reads a selection instead, :mod:`.exact` adds tentative tokens and
-dense confirmation; each is written as its difference from the one before.
+A verifier (the :class:`Verifier` protocol) owns what a mode decides: where each row's block starts
+(:meth:`~Verifier.positions`), what the verification reads (:meth:`~Verifier.reads`), how the target's
+distributions judge the block (:meth:`~Verifier.verify`) and what a row keeps (:meth:`~Verifier.commit`). The dense
+verifier reads every cached position: with it the loop is stock assisted decoding, batched. :mod:`.sparse` reads a
+selection instead, :mod:`.exact` adds tentative tokens and dense confirmation; each is written as its difference
+from the one before.
 
 Acceptance (step 4, :mod:`.sampling`): greedy keeps d_i while d_i = argmax p_i; sampling keeps d_i with probability
 min(1, p_i(d_i) / q_i(d_i)). Then one token of the target's own: greedy argmax p_{n+1}; sampling, after a rejection
@@ -16,6 +17,7 @@ target keeps x, d_1..d_n; the draft lags by one token).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,7 +25,7 @@ from ..runtime.plan import HostCopy, SelectLayers, device_tensor
 from .drafter import Drafts
 from .sampling import accept_greedy, accept_sampled
 
-__all__ = ["DenseVerifier", "Footprint", "Step", "Verdict"]
+__all__ = ["DenseVerifier", "Footprint", "Step", "Verdict", "Verifier"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,30 @@ class Verdict:
     captured: dict  # the target queries the forward kept ({layer: (B, W+1, heads, D)})
     n_accepted: torch.Tensor  # (B,) leading proposals kept
     new_tokens: torch.Tensor  # (B, W+1): the kept proposals, the target's own token, then garbage
+
+
+class Verifier(Protocol):
+    """What the loop asks of a mode: made per call as ``Mode(config, calibrate, max_gamma, window_slots)``."""
+
+    queries_kept: dict  # the target's queries a verification keeps ({layer: heads})
+
+    @staticmethod
+    def footprint(config, max_gamma: int, do_sample: bool) -> Footprint: ...  # what the workspace must hold
+    def attended(self, reads, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]] | None:
+        """Per active row of a step that read a selection: positions read per layer, and whether it read less than
+        it holds (``None``: the step read everything)."""
+        return None
+
+    def prefill_plan(self, run) -> tuple[int | None, dict]: ...  # the prefill's chunk and kept target queries
+    def start(self, run, kept_queries: list) -> None: ...  # after prefill
+    def positions(self, run) -> Step: ...  # where the rows stand at a step's start
+    def draft_capture(self, sparse: bool) -> dict: ...  # the draft queries a step keeps
+    def draft_reads(self, run, sparse: bool): ...  # what a draft forward reads (None: everything)
+    def reads(self, run, at: Step, drafts: Drafts): ...  # step 2: the verification's read set (None: everything)
+    def verify(self, run, at: Step, drafts: Drafts, reads) -> Verdict: ...  # steps 3 and 4
+    def commit(self, run, at: Step, verdict: Verdict, reads) -> None: ...  # step 5
+    def graph_report(self) -> dict: ...  # the read-set choice's CUDA graphs
+    def report(self, run) -> dict: ...  # what the mode adds to stats
 
 
 class DenseVerifier:
@@ -146,7 +172,7 @@ class DenseVerifier:
         run.clock.mark("commit")
         run.stats.record_step(
             verdict.block.row_gamma, accepted, counts, active, sparse=reads is not None,
-            attended=None if reads is None else self.attended(reads, at.seqlens, active), seqlens=at.seqlens,
+            attended=self.attended(reads, at.seqlens, active), seqlens=at.seqlens,
         )  # fmt: skip
 
     def queue_drafts(self, run, base: torch.Tensor, n_accepted: torch.Tensor, reads, seqlens: list[int]) -> None:
@@ -164,6 +190,11 @@ class DenseVerifier:
             draft.cache.advance(slice(0, batch), [queued + 1] * batch)
             run.stats.draft_forwards_ahead += queued
             run.stats.steps_drafted_ahead += 1
+
+    def attended(self, reads, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]] | None:
+        """Per active row of a step that read a selection: positions read per layer, and whether it read less than
+        it holds (``None``: the step read everything)."""
+        return None
 
     def prefill_plan(self, run) -> tuple[int | None, dict]:
         """The prefill's chunk (``None``: from free memory) and the target queries it keeps (``{layer: heads}``)."""

@@ -54,11 +54,10 @@ class Drafter:
         batch: rows.
         vocab: the draft's and the target's vocabulary sizes (a draft may pad its embedding less; same tokenizer).
         tokens_only: the forwards hand out their argmax tokens, not logits (greedy, unprocessed).
-        do_sample: draw the drafts (else argmax).
     """
 
-    def __init__(self, drafting: Drafting, batch: int, vocab: tuple[int, int], tokens_only: bool, do_sample: bool):
-        self.drafting, self.vocab, self.tokens_only, self.do_sample = drafting, vocab, tokens_only, do_sample
+    def __init__(self, drafting: Drafting, batch: int, vocab: tuple[int, int], tokens_only: bool):
+        self.drafting, self.vocab, self.tokens_only = drafting, vocab, tokens_only
         self.row_gamma = [drafting.num_draft_tokens] * batch  # each row's draft length next step (the schedule)
         self.ahead: QueuedDraft | None = None  # the next step's first draft forwards, already queued
 
@@ -69,10 +68,10 @@ class Drafter:
         base: torch.Tensor,
         sparse: bool,
         capture: dict,
-        reads: Callable[[], DraftReads | None],
+        draft_reads: Callable[[], DraftReads | None],
     ) -> Drafts:
         """Up to γ draft forwards at ``seqlens`` (``base`` on the device); ``capture``: the draft queries to keep
-        (``{layer: heads}``); ``reads()``: what a forward not queued ahead reads (``None``: everything).
+        (``{layer: heads}``); ``draft_reads()``: what a forward not queued ahead reads (``None``: everything).
 
         Each row drafts its own count: its schedule's length, cut after a draft below the confidence threshold.
         The forwards run while some unfinished row is still drafting; a row's drafts past its own count are
@@ -82,7 +81,7 @@ class Drafter:
         planned = [0 if done else g for g, done in zip(self.row_gamma, rows.finished)]
         ahead, self.ahead = self.ahead, None  # the first forwards, queued by the last step before its sync
         assert ahead is None or ahead.sparse == sparse  # committed lengths only grow: sparse steps stay sparse
-        queued, read_set = (ahead.outputs, ahead.reads) if ahead is not None else ((), reads())
+        queued, read_set = (ahead.outputs, ahead.reads) if ahead is not None else ((), draft_reads())
         feed = None if ahead is not None else self.feed(rows.tokens, base - 1)
         tokens, probs, kept_queries = [], [], {layer: [] for layer in capture}
         drafted, drafting = [0] * rows.batch_size, [g > 0 for g in planned]
@@ -125,7 +124,7 @@ class Drafter:
             raw = torch.nn.functional.pad(raw, (0, target_vocab - raw.shape[-1]), value=float("-inf"))
         scores = run.process(raw, lambda b, _: rows.history(b, tokens[:i]))
         token = pick_tokens(scores[:, 0], run.rng, drafting).to(device)
-        needs_q = self.do_sample or self.drafting.confidence_threshold is not None
+        needs_q = run.rng is not None or self.drafting.confidence_threshold is not None
         return token, scores[:, 0].softmax(dim=-1) if needs_q else None
 
     def _confident(self, probs: list, token: torch.Tensor, more: bool) -> list[bool] | None:

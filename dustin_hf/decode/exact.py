@@ -136,9 +136,10 @@ class ExactVerifier(SparseVerifier):
         return lambda n: confirm(n, tentative_now, dense_now)
 
     def queue_drafts(self, run, base: torch.Tensor, n_accepted: torch.Tensor, reads, seqlens: list[int]) -> None:
-        """As a sparse step, from what :attr:`last` says the draft reads next. The next step is sparse as this one:
-        a confirming row's start is past the budget and min_context (its committed tokens were, for its last
-        sparse step), and committed lengths only grow."""
+        """As a sparse step, from what :attr:`last` says the draft reads next (not ``reads``, this step's
+        verification's, which holds the dense rows in full). The next step is sparse as this one: a confirming
+        row's start is past the budget and min_context (its committed tokens were, for its last sparse step), and
+        committed lengths only grow."""
         selection, at = self.last or (None, seqlens)
         super().queue_drafts(run, base, n_accepted, selection, at)
 
@@ -171,7 +172,7 @@ class ExactVerifier(SparseVerifier):
         if any(at.confirming):
             self.schedule.stats.confirm_steps += 1
         run.clock.mark("commit")
-        attended = None if reads is None else self.attended(reads, at.starts, active)
+        attended = self.attended(reads, at.starts, active)
         run.stats.record_step(
             verdict.block.row_gamma, accepted, counts, active, sparse=reads is not None, attended=attended,
             seqlens=at.starts,
@@ -195,4 +196,4 @@ class ExactVerifier(SparseVerifier):
         return accepted + 1
 
     def report(self, run) -> dict:
-        return {**super().report(run), "exact": self.schedule.stats.as_dict()}
+        return {"exact": self.schedule.stats.as_dict(), **super().report(run)}

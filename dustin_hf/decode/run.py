@@ -69,7 +69,6 @@ class CallSettings:
     gen: GenerateSettings
     hooks: DecodeHooks
     tokens_only: bool  # the forwards hand out their argmax only (greedy, unprocessed, nothing but tokens returned)
-    draft_vocab: int  # a draft may pad its embedding less than the target (same tokenizer)
     profile: str | None = None  # the phase clock's mode (None, "sync" or "events": hooks.PhaseClock)
 
 
@@ -161,7 +160,7 @@ class DecodeRun:
         rows.commit(first[:, None], first[:, None].tolist(), first_raw, first_scores, [1] * len(prompts))
         # ids the draft cannot embed (a draft whose embedding is smaller than the shared tokenizer) reach it as its
         # last id, as every later token does (Drafter.feed): its proposals there are poor, the output is the same
-        vocab = self.settings.draft_vocab
+        vocab = self.drafter.vocab[0]
         prefill(self.draft, [p.tokens[:-1].clamp_max(vocab - 1) for p in prompts], chunk, {})
         return kept
 
@@ -172,7 +171,7 @@ class DecodeRun:
         at = verifier.positions(self)
         capture = verifier.draft_capture(at.sparse)
         drafts = self.drafter.draft(self, at.seqlens, at.base, at.sparse, capture,
-                                    reads=lambda: verifier.draft_reads(self, at.sparse))  # fmt: skip
+                                    draft_reads=lambda: verifier.draft_reads(self, at.sparse))  # fmt: skip
         clock.mark("draft")
         reads = verifier.reads(self, at, drafts)
         clock.mark("score_select")

@@ -146,9 +146,13 @@ class SparseVerifier(DenseVerifier):
         history = queries[torch.arange(len(starts), device=queries.device), picked]
         self.history.keep(history, [s + k - 1 for s, k in zip(starts, kept)])
 
-    def attended(self, reads: Selection, seqlens: list[int], active: list[int]) -> list[tuple[float, bool]]:
+    def attended(
+        self, reads: Selection | None, seqlens: list[int], active: list[int]
+    ) -> list[tuple[float, bool]] | None:
         """Per active row: the cached positions it read per layer (dense and selection layers read everything), and
         whether its read set held less than the row (a sparse row, not one read in full)."""
+        if reads is None:
+            return None
         cfg, layers = self.config, self.target_layers
         dense = len(set(cfg.dense_layers) | set(cfg.selection_layers))
         return [

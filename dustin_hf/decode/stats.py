@@ -1,8 +1,9 @@
 """What a decode run did: step counts, acceptance, reads, timing and reports, returned with its tokens.
 
-The loop fills one :class:`RunStats` per ``generate`` call and hands it back in its result; the target's
-cache keeps a reference so that ``out.past_key_values.stats`` (``out.cache.stats`` from transformers 5.24)
-shows the same numbers as a plain dict (:meth:`RunStats.as_dict`, the documented keys).
+The loop fills one :class:`RunStats` per ``generate`` call and hands it back in its result; a returned cache's
+``stats`` (``out.past_key_values.stats``, ``out.cache.stats`` from transformers 5.24) and a patched model's held
+workspace (``handle.workspaces.held.last_stats``) show the same numbers, as a plain dict
+(:meth:`RunStats.as_dict`, the documented keys).
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ class Workspace:
         """Empty caches of ``capacity`` slots a row and runners for both models; graphs are captured as each
         decode shape first runs."""
         runners = []
-        for model, graphs, width in zip((target, draft), shape.graphs, shape.widths):
+        for role, (model, graphs, width) in enumerate(zip((target, draft), shape.graphs, shape.widths)):
             layers = model.config.get_text_config().num_hidden_layers
-            is_target = model is target
+            is_target = role == 0  # by role, not identity: a model may be its own draft
             runners.append(
                 ModelRunner(
                     model,

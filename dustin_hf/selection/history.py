@@ -2,7 +2,8 @@
 
 Dustin's set scores cached positions with two signals; the history signal is the attention of the query that the
 target computed for each row's last committed token at the previous verification (kept from that forward, never
-recomputed). Only a policy that scores with it keeps one: it lives with the policy's run, not in the KV cache.
+recomputed). The sparse verifier keeps it for its run and hands it to the read-set policy; the KV cache holds keys
+and values only.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ class History:
     def keep(self, queries: torch.Tensor, positions: list[int]) -> None:
         """``queries (B, heads, D)``: each row's query at ``positions[b]``."""
         self.queries, self.positions = queries, list(positions)
-
-    def rollback(self, lengths: list[int]) -> None:
-        """A row that now holds ``lengths[b]`` positions no longer has a query at or past them."""
-        self.positions = [p if p < n else -1 for p, n in zip(self.positions, lengths)]
 
     def rows_at(self, seqlens: list[int]) -> list[bool]:
         """Which rows hold the query of their last cached position (``seqlens[b] - 1``), what the score needs."""
