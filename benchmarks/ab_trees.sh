@@ -24,8 +24,8 @@ case $what in
       label=${pair%%:*}; commit=${pair#*:}
       dir=$root/.ab/$label
       rm -rf "$dir" && mkdir -p "$dir"
-      git -C "$root" archive "$commit" dustin_hf patches benchmarks | tar -x -C "$dir" --exclude='benchmarks/results' \
-        --exclude='benchmarks/traces'
+      git -C "$root" archive "$commit" dustin_hf patches benchmarks lab/dustin_lab | tar -x -C "$dir" \
+        --exclude='benchmarks/results' --exclude='benchmarks/traces' --exclude='lab/dustin_lab/data'
       mv "$dir/patches" "$dir/dustin_hf/patches"  # where a wheel puts it: found before any installed copy's mapping
       cp "$root/benchmarks/ab_point.py" "$dir/benchmarks/"
       echo "$(git -C "$root" rev-parse --short "$commit")" > "$dir/COMMIT"
@@ -45,7 +45,7 @@ case $what in
       file=$out/ab_${i}_$label.txt
       echo "== $i: $label ($(cat "$root/.ab/$label/COMMIT"))"
       limit=$( [ $i = 1 ] && echo 170 || echo 130 )  # the first compiles the kernels; 560 s in all, under a device call
-      (cd "$root/.ab/$label" && PYTHONPATH="$root/.ab/$label" timeout $limit "$python" benchmarks/ab_point.py --label "$label" "$@") \
+      (cd "$root/.ab/$label" && PYTHONPATH="$root/.ab/$label:$root/.ab/$label/lab" timeout $limit "$python" benchmarks/ab_point.py --label "$label" "$@") \
         > "$file" 2>&1 || { echo "run $i ($label) failed:"; tail -20 "$file"; exit 1; }
       grep "^$label: " "$file" | cut -c1-200 || true
       files+=("$file")
