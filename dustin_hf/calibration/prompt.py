@@ -66,43 +66,21 @@ def calibrate_on_prompts(
     (``stats["calibration"]``)."""
     started = time.perf_counter()
     rows = sorted(range(len(lengths)), key=lambda b: -lengths[b])[:ROWS]
-    features, seqlens, sources = [], [], []
-    for row in rows:
-        for at in _positions(lengths[row], gamma):
-            with _restored(target.cache, row, at - 1, at + gamma + 1), _restored(draft.cache, row, at - 1, at + gamma):
-                features.append(
-                    step_features(
-                        target.model, draft.model, target, draft, tokens[row], at, gamma, target.backend, row=row
-                    )
-                )
-            seqlens.append(at)
-            sources.append({"row": row, "position": at})
-    if not features:
+    steps = _prompt_steps(target, draft, tokens, rows, lengths, gamma)
+    if steps is None:
         return config, {"skipped": f"prompts shorter than {2 * (gamma + 2)} tokens: kept the configured heads"}
-    steps = stack_features(features, seqlens, sources)
     t_cfg, d_cfg = target.model.config.get_text_config(), draft.model.config.get_text_config()
     base = DustinConfig(
-        budget=config.budget,
-        sink_tokens=config.sink_tokens,
-        recent_tokens=config.recent_tokens,
-        dense_layers=config.dense_layers,
-        min_context=config.min_context,
-        backend=config.backend,
+        budget=config.budget, sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
+        dense_layers=config.dense_layers, min_context=config.min_context, backend=config.backend,
         prefill_chunk=config.prefill_chunk,
-    )
-    choice, log = search(
-        steps,
-        t_cfg,
-        d_cfg,
-        (config.budget,),
-        base,
-        time.perf_counter() + SEARCH_SECONDS,
-        progress=False,
-        search_windows=False,
-    )
+    )  # fmt: skip
+    budgets = (config.budget,)
+    deadline = time.perf_counter() + SEARCH_SECONDS
+    choice, log = search(steps, t_cfg, d_cfg, budgets, base, deadline, progress=False, search_windows=False)
     default = default_choice(base, t_cfg, d_cfg, config.budget)
-    recovery = recovery_of(steps, choice, (config.budget,), base)[config.budget]
-    default_recovery = recovery_of(steps, default, (config.budget,), base)[config.budget]
+    recovery = recovery_of(steps, choice, budgets, base)[config.budget]
+    default_recovery = recovery_of(steps, default, budgets, base)[config.budget]
     if default_recovery > recovery:  # never worse than the defaults on the prompt's own steps
         choice, recovery = default, default_recovery
     picked = resolve(choice.config(base, config.budget), t_cfg, d_cfg)
@@ -111,7 +89,7 @@ def calibrate_on_prompts(
         config, calibration="none", **{name: getattr(picked, name) for name in SEARCHED_FIELDS}
     )
     report = {
-        "steps": len(seqlens),
+        "steps": len(steps.seqlens),
         "rows": rows,
         "seconds": time.perf_counter() - started,
         "recovery": recovery,
@@ -125,3 +103,20 @@ def calibrate_on_prompts(
         "stopped_early": log["stopped_early"],
     }
     return chosen, report
+
+
+def _prompt_steps(target, draft, tokens: torch.Tensor, rows: list[int], lengths: list[int], gamma: int):
+    """The search's features of verification steps replayed inside the prompts of ``rows`` (each step's cache
+    slots put back after it), or ``None`` where the prompts are too short for any."""
+    features, seqlens, sources = [], [], []
+    for row in rows:
+        for at in _positions(lengths[row], gamma):
+            with _restored(target.cache, row, at - 1, at + gamma + 1), _restored(draft.cache, row, at - 1, at + gamma):
+                features.append(
+                    step_features(
+                        target.model, draft.model, target, draft, tokens[row], at, gamma, target.backend, row=row
+                    )
+                )
+            seqlens.append(at)
+            sources.append({"row": row, "position": at})
+    return stack_features(features, seqlens, sources) if features else None
