@@ -55,19 +55,6 @@ def qwen_pair():
     return target, set_gamma(noisy_copy(target), 4)
 
 
-def eager_step_ahead(
-    self, input_ids, seqlens, keep, capture, capture_last, indices=None, num_indices=None, *, full_rows
-):
-    """``ModelRunner.step_ahead`` as the CUDA-graph path does it, run eagerly (monkeypatch it in): the rows' lengths
-    come from the device values (a replay reads nothing else; the host's lengths are only settled after the step's
-    sync)."""
-    from dustin_hf.selection.fill import Selection
-
-    self.cache.seq_lengths = seqlens.tolist()
-    selection = None if indices is None else Selection(indices, num_indices, num_indices.tolist(), full_rows=full_rows)
-    return self.step(input_ids, seqlens.tolist(), keep, capture, capture_last, selection=selection)
-
-
 def tiled_prefill(prompts: int):
     """A prefill with :meth:`~dustin_hf.decode.runner.ModelRunner.prefill`'s signature for a batch whose rows repeat
     its first ``prompts`` rows in turn (row ``b`` is row ``b % prompts``): it prefills those and copies each to the

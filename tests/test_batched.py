@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import eager_step_ahead
 from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 
 import dustin_hf
 from dustin_hf import DustinConfig
+from dustin_hf.decode.hooks import DecodeHooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, far faster under load
 
@@ -104,12 +104,11 @@ def test_no_cross_row_leakage_in_sparse_selection(sparse_draft):
 
 
 @pytest.mark.parametrize("mode", ["dense", "dustin", "sparse_draft", "sampled"])
-def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
+def test_drafts_queued_ahead_change_nothing(mode):
     """The next step's first draft forwards (all γ when greedy: tokens only), queued from device values before
     the step's sync (CUDA graphs only; run eagerly here), give the same tokens as running them after the
     sync, with rows finishing at EOS and at their length on different steps, and a row below ``min_context``
     (read in full, its sparse-draft count past the read set's width: ``full_rows``)."""
-    from dustin_hf.decode.runner import ModelRunner
 
     target = tiny_model("qwen2", layers=2, hidden=32)
     draft = set_gamma(noisy_copy(target), 3)
@@ -137,10 +136,9 @@ def test_drafts_queued_ahead_change_nothing(mode, monkeypatch):
             logits[-1].append(out.clone())
 
     hook = draft.lm_head.register_forward_hook(keep)
-    with dustin_hf.patch(target, config if mode != "dense" else None):
+    with dustin_hf.patch(target, config if mode != "dense" else None) as handle:
         for ahead in (False, True):
-            if ahead:
-                monkeypatch.setattr(ModelRunner, "step_ahead", eager_step_ahead)
+            handle.hooks = DecodeHooks(queue_eagerly=ahead)  # what the CUDA graphs queue, on the CPU
             torch.manual_seed(7)  # sampled: a seed under which row 1 alone meets its EOS
             logits.append([])
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs)

@@ -7,7 +7,7 @@ broken hierarchical rule is caught by the same check.
 
 import pytest
 import torch
-from conftest import eager_step_ahead, joint_law, law_pvalue, tiled_prefill
+from conftest import joint_law, law_pvalue, tiled_prefill
 from tiny_models import PAD, left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
 from transformers import GenerationConfig
 
@@ -18,7 +18,6 @@ from dustin_hf.decode import decoder as decoding
 from dustin_hf.decode import exact as exact_mode
 from dustin_hf.decode.confirm import ConfirmSchedule, blocks
 from dustin_hf.decode.hooks import DecodeHooks
-from dustin_hf.decode.runner import ModelRunner
 from dustin_hf.decode.settings import Drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only wait on each other
@@ -76,7 +75,7 @@ def test_exact_greedy_equals_greedy_where_sparse_does_not():
 
 
 @pytest.mark.parametrize("sparse_draft, sample", [(False, False), (True, False), (True, True)])
-def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample, monkeypatch):
+def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample):
     """The next step's first draft forwards, queued before a step's sync (CUDA graphs; run eagerly here), are
     queued after a confirming step as after a sparse one, from each row's block start, with rows that rejected
     tentative tokens and a row ending early: every step queues them, and the output is still greedy's (sampling:
@@ -97,10 +96,9 @@ def test_confirming_steps_queue_the_next_drafts_too(sparse_draft, sample, monkey
     # recent_tokens 4 < confirm_tokens + γ: some cuts lie below a recent window (counted on the device)
     config = dict(budget=32, min_context=64, sink_tokens=2, recent_tokens=4, mode="exact", sparse_draft=sparse_draft)
     runs = []
-    with dustin_hf.patch(target):
+    with dustin_hf.patch(target) as handle:
         for ahead in (False, True):
-            if ahead:
-                monkeypatch.setattr(ModelRunner, "step_ahead", eager_step_ahead)
+            handle.hooks = DecodeHooks(queue_eagerly=ahead)  # what the CUDA graphs queue, on the CPU
             torch.manual_seed(3)
             out = target.generate(
                 ids,

@@ -175,7 +175,7 @@ class Drafter:
                 feed, cached.to(torch.int32), keep=1, capture=capture, capture_last=True,
                 indices=None if reads is None else reads.indices,
                 num_indices=None if reads is None else reads.ahead(cached - base),
-                full_rows=reads is not None and reads.full_rows,
+                full_rows=reads is not None and reads.full_rows, eager=run.settings.hooks.queue_eagerly,
             )  # fmt: skip
             if out is None:  # this shape has no graph yet
                 break

@@ -37,6 +37,9 @@ class DecodeHooks:
             the same marks in ``stats["phase_host_seconds"]``): ``True`` or ``"sync"`` synchronises the device
             between phases (each phase's own cost; slows decoding), ``"events"`` reads CUDA events instead (the
             GPU timeline of undisturbed steps, idle time included). Leave it off when measuring throughput.
+        queue_eagerly: queue the next step's first draft forwards even where no CUDA graph is captured, running
+            them eagerly (:meth:`~dustin_hf.decode.runner.ModelRunner.step_ahead`): what the graphs do on a GPU,
+            on any device, so that tests on the CPU run the queued path. A step then waits for the device.
     """
 
     accept: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -44,6 +47,7 @@ class DecodeHooks:
     budgets: Callable[[list[int]], list[int]] | None = None
     prefill: Callable | None = None
     profile: bool | str | None = None
+    queue_eagerly: bool = False
 
 
 def synchronize(device: torch.device) -> None:

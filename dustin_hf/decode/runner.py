@@ -12,6 +12,7 @@ from ..kernels.tuning import KernelTuning
 from ..runtime.graphs import GraphedForward
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import ForwardPlan, SelectLayers
+from ..selection.fill import Selection
 from .cache import DustinCache
 
 __all__ = ["ModelRunner", "prefill_chunk"]
@@ -167,15 +168,25 @@ class ModelRunner:
         num_indices: torch.Tensor | None = None,
         *,
         full_rows: bool,
+        eager: bool = False,
     ):
         """:meth:`step` with the rows' cached lengths as a device tensor (int32), so it can be queued before
         the host knows them. Only a shape already captured runs this way; ``None`` otherwise (nothing
-        queued: run :meth:`step` once the lengths are known). ``full_rows`` is :attr:`Selection.full_rows` of the
-        read set (no default: a count past the width without it reads past the index rows)."""
+        queued: run :meth:`step` once the lengths are known), unless ``eager``
+        (:attr:`~dustin_hf.decode.hooks.DecodeHooks.queue_eagerly`): then it runs eagerly as the graph would, the
+        lengths read from the device. ``full_rows`` is :attr:`Selection.full_rows` of the read set (no default: a
+        count past the width without it reads past the index rows)."""
         graphed = self._graphed(input_ids, indices, keep, capture, capture_last, create=False, full_rows=full_rows)
-        if graphed is None or not graphed.replayable:
+        if graphed is not None and graphed.replayable:
+            return graphed(input_ids, seqlens, indices, num_indices)
+        if not eager:
             return None
-        return graphed(input_ids, seqlens, indices, num_indices)
+        lengths = seqlens.tolist()
+        self.cache.seq_lengths = list(lengths)  # a replay reads the device's lengths; the host settles them later
+        selection = (
+            None if indices is None else Selection(indices, num_indices, num_indices.tolist(), full_rows=full_rows)
+        )
+        return self.step(input_ids, lengths, keep, capture, capture_last, selection=selection)
 
     def _graphed(
         self, input_ids, indices, keep: int, capture: dict, capture_last: bool, create: bool, full_rows: bool
