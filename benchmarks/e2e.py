@@ -1065,12 +1065,11 @@ def _versions() -> dict:
     import transformers
 
     out = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__)
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
+    for name in ("triton", "kernels"):  # kernels decides how the fused rotary installs (runtime/rotary.py)
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
     return out
 
 

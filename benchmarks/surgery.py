@@ -230,7 +230,7 @@ def main(argv=None) -> dict:
         new_tokens={"decode": new_tokens, "call": call_tokens},
         machine=platform.node(),
         gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else None,
-        versions=e2e._versions() | {"kernels": _version("kernels")},
+        versions=e2e._versions(),
     )
     _save(args.out, provenance, names, decode, {}, reports)  # a call phase cut short leaves the steps
     call_names = [n for n in timed if n in args.call_variants]
@@ -266,13 +266,6 @@ def _summary(result: dict) -> dict:
         },
         "verdict": {r["variant"]: r["verdict"] for r in rows},
     }
-
-
-def _version(name: str) -> str | None:
-    try:
-        return __import__(name).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":
