@@ -7,10 +7,10 @@ set -euo pipefail
 out=${1:?OUT dir}; shift
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$root"  # this checkout's dustin_hf, whatever is installed
+export PYTHONUNBUFFERED=1 PYTHONPATH="$root:$root/lab"  # this checkout's dustin_hf and lab, whatever is installed
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  python3 -c "import kernels; print('kernels', kernels.__version__)" 2>&1 | tail -1; } > "$out/env.txt" 2>&1
+  python3 -c "import kernels; print('kernels', kernels.__version__)" 2>&1 | tail -1 || true; } > "$out/env.txt" 2>&1
 timeout 560 python3 "$root/benchmarks/surgery.py" --out "$out/surgery.json" "$@" 2>&1 | tee "$out/surgery.txt" \
   | grep -v '^{' | tail -40
 tail -1 "$out/surgery.txt"
