@@ -7,7 +7,7 @@ class still sees the original) that overrides two methods:
 
 - ``_prepare_cache_for_generation``: with ``cache_implementation="dustin"``, checks that this is
   assisted generation and leaves the cache to the decoding loop (which builds a ``DustinCache`` for
-  the target and one for the draft);
+  the target and one for the draft, and reads a given prompt cache's positions into the target's);
 - ``_assisted_decoding``: runs :class:`dustin_hf.decode.decoder.SpeculativeDecoder` for Dustin or for any
   batch larger than one (stock transformers refuses those); a batch of one without Dustin takes the
   stock path unchanged.
@@ -49,8 +49,8 @@ class DustinGenerationMixin:
                 "cache_implementation='dustin' verifies draft tokens, so it needs assisted generation: pass "
                 f"assistant_model=<draft model> to generate() (got generation mode {generation_mode.value!r})"
             )
-        if model_kwargs.get(CACHE_KWARG) is not None:
-            raise ValueError(f"pass either {CACHE_KWARG}=... or cache_implementation='dustin', not both")
+        # a given cache is a prompt cache (transformers' prompt-reuse recipe): the loop reads its positions into
+        # its own caches and leaves it as it was (dustin_hf.decode.cache.DustinCache.load_prefix)
         if not generation_config.use_cache:
             raise ValueError("cache_implementation='dustin' needs use_cache=True")
 

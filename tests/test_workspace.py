@@ -220,23 +220,18 @@ def test_the_returned_cache_is_stocks():
     assert mine.stats["steps"] > 0
 
 
-def test_continuing_from_a_returned_cache_is_refused_clearly():
-    """dustin_hf's loop reads the whole prompt: a batched call given a cache with content says so (stock would
-    continue from it; dustin_hf would silently have ignored it)."""
+def test_continuing_from_a_returned_cache_equals_reading_the_whole_sequence():
+    """A returned cache holds the call's prompts and every token they generated but the last, in stock's layout:
+    passed back with ``out.sequences`` (stock's way to continue), the next call reads only each row's last token and
+    answers as the call that reads everything (within the budget the cache's values are the dense target's)."""
     target, draft = _pair()
     ids = random_prompt(20, batch=2, seed=1)
+    call = dict(assistant_model=draft, max_new_tokens=4, do_sample=False)
     with dustin_hf.patch(target):
-        out = target.generate(
-            ids, assistant_model=draft, max_new_tokens=4, do_sample=False, return_dict_in_generate=True
-        )
-        with pytest.raises(ValueError, match="does not continue from"):
-            target.generate(
-                out.sequences,
-                assistant_model=draft,
-                max_new_tokens=4,
-                do_sample=False,
-                **{CACHE_KWARG: getattr(out, CACHE_KWARG)},
-            )
+        out = target.generate(ids, **call, return_dict_in_generate=True)
+        whole = target.generate(out.sequences, **call)
+        continued = target.generate(out.sequences, **call, **{CACHE_KWARG: getattr(out, CACHE_KWARG)})
+    assert torch.equal(continued, whole)
 
 
 # ----------------------------------------------------------------------------- prefill

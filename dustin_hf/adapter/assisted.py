@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from ..calibration import prompt as prompt_calibration
 from ..compat import CACHE_KWARG, check_pair
 from ..config import resolve
+from ..decode.cache import DustinCache
 from ..decode.decoder import DecodeResult, SpeculativeDecoder
 from ..decode.settings import Drafting, GenerateSettings, RuntimeOptions
 from .attention import ATTENTION_NAME
@@ -106,7 +107,10 @@ def run_assisted(
         calibrate=prompt_calibration.calibrate_on_prompts,
     )  # fmt: skip
     with attention_routed(target, draft):
-        result = decoder.generate(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+        result = decoder.generate(
+            input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"),
+            cache=_prompt_cache(target, input_ids, generation_config, model_kwargs),
+        )  # fmt: skip
     if drafting["num_assistant_tokens_schedule"] == "heuristic":  # transformers keeps the schedule's length
         lengths = result.draft_tokens
         draft.generation_config.num_assistant_tokens = round(sum(lengths) / len(lengths))
@@ -143,13 +147,25 @@ def _check_call(target, draft, logits_processor, model_kwargs: dict, synced_gpus
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"dustin_hf's decoding loop does not pass these model inputs on: {sorted(unknown)}")
-    given = model_kwargs.get(CACHE_KWARG)
-    if given is not None and given.get_seq_length() > 0:  # generate() hands an empty cache of its own otherwise
-        raise ValueError(
-            f"dustin_hf's decoding loop reads the whole prompt itself and does not continue from {CACHE_KWARG}=...: "
-            "pass the full sequence (e.g. out.sequences) as input_ids without the cache"
-        )
     check_pair(target, draft, tokenizer, assistant_tokenizer)
+
+
+def _prompt_cache(target, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
+    """A given cache of ``input_ids``' leading slots (transformers' prompt-reuse recipe: a forward over the shared
+    prefix, ``copy.deepcopy``, ``generate(..., past_key_values=copy)``), checked, or ``None`` (``generate()`` hands
+    an empty cache of its own when none is given)."""
+    given = model_kwargs.get(CACHE_KWARG)
+    if given is None or given.get_seq_length() == 0:
+        return None
+    DustinCache.check_prefix(given, input_ids)
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise NotImplementedError(
+            "output_attentions / output_hidden_states with a prompt cache are not supported by dustin_hf's loop (its "
+            "prompt outputs would cover the uncached tokens only): pass the full prompt without the cache"
+        )
+    if target._dustin_patch.hooks is not None and target._dustin_patch.hooks.prefill is not None:
+        raise ValueError("a prefill hook and a prompt cache both say how the prompt is read: pass one of them")
+    return given
 
 
 def _dustin_config(target, draft, generation_config):

@@ -225,6 +225,46 @@ class DustinCache(Cache):
                 raise ValueError(f"row {row}: cannot roll back from {old} to {new} positions")
         self.seq_lengths = list(lengths)
 
+    @staticmethod
+    def check_prefix(source: Cache, input_ids: torch.Tensor) -> None:
+        """What :meth:`load_prefix` reads must hold a prefix of ``input_ids`` in stock's layout: one row per input
+        row, every layer the same leading input slots, fewer than the input's (stock ``generate()`` feeds the
+        uncached tokens only; a cache as long as the input or longer would be fed again, silently wrong there)."""
+        batch, width = input_ids.shape
+        held = source.get_seq_length()
+        lengths = {layer.keys.shape[-2] for layer in source.layers if getattr(layer, "keys", None) is not None}
+        rows = {layer.keys.shape[0] for layer in source.layers if getattr(layer, "keys", None) is not None}
+        if rows != {batch}:
+            raise ValueError(f"the given cache holds {sorted(rows)} rows, input_ids has {batch}: a prompt cache is "
+                             "made by a forward over the same rows' leading tokens")  # fmt: skip
+        if lengths != {held}:
+            raise ValueError(
+                f"the given cache's layers hold {sorted(lengths)} positions: dustin_hf's loop reuses a cache whose "
+                "every layer holds the same leading input slots (a sliding-window cache drops them; build it with "
+                "DynamicCache(config=...) from a full-attention forward, or pass none)"
+            )
+        if held >= width:
+            raise ValueError(
+                f"the given cache holds {held} input slots and input_ids has {width}: a prompt cache holds a prefix "
+                "of input_ids and leaves at least its last token to read (pass the full sequence as input_ids, or "
+                "the cache of a shorter prefix, e.g. copy.deepcopy of the cache made from the shared prompt)"
+            )
+
+    def load_prefix(self, source: Cache, slots: list[torch.Tensor], counts: list[int]) -> None:
+        """Hold each row's first ``counts[b]`` positions as ``source`` holds them: a transformers cache in stock's
+        layout (every input slot, masked ones too; ``(B, kv_heads, slots, D)`` per layer), row ``b``'s positions at
+        its input slots ``slots[b]`` (:attr:`~dustin_hf.decode.masks.Prompt.slots`). ``source`` is only read."""
+        for layer, given in zip(self.layers, source.layers):
+            keys, values = given.keys, given.values
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            k_buffer, v_buffer = layer.buffers()
+            for b, (row, n) in enumerate(zip(slots, counts)):
+                where = row[:n].to(keys.device)
+                k_buffer[b, :n] = keys[b, :, where].transpose(0, 1).to(k_buffer)  # (n, H, D)
+                v_buffer[b, :n] = values[b, :, where].transpose(0, 1).to(v_buffer)
+        self.seq_lengths = list(counts)
+
     def to_dynamic(
         self, config, slots: list[torch.Tensor], padded_len: int, lengths: list[int], stats: RunStats
     ) -> "GeneratedCache":

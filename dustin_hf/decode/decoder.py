@@ -131,8 +131,11 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache=None,
     ) -> DecodeResult:
-        run, keep = self._start(input_ids, attention_mask, position_ids)
+        """``cache``: a transformers cache of the input's leading slots (stock's prompt reuse,
+        :meth:`DustinCache.check_prefix`): the target reads only the rest of each prompt; the cache is only read."""
+        run, keep = self._start(input_ids, attention_mask, position_ids, cache)
         workspace, workspaces = run.workspace, self.runtime.workspaces
         fused = [model for role, model in (("target", self.target), ("draft", self.draft)) if self.fused[role]]
         # without a holder the context makes the fused weights and gives the layers their storage back after
@@ -154,13 +157,13 @@ class SpeculativeDecoder:
             workspaces.keep(workspace)
         else:
             workspace.release()
-        fused_report = {name: getattr(report, name) for name in ("norms", "mlps", "qkv", "outputs", "attentions")}
+        fused_report = {name: getattr(report, name) for name in ("norms", "mlps", "qkv")}
         result.stats.reports["fused_ops"] = {**fused_report, "rotary": list(report.rotary_modules)}
         result.stats.reports["workspace"] = {"runs": workspace.runs, "capacity": workspace.capacity}
         workspace.last_stats = result.stats
         return result
 
-    def _start(self, input_ids: torch.Tensor, attention_mask, position_ids) -> tuple[DecodeRun, bool]:
+    def _start(self, input_ids: torch.Tensor, attention_mask, position_ids, cache) -> tuple[DecodeRun, bool]:
         """The call's run: its input read (:func:`~dustin_hf.decode.masks.read_batch`), the workspace it runs in
         (the held one when it fits, emptied: :mod:`dustin_hf.decode.workspace`), its drafter and the mode's
         verifier; and whether the workspace may be kept for the next call."""
@@ -177,7 +180,7 @@ class SpeculativeDecoder:
         if workspaces is not None and workspaces.held is not None:  # the tables span the caches a run may reuse
             width = max(width, workspaces.held.capacity)
         t_cfg, d_cfg = self.target.config.get_text_config(), self.draft.config.get_text_config()
-        inputs = read_batch(input_ids, attention_mask, position_ids, t_cfg.vocab_size, width)
+        inputs = read_batch(input_ids, attention_mask, position_ids, t_cfg.vocab_size, width, prefix=cache)
         needed = max(p.length for p in inputs.prompts) + room
         slots = inputs.slots
         span = needed if slots is None else int(slots[:, :needed].max()) + 1  # the longest distance a window sees

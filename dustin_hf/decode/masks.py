@@ -162,15 +162,24 @@ class Batch:
     padded_len: int  # the input's width
     positions: torch.Tensor | None  # :func:`position_table`
     slots: torch.Tensor | None  # :func:`stock_slots`
+    cached: list[int] | None = None  # per row, its leading tokens ``prefix`` holds and it does not prefill
+    prefix: object | None = None  # a transformers cache of the input's first slots (stock's prompt reuse), or None
 
 
 def read_batch(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, vocab: int,
-    width: int,
+    width: int, prefix=None,
 ) -> Batch:  # fmt: skip
     """Each row's prompt (ids checked against the target's ``vocab``) and the position and window tables of
-    ``width`` slots a row (at least the caches' capacity)."""
+    ``width`` slots a row (at least the caches' capacity). ``prefix``: a transformers cache holding the input's
+    leading slots (stock's prompt reuse); each row then prefills only its tokens after them, and at least its last
+    one (whose query names the first new token)."""
     prompts = prompts_from_mask(input_ids, attention_mask, position_ids)
     check_token_ids(prompts, vocab)
     padded_len = input_ids.shape[1]
-    return Batch(prompts, padded_len, position_table(prompts, width), stock_slots(prompts, padded_len, width))
+    cached = None
+    if prefix is not None:
+        held = prefix.get_seq_length()
+        cached = [min(int((p.slots < held).sum()), p.length - 1) for p in prompts]
+    positions, slots = position_table(prompts, width), stock_slots(prompts, padded_len, width)
+    return Batch(prompts, padded_len, positions, slots, cached, prefix)

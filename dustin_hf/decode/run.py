@@ -89,7 +89,7 @@ class DecodeRun:
                  max_new: int):  # fmt: skip
         gen, prompts = settings.gen, inputs.prompts
         self.settings, self.workspace, self.drafter, self.verifier = settings, workspace, drafter, verifier
-        self.prompts = prompts
+        self.inputs = inputs
         device = workspace.target.device
         workspace.target.record = (gen.output_attentions, gen.output_hidden_states)
         self.recorder = None
@@ -117,7 +117,7 @@ class DecodeRun:
     # ------------------------------------------------------------------------------------------ the call
     def decode(self, input_ids: torch.Tensor, step) -> DecodeResult:
         """Prefill, then ``step(self)`` until every row is done (or ``max_time`` is up); the call's result."""
-        started, prompts = time.perf_counter(), self.prompts
+        started, prompts = time.perf_counter(), self.inputs.prompts
         self.verifier.start(self, self.prefill(prompts))
         with prefer_cublaslt(self.target.device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's
             synchronize(self.target.device)
@@ -141,10 +141,15 @@ class DecodeRun:
         token. Returns the target queries the verifier asked to keep (per row). A row whose last input slot was
         masked takes its first token from that slot's query instead
         (:meth:`~dustin_hf.decode.runner.ModelRunner.hidden_query`)."""
-        target, rows = self.target, self.rows
+        target, rows, inputs = self.target, self.rows, self.inputs
         prefill = self.settings.hooks.prefill or ModelRunner.prefill
         chunk, capture = self.verifier.prefill_plan(self)
-        last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, capture)
+        if inputs.prefix is None:
+            last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, capture)
+        else:  # stock's prompt reuse: the given cache's positions, then the rest of each prompt
+            target.cache.load_prefix(inputs.prefix, [p.slots for p in prompts], inputs.cached)
+            rest = [p.tokens[n:] for p, n in zip(prompts, inputs.cached)]
+            last_logits, kept = prefill(target, rest, chunk, capture, starts=inputs.cached)
         if self.recorder is not None:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
                 self.recorder.keep_prompt(b, hidden, attentions)

@@ -222,9 +222,15 @@ class ModelRunner:
         }
 
     def prefill(
-        self, rows: list[torch.Tensor], chunk: int | None, capture: dict, on_chunk: Callable[[int], None] | None = None
+        self,
+        rows: list[torch.Tensor],
+        chunk: int | None,
+        capture: dict,
+        on_chunk: Callable[[int], None] | None = None,
+        starts: list[int] | None = None,
     ) -> tuple[list[torch.Tensor], list]:
-        """Write each row's tokens; return each row's last logits and kept queries.
+        """Write each row's tokens; return each row's last logits and kept queries. ``starts``: positions each row
+        already holds (a reused prompt prefix, :meth:`DustinCache.load_prefix`); its tokens go after them.
 
         A forward holds at most ``chunk`` tokens (``None``: :func:`prefill_chunk`'s choice from free memory). A row
         that fits reads its whole prompt in one forward: its attention is square and causal, which SDPA runs on
@@ -242,14 +248,15 @@ class ModelRunner:
         last_logits, kept = [], []
         self.prompt_outputs = []
         group = max(chunk, _GROUP_TOKENS)  # short prompts share a forward up to this many tokens
-        for first, stop in _row_groups([ids.numel() for ids in rows], group, one_each=any(self.record)):
+        starts = starts or [0] * len(rows)
+        for first, stop in _row_groups([ids.numel() for ids in rows], group, any(self.record), starts):
             ids = torch.stack(rows[first:stop])  # (n, T): the rows of a group have one length (T > group: alone)
             logits, captured, pieces = None, {}, []
             for start in range(0, ids.shape[1], chunk):
                 piece = ids[:, start : start + chunk]
                 plan = ForwardPlan(
                     rows=slice(first, stop),
-                    cache_seqlens=[start] * (stop - first),
+                    cache_seqlens=[starts[first] + start] * (stop - first),
                     q_len=piece.shape[1],
                     backend=self.backend,
                     capture=capture,
@@ -328,14 +335,18 @@ def _activation_bytes(text_config, dtype: torch.dtype) -> int:
     )
 
 
-def _row_groups(lengths: list[int], chunk: int, one_each: bool) -> list[tuple[int, int]]:
-    """``(first, stop)`` row ranges for prefill forwards: neighbouring rows of one length while their tokens fit in
-    ``chunk`` tokens (``one_each``: every row alone)."""
+def _row_groups(
+    lengths: list[int], chunk: int, one_each: bool, starts: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """``(first, stop)`` row ranges for prefill forwards: neighbouring rows of one length and one start while their
+    tokens fit in ``chunk`` tokens (``one_each``: every row alone)."""
+    starts = starts or [0] * len(lengths)
     groups: list[tuple[int, int]] = []
     for b, n in enumerate(lengths):
         if groups and not one_each:
             first, stop = groups[-1]
-            if stop == b and lengths[first] == n and (stop - first + 1) * n <= chunk:
+            alike = lengths[first] == n and starts[first] == starts[b]
+            if stop == b and alike and (stop - first + 1) * n <= chunk:
                 groups[-1] = (first, b + 1)
                 continue
         groups.append((b, b + 1))
