@@ -1,9 +1,9 @@
 """Model surgery measured: what each fused path of ``fused_ops`` buys against transformers' own code, in one process.
 
-Every path of :func:`dustin_hf.runtime.fused.fused_ops` (fused RMSNorm, rotary, MLP, q/k/v and o_proj GEMMs, and the
-CUDA-graph pipeline's hand-written decoder layer, Qwen2 attention and rotary table) has a switch on
-``FusedTuning`` (``RuntimeOptions.tuning.fused``). Each variant below turns one off (``none``: all of them, so every
-forward is transformers' own, under the same CUDA graphs) and runs interleaved with every path on
+Every path of :func:`dustin_hf.runtime.fused.fused_ops` (fused RMSNorm, rotary, MLP and q/k/v GEMMs, and the
+CUDA-graph pipeline's hand-written decoder layer) has a switch on ``FusedTuning`` (``RuntimeOptions.tuning.fused``).
+Each variant below turns one off (``none``: all of them, so every forward is transformers' own, under the same CUDA
+graphs) and runs interleaved with every path on
 (``on, v1, on, v2, ..., on``); a variant is compared with the mean of the two ``on`` runs beside it.
 
 Two measures, each through e2e.py's random-weight 7B + 0.5B models (Qwen2.5 shapes, bf16), Dustin with the sparse
@@ -14,8 +14,8 @@ draft (budget 512), acceptance REPLAYED from the paper's fixed pattern (e2e.py's
 * **whole call**: the decode loop's ``generate`` with its real prefill (what ``generate()`` hands it), the kernels
   compiled by the variant's decode run before; each call builds its caches and graphs (two workspaces of 32k x 16
   do not fit an H100 together, and a variant's graphs differ). Only the paths that run at prompt sizes
-  (``CALL_VARIANTS``) get calls: ``o_proj``'s Triton GEMM runs at decode sizes only and the layers, attentions and
-  rotary tables are the pipeline's, so their share of a call is its steps times their step delta.
+  (``CALL_VARIANTS``) get calls: the layers are the pipeline's, so their share of a call is its steps times their
+  step delta.
 
 A variant whose switch changes nothing on this install (the rotary without the ``kernels`` package from 0.19, see
 :mod:`dustin_hf.runtime.rotary`) is listed and not timed. The verdict: a path buying under ``KEEP_PERCENT`` of a step
@@ -54,7 +54,7 @@ CALL_NEW_TOKENS = 32  # per row, a whole call: mostly its prefill, which the pro
 VARIANTS = (*SWITCHES, "none")
 CALL_VARIANTS = ("norms", "rotary", "mlps", "qkv", "none")
 KEEP_PERCENT = 2.0
-DEPENDENTS = "norms off turns layers and attentions off too (they need the fused norms), layers off attentions"
+DEPENDENTS = "norms off turns layers off too (they need the fused norms)"
 SMOKE = dict(shape=(160, 2), budget=32, new_tokens=24, call_new_tokens=12)
 
 

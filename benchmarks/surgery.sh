@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What each fused path buys, measured on one GPU in one process (benchmarks/surgery.py: every path off in turn,
 # interleaved with all on, decode step and whole call at 7B + 0.5B, 32k x 16). About 6 minutes of an H100 or H200.
-#   bash benchmarks/surgery.sh OUT [ARGS...]    ARGS go to surgery.py (e.g. --variants layers attentions none
+#   bash benchmarks/surgery.sh OUT [ARGS...]    ARGS go to surgery.py (e.g. --variants layers mlps none
 #                                               --call-variants none, or --shape 8192x16 for a shorter run)
 set -euo pipefail
 out=${1:?OUT dir}; shift

@@ -278,9 +278,8 @@ def test_fused_ops_matches_the_model_and_restores(family, norms_per_layer, dtype
             if expect_fused(model):
                 assert done.norms == norms_per_layer * 2 + 1
                 assert done.rotary_modules == ((modeling.__name__,) if _rotary_fusable(model) else ())
-                assert (done.mlps, done.qkv, done.outputs, done.layers, done.rotary_tables) == (2, 2, 2, 2, 1)
+                assert (done.mlps, done.qkv, done.layers) == (2, 2, 2)
                 assert all(fused.fused_decoder_layer(layer) for layer in model.model.layers)
-                assert fused.static_rotary(model.model.rotary_emb)
             assert modeling.apply_rotary_pos_emb is original_rotary  # no module global is replaced
             out = model(prompt).logits.float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
@@ -345,8 +344,8 @@ def test_fused_mlp_runs_gate_up_and_silu_mul_in_one_launch_for_few_rows():
     assert fused_calls(weight_bytes - 1, weight_bytes + 1) == dict.fromkeys(rows, "cuBLAS")  # between
 
 
-# what else a switch turns off: the fused layers need the fused norms, the fused attentions run inside fused layers
-_DEPENDENTS = {"norms": ("layers", "attentions"), "layers": ("attentions",)}
+# what else a switch turns off: the fused layers need the fused norms
+_DEPENDENTS = {"norms": ("layers",)}
 
 
 @pytest.mark.parametrize("switch", FusedTuning.switches())
@@ -363,7 +362,7 @@ def test_each_fused_path_turns_off_on_its_own(switch):
     off = {field, *_DEPENDENTS.get(switch, ())}
     for name, value in vars(every).items():
         assert getattr(done, name) == (type(value)() if name in off else value), name
-    assert every.norms and every.layers and every.attentions and every.rotary_tables
+    assert every.norms and every.layers
 
 
 def test_fused_tuning_names_a_bad_value():
@@ -382,7 +381,7 @@ def test_fused_ops_restores_after_an_exception_and_nests():
     _assert_restored(model, modeling_llama, original_rotary)
     with fused_ops(model, model) as outer:  # a model given twice is patched once
         with fused_ops(model) as inner:
-            assert (inner.norms, inner.rotary_modules, inner.layers, inner.rotary_tables) == (0, (), 0, 0)
+            assert (inner.norms, inner.rotary_modules, inner.layers) == (0, (), 0)
         assert outer.norms == 5 and outer.rotary_modules == inner.rotary_modules + outer.rotary_modules
         wrappers = [w for w in map(rotary.rotary_wrapper, model.modules()) if w is not None]
         assert all("forward" in vars(w) for w in wrappers)  # the inner exit kept the outer's
@@ -440,7 +439,7 @@ def _rotary_fusable(model) -> bool:
 def _assert_restored(model, modeling, original_rotary):
     assert modeling.apply_rotary_pos_emb is original_rotary
     assert not any("forward" in vars(w) for w in map(rotary.rotary_wrapper, model.modules()) if w is not None)
-    assert not any(fused.fused_decoder_layer(m) or fused.static_rotary(m) for m in model.modules())
+    assert not any(fused.fused_decoder_layer(m) for m in model.modules())
     for module in model.modules():
         assert "forward" not in module.__dict__, type(module).__name__
     # every parameter has its own storage again (a save would treat shared storage as tied weights)
@@ -572,8 +571,7 @@ def test_rotary_without_a_wrapper_runs_in_a_copy_of_the_attentions_forward(monke
 
 def test_a_model_without_rotary_wrappers_fuses_its_rotary_in_copies_of_the_attention_forwards(monkeypatch):
     """transformers 5.17 without ``kernels``, simulated (the attention class's plain forward, no wrappers): every
-    attention runs a copy of that forward with the fused rotary, which still counts as its class's own (the Qwen2
-    attentions stay registered for the pipeline), and the logits are the model's."""
+    attention runs a copy of that forward with the fused rotary, and the logits are the model's."""
     model = tiny_model("qwen2", layers=2, hidden=64, heads=4, kv_heads=2).to(DEVICE)
     if not expect_fused(model):
         pytest.skip(f"transformers {transformers.__version__}'s Qwen2 code differs from the one checked")
@@ -585,7 +583,7 @@ def test_a_model_without_rotary_wrappers_fuses_its_rotary_in_copies_of_the_atten
     with torch.no_grad():
         expected = model(prompt).logits
         with fused_ops(model) as done:
-            assert done.rotary_modules == (modeling_qwen2.__name__,) and done.attentions == 2
+            assert done.rotary_modules == (modeling_qwen2.__name__,)
             out = model(prompt).logits
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert not any("forward" in vars(m) for m in model.modules())
@@ -639,15 +637,12 @@ def test_unrecognised_code_keeps_transformers_code_with_one_warning(monkeypatch)
             assert (done.norms, done.rotary_modules) == (0, ())
 
 
-def test_only_plain_standard_layers_and_static_rotaries_are_registered():
+def test_only_plain_standard_layers_are_registered():
     """A decoder layer is run submodule by submodule only if calling it would run nothing else (a torch hook,
-    a replaced forward, an offloading accelerate hook) and its forward is the standard block; a rotary module's
-    table only for rope types whose frequencies do not depend on the sequence length."""
+    a replaced forward, an offloading accelerate hook) and its forward is the standard block."""
     from accelerate.hooks import AlignDevicesHook
 
-    model = tiny_model(
-        "llama", layers=5, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0}
-    ).to(DEVICE)
+    model = tiny_model("llama", layers=5).to(DEVICE)
     layers = model.model.layers
     layers[0].register_forward_pre_hook(lambda *args: None)
     layers[1].forward = layers[1].forward  # an instance attribute: whatever it is, not the class's forward
@@ -655,18 +650,11 @@ def test_only_plain_standard_layers_and_static_rotaries_are_registered():
     add_hook_to_module(layers[3], AlignDevicesHook(execution_device=DEVICE))  # moves inputs only: fine
     with fused_ops(model) as done:
         assert [fused.fused_decoder_layer(layer) for layer in layers] == [False, False, False, True, True]
-        assert done.layers == 2 and done.rotary_tables == 0 and not fused.static_rotary(model.model.rotary_emb)
+        assert done.layers == 2
     model = tiny_model("llama", layers=1).to(DEVICE)
     model.model.layers[0].forward = types.MethodType(lambda self, h, **kwargs: h, model.model.layers[0])
     with fused_ops(model) as done:
         assert done.layers == 0
-    # attention from its pieces: Qwen2's standard forward, called plainly; not Llama's (another attention call)
-    model = tiny_model("qwen2", layers=3).to(DEVICE)
-    attentions = [layer.self_attn for layer in model.model.layers]
-    attentions[0].register_forward_hook(lambda *args: None)
-    attentions[1].forward = types.MethodType(lambda self, *args, **kwargs: None, attentions[1])
-    with fused_ops(model, tiny_model("llama", layers=1).to(DEVICE)) as done:
-        assert [fused.fused_attention(a) for a in attentions] == [False, False, True] and done.attentions == 1
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU without the interpreter")
@@ -808,11 +796,9 @@ def test_decoder_with_fused_ops_decodes_like_without():
                     "rotary": [modeling_qwen2.__name__],
                     "mlps": 3 + 2,
                     "qkv": 3 + 2,
-                    "outputs": 3 + 2,
-                    "attentions": 3 + 2,
                 }
                 if fused_on
-                else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0, "outputs": 0, "attentions": 0}
+                else {"norms": 0, "rotary": [], "mlps": 0, "qkv": 0}
             )
     assert torch.equal(outputs[0], outputs[1])
     assert [m.forward for m in target.modules()] == forwards and modeling_qwen2.apply_rotary_pos_emb is HF_ROTARY

@@ -9,22 +9,17 @@ replaces or bypasses that code:
   Mistral, Qwen2, Qwen3 and the MoE variants);
 * :class:`StandardMLP` -- the forward of ``recognise._MLP_CLASSES``;
 * :class:`StandardDecoderLayer`, :class:`StandardDecoderLayer524` -- the forward of
-  ``recognise._DECODER_LAYER_CLASSES`` (before and from 5.24, which names the cache argument ``cache``);
-* :class:`StandardQwen2Attention`, :class:`StandardQwen2Attention524` -- ``Qwen2Attention.forward``, likewise.
+  ``recognise._DECODER_LAYER_CLASSES`` (before and from 5.24, which names the cache argument ``cache``).
 
 Checked on transformers 5.17, 5.23, 5.24 and 5.25 (:data:`dustin_hf.compat.VERIFIED_RANGE`). Where a release
 compiles a listed class or function to other code, that part keeps transformers' own code, with one warning per
 process naming it (:func:`dustin_hf.runtime.recognise._warn_unrecognised`): the outputs stay transformers', only
-launches are saved elsewhere. The names transformers' code loads from its own module are defined below only so that
-the copies compile to the same global loads.
+launches are saved elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
-
-# The other module globals transformers' attention forward loads by name (never called here).
-ALL_ATTENTION_FUNCTIONS = eager_attention_forward = Callable = None
 
 
 class StandardRMSNorm:
@@ -135,80 +130,3 @@ class StandardDecoderLayer524:
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
         return hidden_states
-
-
-class StandardQwen2Attention:
-    """transformers' Qwen2 attention forward, verbatim (5.17 and 5.23; from 5.24 it names the cache ``cache``,
-    :class:`StandardQwen2Attention524`). The forward has no docstring (one is a constant of its code object)."""
-
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
-
-
-class StandardQwen2Attention524:
-    """The same forward as transformers 5.24 writes it."""
-
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights

@@ -17,8 +17,8 @@ is transformers' own (:mod:`~dustin_hf.runtime.recognise` checks it against the 
   that name (:mod:`~dustin_hf.runtime.rotary`). No module global is replaced.
 * **Projections**: MLPs as one ``[gate; up]`` GEMM, an attention's q/k/v as one GEMM, small ones as Triton GEMMs
   (:mod:`~dustin_hf.runtime.projections`).
-* **Decoder layers, rotary tables, Qwen2 attentions**: nothing is replaced; the context registers them for
-  :class:`dustin_hf.runtime.pipeline.Pipeline`'s fused paths (:mod:`~dustin_hf.runtime.registry`).
+* **Decoder layers**: nothing is replaced; the context registers them for
+  :class:`dustin_hf.runtime.pipeline.Pipeline`'s fused layer path (:mod:`~dustin_hf.runtime.registry`).
 
 Each path can be turned off on its own (:class:`FusedTuning`'s switches), which ``benchmarks/surgery.py`` uses to
 measure what each buys against transformers' own code.
@@ -49,23 +49,12 @@ from .ops import (
     fused_ops_available,
     gated_linear,
     rms_norm,
-    rotary_write_kv,
     silu_mul,
     skinny_linear,
 )
-from .projections import FusedTuning, FusedWeights, _fuse_mlp, _fuse_output, _fuse_qkv
+from .projections import FusedTuning, FusedWeights, _fuse_mlp, _fuse_qkv
 from .recognise import _RMS_NORM_CLASSES, _standard_norm_code, _warn_unrecognised
-from .registry import (
-    _register,
-    _replace_forward,
-    _standard_attention,
-    _standard_layer,
-    _static_rotary,
-    fused_attention,
-    fused_decoder_layer,
-    fused_norm,
-    static_rotary,
-)
+from .registry import _register, _replace_forward, _standard_layer, fused_decoder_layer, fused_norm
 from .rotary import fuse_rotary
 
 __all__ = [
@@ -75,17 +64,14 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "argmax",
-    "fused_attention",
     "fused_decoder_layer",
     "fused_norm",
     "fused_ops",
     "fused_ops_available",
     "gated_linear",
     "rms_norm",
-    "rotary_write_kv",
     "silu_mul",
     "skinny_linear",
-    "static_rotary",
 ]
 
 
@@ -99,23 +85,15 @@ class FusedOps:
             :func:`apply_rotary` (:mod:`~dustin_hf.runtime.rotary`).
         mlps: MLPs running one ``[gate; up]`` GEMM and :func:`silu_mul`.
         qkv: attentions whose q/k/v projections run as one GEMM.
-        outputs: attentions whose ``o_proj`` runs as :func:`skinny_linear` at decode sizes.
         layers: decoder layers :class:`~dustin_hf.runtime.pipeline.Pipeline` runs submodule by submodule with each
             residual add fused into the next RMSNorm (:func:`fused_decoder_layer`).
-        rotary_tables: rotary modules whose cos/sin :class:`~dustin_hf.runtime.pipeline.Pipeline` reads from a
-            table of every cache position (:func:`static_rotary`).
-        attentions: attention modules :class:`~dustin_hf.runtime.pipeline.Pipeline` runs from their projections, with
-            the rotary embedding and the K/V write in one launch (:func:`fused_attention`).
     """
 
     norms: int
     rotary_modules: tuple[str, ...]
     mlps: int = 0
     qkv: int = 0
-    outputs: int = 0
     layers: int = 0
-    rotary_tables: int = 0
-    attentions: int = 0
 
 
 @contextlib.contextmanager
@@ -165,20 +143,13 @@ def _fuse(models, tuning: FusedTuning, gemm: GemmTuning | None, weights: FusedWe
     rotary = [m for m in modules if tuning.rotary and fuse_rotary(m, undo)]
     mlps = count(tuning.mlps, lambda m: _fuse_mlp(m, undo, weights, tuning, gemm))
     qkv = count(tuning.qkv, lambda m: _fuse_qkv(m, undo, weights, tuning, gemm))
-    outputs = count(tuning.outputs, lambda m: _fuse_output(m, undo, tuning, gemm))
     layers = count(tuning.layers, lambda m: _register(m, _standard_layer, undo))  # only with fused norms
-    tables = count(tuning.rotary_tables, lambda m: _register(m, _static_rotary, undo))
-    # the pipeline runs a registered attention only inside a fused layer
-    attentions = count(tuning.attentions and layers > 0, lambda m: _register(m, _standard_attention, undo))
     return FusedOps(
         norms=norms,
         rotary_modules=tuple(dict.fromkeys(type(m).__module__ for m in rotary)),
         mlps=mlps,
         qkv=qkv,
-        outputs=outputs,
         layers=layers,
-        rotary_tables=tables,
-        attentions=attentions,
     )
 
 

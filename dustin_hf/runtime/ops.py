@@ -32,7 +32,6 @@ __all__ = [
     "fused_ops_available",
     "gated_linear",
     "rms_norm",
-    "rotary_write_kv",
     "silu_mul",
     "skinny_linear",
     "triton_runs_on",
@@ -127,16 +126,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from ..kernels.triton_fused import silu_mul_triton
 
     return silu_mul_triton(gate_up)
-
-
-def rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, row0: int) -> torch.Tensor:
-    """:func:`apply_rotary` of ``q, k (B, T, H, D)`` and the cache write of the rotated keys and ``v`` at ``slots``
-    (rows ``row0..``), in one launch; returns ``q_embed (B, T, Hq, D)``
-    (:func:`dustin_hf.kernels.triton_fused.rotary_write_kv_triton`)."""
-    _check_device(q)
-    from ..kernels.triton_fused import rotary_write_kv_triton
-
-    return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, row0)
 
 
 # The forward fused_ops gives a recognised RMSNorm (as a partial over the module, which can carry a tag).

@@ -4,33 +4,25 @@
 A model that accelerate split over several GPUs cannot be captured in one graph (a graph belongs to
 one device; PyTorch cannot capture work on several, pytorch#153025). :class:`Pipeline` runs the
 forward as one *stage* per run of consecutive modules on the same device (embedding and rotary
-table, decoder layers, final norm, head), and each stage is captured in its own graph on its own
+embedding, decoder layers, final norm, head), and each stage is captured in its own graph on its own
 device. Between replays the few tensors that cross a device boundary (hidden states, the rotary
-table) are copied into the next stage's input buffers. A model on one GPU is one stage.
+cos/sin) are copied into the next stage's input buffers. A model on one GPU is one stage.
 
 Inside :func:`~dustin_hf.runtime.fused.fused_ops` the pipeline launches fewer kernels than the model's forward
-would, computing the same bits (``tests/test_graphs.py`` compares them exactly, fp32 and bf16):
-
-* a decoder layer registered by the context (transformers' standard pre-norm block, see
-  :func:`~dustin_hf.runtime.fused.fused_decoder_layer`) runs submodule by submodule: each residual add happens
-  inside the launch of the RMSNorm after it (:func:`~dustin_hf.runtime.fused.add_rms_norm`): the attention's add
-  in the post-attention norm, the MLP's in the next layer's input norm or, after the last layer, in the
-  final norm (on the kept positions only: only they are normalised and read). Two launches fewer per
-  layer, and the last layer's add costs none either. The MLP output waits in the state as ``mlp_out``
-  and crosses a stage boundary like ``h``; a layer that is not registered first adds it, then runs its
-  own forward.
-* a rotary module whose cos/sin do not depend on the sequence length (:func:`~dustin_hf.runtime.fused.static_rotary`)
-  is run once per device for positions ``0..capacity-1`` (rebuilt when the cache grows; graphs are
-  recaptured then anyway); each forward gathers its rows in one index launch instead of the module's
-  ~13 kernels.
-
-Each of these paths is switched by :class:`~dustin_hf.runtime.projections.FusedTuning` (``layers``, ``attentions``,
-``rotary_tables``); off, the pipeline calls the module itself, under the same graphs.
+would, computing the same bits (``tests/test_graphs.py`` compares them exactly, fp32 and bf16): a decoder layer
+registered by the context (transformers' standard pre-norm block, see
+:func:`~dustin_hf.runtime.fused.fused_decoder_layer`) runs submodule by submodule: each residual add happens inside
+the launch of the RMSNorm after it (:func:`~dustin_hf.runtime.fused.add_rms_norm`): the attention's add in the
+post-attention norm, the MLP's in the next layer's input norm or, after the last layer, in the final norm (on the
+kept positions only: only they are normalised and read). Two launches fewer per layer, and the last layer's add costs
+none either. The MLP output waits in the state as ``mlp_out`` and crosses a stage boundary like ``h``; a layer that
+is not registered first adds it, then runs its own forward. The path is switched by
+:class:`~dustin_hf.runtime.projections.FusedTuning` (``layers``); off, the pipeline calls the layer itself, under the
+same graphs.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +52,7 @@ class Stage:
 class Pipeline:
     """A decoder-only causal LM's forward (Llama, Mistral, Qwen2/3 families) as device stages.
 
-    It calls the model's own modules in the order the model's forward does (embedding, rotary table,
+    It calls the model's own modules in the order the model's forward does (embedding, rotary embedding,
     decoder layers, final norm on the kept positions, head) with the arguments the model passes them,
     so a stage computes what the model's forward computes; the tests check that logits match. ``tuning``: the
     kernels' launch heuristics (``None``: the defaults), of which the greedy head's argmax takes ``tuning.argmax``.
@@ -92,7 +84,6 @@ class Pipeline:
             stages[-1][1].append(step)
         self.stages = tuple(Stage(device, tuple(steps)) for device, steps in stages)
         self.devices = tuple(dict.fromkeys(stage.device for stage in self.stages))
-        self._rotary_tables: dict[torch.device, torch.Tensor] = {}  # per device: (2, capacity, D) cos/sin rows
 
     def run(
         self, stage: Stage, state: dict[str, torch.Tensor], plan: ForwardPlan, cache, keep: int, tokens: bool = False
@@ -110,7 +101,7 @@ class Pipeline:
             if step == "embed":
                 state = {"h": _embed(self.decoder.embed_tokens, state["ids"])}
             elif step == "rotary":
-                cos, sin = self._position_embeddings(state["h"], plan.write_positions(stage.device), cache)
+                cos, sin = self.decoder.rotary_emb(state["h"], plan.write_positions(stage.device))
                 state = {**state, "cos": cos, "sin": sin}
             elif step == "norm":
                 state = {"h": self._final_norm(state, keep)}
@@ -141,52 +132,17 @@ class Pipeline:
             normed, h = _add_norm(layer.input_layernorm, state["mlp_out"], h)
         else:
             normed = layer.input_layernorm(h)
-        if fused.fused_attention(layer.self_attn) and cache.layers[layer.self_attn.layer_idx].is_initialized:
-            attn = self._attention(layer.self_attn, normed, state, plan, cache)
-        else:
-            attn, _ = layer.self_attn(  # the arguments the layer's forward passes
-                hidden_states=normed,
-                attention_mask=None,
-                position_ids=plan.write_positions(h.device),
-                **{CACHE_KWARG: cache},
-                use_cache=True,
-                position_embeddings=(state["cos"], state["sin"]),
-                dustin_plan=plan,
-            )
-        normed, h = _add_norm(layer.post_attention_layernorm, attn, h)
-        return {**state, "h": h, "mlp_out": layer.mlp(normed)}
-
-    def _attention(self, module, x: torch.Tensor, state: dict, plan: ForwardPlan, cache) -> torch.Tensor:
-        """``module``'s forward (transformers' Qwen2 attention, :func:`~dustin_hf.runtime.fused.fused_attention`) from
-        its pieces, the rotary embedding and the cache's K/V write in one launch
-        (:func:`~dustin_hf.runtime.fused.rotary_write_kv`): the same projections, the same rotated q and written
-        cache, the same attention call, so the same output."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        hidden_shape = (*x.shape[:-1], -1, module.head_dim)
-        q = module.q_proj(x).view(hidden_shape)  # (B, T, H, D): transformers transposes these to (B, H, T, D)
-        k = module.k_proj(x).view(hidden_shape)
-        v = module.v_proj(x).view(hidden_shape)
-        layer = cache.layers[module.layer_idx]
-        keys, values = layer.buffers()
-        q = fused.rotary_write_kv(
-            q, k, v, state["cos"], state["sin"], keys, values, plan.write_positions(x.device), plan.rows.start
-        )
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            module.config._attn_implementation, sys.modules[type(module).__module__].eager_attention_forward
-        )
-        out, _ = interface(  # what the cache's update returns: (B', H, capacity, D) views of the covered rows
-            module,
-            q.transpose(1, 2),
-            layer.keys[plan.rows],
-            layer.values[plan.rows],
-            None,
-            dropout=0.0 if not module.training else module.attention_dropout,
-            scaling=module.scaling,
-            sliding_window=module.sliding_window,
+        attn, _ = layer.self_attn(  # the arguments the layer's forward passes
+            hidden_states=normed,
+            attention_mask=None,
+            position_ids=plan.write_positions(h.device),
+            **{CACHE_KWARG: cache},
+            use_cache=True,
+            position_embeddings=(state["cos"], state["sin"]),
             dustin_plan=plan,
         )
-        return module.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        normed, h = _add_norm(layer.post_attention_layernorm, attn, h)
+        return {**state, "h": h, "mlp_out": layer.mlp(normed)}
 
     def _final_norm(self, state: dict, keep: int) -> torch.Tensor:
         """The final norm of the last ``keep`` positions, adding a pending MLP output to them first."""
@@ -194,24 +150,6 @@ class Pipeline:
         if "mlp_out" not in state:
             return self.decoder.norm(h)
         return _add_norm(self.decoder.norm, state["mlp_out"][:, -keep:], h)[0]
-
-    def _position_embeddings(self, h: torch.Tensor, positions: torch.Tensor, cache) -> tuple[torch.Tensor, ...]:
-        """``rotary_emb(h, positions)``: with a position-static rotary module inside ``fused_ops``
-        (:func:`~dustin_hf.runtime.fused.static_rotary`), rows gathered from a table the module computed once for
-        positions ``0..capacity-1`` (one index launch instead of ~13 kernels), bit for bit its output."""
-        module = self.decoder.rotary_emb
-        if not (fused.static_rotary(module) and ops.triton_runs_on(h.device)):
-            return module(h, positions)
-        capacity = cache.capacity  # every position a forward writes is below it (the cache grew before)
-        table = self._rotary_tables.get(h.device)
-        if table is None or table.shape[1] < capacity or table.dtype != h.dtype:
-            if h.is_cuda and torch.cuda.is_current_stream_capturing():
-                return module(h, positions)  # never build it into a graph's pool (the first, eager call does)
-            with torch.no_grad():
-                cos, sin = module(h, torch.arange(capacity, device=h.device)[None])  # (1, capacity, D)
-            table = self._rotary_tables[h.device] = torch.stack((cos[0], sin[0]))  # (2, capacity, D)
-        both = table[:, positions]  # (2, B, Q, D)
-        return both[0], both[1]
 
     def forward(self, ids: torch.Tensor, plan: ForwardPlan, cache, keep: int, tokens: bool = False) -> torch.Tensor:
         """All stages eagerly, moving the state across devices: the last ``keep`` logits (or, with ``tokens``,

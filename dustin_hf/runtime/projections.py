@@ -8,9 +8,9 @@ GEMM launch costs more than its arithmetic.
   reduces in a second).
 * An attention's ``q_proj``, ``k_proj`` and ``v_proj`` (plain ``nn.Linear``) run one GEMM over ``[q; k; v]`` when
   they are called on the same input, as every listed family's attention does: ``q_proj`` computes all three and
-  ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). That GEMM and ``o_proj`` run
-  as :func:`~.ops.skinny_linear` for a draft's small weights at decode sizes (on sm_90 every kernel of its decode
-  layer is then a Triton launch that starts as a dependent of the one before).
+  ``k_proj``/``v_proj`` hand out their slices (on any other input each runs its own). That GEMM runs as
+  :func:`~.ops.skinny_linear` for a draft's small weights at decode sizes (a launch that starts as a dependent of the
+  one before on sm_90, where cuBLAS's cannot). ``o_proj`` stays the model's own ``nn.Linear``.
 
 The weights are not copied: each projection's weight (and bias) becomes a view of the fused tensor
 (:class:`FusedWeights`) while the context is open, and gets its own storage back on exit. Numerics: SiLU·mul rounds
@@ -43,11 +43,8 @@ class FusedTuning:
         rotary: attentions run ``apply_rotary_pos_emb`` as :func:`~.ops.apply_rotary` (:mod:`~.rotary`).
         mlps: MLPs run one ``[gate; up]`` GEMM and :func:`~.ops.silu_mul` (and the GEMM paths below).
         qkv: an attention's q/k/v projections run as one GEMM.
-        outputs: an attention's ``o_proj`` runs as :func:`~.ops.skinny_linear` at decode sizes.
         layers: :class:`~.pipeline.Pipeline` runs a standard decoder layer submodule by submodule, each
-            residual add inside the next norm's launch (off: the layer's own forward; ``attentions`` then unused).
-        attentions: ... and a Qwen2 attention from its pieces, rotary and K/V write in one launch.
-        rotary_tables: the pipeline gathers cos/sin rows from a table of every cache position.
+            residual add inside the next norm's launch (off: the layer's own forward).
         skinny_rows: an MLP's down projection of at most this many rows (a draft's decode step: 16 rows at batch
             16, 32 in its first forward of a step) runs as :func:`skinny_linear`: cuBLAS runs the 0.5B draft's
             (K = 4864) as a split-K GEMM plus a reduction launch.
@@ -58,20 +55,16 @@ class FusedTuning:
             ``gated_rows`` rows (a large target's verification: 72B at batch 8 is 40 rows of 969 MB). Weights
             between the two limits (a 7B's 272 MB) keep cuBLAS, which is faster there; a down projection of
             more than ``skinny_rows`` rows keeps it too.
-        skinny_projection_max_bytes: an attention's q/k/v (fused) and o_proj GEMMs of at most this many bytes of
-            weight (the 0.5B draft's 2.1 and 1.6 MB), at up to ``skinny_rows`` rows, run as :func:`skinny_linear`
-            launches, which can start as dependents of the kernel before them (cuBLAS's cannot). Larger weights
-            keep cuBLAS.
+        skinny_projection_max_bytes: an attention's fused q/k/v GEMM of at most this many bytes of weight (the
+            0.5B draft's 2.1 MB), at up to ``skinny_rows`` rows, runs as a :func:`skinny_linear` launch, which can
+            start as a dependent of the kernel before it (cuBLAS's cannot). Larger weights keep cuBLAS.
     """
 
     norms: bool = True
     rotary: bool = True
     mlps: bool = True
     qkv: bool = True
-    outputs: bool = True
     layers: bool = True
-    attentions: bool = True
-    rotary_tables: bool = True
     skinny_rows: int = 32
     gated_max_bytes: int = 32 * 2**20
     gated_min_large_bytes: int = 512 * 2**20
@@ -89,7 +82,7 @@ class FusedTuning:
 
     @classmethod
     def switches(cls) -> tuple[str, ...]:
-        """The fields that turn a fused path off on its own (``norms`` ... ``rotary_tables``)."""
+        """The fields that turn a fused path off on its own (``norms`` ... ``layers``)."""
         return tuple(f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool))
 
 
@@ -231,14 +224,6 @@ def _fuse_qkv(
     for layer, forward in ((q, q_forward), (k, k_forward), (v, v_forward)):
         _replace_forward(layer, forward, undo)
     return True
-
-
-def _fuse_output(module: torch.nn.Module, undo: list, tuning: FusedTuning, gemm: GemmTuning | None) -> bool:
-    """An attention's ``o_proj`` through :func:`_projection` (one :func:`skinny_linear` launch at decode sizes)."""
-    o = getattr(module, "o_proj", None)
-    if type(module).__name__ not in _ATTENTION_CLASSES or not _plain_linears(o):
-        return False
-    return _replace_forward(o, lambda x: _projection(x, o.weight, o.bias, tuning, gemm), undo)
 
 
 def _projection(

@@ -1,8 +1,8 @@
 """Which of a model's transformers code is the code dustin_hf checked: the version check behind
 :func:`dustin_hf.runtime.fused.fused_ops`.
 
-A fused path that replaces a module's own forward (RMSNorm, the MLP, the rotary embedding, the decoder layer's and
-the Qwen2 attention's pipeline) applies only when the module's class is listed here (``_RMS_NORM_CLASSES``,
+A fused path that replaces a module's own forward (RMSNorm, the MLP, the rotary embedding, the decoder layer's
+pipeline) applies only when the module's class is listed here (``_RMS_NORM_CLASSES``,
 ``_MLP_CLASSES``, ``_ATTENTION_CLASSES``, ``_DECODER_LAYER_CLASSES``) and its forward -- or, for the rotary
 embedding, its modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` -- compiles to the same instructions,
 names and constants as the verbatim copy in :mod:`dustin_hf.runtime._transformers_reference` (:func:`_same_code`).
@@ -94,14 +94,6 @@ def _standard_layer_code(cls: type) -> bool:
     )
 
 
-def _standard_attention_code(cls: type) -> bool:
-    # 5.24 wraps the forward in deprecate_kwarg; with the kernels package, use_kernelized_func wraps it once more
-    forward = inspect.unwrap(cls.forward)
-    return any(
-        _same_code(forward, copy.forward) for copy in (copies.StandardQwen2Attention, copies.StandardQwen2Attention524)
-    )
-
-
 def _wrapped_function(fn) -> Callable | None:
     """The plain function ``fn`` runs: ``fn`` itself, or the one a ``kernels`` wrapper module calls.
 
@@ -146,7 +138,6 @@ def _unrecognised(modules) -> list[str]:
             (name in _RMS_NORM_CLASSES and not _standard_norm_code(cls))
             or (name in _MLP_CLASSES and not _standard_mlp_code(cls))
             or (name in _DECODER_LAYER_CLASSES and not _standard_layer_code(cls))
-            or (name == "Qwen2Attention" and not _standard_attention_code(cls))
         ):
             found.append(f"{cls.__module__}.{cls.__qualname__}.forward")
         if name in _ATTENTION_CLASSES and cls.__module__ in sys.modules:

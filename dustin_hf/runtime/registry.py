@@ -1,20 +1,13 @@
 """What an open :func:`~dustin_hf.runtime.fused.fused_ops` context changed, each change with its undo: forwards it
-replaced (:func:`_replace_forward`) and the modules it registered for :class:`dustin_hf.runtime.pipeline.Pipeline`'s
-fused paths (:func:`_register`), which the pipeline reads back with :func:`fused_decoder_layer`,
-:func:`fused_attention`, :func:`static_rotary` and :func:`fused_norm`.
+replaced (:func:`_replace_forward`) and the decoder layers it registered for
+:class:`dustin_hf.runtime.pipeline.Pipeline`'s fused layer path (:func:`_register`), which the pipeline reads back
+with :func:`fused_decoder_layer` and :func:`fused_norm`.
 
-Nothing of a registered module is replaced; the pipeline, the staged forward the decode loop captures, runs it its
-own way:
-
-* **decoder layers** (``recognise._DECODER_LAYER_CLASSES``) whose forward compiles to transformers' standard pre-norm
-  block (both of its 5.17-5.25 spellings) with fused norms, called plainly (no hooks, no replaced forward, no
-  offloading): submodule by submodule, each residual add inside the next norm's launch (:func:`~.ops.add_rms_norm`:
-  the add rounds as PyTorch's, the norm is :func:`~.ops.rms_norm`'s kernel code, so the logits are the same bits);
-* **rotary modules** (``_ROTARY_CLASSES``) of a position-static rope type (``_STATIC_ROPE_TYPES``): cos/sin rows
-  gathered from a table the module computed once;
-* **Qwen2 attentions** whose forward compiles to transformers': their projections, then the rotary embedding and the
-  cache's K/V write in one launch (:func:`~.ops.rotary_write_kv`), then the attention function and ``o_proj`` (the
-  same values, one launch fewer).
+Nothing of a registered layer is replaced; the pipeline, the staged forward the decode loop captures, runs it its
+own way: a decoder layer (``recognise._DECODER_LAYER_CLASSES``) whose forward compiles to transformers' standard
+pre-norm block (both of its 5.17-5.25 spellings) with fused norms, called plainly (no hooks, no replaced forward, no
+offloading), runs submodule by submodule, each residual add inside the next norm's launch (:func:`~.ops.add_rms_norm`:
+the add rounds as PyTorch's, the norm is :func:`~.ops.rms_norm`'s kernel code, so the logits are the same bits).
 
 Greedy heads need no registration: the pipeline takes their argmax with :func:`~.ops.argmax`.
 """
@@ -28,27 +21,12 @@ from collections.abc import Callable
 import torch
 
 from .ops import _fused_rms_norm_forward
-from .recognise import _DECODER_LAYER_CLASSES, _standard_attention_code, _standard_layer_code
+from .recognise import _DECODER_LAYER_CLASSES, _standard_layer_code
 
-__all__ = ["fused_attention", "fused_decoder_layer", "fused_norm", "static_rotary"]
+__all__ = ["fused_decoder_layer", "fused_norm"]
 
-# Rotary modules computing cos/sin position by position from ``inv_freq`` (5.17 to 5.25), and the rope types
-# whose ``inv_freq`` does not depend on the sequence length (transformers' ``dynamic_rope_update`` changes it for
-# "dynamic" and "longrope" ones).
-_ROTARY_CLASSES = frozenset(
-    {
-        "LlamaRotaryEmbedding",
-        "MistralRotaryEmbedding",
-        "MixtralRotaryEmbedding",
-        "Qwen2RotaryEmbedding",
-        "Qwen2MoeRotaryEmbedding",
-        "Qwen3RotaryEmbedding",
-        "Qwen3MoeRotaryEmbedding",
-    }
-)
-_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _MISSING = object()
-# Decoder layers and rotary modules an open context registered for pipeline.Pipeline's fused paths.
+# Decoder layers an open context registered for pipeline.Pipeline's fused layer path.
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -63,31 +41,6 @@ def fused_decoder_layer(layer: torch.nn.Module) -> bool:
     replaced forward, no accelerate hook that offloads weights.
     """
     return layer in _REGISTERED
-
-
-def fused_attention(module: torch.nn.Module) -> bool:
-    """Whether an open :func:`~.fused.fused_ops` context registered the attention ``module`` for the pipeline's own
-    path.
-
-    A registered module's forward is transformers' Qwen2 attention
-    (:class:`~dustin_hf.runtime._transformers_reference.StandardQwen2Attention`, both spellings): projections,
-    ``apply_rotary_pos_emb``, the cache's ``update``, the attention function registered for the model,
-    ``o_proj``; nothing wraps it. So the pipeline may call those pieces itself,
-    with :func:`~.ops.rotary_write_kv` doing the rotary embedding and the K/V write in one launch. Llama and
-    Mistral attentions (another call of the attention function) and Qwen3's (norms on q and k) are not
-    registered and run their own forward.
-    """
-    return module in _REGISTERED
-
-
-def static_rotary(module: torch.nn.Module) -> bool:
-    """Whether an open :func:`~.fused.fused_ops` context registered the rotary ``module`` for a table of cos/sin rows.
-
-    A registered module computes each position's cos/sin from its ``inv_freq`` alone, element by element,
-    and its ``rope_type`` never changes ``inv_freq`` with the sequence length (``_STATIC_ROPE_TYPES``), so
-    the rows of positions ``0..capacity-1``, computed once by the module, are its output for any positions.
-    """
-    return module in _REGISTERED
 
 
 def fused_norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -108,45 +61,22 @@ def _standard_layer(module: torch.nn.Module) -> bool:
     return all(norm is not None and fused_norm(norm) is not None for norm in norms)
 
 
-def _standard_attention(module: torch.nn.Module) -> bool:
-    return (
-        type(module).__name__ == "Qwen2Attention"
-        and _runs_as_its_class(module)
-        and _standard_attention_code(type(module))
-    )
-
-
-def _static_rotary(module: torch.nn.Module) -> bool:
-    rope_type = getattr(module, "rope_type", None)
-    return (
-        type(module).__name__ in _ROTARY_CLASSES
-        and isinstance(rope_type, str)
-        and rope_type in _STATIC_ROPE_TYPES
-        and _runs_as_its_class(module)
-    )
-
-
 def _runs_as_its_class(module: torch.nn.Module) -> bool:
     """Calling ``module`` runs its class's forward and nothing else: no torch hooks, no forward set on the
-    instance but accelerate's device hook (which only moves inputs) without weight offloading, or the copy of the
-    class's forward with the fused rotary (:mod:`~.rotary`)."""
+    instance but accelerate's device hook (which only moves inputs) without weight offloading."""
     if module._forward_hooks or module._forward_pre_hooks:
         return False
-    if "forward" not in module.__dict__ or _rotary_copy(module.__dict__["forward"], module):
+    if "forward" not in module.__dict__:
         return True
     hook, old = getattr(module, "_hf_hook", None), module.__dict__.get("_old_forward")
     hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
-    class_forward = getattr(old, "__func__", None) is type(module).forward or _rotary_copy(old, module)
+    class_forward = getattr(old, "__func__", None) is type(module).forward
     return class_forward and not any(getattr(h, "offload", False) for h in hooks)
 
 
-def _rotary_copy(forward, module: torch.nn.Module) -> bool:
-    """``forward`` is the rotary's copy of ``module``'s class's forward (:mod:`~.rotary`), bound to it."""
-    return getattr(getattr(forward, "__func__", None), "copy_of", None) is type(module).forward
-
-
 def _register(module: torch.nn.Module, check: Callable[[torch.nn.Module], bool], undo: list) -> bool:
-    """Register ``module`` for pipeline.Pipeline's fused paths if ``check`` passes (and no enclosing context did)."""
+    """Register ``module`` for pipeline.Pipeline's fused layer path if ``check`` passes (and no enclosing context
+    did)."""
     if module in _REGISTERED or not check(module):
         return False
     _REGISTERED.add(module)

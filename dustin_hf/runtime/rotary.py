@@ -76,7 +76,6 @@ def _fuse_by_copy(attention: torch.nn.Module, modeling: types.ModuleType, undo: 
     names = {**vars(modeling), "apply_rotary_pos_emb": fused_apply_rotary_pos_emb}
     copy = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = forward.__kwdefaults__, forward.__qualname__
-    copy.copy_of = forward  # what registry._runs_as_its_class accepts as the class's forward
     copy._dustin_fused = True  # an enclosing context's replacement: a nested one leaves it
     return _replace_forward(attention, types.MethodType(copy, attention), undo)
 
