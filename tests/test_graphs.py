@@ -3,11 +3,11 @@
 ``Pipeline`` calls the model's modules itself so that a model split over GPUs can be captured one
 device at a time. These tests run it eagerly on CPU against the model's own forward: same logits,
 same cache writes, for each supported family, dense and sparse, in one stage and split into several
-(the hand-over of hidden states and rotary table between stages is what a split model relies on).
+(the hand-over of hidden states and the rotary cos/sin between stages is what a split model relies on).
 
 Inside ``fused_ops`` the pipeline runs standard decoder layers submodule by submodule, each residual add
-inside the RMSNorm launch after it, and gathers cos/sin from a table: the logits must equal the model's own
-forward inside the same context bit for bit (same add, same norm kernel), in float32 and bf16.
+inside the RMSNorm launch after it: the logits must equal the model's own forward inside the same context bit for
+bit (same add, same norm kernel), in float32 and bf16.
 """
 
 import pytest

@@ -158,7 +158,7 @@ def _warn_unrecognised(modules) -> None:
         f"dustin_hf's fused decode kernels do not apply to {', '.join(new)} in transformers "
         f"{transformers.__version__}: that code differs from what dustin_hf checked (transformers {low} to {high}). "
         "Those parts run transformers' own code (the same outputs, more kernel launches); the rest stays fused, "
-        "the attention's q/k/v and o_proj GEMMs included (they replace only the linear layers' forwards).",
+        "the attention's q/k/v GEMM included (it replaces only the linear layers' forwards).",
         stacklevel=4,
     )
 
