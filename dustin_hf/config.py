@@ -124,6 +124,9 @@ class DustinConfig:
             as many as half the free device memory holds (a whole prompt, as a rule: its attention is then one
             square causal call, the fastest kernel SDPA has), elsewhere 4096
             (:func:`dustin_hf.decode.runner.prefill_chunk`).
+        reuse_prefix: a call whose rows begin with the prompt tokens the model's held caches were last prefilled
+            with reads only the rest (a follow-up turn on the same document); ``False``: every call reads its
+            whole prompt. Only positions a prompt's dense forward wrote are reused, never the decode steps'.
     """
 
     budget: int | None = None
@@ -147,6 +150,7 @@ class DustinConfig:
     min_context: int = 2048
     backend: str = "auto"
     prefill_chunk: int | None = None
+    reuse_prefix: bool = True
 
     def __post_init__(self):
         if self.budget is None:  # kept as an int: every reader of budget sees one
@@ -213,8 +217,9 @@ class DustinConfig:
                               ("mode", _MODES)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.sparse_draft, bool):
-            raise ValueError(f"sparse_draft must be True or False, got {self.sparse_draft!r}")
+        for name in ("sparse_draft", "reuse_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.calibration == "prompt" and self.sink_tokens + self.recent_tokens == self.budget:
             raise ValueError(
                 f"calibration='prompt' searches the scoring heads and draft_share that fill budget - sink_tokens - "

@@ -42,6 +42,7 @@ class ResolvedConfig:
     confirm_every: int = 4
     min_recovery: float | None = None  # the quality knob's target (None: the fixed budget)
     max_budget: int = 0  # its ceiling (0 without the knob)
+    reuse_prefix: bool = True  # a call reads only what the held caches' prefilled prompts do not hold
 
 
 def _first_group_heads(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ def resolve(config: Any, target_config: Any, draft_config: Any) -> ResolvedConfi
 
 # the DustinConfig fields a ResolvedConfig takes as they are
 _AS_GIVEN = ("budget", "sink_tokens", "recent_tokens", "min_context", "backend", "prefill_chunk", "calibration",
-             "sparse_draft", "mode", "confirm_tokens", "confirm_every")  # fmt: skip
+             "sparse_draft", "mode", "confirm_tokens", "confirm_every", "reuse_prefix")  # fmt: skip
 
 
 def _draft_scoring(config: Any, draft_config: Any) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:

@@ -118,3 +118,113 @@ def test_a_cache_the_input_does_not_extend_is_refused(pair):
         with pytest.raises(NotImplementedError, match="prompt cache"):
             _generate(target, draft, ids, mask, cache=_prefix_cache(target, ids, mask, 10), max_new_tokens=2,
                       output_hidden_states=True, return_dict_in_generate=True)  # fmt: skip
+
+
+# ---- automatic prefix reuse: the caches a call leaves serve the next call's shared prefix ----------------------
+SPARSE = {
+    "budget": 16,
+    "min_context": 0,
+    "sink_tokens": 2,
+    "recent_tokens": 4,
+    "selection": "dustin",
+}  # every layer sparse
+
+
+def _prompt_tokens_fed(models):
+    """Counts the tokens of every forward wider than a decode step's (γ + 1 = 4 inputs; exact mode's confirming
+    blocks 1 + confirm_tokens + γ = 8) per model: the prompt forwards, where each row's rest is longer."""
+    fed = {id(m): 0 for m in models}
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 8:
+            fed[id(module)] += ids.numel()
+
+    return fed, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
+
+
+@pytest.mark.parametrize("config", [{}, SPARSE, {**SPARSE, "mode": "exact"}], ids=["dense", "sparse", "exact"])
+def test_a_follow_up_turn_reuses_the_prompt_and_gives_the_tokens_of_a_fresh_call(pair, config):
+    """Turn 2's rows: the first turn's prompt + its answer + a question (reuses the prompt, not the answer, whose
+    values the decode steps wrote); another prompt of the same length (reuses nothing); a part of the first turn's
+    prompt + new tokens (reuses that part). Each row gives the tokens of the same call in a fresh process, and the
+    target prefills only what it does not reuse."""
+    target, draft = pair
+    first = [random_prompt(n, seed=n)[0] for n in (50, 44, 38)]
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(**config)) as handle:
+        ids, mask = left_pad(first)
+        out = _generate(target, draft, ids, mask)
+        answer = out[0, ids.shape[1] :]
+        second = [
+            torch.cat([first[0], answer, random_prompt(6, seed=7)[0]]),
+            random_prompt(44, seed=99)[0],
+            torch.cat([first[2][:30], random_prompt(9, seed=8)[0]]),
+        ]
+        ids2, mask2 = left_pad(second)
+        fed, hooks = _prompt_tokens_fed([target])
+        try:
+            reused = _generate(target, draft, ids2, mask2)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        held = _prompt_values(handle, second)
+        handle.release()  # a fresh process holds nothing
+        fresh = _generate(target, draft, ids2, mask2)
+        # what the prompts' positions hold is a dense forward's, the reused ones included (a decode step's values
+        # for the first turn's answer would differ past the first layer)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(held, _prompt_values(handle, second)))
+    assert torch.equal(reused, fresh)
+    common_second = int((first[1] == second[1]).cumprod(0).sum())
+    assert fed[id(target)] == sum(len(p) for p in second) - (len(first[0]) + common_second + 30)
+
+
+def _prompt_values(handle, prompts) -> list[torch.Tensor]:
+    """The keys each layer of the held target cache holds at each row's prompt positions."""
+    cache = handle.workspaces.held.target.cache
+    return [cache.layer_buffers(layer)[0][b, : len(p)].clone() for layer in range(len(cache.layers))
+            for b, p in enumerate(prompts)]  # fmt: skip
+
+
+def test_reuse_follows_the_held_caches_only(pair):
+    """No reuse after release(), with reuse_prefix=False, or with another draft (the held caches are another
+    pair's); the prompt is read whole then."""
+    target, draft = pair
+    prompts = [random_prompt(n, seed=n)[0] for n in (40, 36)]
+    ids, mask = left_pad(prompts)
+    total = sum(len(p) for p in prompts)
+    other = set_gamma(noisy_copy(target, noise=0.05, seed=4), 3)
+    with dustin_hf.patch(target) as handle:
+        for reused, before, call in (
+            (True, lambda: None, {}),  # the held caches' prompts: each row reads its last token only
+            (False, handle.release, {}),
+            (False, lambda: None, {"cache_config": {"reuse_prefix": False}}),
+            (False, lambda: None, {"assistant_model": other}),
+        ):
+            _generate(target, draft, ids, mask, max_new_tokens=2)
+            before()
+            fed, hooks = _prompt_tokens_fed([target])
+            try:
+                _generate(target, draft, ids, mask, max_new_tokens=2, **call)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            assert fed[id(target)] == (0 if reused else total), call  # reused: every row reads its last token
+
+
+def test_weights_changed_in_place_are_never_read_from_an_older_prompt(pair):
+    """load_state_dict writes the weights in place (same addresses): the held caches' prompt values are the old
+    weights', so the next call reads its whole prompt and answers as the new weights do."""
+    target, draft = pair
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (40, 36)])
+    other = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2, seed=5)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    try:
+        with dustin_hf.patch(target) as handle:
+            _generate(target, draft, ids, mask)
+            target.load_state_dict(other.state_dict())
+            changed = _generate(target, draft, ids, mask)
+            handle.release()
+            fresh = _generate(target, draft, ids, mask)
+        assert torch.equal(changed, fresh)
+    finally:
+        target.load_state_dict(before)

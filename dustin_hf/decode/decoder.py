@@ -14,6 +14,7 @@ calibration search.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -199,6 +200,10 @@ class SpeculativeDecoder:
         workspace = workspace_for(workspaces, self.target, self.draft, shape, needed)
         window_slots = tuple(slots if cut else None for cut in windowed)
         workspace.start_run(inputs.positions, window_slots)  # tables at least as wide as its caches
+        reuse = self.dustin_config is None or self.dustin_config.reuse_prefix
+        # what a prompt's forward wrote at the slots' own position ids, read by the loop's own prefill
+        if reuse and cache is None and inputs.positions is None and self.hooks.prefill is None:
+            inputs = dataclasses.replace(inputs, reused=workspace.reusable([p.tokens for p in inputs.prompts]))
         settings = CallSettings(self.generation, self.hooks, self.tokens_only, self.profile)
         drafter = Drafter(self.drafting, batch, (d_cfg.vocab_size, t_cfg.vocab_size), self.tokens_only)
         verifier = self.mode(self.dustin_config, self.calibrate, self.drafting.max_gamma, window_slots[0])

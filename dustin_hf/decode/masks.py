@@ -164,6 +164,8 @@ class Batch:
     slots: torch.Tensor | None  # :func:`stock_slots`
     cached: list[int] | None = None  # per row, its leading tokens ``prefix`` holds and it does not prefill
     prefix: object | None = None  # a transformers cache of the input's first slots (stock's prompt reuse), or None
+    # per row, the leading positions the held caches already hold from the last prefill (target's, draft's)
+    reused: tuple[list[int], list[int]] | None = None
 
 
 def read_batch(

@@ -144,12 +144,18 @@ class DecodeRun:
         target, rows, inputs = self.target, self.rows, self.inputs
         prefill = self.settings.hooks.prefill or ModelRunner.prefill
         chunk, capture = self.verifier.prefill_plan(self)
-        if inputs.prefix is None:
-            last_logits, kept = prefill(target, [p.tokens for p in prompts], chunk, capture)
-        else:  # stock's prompt reuse: the given cache's positions, then the rest of each prompt
+        starts, draft_starts = [0] * len(prompts), [0] * len(prompts)
+        if inputs.prefix is not None:  # stock's prompt reuse: the given cache's positions, then the rest
             target.cache.load_prefix(inputs.prefix, [p.slots for p in prompts], inputs.cached)
-            rest = [p.tokens[n:] for p, n in zip(prompts, inputs.cached)]
-            last_logits, kept = prefill(target, rest, chunk, capture, starts=inputs.cached)
+            starts = inputs.cached
+        elif inputs.reused is not None:  # the held caches' last prompts: their leading positions are in place
+            starts, draft_starts = inputs.reused
+            target.cache.seq_lengths, self.draft.cache.seq_lengths = list(starts), list(draft_starts)
+        rest = [p.tokens[n:] for p, n in zip(prompts, starts)]
+        if any(starts):
+            last_logits, kept = prefill(target, rest, chunk, capture, starts=starts)
+        else:  # a prefill hook (benchmarks, the lab) reads whole prompts
+            last_logits, kept = prefill(target, rest, chunk, capture)
         if self.recorder is not None:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
                 self.recorder.keep_prompt(b, hidden, attentions)
@@ -166,7 +172,13 @@ class DecodeRun:
         # ids the draft cannot embed (a draft whose embedding is smaller than the shared tokenizer) reach it as its
         # last id, as every later token does (Drafter.feed): its proposals there are poor, the output is the same
         vocab = self.drafter.vocab[0]
-        prefill(self.draft, [p.tokens[:-1].clamp_max(vocab - 1) for p in prompts], chunk, {})
+        rest = [p.tokens[n:-1].clamp_max(vocab - 1) for p, n in zip(prompts, draft_starts)]
+        if any(draft_starts):
+            prefill(self.draft, rest, chunk, {}, starts=draft_starts)
+        else:
+            prefill(self.draft, rest, chunk, {})
+        # a later call whose rows begin with these tokens reuses their positions (same position ids: the slots)
+        self.workspace.prefilled = [p.tokens for p in prompts] if inputs.positions is None else None
         return kept
 
     # ------------------------------------------------------------------------------------------ a step

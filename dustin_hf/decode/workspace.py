@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 # prompts of a server's traffic vary in length, and a capacity rounded up to 256 slots absorbs the rest.
 SLACK = 4096
 _ROUND = 256
+# a row reuses a shared prefix of at least this many tokens: a few tokens in common (two unrelated prompts opening
+# alike) save nothing and would send the rest of the prompt through another prefill path than a fresh call's
+_MIN_REUSED = 16
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,13 @@ def capacity_for(needed: int) -> int:
 
 
 def _fingerprint(*models) -> tuple:
-    """Where every parameter and buffer of ``models`` lives (captured graphs read those addresses)."""
+    """Where every parameter and buffer of ``models`` lives (captured graphs read those addresses), and its version
+    (an in-place write bumps it: ``load_state_dict``, ``param.copy_`` under ``no_grad``; a write through ``.data``
+    does not), so a workspace whose caches hold prompt values of older weights is never reused."""
     return tuple(
-        (t.data_ptr(), t.dtype, t.device) for model in models for t in (*model.parameters(), *model.buffers())
+        (t.data_ptr(), t.dtype, t.device, t._version)
+        for model in models
+        for t in (*model.parameters(), *model.buffers())
     )
 
 
@@ -106,6 +113,9 @@ class Workspace:
         self.fingerprint: tuple | None = None  # set once the fused weights are in place (:meth:`seal`)
         self.runs = 0  # runs served, the first one included
         self.last_stats = None  # what the last run did (RunStats): a call that returns no cache still tells it
+        # per row, the prompt tokens the last prefill wrote (positions 0.. of the target's cache; the draft's holds
+        # all but the last): a dense forward's keys and values, which a later prompt beginning with them reuses
+        self.prefilled: list[torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -133,6 +143,23 @@ class Workspace:
             runner.positions = None if positions is None else positions.to(runner.device)  # to each device once
             runner.window_slots = None if slots is None else slots.to(runner.device)
         self.runs += 1
+
+    def reusable(self, prompts: list[torch.Tensor]) -> tuple[list[int], list[int]] | None:
+        """Per row of a new run, the leading positions of its prompt whose keys and values the caches hold from the
+        last prefill (the target's, the draft's), leaving the target at least the row's last token to read; ``None``
+        where no row reuses any. Only prefill positions count: a decode step's values are not a dense forward's."""
+        held = self.prefilled
+        if held is None or len(held) != len(prompts):
+            return None
+        target, draft = [], []
+        for old, new in zip(held, prompts):
+            n = min(old.numel(), new.numel())
+            differs = (old[:n].to(new.device) != new[:n]).nonzero()
+            common = int(differs[0]) if len(differs) else n
+            common = common if common >= _MIN_REUSED else 0
+            target.append(min(common, new.numel() - 1))
+            draft.append(min(common, old.numel() - 1, new.numel() - 1))  # the draft held the old prompt but its last
+        return (target, draft) if any(target) or any(draft) else None
 
     def release(self) -> None:
         """Drop the graphs (and their memory pools); the caches go with the last reference (a run's result may still
