@@ -228,3 +228,14 @@ def test_weights_changed_in_place_are_never_read_from_an_older_prompt(pair):
         assert torch.equal(changed, fresh)
     finally:
         target.load_state_dict(before)
+
+
+def test_the_recipe_in_batched_assisted_decoding_without_dustin(pair):
+    """A batch with a draft and no cache_implementation runs the loop's dense verification: the recipe works there
+    too, and equals plain greedy decoding."""
+    target, draft = pair
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (52, 47)])
+    with dustin_hf.patch(target):
+        reused = _generate(target, draft, ids, mask, cache=_prefix_cache(target, ids, mask, 33),
+                           cache_implementation=None)  # fmt: skip
+    assert torch.equal(reused, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
