@@ -2,6 +2,10 @@
 # The H200 runs behind benchmarks/results/, one case per device call (the exact command lines, as gpt-fast keeps them).
 #   bash benchmarks/run_h200.sh whole-call OUT [SHAPE...]  whole generate() calls, prefill included, first and warm
 #                                             (benchmarks/whole_call.py; SHAPE e.g. 32768x16, default every shape)
+#   bash benchmarks/run_h200.sh conversation OUT [ARG...]  a 32k document per row, then follow-up turns, per-turn
+#                                             seconds: plain generate(), stock's prompt reuse, stock assisted with it
+#                                             (batch 1), Dustin + sparse draft and exact mode with automatic prefix
+#                                             reuse (benchmarks/conversation.py; ARGs go to it, e.g. --turns 4)
 #   bash benchmarks/run_h200.sh e2e OUT       decode only (prompt replaced by random K/V), 7B + 0.5B, one H200
 #   bash benchmarks/run_h200.sh e2e-exact OUT  decode only: classic, the lossless sparse-draft baseline, Dustin + sparse
 #                                             draft and exact mode (each also with the selection layers) and the knob,
@@ -16,7 +20,7 @@
 # held-out book; benchmarks/traces/README.md): every method's per-step accepted drafts on the SAME text. Free-running
 # traces cannot compare methods: their texts diverge after a few tokens.
 set -u
-what=${1:?whole-call|e2e|e2e-exact|e2e2|kernels|attention|gpu-tests|tests2}; out=${2:?OUT dir}; shift 2
+what=${1:?whole-call|conversation|e2e|e2e-exact|e2e2|kernels|attention|gpu-tests|tests2}; out=${2:?OUT dir}; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e ./lab 2>&1 | tail -2
@@ -42,6 +46,10 @@ case $what in
     name=whole_call_h200${1:+_$(echo "$*" | tr ' ' '_')}
     timeout 580 python3 benchmarks/whole_call.py ${1:+--shapes "$@"} --out "$out/$name.json" 2>&1 \
       | tee "$out/$name.txt" | grep -v '^{' | tail -60 ;;
+  conversation)  # issue #51 point 4: 32k x 1 then 32k x 16, turn 0 + 3 follow-ups of 256 new tokens each;
+    # estimated ~8 minutes of device time on one H200 (32k x 16: plain generate() ~28 s a turn, the rest less)
+    timeout 580 python3 benchmarks/conversation.py --out "$out/conversation_h200.json" "$@" 2>&1 \
+      | tee "$out/conversation.txt" | grep -v '^{' | tail -60 ;;
   gpu-tests)
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_graphs.py 2>&1 | tail -8 \
       | tee "$out/gpu_tests.txt" ;;
