@@ -239,3 +239,27 @@ def test_the_recipe_in_batched_assisted_decoding_without_dustin(pair):
         reused = _generate(target, draft, ids, mask, cache=_prefix_cache(target, ids, mask, 33),
                            cache_implementation=None)  # fmt: skip
     assert torch.equal(reused, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+
+
+def test_a_follow_up_longer_than_the_first_calls_need_still_reuses(pair):
+    """A follow-up turn needs more slots than the first call did: the workspace the first call built holds room for
+    it (a sixteenth more), so the turn reuses the prompt without a warm-up sized for the whole conversation."""
+    target, draft = pair
+    first = random_prompt(470, seed=3)
+    with dustin_hf.patch(target) as handle:
+        out = target.generate(
+            first, assistant_model=draft, cache_implementation="dustin", max_new_tokens=12, do_sample=False
+        )
+        capacity = handle.workspaces.held.capacity
+        second = torch.cat([out, random_prompt(20, seed=4)], dim=1)
+        assert second.shape[1] + 12 + 8 > -(-(first.shape[1] + 12 + 8) // 256) * 256  # past the first's rounding
+        fed, hooks = _prompt_tokens_fed([target])
+        try:
+            target.generate(
+                second, assistant_model=draft, cache_implementation="dustin", max_new_tokens=12, do_sample=False
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert handle.workspaces.held.capacity == capacity  # the same workspace served the turn
+    assert fed[id(target)] == second.shape[1] - first.shape[1]  # the answer and the question

@@ -12,8 +12,8 @@ the next call takes it when it fits:
   to another device or dtype never reuses graphs that read the old memory);
 * the same :class:`Shape`: batch size, backend, graph and fused-op choices, read widths, the resolved Dustin
   settings and the tuning (the selector's and the graphs' shapes follow from these);
-* a capacity at least the run's and at most :data:`SLACK` above it (larger caches cost the kernels that size their
-  grids by the capacity, and memory).
+* a capacity at least the run's and at most :data:`SLACK` above what a new one would get (larger caches cost the
+  kernels that size their grids by the capacity, and memory).
 
 Anything else releases the held workspace before the new one is built, so two never coexist. What a workspace
 holds (both caches, the graphs' memory pools) stays allocated between calls until :meth:`Workspaces.release`
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # prompts of a server's traffic vary in length, and a capacity rounded up to 256 slots absorbs the rest.
 SLACK = 4096
 _ROUND = 256
+_HEADROOM = 16  # a new workspace holds 1/16 more than its run needs
 # a row reuses a shared prefix of at least this many tokens: a few tokens in common (two unrelated prompts opening
 # alike) save nothing and would send the rest of the prompt through another prefill path than a fresh call's
 _MIN_REUSED = 16
@@ -66,8 +67,11 @@ class Shape:
 
 
 def capacity_for(needed: int) -> int:
-    """The capacity a new workspace gets for a run that needs ``needed`` slots: rounded up to 256."""
-    return -(-needed // _ROUND) * _ROUND
+    """The capacity a new workspace gets for a run that needs ``needed`` slots: 1/16 more, rounded up to 256. The
+    sixteenth is a conversation's room: a follow-up turn resends the prompt with the answer and a question, and
+    reuses the held caches' prompt (:meth:`Workspace.reusable`) only while it fits them (at 32k, five turns of
+    ~400 tokens; the caches cost 1/16 more memory)."""
+    return -(-(needed + needed // _HEADROOM) // _ROUND) * _ROUND
 
 
 def _fingerprint(*models) -> tuple:
@@ -130,7 +134,7 @@ class Workspace:
             self.target.model is target
             and self.draft.model is draft
             and self.shape == shape
-            and needed <= self.capacity <= needed + min(SLACK, max(_ROUND, needed // 8))
+            and needed <= self.capacity <= capacity_for(needed) + min(SLACK, max(_ROUND, needed // 8))
             and self.fingerprint == _fingerprint(target, draft)
         )
 
