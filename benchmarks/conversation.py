@@ -28,7 +28,8 @@ Methods (``--methods``), timed per turn (whole ``generate()`` calls, everything 
 The held caches serve a later call that fits the workspace the first call built (which holds 1/16 more slots than
 that call needs: about five follow-ups at 32k). The dustin methods first run ``DustinPatch.warmup(draft, batch,
 <the last turn's length>)`` (``warmup_seconds``, outside the turns' clocks), which pays kernel compilation and graph
-capture, as a serving process would once, and sizes the workspace for the whole conversation. The plain methods get one short untimed ``generate()`` first (CUDA and cuBLAS start-up).
+capture, as a serving process would once, and sizes the workspace for the whole conversation. The plain methods
+get one short untimed ``generate()`` first (CUDA and cuBLAS start-up).
 
 Per record: ``turn``, ``method``, ``context``, ``batch``, ``prompt_tokens`` (a row's), ``seconds``,
 ``prefill_seconds`` (dustin_hf: the loop's own, target and draft; plain ``generate()``: start to the end of its first
