@@ -263,3 +263,70 @@ def test_a_follow_up_longer_than_the_first_calls_need_still_reuses(pair):
                 hook.remove()
         assert handle.workspaces.held.capacity == capacity  # the same workspace served the turn
     assert fed[id(target)] == second.shape[1] - first.shape[1]  # the answer and the question
+
+
+# ---- what is never reused ---------------------------------------------------------------------------------------
+def test_a_returned_cache_passes_back_only_what_dense_forwards_wrote():
+    """In sparse mode a returned cache's generated positions hold the sparse verification's values: passed back
+    with out.sequences, the next call re-reads them, and answers as the call that reads everything."""
+    target = tiny_model("qwen2", layers=4, hidden=32, heads=4, kv_heads=2)
+    draft = set_gamma(noisy_copy(target, noise=0.02), 3)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (50, 44)])
+    sparse = {"budget": 16, "min_context": 0, "sink_tokens": 2, "recent_tokens": 4}
+    with dustin_hf.patch(target, dustin_hf.DustinConfig(**sparse)) as handle:
+        out = _generate(target, draft, ids, mask, max_new_tokens=20, return_dict_in_generate=True)
+        grown = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], dim=1)
+        continued = _generate(target, draft, out.sequences, grown, cache=getattr(out, CACHE_KWARG))
+        handle.release()
+        fresh = _generate(target, draft, out.sequences, grown)
+    assert torch.equal(continued, fresh)
+
+
+def test_prompt_outputs_and_holes_are_never_served_from_an_earlier_prompt(pair):
+    """Calls returning hidden states read their whole prompt (their prompt outputs come from that forward, and
+    equal a fresh call's), and a prompt with a masked slot inside it (which a sliding window counts) is neither
+    reused nor served from a prompt without one."""
+    target, draft = pair
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (40, 36)])
+    holed = mask.clone()
+    holed[0, 20] = 0
+    record, recorded = {"output_hidden_states": True, "return_dict_in_generate": True}, None
+    with dustin_hf.patch(target) as handle:
+        for first, second, call in ((mask, mask, record), (holed, mask, {}), (mask, holed, {})):
+            _generate(target, draft, ids, first, max_new_tokens=2, **call)
+            fed, hooks = _prompt_tokens_fed([target])
+            try:
+                out = _generate(target, draft, ids, second, max_new_tokens=2, **call)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            assert fed[id(target)] == int(second.sum()), call
+            recorded = out if call else recorded
+        handle.release()
+        fresh = _generate(target, draft, ids, mask, max_new_tokens=2, **record)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.hidden_states[0], recorded.hidden_states[0]))
+
+
+def test_a_model_made_under_inference_mode_runs_and_reuses_nothing():
+    """Inference tensors keep no version counter: the workspace cannot see a write to them, so nothing is reused."""
+    with torch.inference_mode():
+        target = tiny_model("qwen2", layers=2, hidden=32, heads=4, kv_heads=2)
+        draft = set_gamma(noisy_copy(target, noise=0.02), 3)
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (40, 36)])
+    with dustin_hf.patch(target):
+        first = _generate(target, draft, ids, mask)
+        fed, hooks = _prompt_tokens_fed([target])
+        try:
+            again = _generate(target, draft, ids, mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert torch.equal(first, again) and fed[id(target)] == int(mask.sum())
+
+
+def test_a_prompt_cache_of_another_shape_is_refused(pair):
+    target, draft = pair
+    ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (30, 24)])
+    smaller = tiny_model("qwen2", layers=1, hidden=32, heads=4, kv_heads=2)
+    with dustin_hf.patch(target), pytest.raises(ValueError, match="the target's"):
+        _generate(target, draft, ids, mask, cache=_prefix_cache(smaller, ids, mask, 10), max_new_tokens=2)

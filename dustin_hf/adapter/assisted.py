@@ -94,10 +94,11 @@ def run_assisted(
     model_kwargs = model_kwargs or {}
     _check_call(target, draft, logits_processor, model_kwargs, synced_gpus, tokenizer, assistant_tokenizer)
     handle, drafting = target._dustin_patch, draft_settings(draft)
+    config = _dustin_config(target, draft, generation_config) if use_dustin else None
     decoder = SpeculativeDecoder(
         target, draft,
         GenerateSettings.from_generate(generation_config, logits_processor, stopping_criteria, streamer),
-        dustin_config=_dustin_config(target, draft, generation_config) if use_dustin else None,
+        dustin_config=config,
         drafting=Drafting(
             int(drafting["num_assistant_tokens"]), drafting["assistant_confidence_threshold"] or None,
             drafting["num_assistant_tokens_schedule"],
@@ -118,10 +119,13 @@ def run_assisted(
         return dataclasses.replace(result, cache=None, draft_cache=None)
     # the loop's own cache stays with the model for its next call: the caller gets stock's layout, a copy
     prompts = result.prompts
-    returned = result.cache.to_dynamic(
-        target.config, [p.slots for p in prompts], input_ids.shape[1],
-        [p.length + n - 1 for p, n in zip(prompts, result.generated)], result.stats,
-    )  # fmt: skip
+    lengths = [p.length + n - 1 for p, n in zip(prompts, result.generated)]
+    returned = result.cache.to_dynamic(target.config, [p.slots for p in prompts], input_ids.shape[1], lengths,
+                                       result.stats)  # fmt: skip
+    # what a dense forward wrote: a row that verified sparsely wrote its generated tokens' values so (exact mode
+    # returns confirmed tokens only, whose values the confirming dense forward rewrote)
+    sparse = result.stats.sparse_rows if config is not None and config.mode == "sparse" else set()
+    returned.dense_positions = [p.length if b in sparse else n for b, (p, n) in enumerate(zip(prompts, lengths))]
     return dataclasses.replace(result, cache=returned, draft_cache=None)
 
 
@@ -157,7 +161,7 @@ def _prompt_cache(target, input_ids: torch.Tensor, generation_config, model_kwar
     given = model_kwargs.get(CACHE_KWARG)
     if given is None or given.get_seq_length() == 0:
         return None
-    DustinCache.check_prefix(given, input_ids)
+    DustinCache.check_prefix(given, input_ids, target.config.get_text_config())
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise NotImplementedError(
             "output_attentions / output_hidden_states with a prompt cache are not supported by dustin_hf's loop (its "

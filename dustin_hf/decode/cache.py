@@ -226,14 +226,24 @@ class DustinCache(Cache):
         self.seq_lengths = list(lengths)
 
     @staticmethod
-    def check_prefix(source: Cache, input_ids: torch.Tensor) -> None:
-        """What :meth:`load_prefix` reads must hold a prefix of ``input_ids`` in stock's layout: one row per input
-        row, every layer the same leading input slots, fewer than the input's (stock ``generate()`` feeds the
-        uncached tokens only; a cache as long as the input or longer would be fed again, silently wrong there)."""
+    def check_prefix(source: Cache, input_ids: torch.Tensor, text_config) -> None:
+        """What :meth:`load_prefix` reads must hold a prefix of ``input_ids`` in stock's layout, of a model shaped as
+        ``text_config``'s: one row per input row, every layer (all of them, with its key/value heads and head size)
+        the same leading input slots, fewer than the input's (stock ``generate()`` feeds the uncached tokens only; a
+        cache as long as the input or longer would be fed again, silently wrong there)."""
         batch, width = input_ids.shape
         held = source.get_seq_length()
-        lengths = {layer.keys.shape[-2] for layer in source.layers if getattr(layer, "keys", None) is not None}
-        rows = {layer.keys.shape[0] for layer in source.layers if getattr(layer, "keys", None) is not None}
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None)
+        head_dim = head_dim or text_config.hidden_size // text_config.num_attention_heads
+        shapes = {(layer.keys.shape[1], layer.keys.shape[-1]) for layer in source.layers if _holds(layer)}
+        if len(source.layers) != text_config.num_hidden_layers or shapes != {(heads, head_dim)}:
+            raise ValueError(
+                f"the given cache holds {len(source.layers)} layers of (heads, head size) {sorted(shapes)}; the "
+                f"target has {text_config.num_hidden_layers} of {(heads, head_dim)}: a prompt cache is the target's"
+            )
+        lengths = {layer.keys.shape[-2] for layer in source.layers if _holds(layer)}
+        rows = {layer.keys.shape[0] for layer in source.layers if _holds(layer)}
         if rows != {batch}:
             raise ValueError(f"the given cache holds {sorted(rows)} rows, input_ids has {batch}: a prompt cache is "
                              "made by a forward over the same rows' leading tokens")  # fmt: skip
@@ -310,12 +320,20 @@ class DustinCache(Cache):
         )
 
 
+def _holds(layer) -> bool:
+    """Whether a transformers cache layer holds keys (an unwritten one holds none)."""
+    return getattr(layer, "keys", None) is not None
+
+
 class GeneratedCache(DynamicCache):
     """The cache ``generate(..., cache_implementation="dustin")`` returns: transformers' ``DynamicCache`` in stock's
     layout (:meth:`DustinCache.to_dynamic`, a copy: the decode loop keeps its own buffers for the next call), with
     what the run did in :attr:`stats`."""
 
     run_stats: RunStats
+    # per row, its leading positions a dense forward wrote (the rest a sparse verification's): what a later call
+    # given this cache reuses as a prompt cache (DustinCache.load_prefix); None: all of them
+    dense_positions: list[int] | None = None
 
     @property
     def stats(self) -> dict:

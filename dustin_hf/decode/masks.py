@@ -183,5 +183,8 @@ def read_batch(
     if prefix is not None:
         held = prefix.get_seq_length()
         cached = [min(int((p.slots < held).sum()), p.length - 1) for p in prompts]
+        dense = getattr(prefix, "dense_positions", None)  # a returned cache: the decode steps' values stay out
+        if dense is not None:
+            cached = [min(n, d) for n, d in zip(cached, dense)]
     positions, slots = position_table(prompts, width), stock_slots(prompts, padded_len, width)
     return Batch(prompts, padded_len, positions, slots, cached, prefix)

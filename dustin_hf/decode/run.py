@@ -177,8 +177,9 @@ class DecodeRun:
             prefill(self.draft, rest, chunk, {}, starts=draft_starts)
         else:
             prefill(self.draft, rest, chunk, {})
-        # a later call whose rows begin with these tokens reuses their positions (same position ids: the slots)
-        self.workspace.prefilled = [p.tokens for p in prompts] if inputs.positions is None else None
+        # a later call whose rows begin with these tokens reuses their positions (position ids the slots, no holes)
+        plain = inputs.positions is None and inputs.slots is None
+        self.workspace.prefilled = [p.tokens for p in prompts] if plain else None
         return kept
 
     # ------------------------------------------------------------------------------------------ a step

@@ -79,7 +79,7 @@ def _fingerprint(*models) -> tuple:
     (an in-place write bumps it: ``load_state_dict``, ``param.copy_`` under ``no_grad``; a write through ``.data``
     does not), so a workspace whose caches hold prompt values of older weights is never reused."""
     return tuple(
-        (t.data_ptr(), t.dtype, t.device, t._version)
+        (t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version)
         for model in models
         for t in (*model.parameters(), *model.buffers())
     )
@@ -115,6 +115,7 @@ class Workspace:
         self.shape, self.target, self.draft = shape, target, draft
         self.selector: Selector | None = None  # made by the first run that selects
         self.fingerprint: tuple | None = None  # set once the fused weights are in place (:meth:`seal`)
+        self.versioned = False  # every tensor of the models counts its writes (:meth:`seal`)
         self.runs = 0  # runs served, the first one included
         self.last_stats = None  # what the last run did (RunStats): a call that returns no cache still tells it
         # per row, the prompt tokens the last prefill wrote (positions 0.. of the target's cache; the draft's holds
@@ -128,6 +129,8 @@ class Workspace:
     def seal(self) -> None:
         """Record where the models' tensors live once the run's fused weights are in place."""
         self.fingerprint = _fingerprint(self.target.model, self.draft.model)
+        # an inference tensor (made under torch.inference_mode) keeps no version: a write to it would go unseen
+        self.versioned = not any(version is None for *_, version in self.fingerprint)
 
     def fits(self, target, draft, shape: Shape, needed: int) -> bool:
         return (
@@ -153,7 +156,7 @@ class Workspace:
         last prefill (the target's, the draft's), leaving the target at least the row's last token to read; ``None``
         where no row reuses any. Only prefill positions count: a decode step's values are not a dense forward's."""
         held = self.prefilled
-        if held is None or len(held) != len(prompts):
+        if held is None or len(held) != len(prompts) or not self.versioned:
             return None
         target, draft = [], []
         for old, new in zip(held, prompts):
