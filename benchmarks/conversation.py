@@ -347,6 +347,15 @@ def main(argv=None) -> dict:
     print(acceptance, flush=True)
     print(f"{'method':<21} {'ctx':>6} {'b':>3} {'turn':>4} {'prompt':>7} {'s':>7} {'prefill':>8} {'prefill_t':>9} "
           f"{'x reuse':>7} {'GiB':>6}", flush=True)  # fmt: skip
+    try:
+        _run_shapes(runner, sizes, args, result)
+    finally:
+        runner.handle.unpatch()  # the process (a test's, say) gets transformers' registrations back
+    print(json.dumps({"records": len(result["records"])}))
+    return result
+
+
+def _run_shapes(runner: Runner, sizes: dict, args, result: dict) -> None:
     for context in sizes["contexts"]:
         for batch in sizes["batches"]:
             records = run_shape(runner, context, batch, args.methods, sizes, _print)
@@ -358,8 +367,6 @@ def main(argv=None) -> dict:
                     )
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({"records": len(result["records"])}))
-    return result
 
 
 if __name__ == "__main__":
