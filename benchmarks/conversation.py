@@ -56,9 +56,8 @@ import torch
 from e2e import GAMMA, SHAPES, Sources, build_model
 from replay import load_predictions, synthetic_predictions
 from transformers import DynamicCache
-from whole_call import Runner, _peak_gib, _release, _sync, _version, agreeing
+from whole_call import Runner, _peak_gib, _release, _sync, agreeing, versions
 
-import dustin_hf
 from dustin_hf import DustinConfig
 from dustin_hf.experimental import CACHE_KWARG
 
@@ -335,13 +334,7 @@ def main(argv=None) -> dict:
         sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()},
         machine=platform.node(),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        versions={
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "triton": _version("triton"),
-            "dustin_hf": dustin_hf.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        versions=versions(),
         records=[],
     )
     print(acceptance, flush=True)

@@ -348,13 +348,7 @@ def main(argv=None) -> dict:
         budget=budget,
         machine=platform.node(),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        versions={
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "triton": _version("triton"),
-            "dustin_hf": dustin_hf.__version__,
-            "python": platform.python_version(),
-        },
+        versions=versions(),
         records=[],
     )
     print(acceptance, flush=True)
@@ -398,6 +392,17 @@ def main(argv=None) -> dict:
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({"records": len(result["records"])}))
     return result
+
+
+def versions() -> dict:
+    """The versions a whole-call record carries."""
+    return {
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "triton": _version("triton"),
+        "dustin_hf": dustin_hf.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _version(name: str) -> str | None:
