@@ -201,9 +201,8 @@ class SpeculativeDecoder:
         window_slots = tuple(slots if cut else None for cut in windowed)
         workspace.start_run(inputs.positions, window_slots)  # tables at least as wide as its caches
         reuse = self.dustin_config is None or self.dustin_config.reuse_prefix
-        # what a prompt's forward wrote at the slots' own position ids and without holes (a sliding window counts
-        # masked slots), read by the loop's own prefill; prompt outputs to return come from a whole prefill
-        plain = inputs.positions is None and inputs.slots is None and not self.generation.recording
+        # read by the loop's own prefill; prompt outputs to return come from a whole prefill
+        plain = inputs.plain and not self.generation.recording
         if reuse and cache is None and plain and self.hooks.prefill is None:
             inputs = dataclasses.replace(inputs, reused=workspace.reusable([p.tokens for p in inputs.prompts]))
         settings = CallSettings(self.generation, self.hooks, self.tokens_only, self.profile)

@@ -167,6 +167,12 @@ class Batch:
     # per row, the leading positions the held caches already hold from the last prefill (target's, draft's)
     reused: tuple[list[int], list[int]] | None = None
 
+    @property
+    def plain(self) -> bool:
+        """Position ids are the cache slots and no masked slot sits inside a prompt (which a sliding window counts):
+        a prompt forward's values here are those of any other call whose rows begin with the same tokens."""
+        return self.positions is None and self.slots is None
+
 
 def read_batch(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, vocab: int,

@@ -117,8 +117,8 @@ class DecodeRun:
     # ------------------------------------------------------------------------------------------ the call
     def decode(self, input_ids: torch.Tensor, step) -> DecodeResult:
         """Prefill, then ``step(self)`` until every row is done (or ``max_time`` is up); the call's result."""
-        started, prompts = time.perf_counter(), self.inputs.prompts
-        self.verifier.start(self, self.prefill(prompts))
+        started = time.perf_counter()
+        self.verifier.start(self, self.prefill())
         with prefer_cublaslt(self.target.device):  # the decode steps' GEMMs; the prompt's run faster on PyTorch's
             synchronize(self.target.device)
             decoding = time.perf_counter()
@@ -134,16 +134,22 @@ class DecodeRun:
                     break
             if self.settings.gen.streamer is not None:
                 self.settings.gen.streamer.end()
-            return self._result(input_ids, prompts, started, decoding, step_ends, step_tokens)
+            return self._result(input_ids, started, decoding, step_ends, step_tokens)
 
-    def prefill(self, prompts: list[Prompt]) -> list:
+    def prefill(self) -> list:
         """The target reads each prompt and names the first new token; the draft reads all but the last prompt
         token. Returns the target queries the verifier asked to keep (per row). A row whose last input slot was
         masked takes its first token from that slot's query instead
         (:meth:`~dustin_hf.decode.runner.ModelRunner.hidden_query`)."""
         target, rows, inputs = self.target, self.rows, self.inputs
-        prefill = self.settings.hooks.prefill or ModelRunner.prefill
+        prompts, prefill = inputs.prompts, self.settings.hooks.prefill or ModelRunner.prefill
         chunk, capture = self.verifier.prefill_plan(self)
+
+        def read(runner: ModelRunner, tokens: list[torch.Tensor], capture: dict, starts: list[int]) -> tuple:
+            if any(starts):
+                return prefill(runner, tokens, chunk, capture, starts=starts)
+            return prefill(runner, tokens, chunk, capture)  # a prefill hook (benchmarks, the lab) reads whole prompts
+
         starts, draft_starts = [0] * len(prompts), [0] * len(prompts)
         if inputs.prefix is not None:  # stock's prompt reuse: the given cache's positions, then the rest
             target.cache.load_prefix(inputs.prefix, [p.slots for p in prompts], inputs.cached)
@@ -151,11 +157,7 @@ class DecodeRun:
         elif inputs.reused is not None:  # the held caches' last prompts: their leading positions are in place
             starts, draft_starts = inputs.reused
             target.cache.seq_lengths, self.draft.cache.seq_lengths = list(starts), list(draft_starts)
-        rest = [p.tokens[n:] for p, n in zip(prompts, starts)]
-        if any(starts):
-            last_logits, kept = prefill(target, rest, chunk, capture, starts=starts)
-        else:  # a prefill hook (benchmarks, the lab) reads whole prompts
-            last_logits, kept = prefill(target, rest, chunk, capture)
+        last_logits, kept = read(target, [p.tokens[n:] for p, n in zip(prompts, starts)], capture, starts)
         if self.recorder is not None:
             for b, (hidden, attentions) in enumerate(target.prompt_outputs):
                 self.recorder.keep_prompt(b, hidden, attentions)
@@ -172,14 +174,11 @@ class DecodeRun:
         # ids the draft cannot embed (a draft whose embedding is smaller than the shared tokenizer) reach it as its
         # last id, as every later token does (Drafter.feed): its proposals there are poor, the output is the same
         vocab = self.drafter.vocab[0]
-        rest = [p.tokens[n:-1].clamp_max(vocab - 1) for p, n in zip(prompts, draft_starts)]
-        if any(draft_starts):
-            prefill(self.draft, rest, chunk, {}, starts=draft_starts)
-        else:
-            prefill(self.draft, rest, chunk, {})
-        # a later call whose rows begin with these tokens reuses their positions (position ids the slots, no holes)
-        plain = inputs.positions is None and inputs.slots is None
-        self.workspace.prefilled = [p.tokens for p in prompts] if plain else None
+        read(
+            self.draft, [p.tokens[n:-1].clamp_max(vocab - 1) for p, n in zip(prompts, draft_starts)], {}, draft_starts
+        )
+        # a later call whose rows begin with these tokens reuses their positions
+        self.workspace.prefilled = [p.tokens for p in prompts] if inputs.plain else None
         return kept
 
     # ------------------------------------------------------------------------------------------ a step
@@ -205,8 +204,8 @@ class DecodeRun:
             for b in active:
                 self.recorder.keep_step(b, counts[b], hidden, attentions)
 
-    def _result(self, input_ids: torch.Tensor, prompts: list[Prompt], started: float, decoding: float,
-                step_ends: list[float], step_tokens: list[int]) -> DecodeResult:  # fmt: skip
+    def _result(self, input_ids: torch.Tensor, started: float, decoding: float, step_ends: list[float],
+                step_tokens: list[int]) -> DecodeResult:  # fmt: skip
         rows, stats, target, draft = self.rows, self.stats, self.target, self.draft
         stats.prefill_seconds = decoding - started
         stats.decode_seconds = (step_ends[-1] if step_ends else decoding) - decoding
@@ -221,5 +220,6 @@ class DecodeRun:
         attentions, hidden = self.recorder.tuples(rows.generated) if self.recorder is not None else (None, None)
         return DecodeResult(
             rows.sequences(input_ids), rows.per_position(rows.scores), rows.per_position(rows.raw), attentions,
-            hidden, stats, target.cache, draft.cache, list(rows.generated), list(self.drafter.row_gamma), prompts,
+            hidden, stats, target.cache, draft.cache, list(rows.generated), list(self.drafter.row_gamma),
+            self.inputs.prompts,
         )  # fmt: skip
