@@ -6,6 +6,8 @@ its own caches (the target's; the draft reads its whole prompt, as stock's assis
 each row, so a call with the cache gives the tokens of the same call without it, and the cache is left as it was.
 """
 
+import contextlib
+
 import pytest
 import torch
 from tiny_models import left_pad, noisy_copy, random_prompt, set_gamma, tiny_model
@@ -39,6 +41,25 @@ def _generate(target, draft, ids, mask, cache=None, **kwargs):
     extra = {} if cache is None else {CACHE_KWARG: cache}
     call = dict(assistant_model=draft, cache_implementation="dustin", max_new_tokens=NEW, do_sample=False)
     return target.generate(ids, attention_mask=mask, **{**call, **kwargs}, **extra)
+
+
+@contextlib.contextmanager
+def _prompt_tokens_fed(*models):
+    """Counts the tokens of every forward wider than a decode step's (γ + 1 = 4 inputs; exact mode's confirming
+    blocks 1 + confirm_tokens + γ = 8) per model while open: the prompt forwards, where each row's rest is longer."""
+    fed = {id(m): 0 for m in models}
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 8:
+            fed[id(module)] += ids.numel()
+
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
+    try:
+        yield fed
+    finally:
+        for handle in hooks:
+            handle.remove()
 
 
 @pytest.mark.parametrize(
@@ -77,28 +98,11 @@ def test_the_target_reads_only_the_uncached_tokens(pair):
     target, draft = pair
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (60, 50)])
     cache = _prefix_cache(target, ids, mask, 45)
-    fed = {"target": 0, "draft": 0}
-
-    def counting(role):
-        def hook(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is not None and ids.shape[1] > 4:  # prompt forwards (decode steps feed at most γ + 1)
-                fed[role] += ids.numel()
-
-        return hook
-
-    hooks = [
-        m.register_forward_pre_hook(counting(r), with_kwargs=True) for r, m in (("target", target), ("draft", draft))
-    ]
-    try:
-        with dustin_hf.patch(target):
-            _generate(target, draft, ids, mask, cache=cache, max_new_tokens=2)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with dustin_hf.patch(target), _prompt_tokens_fed(target, draft) as fed:
+        _generate(target, draft, ids, mask, cache=cache, max_new_tokens=2)
     real_in_prefix = int(mask[:, :45].sum())
-    assert fed["target"] == int(mask.sum()) - real_in_prefix
-    assert fed["draft"] == int(mask.sum()) - 2  # every prompt token but each row's last
+    assert fed[id(target)] == int(mask.sum()) - real_in_prefix
+    assert fed[id(draft)] == int(mask.sum()) - 2  # every prompt token but each row's last
 
 
 def test_a_cache_the_input_does_not_extend_is_refused(pair):
@@ -130,19 +134,6 @@ SPARSE = {
 }  # every layer sparse
 
 
-def _prompt_tokens_fed(models):
-    """Counts the tokens of every forward wider than a decode step's (γ + 1 = 4 inputs; exact mode's confirming
-    blocks 1 + confirm_tokens + γ = 8) per model: the prompt forwards, where each row's rest is longer."""
-    fed = {id(m): 0 for m in models}
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and ids.shape[1] > 8:
-            fed[id(module)] += ids.numel()
-
-    return fed, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
-
-
 @pytest.mark.parametrize("config", [{}, SPARSE, {**SPARSE, "mode": "exact"}], ids=["dense", "sparse", "exact"])
 def test_a_follow_up_turn_reuses_the_prompt_and_gives_the_tokens_of_a_fresh_call(pair, config):
     """Turn 2's rows: the first turn's prompt + its answer + a question (reuses the prompt, not the answer, whose
@@ -161,12 +152,8 @@ def test_a_follow_up_turn_reuses_the_prompt_and_gives_the_tokens_of_a_fresh_call
             torch.cat([first[2][:30], random_prompt(9, seed=8)[0]]),
         ]
         ids2, mask2 = left_pad(second)
-        fed, hooks = _prompt_tokens_fed([target])
-        try:
+        with _prompt_tokens_fed(target) as fed:
             reused = _generate(target, draft, ids2, mask2)
-        finally:
-            for hook in hooks:
-                hook.remove()
         held = _prompt_values(handle, second)
         handle.release()  # a fresh process holds nothing
         fresh = _generate(target, draft, ids2, mask2)
@@ -202,12 +189,8 @@ def test_reuse_follows_the_held_caches_only(pair):
         ):
             _generate(target, draft, ids, mask, max_new_tokens=2)
             before()
-            fed, hooks = _prompt_tokens_fed([target])
-            try:
+            with _prompt_tokens_fed(target) as fed:
                 _generate(target, draft, ids, mask, max_new_tokens=2, **call)
-            finally:
-                for hook in hooks:
-                    hook.remove()
             assert fed[id(target)] == (0 if reused else total), call  # reused: every row reads its last token
 
 
@@ -253,14 +236,10 @@ def test_a_follow_up_longer_than_the_first_calls_need_still_reuses(pair):
         capacity = handle.workspaces.held.capacity
         second = torch.cat([out, random_prompt(20, seed=4)], dim=1)
         assert second.shape[1] + 12 + 8 > -(-(first.shape[1] + 12 + 8) // 256) * 256  # past the first's rounding
-        fed, hooks = _prompt_tokens_fed([target])
-        try:
+        with _prompt_tokens_fed(target) as fed:
             target.generate(
                 second, assistant_model=draft, cache_implementation="dustin", max_new_tokens=12, do_sample=False
             )
-        finally:
-            for hook in hooks:
-                hook.remove()
         assert handle.workspaces.held.capacity == capacity  # the same workspace served the turn
     assert fed[id(target)] == second.shape[1] - first.shape[1]  # the answer and the question
 
@@ -294,12 +273,8 @@ def test_prompt_outputs_and_holes_are_never_served_from_an_earlier_prompt(pair):
     with dustin_hf.patch(target) as handle:
         for first, second, call in ((mask, mask, record), (holed, mask, {}), (mask, holed, {})):
             _generate(target, draft, ids, first, max_new_tokens=2, **call)
-            fed, hooks = _prompt_tokens_fed([target])
-            try:
+            with _prompt_tokens_fed(target) as fed:
                 out = _generate(target, draft, ids, second, max_new_tokens=2, **call)
-            finally:
-                for hook in hooks:
-                    hook.remove()
             assert fed[id(target)] == int(second.sum()), call
             recorded = out if call else recorded
         handle.release()
@@ -315,12 +290,8 @@ def test_a_model_made_under_inference_mode_runs_and_reuses_nothing():
     ids, mask = left_pad([random_prompt(n, seed=n)[0] for n in (40, 36)])
     with dustin_hf.patch(target):
         first = _generate(target, draft, ids, mask)
-        fed, hooks = _prompt_tokens_fed([target])
-        try:
+        with _prompt_tokens_fed(target) as fed:
             again = _generate(target, draft, ids, mask)
-        finally:
-            for hook in hooks:
-                hook.remove()
     assert torch.equal(first, again) and fed[id(target)] == int(mask.sum())
 
 
